@@ -1,0 +1,14 @@
+"""stoker.client: the training side. Needs grpcio, protobuf and numpy; torch for torch output.
+
+    from stoker.client import RemoteLoader
+
+    with RemoteLoader("dataserver:50051", dataset="faces", batch_size=64) as loader:
+        for batch in loader:
+            ...
+"""
+
+from ._buffers import BufferPool
+from ._errors import RemoteError
+from ._loader import RemoteLoader
+
+__all__ = ["BufferPool", "RemoteError", "RemoteLoader"]

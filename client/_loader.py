@@ -1,0 +1,202 @@
+"""RemoteLoader: iterate over batches that data servers compute.
+
+Threading: a RemoteLoader is used from one thread (the training loop). Behind it, one receive
+thread per stream assembles batches, so at most `prefetch` batches wait in host memory.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from stoker.v1 import stoker_pb2 as pb
+from stoker.v1 import stoker_pb2_grpc as pb_grpc
+
+from ._errors import RemoteError
+from ._frames import Assembled, numpy_views
+from ._stream import BatchStream
+
+# Servers send frames of at most 32 MiB (server config limit); leave room for the header.
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 4 << 20),
+]
+
+
+def _default_rank_world() -> tuple[int, int]:
+    """torch.distributed when initialised, else RANK/WORLD_SIZE, else (0, 1).
+
+    torch is consulted only if the process already imported it: numpy users stay torch-free.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+class RemoteLoader:
+    """Batches of `dataset` from a stoker data server, as dicts of tensors (or numpy arrays).
+
+    Each batch holds every field of the dataset, collated, plus `sample_index` (int64): the
+    dataset index of each sample. The sequence is a pure function of (dataset, seed, epoch,
+    shuffle, rank, world_size, batch_size, drop_last): any server gives the same batches.
+
+    Epochs: `set_epoch(e)` selects the epoch (a new shuffle order); iterating yields the rest
+    of the current epoch, from where the last iteration stopped, and a completed epoch starts
+    over at batch 0. `state_dict()` records the position; `load_state_dict()` resumes there.
+    """
+
+    def __init__(self, address: str | Sequence[str], dataset: str, batch_size: int, *,
+                 seed: int = 0, shuffle: bool = True, drop_last: bool = True,
+                 rank: int | None = None, world_size: int | None = None,
+                 device: Any = None, output: str = "torch", prefetch: int = 8,
+                 timeout: float = 300.0) -> None:
+        addresses = [address] if isinstance(address, str) else list(address)
+        if len(addresses) != 1:
+            raise NotImplementedError(
+                f"RemoteLoader takes one server address for now, got {len(addresses)}")
+        if output not in ("torch", "numpy"):
+            raise ValueError(f"output must be 'torch' or 'numpy', got {output!r}")
+        if output == "numpy" and device is not None:
+            raise ValueError("output='numpy' yields host arrays; device must be None")
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        if rank is None or world_size is None:
+            default_rank, default_world = _default_rank_world()
+            rank = default_rank if rank is None else rank
+            world_size = default_world if world_size is None else world_size
+        self.address = addresses[0]
+        self.dataset = dataset
+        self._coords = dict(dataset=dataset, seed=seed, shuffle=shuffle, rank=rank,
+                            world_size=world_size, batch_size=batch_size, drop_last=drop_last)
+        self._epoch = 0
+        self._next = 0
+        self._output = output
+        self._prefetch = prefetch
+        self._timeout = timeout
+        self._feed = None
+        if device is not None:
+            from ._device import DeviceFeed
+
+            self._feed = DeviceFeed(device, max_buffers=prefetch + 2)
+        self._channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.DataServiceStub(self._channel)
+        self._describe: pb.DescribeDatasetResponse | None = None
+        self._streams: set[BatchStream] = set()
+        self._stats = {"batches": 0, "bytes": 0, "wait_seconds": 0.0}
+        self._started = time.perf_counter()
+
+    # -- positions -------------------------------------------------------------------------
+    def coordinates(self) -> pb.Coordinates:
+        return pb.Coordinates(epoch=self._epoch, **self._coords)
+
+    def __len__(self) -> int:
+        """Batches per epoch for this rank."""
+        return self.describe().batches_per_epoch
+
+    def describe(self) -> pb.DescribeDatasetResponse:
+        """The dataset's fields and sizes under these coordinates (asked once, then cached)."""
+        if self._describe is None:
+            try:
+                self._describe = self._stub.DescribeDataset(
+                    pb.DescribeDatasetRequest(coordinates=self.coordinates()),
+                    timeout=self._timeout)
+            except grpc.RpcError as e:
+                raise RemoteError.from_rpc(e, self.address) from None
+        return self._describe
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch; a different epoch starts at batch 0, the same one keeps its place
+        (so `set_epoch` after `load_state_dict` resumes)."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if epoch != self._epoch:
+            self._epoch, self._next = epoch, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"coordinates": dict(self._coords), "epoch": self._epoch, "next_batch": self._next}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("coordinates") != self._coords:
+            raise ValueError(f"state_dict is for coordinates {state.get('coordinates')}, this "
+                             f"loader has {self._coords}")
+        self._epoch, self._next = int(state["epoch"]), int(state["next_batch"])
+
+    # -- iteration -------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        total = len(self)
+        if self._next >= total:
+            self._next = 0
+        stream = self._open()
+        try:
+            credited = min(self._next + self._prefetch, total)
+            stream.credit(range(self._next, credited))
+            while self._next < total:
+                t0 = time.perf_counter()
+                batch = stream.take(self._next, self._timeout)
+                self._stats["wait_seconds"] += time.perf_counter() - t0
+                if credited < total:
+                    stream.credit([credited])
+                    credited += 1
+                if self._feed is not None:
+                    batch = self._feed.hand_over(*batch)
+                self._next += 1
+                self._stats["batches"] += 1
+                yield batch
+            self._next = 0
+        finally:
+            self._stats["bytes"] += stream.bytes_received
+            stream.close()
+            self._streams.discard(stream)
+
+    def _open(self) -> BatchStream:
+        stream = BatchStream(self._channel, self.address, self.coordinates(), self._allocate,
+                             self._finish)
+        self._streams.add(stream)
+        return stream
+
+    def _allocate(self, nbytes: int) -> tuple[Any, np.ndarray]:
+        if self._feed is not None:
+            return self._feed.allocate(nbytes)
+        buf = np.empty(nbytes, np.uint8)
+        return buf, buf
+
+    def _finish(self, batch: Assembled) -> Any:
+        if self._feed is not None:
+            return self._feed.to_device(batch.buffer, batch.tensors)
+        arrays = numpy_views(batch.buffer, batch.tensors)
+        if self._output == "numpy":
+            return arrays
+        import torch
+
+        return {k: torch.from_numpy(v) for k, v in arrays.items()}
+
+    # -- telemetry and lifecycle -----------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """batches and bytes received, seconds the caller waited for data, batches/s since
+        the loader was made."""
+        live = sum(s.bytes_received for s in self._streams)
+        elapsed = time.perf_counter() - self._started
+        return {**self._stats, "bytes": self._stats["bytes"] + live,
+                "batches_per_second": self._stats["batches"] / elapsed if elapsed else 0.0,
+                "epoch": self._epoch, "next_batch": self._next}
+
+    def close(self) -> None:
+        for stream in list(self._streams):
+            stream.close()
+        self._streams.clear()
+        self._channel.close()
+
+    def __enter__(self) -> RemoteLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

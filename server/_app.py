@@ -1,0 +1,76 @@
+"""The server process's lifecycle: start in order, serve, shut down in steps.
+
+start:    worker processes (they open the datasets) -> gRPC port -> HTTP port -> "ready" line
+shutdown: (on SIGTERM or SIGINT) health NOT_SERVING -> stop accepting, let streams finish
+          within the grace period -> stop HTTP -> stop workers (their shared memory is freed)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ._config import Config
+from ._http import HttpServer
+from ._service import SERVICE_NAME, DataService
+from ._workers import WorkerPool
+
+log = logging.getLogger("stoker.server")
+
+# Frames are at most MAX_FRAME_BYTES; requests are small. Keepalive pings let a server notice
+# a vanished client (and free what its stream held) without waiting for TCP to time out.
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 4 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+async def serve(config: Config) -> None:
+    """Run until SIGTERM or SIGINT, then shut down gracefully."""
+    settings = config.server
+    pool = WorkerPool(config, settings.worker_count)
+    loop = asyncio.get_running_loop()
+    meta = await loop.run_in_executor(None, pool.start)
+    try:
+        service = DataService(config, pool, meta)
+        health_servicer = health.aio.HealthServicer()
+        server = grpc.aio.server(options=GRPC_OPTIONS)
+        server.add_generic_rpc_handlers([service.handler()])
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+        await server.start()
+        http = HttpServer(settings.host, settings.http_port)
+        http.start()
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        # One machine-readable line: tests and scripts wait on it instead of sleeping.
+        print(json.dumps({"event": "ready", "grpc_port": port, "http_port": http.port,
+                          "host": settings.host, "workers": settings.worker_count,
+                          "datasets": sorted(meta)}), flush=True)
+        log.info("serving %s on %s:%d (gRPC), :%d (HTTP) with %d workers",
+                 ", ".join(sorted(meta)), settings.host, port, http.port, settings.worker_count)
+        await stop.wait()
+
+        log.info("shutting down: draining streams for up to %.1fs", settings.grace_seconds)
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(settings.grace_seconds)
+        http.stop()
+    finally:
+        await loop.run_in_executor(None, pool.close)
+    log.info("stopped")
+    print(json.dumps({"event": "stopped"}), flush=True)
+    sys.stdout.flush()

@@ -1,0 +1,129 @@
+"""Build one batch: fetch its samples, collate them straight into one shared-memory payload.
+
+Collation follows torch's default_collate for what a dataset returns: numpy arrays and numpy
+scalars keep their dtype, Python int -> int64, float -> float64, bool -> bool. Every tensor is
+laid out C-contiguous and little-endian at a 64-byte aligned offset of one payload, which is
+what travels on the wire; the front end reads it from shared memory without unpickling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from typing import Any
+
+import numpy as np
+
+ALIGN = 64
+SAMPLE_INDEX = "sample_index"
+
+
+class SampleError(Exception):
+    """A sample could not be read or collated; the message names the sample and the cause."""
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    name: str
+    dtype: str  # numpy dtype name, data little-endian
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class BuiltBatch:
+    """A batch payload in a named shared-memory segment; the receiver unlinks it."""
+
+    shm_name: str
+    payload_bytes: int
+    tensors: tuple[TensorLayout, ...]
+
+
+def _as_array(value: Any) -> np.ndarray:
+    if isinstance(value, bool):
+        return np.asarray(value, dtype=np.bool_)
+    if isinstance(value, int):
+        return np.asarray(value, dtype=np.int64)
+    if isinstance(value, float):
+        return np.asarray(value, dtype=np.float64)
+    if isinstance(value, np.ndarray | np.generic):
+        arr = np.asarray(value)
+        if arr.dtype.kind not in "biuf":
+            raise TypeError(f"dtype {arr.dtype} is not a number type")
+        return arr
+    raise TypeError(f"{type(value).__name__} is not a numpy array or number")
+
+
+def fetch_samples(dataset: Any, indices: np.ndarray) -> list[dict[str, np.ndarray]]:
+    samples = []
+    for i in indices.tolist():
+        try:
+            raw = dataset[i]
+        except Exception as e:  # the user's code: any failure is this sample's failure
+            where = getattr(dataset, "source_of", None)
+            src = f" ({where(i)})" if where else ""
+            raise SampleError(f"sample {i}{src}: {type(e).__name__}: {e}") from e
+        if not isinstance(raw, dict):
+            raise SampleError(f"sample {i}: expected a dict of fields, got {type(raw).__name__}")
+        try:
+            samples.append({str(k): _as_array(v) for k, v in raw.items()})
+        except TypeError as e:
+            raise SampleError(f"sample {i}: {e}") from None
+    return samples
+
+
+def plan_layout(samples: list[dict[str, np.ndarray]], indices: np.ndarray) -> list[TensorLayout]:
+    """Where each collated field goes in the payload; checks samples agree on keys and shapes."""
+    first = samples[0]
+    if SAMPLE_INDEX in first:
+        raise SampleError(f"sample {indices[0]}: field name {SAMPLE_INDEX!r} is reserved")
+    fields = [(k, v.dtype, v.shape) for k, v in first.items()]
+    fields.append((SAMPLE_INDEX, np.dtype(np.int64), ()))
+    for idx, s in zip(indices.tolist(), samples, strict=True):
+        if s.keys() != first.keys():
+            raise SampleError(
+                f"sample {idx}: fields {sorted(s)} differ from sample {indices[0]}'s "
+                f"{sorted(first)}")
+        for k, dtype, shape in fields[:-1]:
+            if s[k].shape != shape or s[k].dtype != dtype:
+                raise SampleError(
+                    f"sample {idx}: field {k!r} is {s[k].dtype}{list(s[k].shape)}, but sample "
+                    f"{indices[0]} has {dtype}{list(shape)}; a batch needs equal shapes")
+    layout, offset, n = [], 0, len(samples)
+    for name, dtype, shape in fields:
+        nbytes = n * int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        layout.append(TensorLayout(name, dtype.name, (n, *shape), offset, nbytes))
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return layout
+
+
+def build_batch(dataset: Any, indices: np.ndarray) -> BuiltBatch:
+    """Compute the batch of `indices` into a new shared-memory segment (owned by the caller)."""
+    samples = fetch_samples(dataset, indices)
+    layout = plan_layout(samples, indices)
+    total = layout[-1].offset + layout[-1].nbytes
+    shm = shared_memory.SharedMemory(create=True, size=max(total, 1))
+    try:
+        for t in layout:
+            out = np.ndarray(t.shape, np.dtype(t.dtype).newbyteorder("<"), shm.buf, t.offset)
+            if t.name == SAMPLE_INDEX:
+                out[:] = indices
+            else:
+                for row, s in enumerate(samples):
+                    out[row] = s[t.name]
+            del out  # views must be gone before close()
+    except BaseException:
+        shm.close()
+        shm.unlink()
+        raise
+    shm.close()
+    return BuiltBatch(shm.name, total, tuple(layout))
+
+
+def probe_fields(dataset: Any) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, per-sample shape) of every output field, from sample 0."""
+    if len(dataset) == 0:
+        return [(SAMPLE_INDEX, "int64", ())]
+    layout = plan_layout(fetch_samples(dataset, np.zeros(1, np.int64)), np.zeros(1, np.int64))
+    return [(t.name, t.dtype, t.shape[1:]) for t in layout]

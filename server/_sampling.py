@@ -1,0 +1,85 @@
+"""Which samples make batch k: a pure function of the coordinates.
+
+Orderings are numpy index arrays computed from (seed, epoch) and cached, never Python lists
+(lists of Python ints in forked processes grow memory by copy-on-write).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class CoordinateError(ValueError):
+    """Coordinates no dataset can satisfy; `field` names the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    dataset: str
+    seed: int
+    epoch: int
+    shuffle: bool
+    rank: int
+    world_size: int
+    batch_size: int
+    drop_last: bool
+
+    def validate(self) -> None:
+        if self.batch_size <= 0:
+            raise CoordinateError("batch_size", f"must be >= 1, got {self.batch_size}")
+        if self.world_size <= 0:
+            raise CoordinateError("world_size", f"must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise CoordinateError(
+                "rank", f"must be in [0, world_size={self.world_size}), got {self.rank}")
+        if self.seed < 0:
+            raise CoordinateError("seed", f"must be >= 0, got {self.seed}")
+        if self.epoch < 0:
+            raise CoordinateError("epoch", f"must be >= 0, got {self.epoch}")
+
+
+@functools.lru_cache(maxsize=16)
+def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """The whole dataset's order for one epoch (read-only int64 array)."""
+    if shuffle:
+        order = np.random.default_rng([seed, epoch]).permutation(num_samples)
+    else:
+        order = np.arange(num_samples, dtype=np.int64)
+    order.flags.writeable = False
+    return order
+
+
+def rank_samples(num_samples: int, c: Coordinates) -> np.ndarray:
+    """This rank's samples for the epoch, in order.
+
+    Same partition as torch's DistributedSampler(drop_last=True): the order is cut to a
+    multiple of world_size and rank r takes positions r, r + world_size, ... so across ranks
+    every sample appears at most once per epoch.
+    """
+    per_rank = num_samples // c.world_size
+    order = epoch_order(num_samples, c.seed, c.epoch, c.shuffle)
+    return order[c.rank : per_rank * c.world_size : c.world_size]
+
+
+def batches_per_epoch(num_samples: int, c: Coordinates) -> int:
+    per_rank = num_samples // c.world_size
+    if c.drop_last:
+        return per_rank // c.batch_size
+    return -(-per_rank // c.batch_size)
+
+
+def batch_samples(num_samples: int, c: Coordinates, batch_index: int) -> np.ndarray:
+    """Dataset indices of batch `batch_index` under coordinates `c` (validated)."""
+    n = batches_per_epoch(num_samples, c)
+    if not 0 <= batch_index < n:
+        raise CoordinateError(
+            "batch_index", f"must be in [0, {n}) for this epoch and rank, got {batch_index}")
+    start = batch_index * c.batch_size
+    return np.ascontiguousarray(rank_samples(num_samples, c)[start : start + c.batch_size])

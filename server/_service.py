@@ -1,0 +1,192 @@
+"""The gRPC front end: the DataService methods, on grpc.aio.
+
+Threading contract: every method runs on the server's one asyncio loop. Batch work happens in
+the worker processes; this module only validates, schedules and sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from multiprocessing import shared_memory
+from typing import Any
+
+import grpc
+
+from stoker.v1 import stoker_pb2 as pb
+
+from ._batch import BuiltBatch
+from ._config import Config
+from ._frames import encode_frames
+from ._sampling import CoordinateError, Coordinates, batch_samples, batches_per_epoch
+from ._workers import BatchFailed, DatasetMeta, WorkerPool, release
+
+log = logging.getLogger("stoker.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DataService"].full_name
+_FAILURE_CODE = {"data_loss": grpc.StatusCode.DATA_LOSS, "internal": grpc.StatusCode.INTERNAL}
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class DataService:
+    def __init__(self, config: Config, pool: WorkerPool, meta: dict[str, DatasetMeta]) -> None:
+        self._config = config
+        self._pool = pool
+        self._meta = meta
+        self._settings = config.server
+        self.active_streams = 0
+        self.batches_sent = 0
+        self.bytes_sent = 0
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """Method handlers; StreamBatches sends frames this module has already serialized."""
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            "ListDatasets": grpc.unary_unary_rpc_method_handler(
+                self.ListDatasets, pb.ListDatasetsRequest.FromString,
+                pb.ListDatasetsResponse.SerializeToString),
+            "DescribeDataset": grpc.unary_unary_rpc_method_handler(
+                self.DescribeDataset, pb.DescribeDatasetRequest.FromString,
+                pb.DescribeDatasetResponse.SerializeToString),
+            "StreamBatches": grpc.stream_stream_rpc_method_handler(
+                self.StreamBatches, pb.StreamRequest.FromString, bytes),
+        })
+
+    # -- unary methods ---------------------------------------------------------------------
+    async def ListDatasets(self, request: pb.ListDatasetsRequest,
+                           context: grpc.aio.ServicerContext) -> pb.ListDatasetsResponse:
+        return pb.ListDatasetsResponse(datasets=[
+            pb.DatasetInfo(name=name, format=self._config.datasets[name].format,
+                           num_samples=m.num_samples)
+            for name, m in sorted(self._meta.items())])
+
+    async def DescribeDataset(self, request: pb.DescribeDatasetRequest,
+                              context: grpc.aio.ServicerContext) -> pb.DescribeDatasetResponse:
+        try:
+            coords, meta = self._coordinates(request.coordinates, present=request.HasField(
+                "coordinates"))
+        except _Abort as e:
+            await context.abort(e.code, str(e))
+        return pb.DescribeDatasetResponse(
+            dataset=coords.dataset, format=self._config.datasets[coords.dataset].format,
+            num_samples=meta.num_samples,
+            samples_per_rank=meta.num_samples // coords.world_size,
+            batches_per_epoch=batches_per_epoch(meta.num_samples, coords),
+            fields=[pb.FieldSpec(name=n, dtype=d, shape=s) for n, d, s in meta.fields])
+
+    def _coordinates(self, c: pb.Coordinates, present: bool = True
+                     ) -> tuple[Coordinates, DatasetMeta]:
+        if not present:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "coordinates: required")
+        meta = self._meta.get(c.dataset)
+        if meta is None:
+            served = ", ".join(sorted(self._meta)) or "(none)"
+            raise _Abort(grpc.StatusCode.NOT_FOUND,
+                         f"dataset {c.dataset!r} is not served here; datasets: {served}")
+        coords = Coordinates(c.dataset, c.seed, c.epoch, c.shuffle, c.rank, c.world_size,
+                             c.batch_size, c.drop_last)
+        try:
+            coords.validate()
+        except CoordinateError as e:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        return coords, meta
+
+    # -- the batch stream ------------------------------------------------------------------
+    async def StreamBatches(self, requests: AsyncIterator[pb.StreamRequest],
+                            context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """Answer every credited batch index once, in the order batches become ready.
+
+        Ends when the client half-closes and every credit is answered. Batches that are built
+        but unsent when the stream ends (cancelled, failed) have their shared memory freed.
+        """
+        ready: asyncio.Queue[Any] = asyncio.Queue()
+        jobs: set[asyncio.Task] = set()
+        state = {"outstanding": 0, "eof": False}
+        reader = asyncio.create_task(self._read_credits(requests, ready, jobs, state))
+        self.active_streams += 1
+        try:
+            while not (state["eof"] and state["outstanding"] == 0):
+                item = await ready.get()
+                if item is None:
+                    continue  # a wake-up from the reader
+                if isinstance(item, _Abort):
+                    await context.abort(item.code, str(item))
+                batch, batch_index, epoch = item
+                try:
+                    shm = shared_memory.SharedMemory(batch.shm_name)
+                    try:
+                        for frame in encode_frames(batch, shm.buf, batch_index, epoch,
+                                                   self._settings.frame_bytes):
+                            yield frame
+                    finally:
+                        shm.close()
+                finally:
+                    release(batch)
+                state["outstanding"] -= 1
+                self.batches_sent += 1
+                self.bytes_sent += batch.payload_bytes
+        finally:
+            self.active_streams -= 1
+            reader.cancel()
+            for job in jobs:
+                job.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.gather(reader, *jobs, return_exceptions=True)
+            while not ready.empty():
+                item = ready.get_nowait()
+                if isinstance(item, tuple):
+                    release(item[0])
+
+    async def _read_credits(self, requests: AsyncIterator[pb.StreamRequest], ready: asyncio.Queue,
+                            jobs: set[asyncio.Task], state: dict[str, Any]) -> None:
+        coords: Coordinates | None = None
+        meta: DatasetMeta | None = None
+        try:
+            async for req in requests:
+                if req.HasField("coordinates"):
+                    coords, meta = self._coordinates(req.coordinates)
+                if req.batch_indices and coords is None:
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                 "coordinates: required in the first message of a stream")
+                n = state["outstanding"] + len(req.batch_indices)
+                if n > self._settings.max_credits:
+                    raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 f"batch_indices: {n} credits outstanding, this server allows "
+                                 f"{self._settings.max_credits} per stream")
+                for index in req.batch_indices:
+                    assert coords is not None and meta is not None
+                    try:
+                        indices = batch_samples(meta.num_samples, coords, index)
+                    except CoordinateError as e:
+                        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+                    state["outstanding"] += 1
+                    job = asyncio.create_task(self._build(coords, index, indices, ready))
+                    jobs.add(job)
+                    job.add_done_callback(jobs.discard)
+        except _Abort as e:
+            ready.put_nowait(e)
+            return
+        state["eof"] = True
+        ready.put_nowait(None)
+
+    async def _build(self, coords: Coordinates, index: int, indices: Any,
+                     ready: asyncio.Queue) -> None:
+        try:
+            fut = self._pool.submit(coords.dataset, indices)
+            try:
+                batch: BuiltBatch = await asyncio.wrap_future(fut)
+            except asyncio.CancelledError:
+                # Built just as the stream went away: nobody else will free it.
+                if not fut.cancel() and fut.exception() is None:
+                    release(fut.result())
+                raise
+        except BatchFailed as e:
+            ready.put_nowait(_Abort(_FAILURE_CODE[e.kind], f"batch {index}: {e}"))
+            return
+        ready.put_nowait((batch, index, coords.epoch))

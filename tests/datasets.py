@@ -1,0 +1,46 @@
+"""Map-style datasets for the tests, loaded by real servers through `format: python`.
+
+Servers started by the tests have this folder on PYTHONPATH (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+
+class Toy:
+    """Sample i is a deterministic function of i: arrays of several dtypes and plain numbers."""
+
+    def __init__(self, n: int = 100, dim: int = 3, fail_at: list[int] | None = None,
+                 die_at: int | None = None) -> None:
+        self.n, self.dim = n, dim
+        self.fail_at = set(fail_at or ())
+        self.die_at = die_at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        if i in self.fail_at:
+            raise ValueError(f"cannot decode record {i}")
+        if i == self.die_at:
+            os._exit(17)  # a crash in native code, as far as the server can tell
+        return {
+            "x": np.arange(self.dim, dtype=np.float32) + i,
+            "tokens": np.full((2, self.dim), i % 256, dtype=np.uint8),
+            "label": i % 7,                    # int -> int64
+            "weight": float(i) / 2,            # float -> float64
+            "flag": bool(i % 2),               # bool -> bool
+            "small": np.int16(-i),             # numpy scalar keeps its dtype
+        }
+
+
+def toy(**options) -> Toy:
+    return Toy(**options)
+
+
+class Ragged(Toy):
+    def __getitem__(self, i: int) -> dict:
+        return {"x": np.zeros(1 + i % 2, dtype=np.float32)}
