@@ -63,9 +63,12 @@ class Assembler:
         self._allocate = allocate
         self._current: tuple[pb.BatchFrame, Any, np.ndarray, int] | None = None
 
-    def feed(self, raw: bytes) -> Assembled | None:
-        """Take one frame; return the batch it completes, if any."""
+    def feed(self, raw: bytes) -> Assembled | pb.BatchFrame | None:
+        """Take one frame; return the batch it completes, if any, or the frame itself when it
+        answers its batch with an error."""
         data, head = split_frame(raw)
+        if head.HasField("error"):
+            return head
         if head.offset == 0:
             owner, view = self._allocate(head.payload_bytes)
             self._current = (head, owner, view, 0)

@@ -83,9 +83,11 @@ class RemoteLoader:
         self._prefetch = prefetch
         self._timeout = timeout
         self._feed = None
-        if device is not None:
+        if device is not None and str(device) != "cpu":
             from ._device import DeviceFeed
 
+            # prefetch batches can wait in pinned buffers, plus one being filled and one
+            # whose copy to the device is still running.
             self._feed = DeviceFeed(device, max_buffers=prefetch + 2)
         self._channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.DataServiceStub(self._channel)
@@ -182,12 +184,15 @@ class RemoteLoader:
     # -- telemetry and lifecycle -----------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """batches and bytes received, seconds the caller waited for data, batches/s since
-        the loader was made."""
+        the loader was made; with a CUDA device, how many pinned buffers were allocated."""
         live = sum(s.bytes_received for s in self._streams)
         elapsed = time.perf_counter() - self._started
-        return {**self._stats, "bytes": self._stats["bytes"] + live,
-                "batches_per_second": self._stats["batches"] / elapsed if elapsed else 0.0,
-                "epoch": self._epoch, "next_batch": self._next}
+        stats = {**self._stats, "bytes": self._stats["bytes"] + live,
+                 "batches_per_second": self._stats["batches"] / elapsed if elapsed else 0.0,
+                 "epoch": self._epoch, "next_batch": self._next}
+        if self._feed is not None:
+            stats["pinned_allocations"] = self._feed.pool.allocations
+        return stats
 
     def close(self) -> None:
         for stream in list(self._streams):

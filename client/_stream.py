@@ -20,6 +20,7 @@ from ._errors import RemoteError
 from ._frames import Assembled, Assembler
 
 METHOD = "/stoker.v1.DataService/StreamBatches"
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class BatchStream:
@@ -65,7 +66,10 @@ class BatchStream:
                     raise RemoteError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                       f"no batch {batch_index} within {timeout:g}s", self.address)
                 self._cond.wait(remaining)
-            return self._ready.pop(batch_index)
+            item = self._ready.pop(batch_index)
+        if isinstance(item, RemoteError):
+            raise item
+        return item
 
     def close(self) -> None:
         """Cancel the call (the server frees what it held for it) and stop receiving."""
@@ -84,8 +88,12 @@ class BatchStream:
             for raw in self._call:
                 self.bytes_received += len(raw)
                 done = self._assembler.feed(raw)
-                if done is not None:
+                if isinstance(done, pb.BatchFrame):  # this batch failed; the stream goes on
+                    code = _STATUS.get(done.error.code, grpc.StatusCode.UNKNOWN)
+                    item: Any = RemoteError(code, done.error.message, self.address)
+                elif done is not None:
                     item = self._finish(done)
+                if done is not None:
                     with self._cond:
                         self._ready[done.batch_index] = item
                         self._cond.notify_all()

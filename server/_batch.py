@@ -8,6 +8,8 @@ what travels on the wire; the front end reads it from shared memory without unpi
 
 from __future__ import annotations
 
+import itertools
+import os
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
@@ -98,12 +100,26 @@ def plan_layout(samples: list[dict[str, np.ndarray]], indices: np.ndarray) -> li
     return layout
 
 
+_segments = itertools.count()
+
+
+def segment_prefix(server_pid: int) -> str:
+    """Every shared-memory segment of a server's batches is named with this prefix, so an
+    operator (or a test) can tell in /dev/shm which server a segment belongs to."""
+    return f"stoker_{server_pid}_"
+
+
+def _segment_name() -> str:
+    # Called in worker processes, whose parent is the server.
+    return f"{segment_prefix(os.getppid())}{os.getpid()}_{next(_segments)}"
+
+
 def build_batch(dataset: Any, indices: np.ndarray) -> BuiltBatch:
     """Compute the batch of `indices` into a new shared-memory segment (owned by the caller)."""
     samples = fetch_samples(dataset, indices)
     layout = plan_layout(samples, indices)
     total = layout[-1].offset + layout[-1].nbytes
-    shm = shared_memory.SharedMemory(create=True, size=max(total, 1))
+    shm = shared_memory.SharedMemory(_segment_name(), create=True, size=max(total, 1))
     try:
         for t in layout:
             out = np.ndarray(t.shape, np.dtype(t.dtype).newbyteorder("<"), shm.buf, t.offset)

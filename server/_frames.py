@@ -40,3 +40,9 @@ def encode_frames(batch: BuiltBatch, payload: memoryview, batch_index: int, epoc
                              payload_bytes=total,
                              tensors=tensor_infos(batch) if offset == 0 else ())
         yield b"".join((_DATA_TAG, _varint(len(chunk)), chunk, head.SerializeToString()))
+
+
+def encode_error(batch_index: int, epoch: int, code: int, message: str) -> bytes:
+    """The one frame that answers a batch which could not be built."""
+    return pb.BatchFrame(batch_index=batch_index, epoch=epoch,
+                         error=pb.BatchError(code=code, message=message)).SerializeToString()

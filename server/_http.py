@@ -30,6 +30,9 @@ class HttpServer:
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
+        # Listening now, before uvicorn's thread runs: connections made as soon as the server
+        # reports ready wait in the backlog instead of being refused.
+        self._sock.listen(128)
         self.port: int = self._sock.getsockname()[1]
         config = uvicorn.Config(make_app(), log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)

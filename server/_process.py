@@ -37,6 +37,7 @@ class ServerProcess:
         self.ready: dict[str, Any] = {}
         self.stdout: list[str] = []
         self._ready = threading.Event()
+        self._readers: list[threading.Thread] = []
         self._stderr: list[str] = []
 
     @property
@@ -54,13 +55,15 @@ class ServerProcess:
     def start(self, timeout: float = 120.0) -> ServerProcess:
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=self.env, cwd=os.getcwd())
-        threading.Thread(target=self._read_stdout, daemon=True).start()
-        threading.Thread(target=self._read_stderr, daemon=True).start()
+        self._readers = [threading.Thread(target=self._read_stdout, daemon=True),
+                         threading.Thread(target=self._read_stderr, daemon=True)]
+        for t in self._readers:
+            t.start()
         if not self._ready.wait(timeout) or not self.ready:
             code = self.proc.poll()
             if code is None:
                 self.proc.kill()
-            self.proc.wait()
+            self._reap()
             raise RuntimeError("stoker serve did not become ready (exit code "
                                f"{self.proc.returncode})\n{self.stderr}")
         return self
@@ -74,10 +77,21 @@ class ServerProcess:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.wait()
+                self._reap()
                 raise RuntimeError(f"stoker serve did not stop within {timeout}s of {sig!r}"
                                    f"\n{self.stderr}") from None
+        self._reap()
         return self.proc.returncode
+
+    def _reap(self) -> None:
+        """Wait for the exit, read what it printed to the end, close the pipes."""
+        assert self.proc is not None
+        self.proc.wait()
+        for t in self._readers:
+            t.join(timeout=10)
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
 
     def _read_stdout(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None

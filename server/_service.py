@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -19,7 +20,7 @@ from stoker.v1 import stoker_pb2 as pb
 
 from ._batch import BuiltBatch
 from ._config import Config
-from ._frames import encode_frames
+from ._frames import encode_error, encode_frames
 from ._sampling import CoordinateError, Coordinates, batch_samples, batches_per_epoch
 from ._workers import BatchFailed, DatasetMeta, WorkerPool, release
 
@@ -33,6 +34,16 @@ class _Abort(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """A batch that could not be built: answered in-band, the stream goes on."""
+
+    batch_index: int
+    epoch: int
+    code: grpc.StatusCode
+    message: str
 
 
 class DataService:
@@ -117,6 +128,11 @@ class DataService:
                     continue  # a wake-up from the reader
                 if isinstance(item, _Abort):
                     await context.abort(item.code, str(item))
+                if isinstance(item, _Failed):
+                    yield encode_error(item.batch_index, item.epoch, item.code.value[0],
+                                       item.message)
+                    state["outstanding"] -= 1
+                    continue
                 batch, batch_index, epoch = item
                 try:
                     shm = shared_memory.SharedMemory(batch.shm_name)
@@ -187,6 +203,7 @@ class DataService:
                     release(fut.result())
                 raise
         except BatchFailed as e:
-            ready.put_nowait(_Abort(_FAILURE_CODE[e.kind], f"batch {index}: {e}"))
+            ready.put_nowait(_Failed(index, coords.epoch, _FAILURE_CODE[e.kind],
+                                     f"batch {index}: {e}"))
             return
         ready.put_nowait((batch, index, coords.epoch))

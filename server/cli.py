@@ -23,7 +23,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         asyncio.run(serve(config))
     except WorkerStartError as e:
-        print(f"cannot start: {e}", file=sys.stderr)
+        print(f"cannot start {args.config}: {e}", file=sys.stderr)
         return 1
     return 0
 

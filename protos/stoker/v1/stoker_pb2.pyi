@@ -1,15 +1,13 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Coordinates(_message.Message):
-    __slots__ = ("batch_size", "dataset", "drop_last", "epoch", "rank", "seed", "shuffle", "world_size")
+    __slots__ = ("dataset", "seed", "epoch", "shuffle", "rank", "world_size", "batch_size", "drop_last")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -26,46 +24,46 @@ class Coordinates(_message.Message):
     world_size: int
     batch_size: int
     drop_last: bool
-    def __init__(self, dataset: str | None = ..., seed: int | None = ..., epoch: int | None = ..., shuffle: bool | None = ..., rank: int | None = ..., world_size: int | None = ..., batch_size: int | None = ..., drop_last: bool | None = ...) -> None: ...
+    def __init__(self, dataset: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ...) -> None: ...
 
 class ListDatasetsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class DatasetInfo(_message.Message):
-    __slots__ = ("format", "name", "num_samples")
+    __slots__ = ("name", "format", "num_samples")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     name: str
     format: str
     num_samples: int
-    def __init__(self, name: str | None = ..., format: str | None = ..., num_samples: int | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., format: _Optional[str] = ..., num_samples: _Optional[int] = ...) -> None: ...
 
 class ListDatasetsResponse(_message.Message):
     __slots__ = ("datasets",)
     DATASETS_FIELD_NUMBER: _ClassVar[int]
     datasets: _containers.RepeatedCompositeFieldContainer[DatasetInfo]
-    def __init__(self, datasets: _Iterable[DatasetInfo | _Mapping] | None = ...) -> None: ...
+    def __init__(self, datasets: _Optional[_Iterable[_Union[DatasetInfo, _Mapping]]] = ...) -> None: ...
 
 class DescribeDatasetRequest(_message.Message):
     __slots__ = ("coordinates",)
     COORDINATES_FIELD_NUMBER: _ClassVar[int]
     coordinates: Coordinates
-    def __init__(self, coordinates: Coordinates | _Mapping | None = ...) -> None: ...
+    def __init__(self, coordinates: _Optional[_Union[Coordinates, _Mapping]] = ...) -> None: ...
 
 class FieldSpec(_message.Message):
-    __slots__ = ("dtype", "name", "shape")
+    __slots__ = ("name", "dtype", "shape")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: str | None = ..., dtype: str | None = ..., shape: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DescribeDatasetResponse(_message.Message):
-    __slots__ = ("batches_per_epoch", "dataset", "fields", "format", "num_samples", "samples_per_rank")
+    __slots__ = ("dataset", "format", "num_samples", "samples_per_rank", "batches_per_epoch", "fields")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -78,18 +76,18 @@ class DescribeDatasetResponse(_message.Message):
     samples_per_rank: int
     batches_per_epoch: int
     fields: _containers.RepeatedCompositeFieldContainer[FieldSpec]
-    def __init__(self, dataset: str | None = ..., format: str | None = ..., num_samples: int | None = ..., samples_per_rank: int | None = ..., batches_per_epoch: int | None = ..., fields: _Iterable[FieldSpec | _Mapping] | None = ...) -> None: ...
+    def __init__(self, dataset: _Optional[str] = ..., format: _Optional[str] = ..., num_samples: _Optional[int] = ..., samples_per_rank: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("batch_indices", "coordinates")
+    __slots__ = ("coordinates", "batch_indices")
     COORDINATES_FIELD_NUMBER: _ClassVar[int]
     BATCH_INDICES_FIELD_NUMBER: _ClassVar[int]
     coordinates: Coordinates
     batch_indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, coordinates: Coordinates | _Mapping | None = ..., batch_indices: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, coordinates: _Optional[_Union[Coordinates, _Mapping]] = ..., batch_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TensorInfo(_message.Message):
-    __slots__ = ("dtype", "name", "nbytes", "offset", "shape")
+    __slots__ = ("name", "dtype", "shape", "offset", "nbytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -100,20 +98,30 @@ class TensorInfo(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     offset: int
     nbytes: int
-    def __init__(self, name: str | None = ..., dtype: str | None = ..., shape: _Iterable[int] | None = ..., offset: int | None = ..., nbytes: int | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class BatchFrame(_message.Message):
-    __slots__ = ("batch_index", "data", "epoch", "offset", "payload_bytes", "tensors")
+    __slots__ = ("data", "batch_index", "epoch", "offset", "payload_bytes", "tensors", "error")
     DATA_FIELD_NUMBER: _ClassVar[int]
     BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     batch_index: int
     epoch: int
     offset: int
     payload_bytes: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorInfo]
-    def __init__(self, data: bytes | None = ..., batch_index: int | None = ..., epoch: int | None = ..., offset: int | None = ..., payload_bytes: int | None = ..., tensors: _Iterable[TensorInfo | _Mapping] | None = ...) -> None: ...
+    error: BatchError
+    def __init__(self, data: _Optional[bytes] = ..., batch_index: _Optional[int] = ..., epoch: _Optional[int] = ..., offset: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., error: _Optional[_Union[BatchError, _Mapping]] = ...) -> None: ...
+
+class BatchError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...

@@ -44,3 +44,18 @@ def toy(**options) -> Toy:
 class Ragged(Toy):
     def __getitem__(self, i: int) -> dict:
         return {"x": np.zeros(1 + i % 2, dtype=np.float32)}
+
+
+class Noise:
+    """Larger float tensors (random from the index), to exercise framing."""
+
+    def __init__(self, n: int = 6, shape: tuple[int, ...] = (37, 129)) -> None:
+        self.n, self.shape = n, tuple(shape)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        rng = np.random.default_rng(i)
+        return {"big": rng.standard_normal(self.shape).astype(np.float32),
+                "odd": np.arange(3, dtype=np.int8) + i, "half": np.float16(i)}

@@ -1,0 +1,75 @@
+"""Real data servers on free loopback ports, started as child processes.
+
+A server's datasets come from tests/datasets.py (through `format: python`), so every server
+gets this folder on PYTHONPATH. Servers are stopped with SIGTERM and must exit 0.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stoker.server import ServerProcess, write_config
+
+TESTS = Path(__file__).resolve().parent
+
+
+def server_env(*extra_paths: Path) -> dict[str, str]:
+    paths = [str(p) for p in (*extra_paths, TESTS)]
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
+    return {"PYTHONPATH": os.pathsep.join(paths)}
+
+
+TOY_DATASETS: dict[str, Any] = {
+    "toy": {"format": "python", "factory": "toy_datasets:toy", "options": {"n": 103}},
+    "flaky": {"format": "python", "factory": "toy_datasets:toy", "options": {"n": 40,
+                                                                         "fail_at": [13]}},
+    "ragged": {"format": "python", "factory": "toy_datasets:Ragged", "options": {"n": 10}},
+    "crashy": {"format": "python", "factory": "toy_datasets:toy", "options": {"n": 40,
+                                                                          "die_at": 21}},
+}
+
+StartServer = Callable[..., ServerProcess]
+
+
+def _starter(tmp_path: Path) -> Iterator[StartServer]:
+    started: list[ServerProcess] = []
+
+    def start(datasets: dict[str, Any], workers: int = 1, server: dict[str, Any] | None = None,
+              env: dict[str, str] | None = None) -> ServerProcess:
+        config = write_config(tmp_path / f"config-{len(started)}.yaml",
+                              {"server": server or {}, "datasets": datasets})
+        proc = ServerProcess(config, workers=workers, env=env or server_env())
+        started.append(proc)
+        return proc.start()
+
+    yield start
+    for proc in started:
+        assert proc.stop() == 0, proc.stderr
+
+
+@pytest.fixture
+def start_server(tmp_path: Path) -> Iterator[StartServer]:
+    """start_server(datasets, workers=1, server={...}) -> a ready ServerProcess."""
+    yield from _starter(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def start_server_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartServer]:
+    """Like start_server, for servers that a whole test module shares."""
+    yield from _starter(tmp_path_factory.mktemp("servers"))
+
+
+@pytest.fixture(scope="module")
+def toy_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One server for a module's tests: the toy datasets, two workers."""
+    config = write_config(tmp_path_factory.mktemp("toy") / "config.yaml",
+                          {"datasets": TOY_DATASETS})
+    with ServerProcess(config, workers=2, env=server_env()) as proc:
+        yield proc
+    assert proc.proc is not None and proc.proc.returncode == 0, proc.stderr

@@ -1,0 +1,146 @@
+"""What bad input gets, and that the server keeps serving everyone else afterwards."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from stoker.client import RemoteError, RemoteLoader
+from stoker.server import ServerProcess
+from stoker.v1 import stoker_pb2 as pb
+from stoker.v1 import stoker_pb2_grpc as pb_grpc
+
+
+def still_serves(server: ServerProcess) -> None:
+    with RemoteLoader(server.address, "toy", batch_size=16, output="numpy", timeout=60) as ld:
+        assert sum(len(b["sample_index"]) for b in ld) == len(ld) * 16 > 0
+
+
+def fail(server: ServerProcess, dataset: str = "toy", **kw) -> RemoteError:
+    kw.setdefault("batch_size", 4)
+    with pytest.raises(RemoteError) as info:
+        with RemoteLoader(server.address, dataset, output="numpy", timeout=60, **kw) as ld:
+            for _ in ld:
+                pass
+    return info.value
+
+
+def test_unknown_dataset_is_not_found_and_lists_the_served_ones(toy_server) -> None:
+    err = fail(toy_server, "faces")
+    assert err.code == grpc.StatusCode.NOT_FOUND
+    assert "'faces'" in err.details and "toy" in err.details and "flaky" in err.details
+    still_serves(toy_server)
+
+
+@pytest.mark.parametrize(("field", "kw"), [
+    ("batch_size", {"batch_size": 0}),
+    ("batch_size", {"batch_size": -3}),
+    ("rank", {"rank": 3, "world_size": 3}),
+    ("world_size", {"rank": 0, "world_size": 0}),
+    ("seed", {"seed": -1}),
+])
+def test_bad_coordinates_are_invalid_argument_naming_the_field(toy_server, field, kw) -> None:
+    err = fail(toy_server, **kw)
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details.startswith(f"{field}:")
+    still_serves(toy_server)
+
+
+def stream(server: ServerProcess, *requests: pb.StreamRequest) -> list[bytes]:
+    with grpc.insecure_channel(server.address) as channel:
+        call = channel.stream_stream("/stoker.v1.DataService/StreamBatches",
+                                     request_serializer=pb.StreamRequest.SerializeToString)
+        return list(call(iter(requests), timeout=60))
+
+
+def coords(**kw) -> pb.Coordinates:
+    base = dict(dataset="toy", seed=0, epoch=0, shuffle=True, rank=0, world_size=1,
+                batch_size=10, drop_last=True)
+    return pb.Coordinates(**{**base, **kw})
+
+
+@pytest.mark.parametrize(("field", "requests"), [
+    ("epoch", [pb.StreamRequest(coordinates=coords(epoch=-2), batch_indices=[0])]),
+    ("batch_index", [pb.StreamRequest(coordinates=coords(), batch_indices=[10])]),
+    ("batch_index", [pb.StreamRequest(coordinates=coords(), batch_indices=[-1])]),
+    ("coordinates", [pb.StreamRequest(batch_indices=[0])]),
+])
+def test_bad_stream_requests_are_invalid_argument(toy_server, field, requests) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        stream(toy_server, *requests)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(f"{field}:")
+    still_serves(toy_server)
+
+
+def test_a_stream_answers_its_credits_then_ends(toy_server) -> None:
+    frames = stream(toy_server, pb.StreamRequest(coordinates=coords(), batch_indices=[3, 1]),
+                    pb.StreamRequest(coordinates=coords(epoch=1), batch_indices=[3]))
+    heads = [pb.BatchFrame.FromString(f) for f in frames]
+    assert sorted((h.epoch, h.batch_index) for h in heads) == [(0, 1), (0, 3), (1, 3)]
+
+
+def test_too_many_credits_are_resource_exhausted(toy_server) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        stream(toy_server, pb.StreamRequest(coordinates=coords(batch_size=1),
+                                            batch_indices=list(range(65))))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "credits" in info.value.details()
+    still_serves(toy_server)
+
+
+def test_a_failing_sample_is_data_loss_naming_it(toy_server) -> None:
+    err = fail(toy_server, "flaky", shuffle=False, batch_size=4)
+    assert err.code == grpc.StatusCode.DATA_LOSS
+    assert "sample 13" in err.details and "cannot decode record 13" in err.details
+    assert "ValueError" in err.details
+    still_serves(toy_server)
+    # The batches before the bad one arrive intact.
+    with RemoteLoader(toy_server.address, "flaky", batch_size=4, shuffle=False, output="numpy",
+                      timeout=60) as ld:
+        got = []
+        with pytest.raises(RemoteError):
+            for batch in ld:
+                got.append(batch["sample_index"].copy())
+    assert np.array_equal(np.concatenate(got), np.arange(12))
+
+
+def test_a_failed_batch_is_answered_in_band_and_the_stream_goes_on(toy_server) -> None:
+    frames = stream(toy_server, pb.StreamRequest(
+        coordinates=coords(dataset="flaky", shuffle=False, batch_size=4),
+        batch_indices=[2, 3, 4]))
+    heads = {h.batch_index: h for h in map(pb.BatchFrame.FromString, frames)}
+    assert sorted(heads) == [2, 3, 4]
+    assert heads[3].error.code == grpc.StatusCode.DATA_LOSS.value[0]
+    assert "sample 13" in heads[3].error.message and not heads[3].data
+    assert not heads[2].HasField("error") and heads[4].payload_bytes > 0
+
+
+def test_samples_that_cannot_be_collated_are_data_loss(toy_server) -> None:
+    err = fail(toy_server, "ragged", shuffle=False, batch_size=2)
+    assert err.code == grpc.StatusCode.DATA_LOSS
+    assert "sample 1" in err.details and "'x'" in err.details
+    still_serves(toy_server)
+
+
+def test_a_crashing_worker_fails_its_batch_and_is_replaced(toy_server) -> None:
+    err = fail(toy_server, "crashy", shuffle=False, batch_size=4)
+    assert err.code == grpc.StatusCode.INTERNAL
+    assert "worker process died" in err.details and "batch 5" in err.details
+    still_serves(toy_server)
+    still_serves(toy_server)
+
+
+def test_list_and_describe(toy_server) -> None:
+    with grpc.insecure_channel(toy_server.address) as channel:
+        stub = pb_grpc.DataServiceStub(channel)
+        listed = stub.ListDatasets(pb.ListDatasetsRequest(), timeout=30)
+        assert {(d.name, d.num_samples) for d in listed.datasets} >= {("toy", 103), ("flaky", 40)}
+        desc = stub.DescribeDataset(pb.DescribeDatasetRequest(
+            coordinates=coords(world_size=3, rank=2, drop_last=False)), timeout=30)
+    assert (desc.num_samples, desc.samples_per_rank, desc.batches_per_epoch) == (103, 34, 4)
+    fields = {f.name: (f.dtype, list(f.shape)) for f in desc.fields}
+    assert fields == {"x": ("float32", [3]), "tokens": ("uint8", [2, 3]), "label": ("int64", []),
+                      "weight": ("float64", []), "flag": ("bool", []), "small": ("int16", []),
+                      "sample_index": ("int64", [])}

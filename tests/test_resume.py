@@ -1,0 +1,87 @@
+"""state_dict / load_state_dict resume exactly, and the epoch rules around them."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from stoker.client import RemoteLoader
+from stoker.server import ServerProcess
+
+
+def loader(server: ServerProcess) -> RemoteLoader:
+    return RemoteLoader(server.address, "toy", batch_size=8, seed=5, shuffle=True,
+                        output="numpy", timeout=60)
+
+
+def indices(batches: list[dict]) -> list[list[int]]:
+    return [b["sample_index"].tolist() for b in batches]
+
+
+def test_resume_mid_epoch_continues_with_the_next_batch(toy_server: ServerProcess) -> None:
+    with loader(toy_server) as full:
+        full.set_epoch(2)
+        reference = indices(list(full))
+    with loader(toy_server) as first:
+        first.set_epoch(2)
+        seen = []
+        for batch in first:
+            seen.append(batch)
+            if len(seen) == 5:
+                state = first.state_dict()
+                break
+    assert state["epoch"] == 2 and state["next_batch"] == 5
+    with loader(toy_server) as resumed:
+        resumed.load_state_dict(state)
+        resumed.set_epoch(2)  # the usual loop calls it again: the position must survive
+        rest = list(resumed)
+    assert indices(seen) + indices(rest) == reference
+
+
+def test_a_completed_epoch_starts_over_and_a_new_epoch_reshuffles(toy_server: ServerProcess
+                                                                  ) -> None:
+    with loader(toy_server) as ld:
+        once, again = indices(list(ld)), indices(list(ld))
+        assert once == again and ld.state_dict()["next_batch"] == 0
+        ld.set_epoch(1)
+        assert indices(list(ld)) != once
+
+
+def test_state_dict_of_other_coordinates_is_refused(toy_server: ServerProcess) -> None:
+    with loader(toy_server) as ld:
+        state = ld.state_dict()
+    other = RemoteLoader(toy_server.address, "toy", batch_size=4, output="numpy")
+    try:
+        other.load_state_dict(state)
+    except ValueError as e:
+        assert "coordinates" in str(e)
+    else:
+        raise AssertionError("load_state_dict accepted another loader's state")
+    finally:
+        other.close()
+
+
+def test_stats_count_batches_bytes_and_waiting(toy_server: ServerProcess) -> None:
+    with loader(toy_server) as ld:
+        sizes = [sum(v.nbytes for v in b.values()) for b in ld]
+        stats = ld.stats()
+        assert stats["batches"] == len(sizes) == len(ld)
+    assert stats["bytes"] >= sum(sizes)
+    assert stats["wait_seconds"] > 0
+
+
+def test_workers_do_not_change_the_batches(start_server) -> None:
+    from conftest import TOY_DATASETS
+
+    datasets = {"toy": TOY_DATASETS["toy"]}
+    runs = []
+    for workers in (1, 2):
+        server = start_server(datasets, workers=workers)
+        with RemoteLoader(server.address, "toy", batch_size=7, seed=3, output="numpy",
+                          timeout=60) as ld:
+            ld.set_epoch(4)
+            runs.append([{k: v.copy() for k, v in b.items()} for b in ld])
+    assert len(runs[0]) == len(runs[1]) > 0
+    for a, b in zip(*runs, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key].dtype == b[key].dtype and np.array_equal(a[key], b[key]), key
