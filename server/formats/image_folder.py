@@ -41,7 +41,7 @@ class ImageFolder:
         path = self.root / str(self.paths[index])
         with Image.open(path) as img:
             rgb = img.convert("RGB").resize((self.width, self.height), Image.Resampling.BILINEAR)
-            image = np.asarray(rgb, dtype=np.uint8)
+            image = np.array(rgb, dtype=np.uint8)  # writable: torch warns on read-only arrays
         if self.layout == "chw":
             image = image.transpose(2, 0, 1)
         return {"image": image, "label": self.labels[index]}
