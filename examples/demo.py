@@ -86,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=2, help="data server worker processes")
     p.add_argument("--data", type=Path, default=REPO / "data", help="dataset and config folder")
+    p.add_argument("--address", help="train against running servers at HOST:PORT (they serve "
+                   "`shapes`) instead of preparing data and starting one here")
     p.add_argument("--per-class", type=int, default=500, help="images per class")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -98,6 +100,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.address:
+        print(f"training against {args.address}")
+        epoch_losses, stats = train(args.address, args)
+        return report(epoch_losses, stats, exit_code=0, server_stderr="")
     data = args.data.resolve()
     t = time.perf_counter()
     source = make_shapes(data / "shapes", per_class=args.per_class, seed=args.seed)
@@ -118,17 +124,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"data server ready at {server.address}")
         epoch_losses, stats = train(server.address, args)
         exit_code = server.stop()  # SIGTERM: drain and stop; __exit__ then has nothing to do
+    print(f"server exit code: {exit_code}")
+    return report(epoch_losses, stats, exit_code, server.stderr)
 
+
+def report(epoch_losses: list[float], stats: dict[str, float], exit_code: int,
+           server_stderr: str) -> int:
+    """Print the outcome; 0 if the loss fell and the server (if ours) stopped cleanly."""
     seconds, wait = stats["seconds"], stats["wait_seconds"]
     first, last = epoch_losses[0], epoch_losses[-1]
     print(f"loss: first epoch {first:.4f} -> last epoch {last:.4f} ({last / first:.2f}x)")
     print(f"throughput: {stats['images'] / seconds:.0f} images/s ({stats['batches']} batches, "
           f"{stats['bytes'] / 2**20:.1f} MiB in {seconds:.1f}s)")
     print(f"waited for data: {wait:.2f}s ({100 * wait / seconds:.1f}% of training time)")
-    print(f"server exit code: {exit_code}")
     failures = []
     if exit_code != 0:
-        failures.append(f"server exited with {exit_code}\n{server.stderr}")
+        failures.append(f"server exited with {exit_code}\n{server_stderr}")
     if len(epoch_losses) < 2:
         failures.append("fewer than 2 epochs ran (raise --steps): cannot check the loss fell")
     elif not last < LOSS_RATIO * first:

@@ -1,0 +1,40 @@
+# The commands a new user runs. Everything installs into .venv from the package registry;
+# torch is pinned first (2.13.0: a CPU build that this kind of machine has on disk; an unpinned
+# torch would pull a multi-GB CUDA build).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: install demo test lint bench proto clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[server,client,dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+## demo: prepare a small image dataset, start a data server, train a CNN from it
+demo: install
+	$(PY) examples/demo.py
+
+## test: lint, check the generated protobuf code, run the test suite
+test: install lint
+	$(PY) protos/generate.py --check
+	$(PY) -m pytest
+
+lint: install
+	$(PY) -m ruff check .
+
+## bench: RemoteLoader vs torch DataLoader on the same image pipeline
+bench: install
+	mkdir -p results
+	$(PY) benchmarks/loader_vs_dataloader.py --json results/loader_vs_dataloader.json
+
+## proto: regenerate protos/stoker/v1/*_pb2*.py after editing the .proto
+proto: install
+	$(PY) protos/generate.py
+
+clean:
+	rm -rf $(VENV) data results
