@@ -128,10 +128,12 @@ class DataService:
                     continue  # a wake-up from the reader
                 if isinstance(item, _Abort):
                     await context.abort(item.code, str(item))
+                # A credit counts as answered once its batch starts out: the client may send
+                # the next credit as soon as it has the last frame.
+                state["outstanding"] -= 1
                 if isinstance(item, _Failed):
                     yield encode_error(item.batch_index, item.epoch, item.code.value[0],
                                        item.message)
-                    state["outstanding"] -= 1
                     continue
                 batch, batch_index, epoch = item
                 try:
@@ -144,7 +146,6 @@ class DataService:
                         shm.close()
                 finally:
                     release(batch)
-                state["outstanding"] -= 1
                 self.batches_sent += 1
                 self.bytes_sent += batch.payload_bytes
         finally:
@@ -187,6 +188,10 @@ class DataService:
                     job.add_done_callback(jobs.discard)
         except _Abort as e:
             ready.put_nowait(e)
+            return
+        except Exception as e:  # a bug here must end the stream, not leave it waiting
+            log.exception("stream reader failed")
+            ready.put_nowait(_Abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"))
             return
         state["eof"] = True
         ready.put_nowait(None)

@@ -90,6 +90,14 @@ def test_too_many_credits_are_resource_exhausted(toy_server) -> None:
     still_serves(toy_server)
 
 
+def test_a_client_may_keep_every_credit_the_server_allows(toy_server) -> None:
+    # The client credits the next batch as soon as it has taken one: the server must count
+    # the answered credit back by then, or prefetch == max_credits trips the limit.
+    with RemoteLoader(toy_server.address, "toy", batch_size=1, prefetch=64, output="numpy",
+                      timeout=60) as ld:
+        assert sum(1 for _ in ld) == 103
+
+
 def test_a_failing_sample_is_data_loss_naming_it(toy_server) -> None:
     err = fail(toy_server, "flaky", shuffle=False, batch_size=4)
     assert err.code == grpc.StatusCode.DATA_LOSS
