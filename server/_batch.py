@@ -11,10 +11,11 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass
-from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
+
+from . import _shm
 
 ALIGN = 64
 SAMPLE_INDEX = "sample_index"
@@ -35,7 +36,7 @@ class TensorLayout:
 
 @dataclass(frozen=True)
 class BuiltBatch:
-    """A batch payload in a named shared-memory segment; the receiver unlinks it."""
+    """A batch payload in a named shared-memory segment (see _shm); the receiver unlinks it."""
 
     shm_name: str
     payload_bytes: int
@@ -103,15 +104,9 @@ def plan_layout(samples: list[dict[str, np.ndarray]], indices: np.ndarray) -> li
 _segments = itertools.count()
 
 
-def segment_prefix(server_pid: int) -> str:
-    """Every shared-memory segment of a server's batches is named with this prefix, so an
-    operator (or a test) can tell in /dev/shm which server a segment belongs to."""
-    return f"stoker_{server_pid}_"
-
-
 def _segment_name() -> str:
-    # Called in worker processes, whose parent is the server.
-    return f"{segment_prefix(os.getppid())}{os.getpid()}_{next(_segments)}"
+    # Called in worker processes, whose parent is the server: the name says whose it is.
+    return f"{_shm.prefix(os.getppid())}{os.getpid()}_{next(_segments)}"
 
 
 def build_batch(dataset: Any, indices: np.ndarray) -> BuiltBatch:
@@ -119,10 +114,11 @@ def build_batch(dataset: Any, indices: np.ndarray) -> BuiltBatch:
     samples = fetch_samples(dataset, indices)
     layout = plan_layout(samples, indices)
     total = layout[-1].offset + layout[-1].nbytes
-    shm = shared_memory.SharedMemory(_segment_name(), create=True, size=max(total, 1))
+    name = _segment_name()
+    segment = _shm.create(name, total)
     try:
         for t in layout:
-            out = np.ndarray(t.shape, np.dtype(t.dtype).newbyteorder("<"), shm.buf, t.offset)
+            out = np.ndarray(t.shape, np.dtype(t.dtype).newbyteorder("<"), segment, t.offset)
             if t.name == SAMPLE_INDEX:
                 out[:] = indices
             else:
@@ -130,11 +126,11 @@ def build_batch(dataset: Any, indices: np.ndarray) -> BuiltBatch:
                     out[row] = s[t.name]
             del out  # views must be gone before close()
     except BaseException:
-        shm.close()
-        shm.unlink()
+        segment.close()
+        _shm.unlink(name)
         raise
-    shm.close()
-    return BuiltBatch(shm.name, total, tuple(layout))
+    segment.close()
+    return BuiltBatch(name, total, tuple(layout))
 
 
 def probe_fields(dataset: Any) -> list[tuple[str, str, tuple[int, ...]]]:

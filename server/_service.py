@@ -11,13 +11,13 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from multiprocessing import shared_memory
 from typing import Any
 
 import grpc
 
 from stoker.v1 import stoker_pb2 as pb
 
+from . import _shm
 from ._batch import BuiltBatch
 from ._config import Config
 from ._frames import encode_error, encode_frames
@@ -137,13 +137,14 @@ class DataService:
                     continue
                 batch, batch_index, epoch = item
                 try:
-                    shm = shared_memory.SharedMemory(batch.shm_name)
+                    segment = _shm.open_readonly(batch.shm_name)
                     try:
-                        for frame in encode_frames(batch, shm.buf, batch_index, epoch,
-                                                   self._settings.frame_bytes):
-                            yield frame
+                        with memoryview(segment) as payload:
+                            for frame in encode_frames(batch, payload, batch_index, epoch,
+                                                       self._settings.frame_bytes):
+                                yield frame
                     finally:
-                        shm.close()
+                        segment.close()
                 finally:
                     release(batch)
                 self.batches_sent += 1

@@ -17,14 +17,15 @@ import concurrent.futures
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
+import os
 import signal
 import threading
 from dataclasses import dataclass, field
-from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import numpy as np
 
+from . import _shm
 from ._batch import BuiltBatch, SampleError, build_batch, probe_fields
 
 log = logging.getLogger("stoker.server")
@@ -53,12 +54,7 @@ class DatasetMeta:
 
 def release(batch: BuiltBatch) -> None:
     """Free a built batch's shared memory (after sending it, or when nobody wants it)."""
-    try:
-        shm = shared_memory.SharedMemory(batch.shm_name)
-    except FileNotFoundError:
-        return
-    shm.close()
-    shm.unlink()
+    _shm.unlink(batch.shm_name)
 
 
 def _worker_main(config: Any, conn: mpc.Connection, probe: bool) -> None:
@@ -121,9 +117,9 @@ class WorkerPool:
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> dict[str, DatasetMeta]:
         """Start the workers and wait until each has opened every dataset."""
-        # Started here, once, and inherited by the workers: otherwise the first shared-memory
-        # segment a worker makes waits for a tracker process to start (about a second).
-        resource_tracker.ensure_running()
+        orphans = _shm.sweep()
+        if orphans:
+            log.warning("removed %d shared-memory segments left by servers that died", orphans)
         for i in range(self._n):
             self._workers.append(self._spawn(probe=i == 0))
         for i, w in enumerate(self._workers):
@@ -158,6 +154,8 @@ class WorkerPool:
             for *_, fut in self._queue:
                 fut.cancel()
             self._queue.clear()
+        # Whatever a stream or a worker still held: nothing of ours outlives the server.
+        _shm.sweep(os.getpid())
 
     # -- submitting ------------------------------------------------------------------------
     def submit(self, dataset: str, indices: np.ndarray) -> concurrent.futures.Future[BuiltBatch]:
