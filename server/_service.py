@@ -52,9 +52,6 @@ class DataService:
         self._pool = pool
         self._meta = meta
         self._settings = config.server
-        self.active_streams = 0
-        self.batches_sent = 0
-        self.bytes_sent = 0
 
     def handler(self) -> grpc.GenericRpcHandler:
         """Method handlers; StreamBatches sends frames this module has already serialized."""
@@ -120,7 +117,6 @@ class DataService:
         jobs: set[asyncio.Task] = set()
         state = {"outstanding": 0, "eof": False}
         reader = asyncio.create_task(self._read_credits(requests, ready, jobs, state))
-        self.active_streams += 1
         try:
             while not (state["eof"] and state["outstanding"] == 0):
                 item = await ready.get()
@@ -147,10 +143,7 @@ class DataService:
                         segment.close()
                 finally:
                     release(batch)
-                self.batches_sent += 1
-                self.bytes_sent += batch.payload_bytes
         finally:
-            self.active_streams -= 1
             reader.cancel()
             for job in jobs:
                 job.cancel()

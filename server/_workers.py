@@ -170,10 +170,6 @@ class WorkerPool:
         self._wake_w.send_bytes(b"x")
         return fut
 
-    @property
-    def queued(self) -> int:
-        return len(self._queue)
-
     # -- internals -------------------------------------------------------------------------
     def _spawn(self, probe: bool) -> _Worker:
         parent, child = self._ctx.Pipe()

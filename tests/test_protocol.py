@@ -64,3 +64,22 @@ def test_reassembled_batches_equal_the_samples(framed, output: str) -> None:
                 for key, value in ds[i].items():
                     have = np.asarray(batch[key][row])
                     assert have.dtype == value.dtype and np.array_equal(have, value), key
+
+
+def test_a_stream_cancelled_mid_batch_frees_it_and_the_server_goes_on(framed) -> None:
+    coords = pb.Coordinates(dataset="noise", seed=0, epoch=0, shuffle=False, rank=0,
+                            world_size=1, batch_size=3, drop_last=True)
+    with grpc.insecure_channel(framed.address) as channel:
+        method = channel.stream_stream("/stoker.v1.DataService/StreamBatches",
+                                       request_serializer=pb.StreamRequest.SerializeToString)
+        call = method(iter([pb.StreamRequest(coordinates=coords, batch_indices=[0, 1])]),
+                      timeout=60)
+        first = pb.BatchFrame.FromString(next(call))
+        assert first.offset == 0 and first.payload_bytes > FRAME  # more frames were to come
+        call.cancel()
+    with RemoteLoader(framed.address, "noise", batch_size=2, timeout=60) as loader:
+        assert len(list(loader)) == 3
+    pid = framed.proc.pid
+    held = sorted(Path("/dev/shm").glob(f"stoker_{pid}_*")) if Path("/dev/shm").is_dir() else []
+    assert held == []  # both batches of the cancelled stream were freed
+    assert "Traceback" not in framed.stderr
