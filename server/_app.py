@@ -11,7 +11,6 @@ import asyncio
 import json
 import logging
 import signal
-import sys
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -19,12 +18,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ._config import Config
 from ._http import HttpServer
 from ._service import SERVICE_NAME, DataService
-from ._workers import WorkerPool
+from ._workers import StartError, WorkerPool
 
 log = logging.getLogger("stoker.server")
 
 # Frames are at most MAX_FRAME_BYTES; requests are small. Keepalive pings let a server notice
 # a vanished client (and free what its stream held) without waiting for TCP to time out.
+# No SO_REUSEPORT: a second server on a taken port must fail, not share it silently.
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 4 << 20),
     ("grpc.max_send_message_length", 64 << 20),
@@ -32,37 +32,52 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.so_reuseport", 0),
 ]
 
 
+def grpc_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 async def serve(config: Config) -> None:
-    """Run until SIGTERM or SIGINT, then shut down gracefully."""
+    """Run until SIGTERM or SIGINT, then shut down gracefully. Raises StartError."""
     settings = config.server
-    pool = WorkerPool(config, settings.worker_count)
     loop = asyncio.get_running_loop()
-    meta = await loop.run_in_executor(None, pool.start)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # first: a signal during start stops cleanly
+        loop.add_signal_handler(sig, stop.set)
+    pool = WorkerPool(config, settings.worker_count)
     try:
+        meta = await loop.run_in_executor(None, pool.start)
         service = DataService(config, pool, meta)
         health_servicer = health.aio.HealthServicer()
         server = grpc.aio.server(options=GRPC_OPTIONS)
         server.add_generic_rpc_handlers([service.handler()])
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+        address = grpc_address(settings.host, settings.port)
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as e:
+            raise StartError(f"cannot listen on {address} (gRPC): {e}") from None
         await server.start()
-        http = HttpServer(settings.host, settings.http_port)
+        try:
+            http = HttpServer(settings.host, settings.http_port)
+        except OSError as e:
+            await server.stop(None)
+            raise StartError(f"cannot listen on {grpc_address(settings.host, settings.http_port)}"
+                             f" (HTTP): {e.strerror}") from None
         http.start()
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
         # One machine-readable line: tests and scripts wait on it instead of sleeping.
         print(json.dumps({"event": "ready", "grpc_port": port, "http_port": http.port,
                           "host": settings.host, "workers": settings.worker_count,
                           "datasets": sorted(meta)}), flush=True)
-        log.info("serving %s on %s:%d (gRPC), :%d (HTTP) with %d workers",
-                 ", ".join(sorted(meta)), settings.host, port, http.port, settings.worker_count)
+        log.info("serving %s on %s (gRPC), port %d (HTTP) with %d workers",
+                 ", ".join(sorted(meta)), grpc_address(settings.host, port), http.port,
+                 settings.worker_count)
         await stop.wait()
 
         log.info("shutting down: draining streams for up to %.1fs", settings.grace_seconds)
@@ -73,4 +88,3 @@ async def serve(config: Config) -> None:
         await loop.run_in_executor(None, pool.close)
     log.info("stopped")
     print(json.dumps({"event": "stopped"}), flush=True)
-    sys.stdout.flush()

@@ -71,7 +71,7 @@ def fetch_samples(dataset: Any, indices: np.ndarray) -> list[dict[str, np.ndarra
             raise SampleError(f"sample {i}: expected a dict of fields, got {type(raw).__name__}")
         try:
             samples.append({str(k): _as_array(v) for k, v in raw.items()})
-        except TypeError as e:
+        except (TypeError, OverflowError) as e:  # OverflowError: an int beyond int64
             raise SampleError(f"sample {i}: {e}") from None
     return samples
 

@@ -42,11 +42,15 @@ class ServerProcess:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.ready['grpc_port']}"
+        return f"{self._host}:{self.ready['grpc_port']}"
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.host}:{self.ready['http_port']}"
+        return f"http://{self._host}:{self.ready['http_port']}"
+
+    @property
+    def _host(self) -> str:
+        return f"[{self.host}]" if ":" in self.host else self.host
 
     @property
     def stderr(self) -> str:

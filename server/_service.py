@@ -46,6 +46,17 @@ class _Failed:
     message: str
 
 
+async def _write(context: grpc.aio.ServicerContext, frame: bytes) -> bool:
+    """Send one frame; False if the client has gone (cancelled, disconnected)."""
+    try:
+        await context.write(frame)
+    except Exception:
+        if context.cancelled() or context.done():
+            return False
+        raise
+    return True
+
+
 class DataService:
     def __init__(self, config: Config, pool: WorkerPool, meta: dict[str, DatasetMeta]) -> None:
         self._config = config
@@ -107,11 +118,13 @@ class DataService:
 
     # -- the batch stream ------------------------------------------------------------------
     async def StreamBatches(self, requests: AsyncIterator[pb.StreamRequest],
-                            context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+                            context: grpc.aio.ServicerContext) -> None:
         """Answer every credited batch index once, in the order batches become ready.
 
         Ends when the client half-closes and every credit is answered. Batches that are built
         but unsent when the stream ends (cancelled, failed) have their shared memory freed.
+        Writes go through context.write, not a generator: a write that fails because the
+        client went away then ends the call quietly instead of logging a traceback.
         """
         ready: asyncio.Queue[Any] = asyncio.Queue()
         jobs: set[asyncio.Task] = set()
@@ -128,8 +141,9 @@ class DataService:
                 # the next credit as soon as it has the last frame.
                 state["outstanding"] -= 1
                 if isinstance(item, _Failed):
-                    yield encode_error(item.batch_index, item.epoch, item.code.value[0],
-                                       item.message)
+                    if not await _write(context, encode_error(
+                            item.batch_index, item.epoch, item.code.value[0], item.message)):
+                        return
                     continue
                 batch, batch_index, epoch = item
                 try:
@@ -138,7 +152,8 @@ class DataService:
                         with memoryview(segment) as payload:
                             for frame in encode_frames(batch, payload, batch_index, epoch,
                                                        self._settings.frame_bytes):
-                                yield frame
+                                if not await _write(context, frame):
+                                    return
                     finally:
                         segment.close()
                 finally:
@@ -173,7 +188,10 @@ class DataService:
                 for index in req.batch_indices:
                     assert coords is not None and meta is not None
                     try:
-                        indices = batch_samples(meta.num_samples, coords, index)
+                        # In a thread: a new epoch's permutation of a large dataset takes a
+                        # while, and every other stream shares this event loop.
+                        indices = await asyncio.to_thread(batch_samples, meta.num_samples,
+                                                          coords, index)
                     except CoordinateError as e:
                         raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
                     state["outstanding"] += 1

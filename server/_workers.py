@@ -34,8 +34,9 @@ log = logging.getLogger("stoker.server")
 DEPTH = 2
 
 
-class WorkerStartError(RuntimeError):
-    """A worker could not open the configured datasets."""
+class StartError(RuntimeError):
+    """The server cannot start: a dataset does not open, a port is taken. The message says
+    which, in one line."""
 
 
 class BatchFailed(Exception):
@@ -65,17 +66,16 @@ def _worker_main(config: Any, conn: mpc.Connection, probe: bool) -> None:
     from .formats import open_dataset
 
     datasets: dict[str, Any] = {}
-    try:
-        for name, cfg in config.datasets.items():
-            datasets[name] = open_dataset(cfg)
-        meta = None
-        if probe:
-            meta = {n: DatasetMeta(len(ds), probe_fields(ds)) for n, ds in datasets.items()}
-    except Exception as e:
-        which = next((n for n in config.datasets if n not in datasets), "?")
-        conn.send(("failed", f"dataset {which!r}: {type(e).__name__}: {e}"))
-        return
-    conn.send(("ready", meta))
+    meta: dict[str, DatasetMeta] = {}
+    for name, cfg in config.datasets.items():
+        try:
+            datasets[name] = ds = open_dataset(cfg)
+            if probe:
+                meta[name] = DatasetMeta(len(ds), probe_fields(ds))
+        except Exception as e:
+            conn.send(("failed", f"dataset {name!r}: {type(e).__name__}: {e}"))
+            return
+    conn.send(("ready", meta if probe else None))
     while True:
         try:
             task = conn.recv()
@@ -96,7 +96,13 @@ def _worker_main(config: Any, conn: mpc.Connection, probe: bool) -> None:
 class _Worker:
     process: Any
     conn: mpc.Connection
-    tasks: dict[int, concurrent.futures.Future[BuiltBatch]] = field(default_factory=dict)
+    ready: bool = False
+    # Tasks sent to this worker, oldest first: the first is the one it is building.
+    tasks: dict[int, tuple[str, np.ndarray, concurrent.futures.Future[BuiltBatch]]] = field(
+        default_factory=dict)
+
+
+_Task = tuple[int, str, np.ndarray, concurrent.futures.Future]
 
 
 class WorkerPool:
@@ -105,8 +111,7 @@ class WorkerPool:
         self._n = processes
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
-        self._queue: collections.deque[tuple[int, str, np.ndarray, concurrent.futures.Future]]
-        self._queue = collections.deque()
+        self._queue: collections.deque[_Task] = collections.deque()
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
         self._next_id = 0
@@ -116,16 +121,26 @@ class WorkerPool:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> dict[str, DatasetMeta]:
-        """Start the workers and wait until each has opened every dataset."""
+        """Start the workers and wait until each has opened every dataset.
+
+        Raises StartError; call close() in any case, to stop those that did start."""
         orphans = _shm.sweep()
         if orphans:
             log.warning("removed %d shared-memory segments left by servers that died", orphans)
         for i in range(self._n):
             self._workers.append(self._spawn(probe=i == 0))
         for i, w in enumerate(self._workers):
-            msg = self._await_ready(w)
+            try:
+                kind, payload = w.conn.recv()
+            except EOFError:
+                w.process.join()
+                raise StartError(f"worker process exited with code "
+                                       f"{w.process.exitcode} while starting") from None
+            if kind == "failed":
+                raise StartError(payload)
+            w.ready = True
             if i == 0:
-                self.meta = msg
+                self.meta = payload
         self._thread = threading.Thread(target=self._dispatch, name="stoker-dispatch", daemon=True)
         self._thread.start()
         return self.meta
@@ -147,8 +162,8 @@ class WorkerPool:
             if w.process.is_alive():
                 w.process.kill()
                 w.process.join()
-            self._drain_results(w)
-            self._fail(w.tasks, "internal", "server shutting down")
+            self._drain(w)
+            self._fail_all([fut for *_, fut in w.tasks.values()], "server shutting down")
             w.conn.close()
         with self._lock:
             for *_, fut in self._queue:
@@ -170,7 +185,7 @@ class WorkerPool:
         self._wake_w.send_bytes(b"x")
         return fut
 
-    # -- internals -------------------------------------------------------------------------
+    # -- the dispatcher thread -------------------------------------------------------------
     def _spawn(self, probe: bool) -> _Worker:
         parent, child = self._ctx.Pipe()
         p = self._ctx.Process(target=_worker_main, args=(self._config, child, probe),
@@ -179,47 +194,38 @@ class WorkerPool:
         child.close()
         return _Worker(p, parent)
 
-    def _await_ready(self, w: _Worker) -> Any:
-        try:
-            kind, payload = w.conn.recv()
-        except EOFError:
-            w.process.join()
-            raise WorkerStartError(
-                f"worker process exited with code {w.process.exitcode} while starting") from None
-        if kind == "failed":
-            raise WorkerStartError(payload)
-        return payload
-
     def _dispatch(self) -> None:
         while True:
             self._assign()
             with self._lock:
                 if self._closing:
                     return
-            waitables: list[Any] = [self._wake_r]
+            owner: dict[Any, _Worker] = {}
             for w in self._workers:
-                waitables += [w.conn, w.process.sentinel]
-            for ready in mpc.wait(waitables):
+                owner[w.conn] = owner[w.process.sentinel] = w
+            for ready in mpc.wait([self._wake_r, *owner]):
                 if ready is self._wake_r:
                     self._wake_r.recv_bytes()
                     continue
-                w = next(w for w in self._workers if ready in (w.conn, w.process.sentinel))
+                w = owner[ready]
+                if w not in self._workers:
+                    continue  # replaced earlier in this round
                 if ready is w.conn:
                     self._receive(w)
                 elif not w.process.is_alive():
                     with self._lock:
-                        closing = self._closing
-                    if not closing:
-                        self._replace(w)
+                        if self._closing:
+                            return
+                    self._replace(w)
 
     def _assign(self) -> None:
         with self._lock:
             for w in sorted(self._workers, key=lambda w: len(w.tasks)):
-                while len(w.tasks) < DEPTH and self._queue:
+                while w.ready and len(w.tasks) < DEPTH and self._queue:
                     task_id, dataset, indices, fut = self._queue.popleft()
                     if fut.cancelled():
                         continue
-                    w.tasks[task_id] = fut
+                    w.tasks[task_id] = (dataset, indices, fut)
                     w.conn.send((task_id, dataset, indices))
 
     def _receive(self, w: _Worker) -> None:
@@ -229,7 +235,7 @@ class WorkerPool:
             return  # the sentinel reports the death
         self._settle(w, msg)
 
-    def _drain_results(self, w: _Worker) -> None:
+    def _drain(self, w: _Worker) -> None:
         try:
             while w.conn.poll():
                 self._settle(w, w.conn.recv())
@@ -237,47 +243,60 @@ class WorkerPool:
             pass
 
     def _settle(self, w: _Worker, msg: tuple) -> None:
-        kind, task_id = msg[0], msg[1]
-        fut = w.tasks.pop(task_id, None)
+        kind = msg[0]
+        if kind == "ready":
+            w.ready = True
+            return
+        if kind == "failed":
+            log.error("a replacement worker failed to start, the pool shrinks: %s", msg[1])
+            self._remove(w)
+            return
+        task = w.tasks.pop(msg[1], None)
+        fut = task[2] if task else None
         if kind == "done":
-            batch = msg[2]
-            if fut is None or not _resolve(fut, batch):
-                release(batch)  # nobody waits for it any more
-        elif fut is not None and not fut.cancelled():
-            try:
-                fut.set_exception(BatchFailed(msg[2], msg[3]))
-            except concurrent.futures.InvalidStateError:
-                pass
+            if fut is None or not _resolve(fut, msg[2]):
+                release(msg[2])  # nobody waits for it any more
+        elif fut is not None:
+            _reject(fut, BatchFailed(msg[2], msg[3]))
 
     def _replace(self, w: _Worker) -> None:
-        self._drain_results(w)
+        """A worker died: fail the batch it was building, give its queued ones to others,
+        and start a new worker (which takes tasks once it reports ready)."""
+        self._drain(w)
         code = w.process.exitcode
         log.error("worker pid %s died (exit code %s); starting another", w.process.pid, code)
-        self._fail(w.tasks, "internal", f"worker process died (exit code {code}) building it")
+        tasks = list(w.tasks.items())
+        w.tasks.clear()
+        if tasks:
+            _reject(tasks[0][1][2], BatchFailed(
+                "internal", f"worker process died (exit code {code}) while building it"))
+        with self._lock:
+            for task_id, (dataset, indices, fut) in reversed(tasks[1:]):
+                self._queue.appendleft((task_id, dataset, indices, fut))
         w.conn.close()
-        new = self._spawn(probe=False)
-        try:
-            self._await_ready(new)
-        except WorkerStartError as e:
-            log.error("replacement worker failed to start, pool shrinks by one: %s", e)
-            self._workers.remove(w)
-            if not self._workers:
-                with self._lock:
-                    queued = {t[0]: t[3] for t in self._queue}
-                    self._queue.clear()
-                self._fail(queued, "internal", "no worker process could be started")
-            return
-        self._workers[self._workers.index(w)] = new
+        self._workers[self._workers.index(w)] = self._spawn(probe=False)
+
+    def _remove(self, w: _Worker) -> None:
+        self._workers.remove(w)
+        w.conn.close()
+        w.process.join(timeout=10)
+        if not self._workers:
+            with self._lock:
+                queued = [fut for *_, fut in self._queue]
+                self._queue.clear()
+            self._fail_all(queued, "no worker process could be started")
 
     @staticmethod
-    def _fail(tasks: dict[int, concurrent.futures.Future], kind: str, message: str) -> None:
-        for fut in tasks.values():
-            if not fut.cancelled():
-                try:
-                    fut.set_exception(BatchFailed(kind, message))
-                except concurrent.futures.InvalidStateError:
-                    pass
-        tasks.clear()
+    def _fail_all(futures: list[concurrent.futures.Future], message: str) -> None:
+        for fut in futures:
+            _reject(fut, BatchFailed("internal", message))
+
+
+def _reject(fut: concurrent.futures.Future, error: BaseException) -> None:
+    try:
+        fut.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass  # cancelled: nobody waits
 
 
 def _resolve(fut: concurrent.futures.Future[BuiltBatch], batch: BuiltBatch) -> bool:

@@ -8,7 +8,7 @@ import logging
 import sys
 
 from ._config import ConfigError, load_config
-from ._workers import WorkerStartError
+from ._workers import StartError
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -22,7 +22,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(serve(config))
-    except WorkerStartError as e:
+    except StartError as e:
         print(f"cannot start {args.config}: {e}", file=sys.stderr)
         return 1
     return 0
@@ -38,10 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, help="gRPC port (0: any free port)")
     serve.add_argument("--http-port", type=int, help="HTTP control port (0: any free port)")
     serve.add_argument("--workers", type=int, help="worker processes (default: one per core)")
-    serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    serve.add_argument("--log-level", default="INFO", type=str.upper,
+                       choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default INFO")
     serve.set_defaults(func=_serve)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)
 

@@ -32,6 +32,8 @@ TOY_DATASETS: dict[str, Any] = {
     "ragged": {"format": "python", "factory": "toy_datasets:Ragged", "options": {"n": 10}},
     "crashy": {"format": "python", "factory": "toy_datasets:toy", "options": {"n": 40,
                                                                           "die_at": 21}},
+    "huge": {"format": "python", "factory": "toy_datasets:toy", "options": {"n": 8,
+                                                                        "huge_at": 6}},
 }
 
 StartServer = Callable[..., ServerProcess]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import server_env
+from conftest import TOY_DATASETS, server_env
 
 
 def serve(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -58,6 +58,34 @@ def test_bad_command_line_value_is_checked_like_the_file(tmp_path: Path) -> None
     config.write_text("datasets: {a: {format: python, factory: 'toy_datasets:toy'}}")
     result = serve(config, "--workers", "0")
     assert result.returncode == 2 and "server.workers:" in result.stderr
+
+
+def test_a_dataset_whose_first_sample_fails_stops_every_worker(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("datasets:\n  bad: {format: python, factory: 'toy_datasets:toy', "
+                      "options: {fail_at: [0]}}\n")
+    result = serve(config, "--workers", "3")  # must exit, not wait for the workers that did start
+    assert result.returncode == 1
+    assert f"cannot start {config}: dataset 'bad': SampleError: sample 0:" in result.stderr
+
+
+def test_a_taken_port_is_one_clear_line(tmp_path: Path, start_server) -> None:
+    running = start_server({"toy": TOY_DATASETS["toy"]})
+    config = tmp_path / "c.yaml"
+    config.write_text("datasets: {a: {format: python, factory: 'toy_datasets:toy'}}")
+    for flag, port, what in [("--port", running.ready["grpc_port"], "gRPC"),
+                             ("--http-port", running.ready["http_port"], "HTTP")]:
+        result = serve(config, "--workers", "1", flag, str(port))
+        assert result.returncode == 1, result.stderr
+        assert f"cannot listen on 127.0.0.1:{port} ({what})" in result.stderr
+        assert "Traceback" not in result.stderr and "never awaited" not in result.stderr
+
+
+def test_a_bad_log_level_is_a_usage_error(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("datasets: {a: {format: python, factory: 'toy_datasets:toy'}}")
+    result = serve(config, "--log-level", "LOUD")
+    assert result.returncode == 2 and "--log-level" in result.stderr
 
 
 def test_a_dataset_that_cannot_open_stops_the_start(tmp_path: Path) -> None:

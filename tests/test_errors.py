@@ -140,6 +140,23 @@ def test_a_crashing_worker_fails_its_batch_and_is_replaced(toy_server) -> None:
     still_serves(toy_server)
 
 
+def test_only_the_batch_a_worker_died_on_fails(toy_server) -> None:
+    frames = stream(toy_server, pb.StreamRequest(
+        coordinates=coords(dataset="crashy", shuffle=False, batch_size=4),
+        batch_indices=[5, 6, 7]))
+    heads = {h.batch_index: h for h in map(pb.BatchFrame.FromString, frames)}
+    assert heads[5].error.code == grpc.StatusCode.INTERNAL.value[0]
+    # Batches queued behind it on the same worker go to another worker and arrive.
+    assert not heads[6].HasField("error") and not heads[7].HasField("error")
+    assert heads[6].payload_bytes > 0 and heads[7].payload_bytes > 0
+
+
+def test_a_number_beyond_int64_is_data_loss(toy_server) -> None:
+    err = fail(toy_server, "huge", shuffle=False, batch_size=4)
+    assert err.code == grpc.StatusCode.DATA_LOSS and "sample 6" in err.details
+    still_serves(toy_server)
+
+
 def test_list_and_describe(toy_server) -> None:
     with grpc.insecure_channel(toy_server.address) as channel:
         stub = pb_grpc.DataServiceStub(channel)

@@ -14,10 +14,11 @@ class Toy:
     """Sample i is a deterministic function of i: arrays of several dtypes and plain numbers."""
 
     def __init__(self, n: int = 100, dim: int = 3, fail_at: list[int] | None = None,
-                 die_at: int | None = None) -> None:
+                 die_at: int | None = None, huge_at: int | None = None) -> None:
         self.n, self.dim = n, dim
         self.fail_at = set(fail_at or ())
         self.die_at = die_at
+        self.huge_at = huge_at
 
     def __len__(self) -> int:
         return self.n
@@ -30,7 +31,7 @@ class Toy:
         return {
             "x": np.arange(self.dim, dtype=np.float32) + i,
             "tokens": np.full((2, self.dim), i % 256, dtype=np.uint8),
-            "label": i % 7,                    # int -> int64
+            "label": 2**70 if i == self.huge_at else i % 7,  # int -> int64
             "weight": float(i) / 2,            # float -> float64
             "flag": bool(i % 2),               # bool -> bool
             "small": np.int16(-i),             # numpy scalar keeps its dtype
