@@ -49,9 +49,11 @@ class RemoteLoader:
     dataset index of each sample. The sequence is a pure function of (dataset, seed, epoch,
     shuffle, rank, world_size, batch_size, drop_last): any server gives the same batches.
 
-    Epochs: `set_epoch(e)` selects the epoch (a new shuffle order); iterating yields the rest
-    of the current epoch, from where the last iteration stopped, and a completed epoch starts
-    over at batch 0. `state_dict()` records the position; `load_state_dict()` resumes there.
+    Epochs: iterating yields the rest of the current epoch, from where the last iteration
+    stopped; once an epoch is finished the loader moves on to the next (a new shuffle order),
+    so `for batch in loader` twice gives two epochs, as with DataLoader(shuffle=True).
+    `set_epoch(e)` selects an epoch explicitly, as with DistributedSampler. `state_dict()`
+    records the position; `load_state_dict()` resumes there.
     """
 
     def __init__(self, address: str | Sequence[str], dataset: str, batch_size: int, *,
@@ -83,7 +85,7 @@ class RemoteLoader:
         self._prefetch = prefetch
         self._timeout = timeout
         self._feed = None
-        if device is not None and str(device) != "cpu":
+        if device is not None and str(device).partition(":")[0] != "cpu":
             from ._device import DeviceFeed
 
             # prefetch batches can wait in pinned buffers, plus one being filled and one
@@ -116,15 +118,20 @@ class RemoteLoader:
         return self._describe
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch; a different epoch starts at batch 0, the same one keeps its place
-        (so `set_epoch` after `load_state_dict` resumes)."""
+        """Select the epoch; a different epoch starts at batch 0, the current one keeps its
+        place (so the usual `set_epoch(epoch)` at the top of an epoch loop resumes)."""
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
         if epoch != self._epoch:
             self._epoch, self._next = epoch, 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"coordinates": dict(self._coords), "epoch": self._epoch, "next_batch": self._next}
+        """The position: the epoch and the batch that comes next (a finished epoch's state is
+        the start of the next epoch)."""
+        epoch, next_batch = self._epoch, self._next
+        if next_batch and next_batch >= len(self):
+            epoch, next_batch = epoch + 1, 0
+        return {"coordinates": dict(self._coords), "epoch": epoch, "next_batch": next_batch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("coordinates") != self._coords:
@@ -135,8 +142,8 @@ class RemoteLoader:
     # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
         total = len(self)
-        if self._next >= total:
-            self._next = 0
+        if self._next >= total:  # finished (a state saved on an epoch's last batch, say)
+            self._epoch, self._next = self._epoch + 1, 0
         stream = self._open()
         try:
             credited = min(self._next + self._prefetch, total)
@@ -153,7 +160,7 @@ class RemoteLoader:
                 self._next += 1
                 self._stats["batches"] += 1
                 yield batch
-            self._next = 0
+            self._epoch, self._next = self._epoch + 1, 0
         finally:
             self._stats["bytes"] += stream.bytes_received
             stream.close()

@@ -92,7 +92,12 @@ class BatchStream:
                     code = _STATUS.get(done.error.code, grpc.StatusCode.UNKNOWN)
                     item: Any = RemoteError(code, done.error.message, self.address)
                 elif done is not None:
-                    item = self._finish(done)
+                    try:
+                        item = self._finish(done)
+                    except Exception as e:
+                        item = RemoteError(grpc.StatusCode.INTERNAL,
+                                           f"batch {done.batch_index} cannot be converted here: "
+                                           f"{type(e).__name__}: {e}", self.address)
                 if done is not None:
                     with self._cond:
                         self._ready[done.batch_index] = item

@@ -37,13 +37,30 @@ def test_resume_mid_epoch_continues_with_the_next_batch(toy_server: ServerProces
     assert indices(seen) + indices(rest) == reference
 
 
-def test_a_completed_epoch_starts_over_and_a_new_epoch_reshuffles(toy_server: ServerProcess
-                                                                  ) -> None:
+def test_a_finished_epoch_moves_on_to_the_next(toy_server: ServerProcess) -> None:
     with loader(toy_server) as ld:
-        once, again = indices(list(ld)), indices(list(ld))
-        assert once == again and ld.state_dict()["next_batch"] == 0
-        ld.set_epoch(1)
-        assert indices(list(ld)) != once
+        first = indices(list(ld))
+        assert ld.state_dict()["epoch"] == 1 and ld.state_dict()["next_batch"] == 0
+        second = indices(list(ld))
+        assert second != first and len(second) == len(first)
+        flat = [i for batch in second for i in batch]
+        assert len(set(flat)) == len(flat) == 8 * len(first)  # a whole epoch, no repeats
+        ld.set_epoch(0)
+        assert indices(list(ld)) == first  # an epoch's order is a function of (seed, epoch)
+
+
+def test_state_saved_on_an_epochs_last_batch_resumes_at_the_next_epoch(toy_server
+                                                                       ) -> None:
+    with loader(toy_server) as ld:
+        ld.set_epoch(3)
+        for _ in ld:
+            state = ld.state_dict()  # the last one is taken inside the epoch's last step
+        following = indices(list(ld))
+    assert (state["epoch"], state["next_batch"]) == (4, 0)
+    with loader(toy_server) as resumed:
+        resumed.load_state_dict(state)
+        resumed.set_epoch(state["epoch"])
+        assert indices(list(resumed)) == following
 
 
 def test_state_dict_of_other_coordinates_is_refused(toy_server: ServerProcess) -> None:
