@@ -142,7 +142,7 @@ class RemoteLoader:
     # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
         total = len(self)
-        if self._next >= total:  # finished (a state saved on an epoch's last batch, say)
+        if self._next and self._next >= total:  # finished (saved on an epoch's last batch)
             self._epoch, self._next = self._epoch + 1, 0
         stream = self._open()
         try:

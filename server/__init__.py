@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Config", "ConfigError", "ServerProcess", "load_config", "serve", "write_config"]
+__all__ = ["Config", "ConfigError", "ServerProcess", "StartError", "load_config", "serve",
+           "write_config"]
 
 
 def __getattr__(name: str) -> Any:
@@ -21,6 +22,10 @@ def __getattr__(name: str) -> Any:
         from . import _config
 
         return getattr(_config, name)
+    if name == "StartError":
+        from ._workers import StartError
+
+        return StartError
     if name in ("ServerProcess", "write_config"):
         from . import _process
 

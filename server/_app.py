@@ -72,12 +72,14 @@ async def serve(config: Config) -> None:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
         # One machine-readable line: tests and scripts wait on it instead of sleeping.
-        print(json.dumps({"event": "ready", "grpc_port": port, "http_port": http.port,
-                          "host": settings.host, "workers": settings.worker_count,
-                          "datasets": sorted(meta)}), flush=True)
-        log.info("serving %s on %s (gRPC), port %d (HTTP) with %d workers",
-                 ", ".join(sorted(meta)), grpc_address(settings.host, port), http.port,
-                 settings.worker_count)
+        # Not printed when a signal came during the start: that server is about to stop.
+        if not stop.is_set():
+            print(json.dumps({"event": "ready", "grpc_port": port, "http_port": http.port,
+                              "host": settings.host, "workers": settings.worker_count,
+                              "datasets": sorted(meta)}), flush=True)
+            log.info("serving %s on %s (gRPC), port %d (HTTP) with %d workers",
+                     ", ".join(sorted(meta)), grpc_address(settings.host, port), http.port,
+                     settings.worker_count)
         await stop.wait()
 
         log.info("shutting down: draining streams for up to %.1fs", settings.grace_seconds)

@@ -152,12 +152,13 @@ class WorkerPool:
         self._wake_w.send_bytes(b"x")
         if self._thread:
             self._thread.join(timeout=30)
-        for w in self._workers:
+        workers = list(self._workers)
+        for w in workers:
             try:
                 w.conn.send(None)
             except OSError:
                 pass
-        for w in self._workers:
+        for w in workers:
             w.process.join(timeout=10)
             if w.process.is_alive():
                 w.process.kill()
@@ -216,7 +217,12 @@ class WorkerPool:
                     with self._lock:
                         if self._closing:
                             return
-                    self._replace(w)
+                    if w.ready:
+                        self._replace(w)
+                    else:  # died while starting: replacing it again would loop forever
+                        log.error("a replacement worker exited with code %s while starting; "
+                                  "the pool shrinks", w.process.exitcode)
+                        self._remove(w)
 
     def _assign(self) -> None:
         with self._lock:
@@ -248,8 +254,9 @@ class WorkerPool:
             w.ready = True
             return
         if kind == "failed":
-            log.error("a replacement worker failed to start, the pool shrinks: %s", msg[1])
-            self._remove(w)
+            if not self._closing:
+                log.error("a replacement worker failed to start, the pool shrinks: %s", msg[1])
+                self._remove(w)
             return
         task = w.tasks.pop(msg[1], None)
         fut = task[2] if task else None

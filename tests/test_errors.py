@@ -169,3 +169,19 @@ def test_list_and_describe(toy_server) -> None:
     assert fields == {"x": ("float32", [3]), "tokens": ("uint8", [2, 3]), "label": ("int64", []),
                       "weight": ("float64", []), "flag": ("bool", []), "small": ("int16", []),
                       "sample_index": ("int64", [])}
+
+
+def test_workers_that_cannot_restart_fail_batches_instead_of_looping(start_server,
+                                                                     tmp_path) -> None:
+    opens = tmp_path / "opens.log"
+    server = start_server({"once": {"format": "python", "factory": "toy_datasets:toy",
+                                    "options": {"n": 40, "die_at": 5, "opens_log": str(opens),
+                                                "max_opens": 1}}}, workers=1)
+    for expected in ("worker process died", "no worker process"):
+        with pytest.raises(RemoteError) as info:
+            with RemoteLoader(server.address, "once", batch_size=4, shuffle=False,
+                              output="numpy", timeout=60) as ld:
+                list(ld)
+        assert info.value.code == grpc.StatusCode.INTERNAL
+        assert expected in info.value.details
+    assert opens.read_text().count("open") == 2  # the first worker and one replacement

@@ -14,7 +14,14 @@ class Toy:
     """Sample i is a deterministic function of i: arrays of several dtypes and plain numbers."""
 
     def __init__(self, n: int = 100, dim: int = 3, fail_at: list[int] | None = None,
-                 die_at: int | None = None, huge_at: int | None = None) -> None:
+                 die_at: int | None = None, huge_at: int | None = None,
+                 opens_log: str | None = None, max_opens: int = 0) -> None:
+        if opens_log:  # crash while opening, once max_opens processes have opened it
+            with open(opens_log, "a") as log:
+                log.write("open\n")
+            with open(opens_log) as log:
+                if len(log.readlines()) > max_opens:
+                    os._exit(3)
         self.n, self.dim = n, dim
         self.fail_at = set(fail_at or ())
         self.die_at = die_at
