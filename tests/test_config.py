@@ -20,6 +20,13 @@ def serve(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
         capture_output=True, text=True, timeout=90, env={**os.environ, **server_env()})
 
 
+def write(tmp_path: Path, text: str = "datasets: {a: {format: python, factory: "
+          "'toy_datasets:toy'}}") -> Path:
+    config = tmp_path / "c.yaml"
+    config.write_text(text)
+    return config
+
+
 @pytest.mark.parametrize(("text", "expected"), [
     ("datasets: {}", ["datasets:", "at least 1"]),
     ("server: {max_credits: 0}\ndatasets: {a: {format: python, factory: 'm:f'}}",
@@ -54,16 +61,13 @@ def test_missing_config_file(tmp_path: Path) -> None:
 
 
 def test_bad_command_line_value_is_checked_like_the_file(tmp_path: Path) -> None:
-    config = tmp_path / "ok.yaml"
-    config.write_text("datasets: {a: {format: python, factory: 'toy_datasets:toy'}}")
-    result = serve(config, "--workers", "0")
+    result = serve(write(tmp_path), "--workers", "0")
     assert result.returncode == 2 and "server.workers:" in result.stderr
 
 
 def test_a_dataset_whose_first_sample_fails_stops_every_worker(tmp_path: Path) -> None:
-    config = tmp_path / "c.yaml"
-    config.write_text("datasets:\n  bad: {format: python, factory: 'toy_datasets:toy', "
-                      "options: {fail_at: [0]}}\n")
+    config = write(tmp_path, "datasets:\n  bad: {format: python, factory: 'toy_datasets:toy', "
+                             "options: {fail_at: [0]}}\n")
     result = serve(config, "--workers", "3")  # must exit, not wait for the workers that did start
     assert result.returncode == 1
     assert f"cannot start {config}: dataset 'bad': SampleError: sample 0:" in result.stderr
@@ -71,8 +75,7 @@ def test_a_dataset_whose_first_sample_fails_stops_every_worker(tmp_path: Path) -
 
 def test_a_taken_port_is_one_clear_line(tmp_path: Path, start_server) -> None:
     running = start_server({"toy": TOY_DATASETS["toy"]})
-    config = tmp_path / "c.yaml"
-    config.write_text("datasets: {a: {format: python, factory: 'toy_datasets:toy'}}")
+    config = write(tmp_path)
     for flag, port, what in [("--port", running.ready["grpc_port"], "gRPC"),
                              ("--http-port", running.ready["http_port"], "HTTP")]:
         result = serve(config, "--workers", "1", flag, str(port))
@@ -82,16 +85,13 @@ def test_a_taken_port_is_one_clear_line(tmp_path: Path, start_server) -> None:
 
 
 def test_a_bad_log_level_is_a_usage_error(tmp_path: Path) -> None:
-    config = tmp_path / "c.yaml"
-    config.write_text("datasets: {a: {format: python, factory: 'toy_datasets:toy'}}")
-    result = serve(config, "--log-level", "LOUD")
+    result = serve(write(tmp_path), "--log-level", "LOUD")
     assert result.returncode == 2 and "--log-level" in result.stderr
 
 
 def test_a_dataset_that_cannot_open_stops_the_start(tmp_path: Path) -> None:
-    config = tmp_path / "c.yaml"
-    config.write_text("datasets:\n  good: {format: python, factory: 'toy_datasets:toy'}\n"
-                      "  broken: {format: python, factory: 'no_such_module:make'}\n")
+    config = write(tmp_path, "datasets:\n  good: {format: python, factory: 'toy_datasets:toy'}\n"
+                             "  broken: {format: python, factory: 'no_such_module:make'}\n")
     result = serve(config, "--workers", "1")
     assert result.returncode == 1
     assert f"cannot start {config}: dataset 'broken'" in result.stderr

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -32,14 +33,19 @@ def framed(start_server_module):
     return start_server_module(NOISE, server={"frame_bytes": FRAME})
 
 
-def test_a_batch_travels_as_ordered_frames_of_ordinary_protobuf(framed) -> None:
+def noise_stream(channel: grpc.Channel, batch_indices: list[int]) -> Any:
+    """A raw StreamBatches call for batches of 3 noise samples, in dataset order."""
     coords = pb.Coordinates(dataset="noise", seed=0, epoch=0, shuffle=False, rank=0,
                             world_size=1, batch_size=3, drop_last=True)
+    method = channel.stream_stream("/stoker.v1.DataService/StreamBatches",
+                                   request_serializer=pb.StreamRequest.SerializeToString)
+    return method(iter([pb.StreamRequest(coordinates=coords, batch_indices=batch_indices)]),
+                  timeout=60)
+
+
+def test_a_batch_travels_as_ordered_frames_of_ordinary_protobuf(framed) -> None:
     with grpc.insecure_channel(framed.address) as channel:
-        call = channel.stream_stream("/stoker.v1.DataService/StreamBatches",
-                                     request_serializer=pb.StreamRequest.SerializeToString)
-        raw = list(call(iter([pb.StreamRequest(coordinates=coords, batch_indices=[1])]),
-                        timeout=60))
+        raw = list(noise_stream(channel, [1]))
     frames = [pb.BatchFrame.FromString(r) for r in raw]
     total = frames[0].payload_bytes
     assert len(frames) == -(-total // FRAME) > 1
@@ -67,13 +73,8 @@ def test_reassembled_batches_equal_the_samples(framed, output: str) -> None:
 
 
 def test_a_stream_cancelled_mid_batch_frees_it_and_the_server_goes_on(framed) -> None:
-    coords = pb.Coordinates(dataset="noise", seed=0, epoch=0, shuffle=False, rank=0,
-                            world_size=1, batch_size=3, drop_last=True)
     with grpc.insecure_channel(framed.address) as channel:
-        method = channel.stream_stream("/stoker.v1.DataService/StreamBatches",
-                                       request_serializer=pb.StreamRequest.SerializeToString)
-        call = method(iter([pb.StreamRequest(coordinates=coords, batch_indices=[0, 1])]),
-                      timeout=60)
+        call = noise_stream(channel, [0, 1])
         first = pb.BatchFrame.FromString(next(call))
         assert first.offset == 0 and first.payload_bytes > FRAME  # more frames were to come
         call.cancel()
