@@ -20,13 +20,8 @@ from stoker.v1 import stoker_pb2_grpc as pb_grpc
 
 from ._errors import RemoteError
 from ._frames import Assembled, numpy_views
-from ._stream import BatchStream
-
-# Servers send frames of at most 32 MiB (server config limit); leave room for the header.
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 4 << 20),
-]
+from ._scheduler import FATAL, Scheduler
+from ._servers import ServerSet
 
 
 def _default_rank_world() -> tuple[int, int]:
@@ -61,10 +56,6 @@ class RemoteLoader:
                  rank: int | None = None, world_size: int | None = None,
                  device: Any = None, output: str = "torch", prefetch: int = 8,
                  timeout: float = 300.0) -> None:
-        addresses = [address] if isinstance(address, str) else list(address)
-        if len(addresses) != 1:
-            raise NotImplementedError(
-                f"RemoteLoader takes one server address for now, got {len(addresses)}")
         if output not in ("torch", "numpy"):
             raise ValueError(f"output must be 'torch' or 'numpy', got {output!r}")
         if output == "numpy" and device is not None:
@@ -75,7 +66,8 @@ class RemoteLoader:
             default_rank, default_world = _default_rank_world()
             rank = default_rank if rank is None else rank
             world_size = default_world if world_size is None else world_size
-        self.address = addresses[0]
+        self._servers = ServerSet(address)
+        self.address = self._servers.describe()
         self.dataset = dataset
         self._coords = dict(dataset=dataset, seed=seed, shuffle=shuffle, rank=rank,
                             world_size=world_size, batch_size=batch_size, drop_last=drop_last)
@@ -91,11 +83,9 @@ class RemoteLoader:
             # prefetch batches can wait in pinned buffers, plus one being filled and one
             # whose copy to the device is still running.
             self._feed = DeviceFeed(device, max_buffers=prefetch + 2)
-        self._channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
-        self._stub = pb_grpc.DataServiceStub(self._channel)
         self._describe: pb.DescribeDatasetResponse | None = None
-        self._streams: set[BatchStream] = set()
-        self._stats = {"batches": 0, "bytes": 0, "wait_seconds": 0.0}
+        self._scheduler: Scheduler | None = None
+        self._stats = {"batches": 0, "bytes": 0, "wait_seconds": 0.0, "failovers": 0}
         self._started = time.perf_counter()
 
     # -- positions -------------------------------------------------------------------------
@@ -107,14 +97,32 @@ class RemoteLoader:
         return self.describe().batches_per_epoch
 
     def describe(self) -> pb.DescribeDatasetResponse:
-        """The dataset's fields and sizes under these coordinates (asked once, then cached)."""
+        """The dataset's fields and sizes under these coordinates (asked once, then cached).
+
+        Any server will do: they are tried in turn, with backoff, for up to `timeout` s."""
         if self._describe is None:
-            try:
-                self._describe = self._stub.DescribeDataset(
-                    pb.DescribeDatasetRequest(coordinates=self.coordinates()),
-                    timeout=self._timeout)
-            except grpc.RpcError as e:
-                raise RemoteError.from_rpc(e, self.address) from None
+            deadline = time.monotonic() + self._timeout
+            errors: dict[str, str] = {}
+            pause = 0.05
+            while True:
+                for server in list(self._servers.servers.values()):
+                    try:
+                        self._describe = pb_grpc.DataServiceStub(server.channel).DescribeDataset(
+                            pb.DescribeDatasetRequest(coordinates=self.coordinates()),
+                            timeout=min(10.0, self._timeout))
+                        return self._describe
+                    except grpc.RpcError as e:
+                        err = RemoteError.from_rpc(e, server.address)
+                        if err.code in FATAL:
+                            raise err from None
+                        errors[server.address] = str(err)
+                if time.monotonic() + pause > deadline:
+                    raise RemoteError(grpc.StatusCode.UNAVAILABLE,
+                                      f"no server answered within {self._timeout:g}s: "
+                                      + "; ".join(errors.values()), self.address)
+                time.sleep(pause)  # every server refused: back off before the next round
+                pause = min(pause * 2, 2.0)
+                self._servers.refresh(time.monotonic())
         return self._describe
 
     def set_epoch(self, epoch: int) -> None:
@@ -144,17 +152,14 @@ class RemoteLoader:
         total = len(self)
         if self._next and self._next >= total:  # finished (saved on an epoch's last batch)
             self._epoch, self._next = self._epoch + 1, 0
-        stream = self._open()
+        scheduler = Scheduler(self._servers, self.coordinates(), total, self._next,
+                              self._prefetch, self._timeout, self._allocate, self._finish)
+        self._scheduler = scheduler
         try:
-            credited = min(self._next + self._prefetch, total)
-            stream.credit(range(self._next, credited))
             while self._next < total:
                 t0 = time.perf_counter()
-                batch = stream.take(self._next, self._timeout)
+                batch = scheduler.take(self._next)
                 self._stats["wait_seconds"] += time.perf_counter() - t0
-                if credited < total:
-                    stream.credit([credited])
-                    credited += 1
                 if self._feed is not None:
                     batch = self._feed.hand_over(*batch)
                 self._next += 1
@@ -162,15 +167,10 @@ class RemoteLoader:
                 yield batch
             self._epoch, self._next = self._epoch + 1, 0
         finally:
-            self._stats["bytes"] += stream.bytes_received
-            stream.close()
-            self._streams.discard(stream)
-
-    def _open(self) -> BatchStream:
-        stream = BatchStream(self._channel, self.address, self.coordinates(), self._allocate,
-                             self._finish)
-        self._streams.add(stream)
-        return stream
+            scheduler.close()
+            self._scheduler = None
+            self._stats["bytes"] += scheduler.bytes_received
+            self._stats["failovers"] += scheduler.failovers
 
     def _allocate(self, nbytes: int) -> tuple[Any, np.ndarray]:
         if self._feed is not None:
@@ -190,22 +190,26 @@ class RemoteLoader:
 
     # -- telemetry and lifecycle -----------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """batches and bytes received, seconds the caller waited for data, batches/s since
-        the loader was made; with a CUDA device, how many pinned buffers were allocated."""
-        live = sum(s.bytes_received for s in self._streams)
+        """batches handed out, bytes received (batches fetched ahead included), seconds the
+        caller waited for data, batches/s since the loader was made, failovers (times a
+        server's batches were asked of another), each server's state and figures; with a
+        CUDA device, how many pinned buffers were allocated."""
+        live = self._scheduler
         elapsed = time.perf_counter() - self._started
-        stats = {**self._stats, "bytes": self._stats["bytes"] + live,
+        stats = {**self._stats,
+                 "bytes": self._stats["bytes"] + (live.bytes_received if live else 0),
+                 "failovers": self._stats["failovers"] + (live.failovers if live else 0),
                  "batches_per_second": self._stats["batches"] / elapsed if elapsed else 0.0,
-                 "epoch": self._epoch, "next_batch": self._next}
+                 "epoch": self._epoch, "next_batch": self._next,
+                 "servers": {a: s.stats() for a, s in self._servers.servers.items()}}
         if self._feed is not None:
             stats["pinned_allocations"] = self._feed.pool.allocations
         return stats
 
     def close(self) -> None:
-        for stream in list(self._streams):
-            stream.close()
-        self._streams.clear()
-        self._channel.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+        self._servers.close()
 
     def __enter__(self) -> RemoteLoader:
         return self

@@ -1,8 +1,9 @@
 """The server process's lifecycle: start in order, serve, shut down in steps.
 
 start:    worker processes (they open the datasets) -> gRPC port -> HTTP port -> "ready" line
-shutdown: (on SIGTERM or SIGINT) health NOT_SERVING -> stop accepting, let streams finish
-          within the grace period -> stop HTTP -> stop workers (their shared memory is freed)
+shutdown: (on SIGTERM or SIGINT) health NOT_SERVING -> new credits answered UNAVAILABLE
+          in-band (clients ask other servers) -> stop accepting streams, let the batches in
+          flight finish within the grace period -> stop HTTP -> stop workers (shm freed)
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ async def serve(config: Config) -> None:
 
         log.info("shutting down: draining streams for up to %.1fs", settings.grace_seconds)
         await health_servicer.enter_graceful_shutdown()
+        service.draining = True  # credits from now on are answered UNAVAILABLE, in-band
         await server.stop(settings.grace_seconds)
         http.stop()
     finally:

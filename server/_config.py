@@ -73,7 +73,9 @@ class ServerSettings(_Strict):
     workers: int | None = Field(None, ge=1, description="worker processes; default one per core")
     # Credits one stream may hold at once: with the batch size, this bounds server memory.
     max_credits: int = Field(64, ge=1, le=4096)
-    frame_bytes: int = Field(4 << 20, ge=4096, le=MAX_FRAME_BYTES)
+    # 4 MiB less room for the frame's header: a frame then fits the 4 MiB receive limit that
+    # gRPC clients have by default, so any gRPC client can read the stream unconfigured.
+    frame_bytes: int = Field((4 << 20) - (64 << 10), ge=4096, le=MAX_FRAME_BYTES)
     grace_seconds: float = Field(10.0, ge=0)
 
     @property

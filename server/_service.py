@@ -63,6 +63,7 @@ class DataService:
         self._pool = pool
         self._meta = meta
         self._settings = config.server
+        self.draining = False
 
     def handler(self) -> grpc.GenericRpcHandler:
         """Method handlers; StreamBatches sends frames this module has already serialized."""
@@ -195,6 +196,10 @@ class DataService:
                     except CoordinateError as e:
                         raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
                     state["outstanding"] += 1
+                    if self.draining:  # finish what was asked before, take nothing new
+                        ready.put_nowait(_Failed(index, coords.epoch, grpc.StatusCode.UNAVAILABLE,
+                                                 f"batch {index}: server draining, ask another"))
+                        continue
                     job = asyncio.create_task(self._build(coords, index, indices, ready))
                     jobs.add(job)
                     job.add_done_callback(jobs.discard)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import queue
 import signal
 import time
 import urllib.request
@@ -14,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stoker.client import RemoteError, RemoteLoader
 from stoker.server import ServerProcess, write_config
+from stoker.v1 import stoker_pb2 as pb
 
 from conftest import TOY_DATASETS, server_env
 
@@ -38,19 +40,36 @@ def test_healthz_answers_on_the_http_port(tmp_path: Path) -> None:
             assert resp.status == 200 and json.load(resp) == {"status": "ok"}
 
 
+def wait_for_segments(server: ServerProcess, timeout: float = 30.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if found := segments(server):
+            return found
+        time.sleep(0.01)
+    raise AssertionError("no batch ever waited in shared memory")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_cleanly_and_frees_shared_memory(tmp_path: Path, sig: int) -> None:
-    server = start(tmp_path)
+    big = {"format": "python", "factory": "toy_datasets:Noise",
+           "options": {"n": 40, "shape": [512, 512]}}  # 1 MiB samples, 4 MiB batches
+    config = write_config(tmp_path / "config.yaml",
+                          {"server": {"grace_seconds": 1}, "datasets": {"big": big}})
+    server = ServerProcess(config, workers=2, env=server_env()).start()
+    coords = pb.Coordinates(dataset="big", seed=0, epoch=0, shuffle=False, rank=0,
+                            world_size=1, batch_size=4, drop_last=True)
     try:
-        with RemoteLoader(server.address, "toy", batch_size=4, output="numpy",
-                          timeout=60) as loader:
-            for k, _ in enumerate(loader):
-                if k == 3:
-                    # Batches credited ahead now wait in shared memory, named for this server.
-                    assert SHM.is_dir() and segments(server)
-                    break
+        with grpc.insecure_channel(server.address) as channel:
+            call = channel.stream_stream(
+                "/stoker.v1.DataService/StreamBatches",
+                request_serializer=pb.StreamRequest.SerializeToString)(iter([pb.StreamRequest(
+                    coordinates=coords, batch_indices=list(range(10)))]), timeout=60)
+            next(call)  # then read no more: flow control holds built batches at the server
+            assert SHM.is_dir() and wait_for_segments(server)
+            code = server.stop(sig)
     finally:
-        code = server.stop(sig)
+        if server.proc and server.proc.poll() is None:
+            server.stop()
     assert code == 0, server.stderr
     assert json.loads(server.stdout[-1]) == {"event": "stopped"}
     assert segments(server) == []
@@ -73,18 +92,37 @@ def wait_until_refused(address: str, timeout: float = 30.0) -> grpc.StatusCode:
     raise AssertionError("the server kept accepting new calls while draining")
 
 
-def test_sigterm_drains_streams_in_flight_and_refuses_new_ones(tmp_path: Path) -> None:
-    server = start(tmp_path, grace_seconds=60)
-    with RemoteLoader(server.address, "toy", batch_size=1, prefetch=2, shuffle=False,
-                      output="numpy", timeout=60) as loader:
-        got = []
-        it = iter(loader)
-        got.append(next(it)["sample_index"][0])
+def test_sigterm_finishes_batches_in_flight_and_refuses_new_work(tmp_path: Path) -> None:
+    slow = {**TOY_DATASETS["toy"], "options": {"n": 20, "delay": 0.2}}
+    config = write_config(tmp_path / "config.yaml",
+                          {"server": {"grace_seconds": 60}, "datasets": {"slow": slow}})
+    server = ServerProcess(config, workers=1, env=server_env()).start()
+    coords = pb.Coordinates(dataset="slow", seed=0, epoch=0, shuffle=False, rank=0,
+                            world_size=1, batch_size=1, drop_last=True)
+    requests: queue.SimpleQueue = queue.SimpleQueue()
+    requests.put(pb.StreamRequest(coordinates=coords, batch_indices=[0, 1, 2]))
+    with grpc.insecure_channel(server.address) as channel:
+        call = channel.stream_stream("/stoker.v1.DataService/StreamBatches",
+                                     request_serializer=pb.StreamRequest.SerializeToString)(
+            iter(requests.get, None), timeout=60)
+        frames = iter(call)
+        first = pb.BatchFrame.FromString(next(frames))  # the server has all three credits
         server.proc.send_signal(signal.SIGTERM)
         wait_until_refused(server.address)
         with pytest.raises(RemoteError) as refused:
-            list(RemoteLoader(server.address, "toy", batch_size=1, timeout=30))
+            list(RemoteLoader(server.address, "slow", batch_size=1, timeout=2))
         assert refused.value.code == grpc.StatusCode.UNAVAILABLE
-        got += [b["sample_index"][0] for b in it]  # the stream in flight finishes its epoch
-    assert got == list(range(103))
+        requests.put(pb.StreamRequest(batch_indices=[3]))  # asked after the signal
+        answers = {first.batch_index: first}
+        while len(answers) < 4:
+            frame = pb.BatchFrame.FromString(next(frames))
+            answers[frame.batch_index] = frame
+        stopping = time.monotonic()
+        requests.put(None)
+        call.cancel()
+    # The batches in flight were finished; the one asked later was refused, in-band.
+    assert all(not answers[i].HasField("error") for i in (0, 1, 2))
+    assert answers[3].error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+    # The client let go: the server need not wait out its 60 s grace period.
     assert server.stop() == 0, server.stderr
+    assert time.monotonic() - stopping < 30

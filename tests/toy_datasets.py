@@ -6,6 +6,7 @@ Servers started by the tests have this folder on PYTHONPATH (see conftest.py).
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 
@@ -15,7 +16,8 @@ class Toy:
 
     def __init__(self, n: int = 100, dim: int = 3, fail_at: list[int] | None = None,
                  die_at: int | None = None, huge_at: int | None = None,
-                 opens_log: str | None = None, max_opens: int = 0) -> None:
+                 opens_log: str | None = None, max_opens: int = 0,
+                 delay: float = 0.0) -> None:
         if opens_log:  # crash while opening, once max_opens processes have opened it
             with open(opens_log, "a") as log:
                 log.write("open\n")
@@ -23,6 +25,7 @@ class Toy:
                 if len(log.readlines()) > max_opens:
                     os._exit(3)
         self.n, self.dim = n, dim
+        self.delay = delay  # seconds of simulated work per sample
         self.fail_at = set(fail_at or ())
         self.die_at = die_at
         self.huge_at = huge_at
@@ -31,6 +34,8 @@ class Toy:
         return self.n
 
     def __getitem__(self, i: int) -> dict:
+        if self.delay:
+            time.sleep(self.delay)
         if i in self.fail_at:
             raise ValueError(f"cannot decode record {i}")
         if i == self.die_at:

@@ -1,0 +1,222 @@
+"""Which server computes which batch, and what happens when one fails: one epoch's pass.
+
+The window [next, next + window) of batch indices is credited across the servers; each index
+goes to the usable server with the fewest outstanding credits (ties: the lowest latency), so a
+faster server, freeing its credits sooner, gets more. Batches are handed out in index order.
+
+Exactly once rests on batches being pure functions of their coordinates: any index may be
+asked of any server, any number of times, and the first answer wins. So:
+- a stream that fails (server killed, draining, unreachable) puts its indices back, and they
+  go to other servers; the failed server is retried with backoff;
+- a server that holds credits and delivers nothing for a while is "stalled": its indices are
+  asked of others too, and it gets no new ones until it delivers again;
+- the index the loop waits on, outstanding too long at its server, is also asked of another
+  server (a hedge); the duplicate that may follow is dropped;
+- an in-band UNAVAILABLE (a draining server refusing new credits) sends that index elsewhere.
+Errors that any server would repeat (NOT_FOUND, INVALID_ARGUMENT, DATA_LOSS...) are raised.
+
+Threading: take() and close() run on the loop's thread; receive threads call _on_batch and
+_on_end. All state is guarded by one condition variable.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from stoker.v1 import stoker_pb2 as pb
+
+from ._errors import RemoteError
+from ._frames import Assembled
+from ._servers import BACKOFF_FIRST, Server, ServerSet
+from ._stream import BatchStream
+
+# Codes every server would answer the same way: retrying elsewhere cannot help.
+FATAL = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
+         grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTICATED,
+         grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED,
+         grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE}
+BATCH_RETRIES = 2  # an INTERNAL batch error (a worker died) is tried this many more times
+TICK = 0.1  # while the loop waits: how often to look for stalls, hedges, retries
+HEDGE_MIN, STALL_MIN = 0.5, 2.0  # seconds
+
+
+class Scheduler:
+    def __init__(self, servers: ServerSet, coordinates: pb.Coordinates, total: int, start: int,
+                 window: int, timeout: float, allocate: Callable[[int], tuple[Any, Any]],
+                 finish: Callable[[Assembled], Any]) -> None:
+        self._servers = servers
+        self._coords = coordinates
+        self._total = total
+        self._next = start
+        self._window = window
+        self._timeout = timeout
+        self._allocate = allocate
+        self._finish = finish
+        self._cond = threading.Condition()
+        self._ready: dict[int, Any] = {}
+        self._holders: dict[int, set[Server]] = {}  # index -> servers asked for it
+        self._hedged: set[int] = set()
+        self._retries: dict[int, int] = {}
+        self._fatal: RemoteError | None = None
+        self._closed = False
+        self._progress = time.monotonic()
+        self.failovers = 0
+        self.bytes_received = 0
+        with self._cond:
+            self._assign(time.monotonic())
+
+    # -- the loop's side -------------------------------------------------------------------
+    def take(self, index: int) -> Any:
+        """Batch `index` (the next one), waiting while servers fail and come back for up to
+        `timeout` seconds without progress."""
+        with self._cond:
+            while index not in self._ready:
+                if self._fatal is not None:
+                    raise self._fatal
+                now = time.monotonic()
+                if now - self._progress > self._timeout:
+                    raise self._no_server(index)
+                self._maintain(now, index)
+                self._cond.wait(TICK)
+            item = self._ready.pop(index)
+            self._next = index + 1
+            self._assign(time.monotonic())
+        if isinstance(item, RemoteError):
+            raise item
+        return item
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            streams = [s.stream for s in self._servers.servers.values() if s.stream]
+            for server in self._servers.servers.values():
+                server.stream = None
+                server.outstanding.clear()
+        for stream in streams:
+            stream.close()  # its receive thread reports on_end, which counts its bytes
+
+    def _no_server(self, index: int) -> RemoteError:
+        detail = "; ".join(f"{s.address}: {s.state}, last error: {s.last_error or 'none'}"
+                           for s in self._servers.servers.values())
+        return RemoteError(grpc.StatusCode.UNAVAILABLE,
+                           f"no server delivered batch {index} within {self._timeout:g}s of the "
+                           f"last progress ({detail})", self._servers.describe())
+
+    # -- scheduling (under the lock) -------------------------------------------------------
+    def _maintain(self, now: float, waiting_for: int) -> None:
+        self._servers.refresh(now)
+        for s in self._servers.servers.values():
+            if s.outstanding and s.state == "up":
+                patience = max(STALL_MIN, 10 * (s.latency or 0.0))
+                if now - s.last_progress > patience:
+                    s.state = "stalled"  # ask others for what it holds
+                    self.failovers += 1
+        self._assign(now)
+        # Hedge the batch the loop is waiting for.
+        holders = self._holders.get(waiting_for, set())
+        if waiting_for not in self._hedged and holders:
+            asked = min(s.outstanding.get(waiting_for, now) for s in holders)
+            fastest = min((s.latency for s in self._servers.servers.values()
+                           if s.latency is not None), default=0.0)
+            if now - asked > max(HEDGE_MIN, 4 * fastest):
+                if self._credit(waiting_for, now, exclude=holders):
+                    self._hedged.add(waiting_for)
+
+    def _assign(self, now: float) -> None:
+        """Credit every index in the window that no live server holds."""
+        if self._closed:
+            return
+        for index in range(self._next, min(self._next + self._window, self._total)):
+            if index in self._ready:
+                continue
+            holders = self._holders.get(index)
+            if holders and any(s.state == "up" for s in holders):
+                continue
+            self._credit(index, now, exclude=holders or set())
+
+    def _credit(self, index: int, now: float, exclude: set[Server]) -> bool:
+        candidates = [s for s in self._servers.servers.values()
+                      if s not in exclude and s.usable(now)]
+        if not candidates:
+            return False
+        server = min(candidates, key=lambda s: (len(s.outstanding), s.latency or 0.0))
+        if server.stream is None:
+            server.state = "up"
+            server.stream = BatchStream(server.channel, server.address, self._coords,
+                                        self._allocate, self._finish, self._on_batch,
+                                        self._on_end)
+        if not server.outstanding:
+            server.last_progress = now  # patience runs from when it has work
+        server.outstanding[index] = now
+        self._holders.setdefault(index, set()).add(server)
+        server.stream.credit([index])
+        return True
+
+    def _server_of(self, stream: BatchStream) -> Server | None:
+        server = self._servers.servers.get(stream.address)
+        return server if server is not None and server.stream is stream else None
+
+    # -- receive threads -------------------------------------------------------------------
+    def _on_batch(self, stream: BatchStream, index: int, item: Any) -> None:
+        with self._cond:
+            server = self._server_of(stream)
+            if server is None or self._closed:
+                return  # a stream we already gave up on
+            now = time.monotonic()
+            asked = server.outstanding.pop(index, None)
+            if asked is not None:
+                server.record_latency(now - asked)
+            server.last_progress = now
+            server.backoff = BACKOFF_FIRST
+            if server.state == "stalled":
+                server.state = "up"
+            if server.state == "draining" and not server.outstanding:
+                # Done with what it took: let go, so its shutdown need not wait for us.
+                server.stream = None
+                server.failed("draining", now)
+                stream.close(wait=False)
+            if index < self._next or index in self._ready:
+                return  # a duplicate: another server answered first
+            retry = isinstance(item, RemoteError) and (
+                item.code == grpc.StatusCode.UNAVAILABLE or (
+                    item.code == grpc.StatusCode.INTERNAL
+                    and self._retries.get(index, 0) < BATCH_RETRIES))
+            if retry:
+                if item.code == grpc.StatusCode.UNAVAILABLE:
+                    server.state = "draining"  # it refuses new credits: send none
+                else:
+                    self._retries[index] = self._retries.get(index, 0) + 1
+                self._holders.get(index, set()).discard(server)
+                self._assign(now)
+                return
+            server.batches += 1
+            self._ready[index] = item
+            self._holders.pop(index, None)
+            self._progress = now
+            self._cond.notify_all()
+
+    def _on_end(self, stream: BatchStream, error: RemoteError | None) -> None:
+        with self._cond:
+            self.bytes_received += stream.bytes_received
+            server = self._server_of(stream)
+            if server is None or self._closed or error is None:
+                return
+            if error.code in FATAL:
+                self._fatal = error
+                self._cond.notify_all()
+                return
+            now = time.monotonic()
+            for index in server.outstanding:
+                self._holders.get(index, set()).discard(server)
+            if server.outstanding:
+                self.failovers += 1
+            server.outstanding.clear()
+            server.failed(error, now)
+            self._assign(now)
+            self._cond.notify_all()
+

@@ -1,0 +1,140 @@
+"""The data servers a loader may use: their addresses, channels and health as seen from here.
+
+Addresses are "host:port" strings, or one "dns:///name:port" target whose A/AAAA records are
+the servers (a Kubernetes headless service, `docker compose --scale`); it is re-resolved
+every RESOLVE_EVERY seconds, so servers added later are used and removed ones drained.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from ._stream import BatchStream
+
+RESOLVE_EVERY = 15.0
+BACKOFF_FIRST, BACKOFF_MAX = 0.05, 2.0
+
+# Servers send frames of at most 32 MiB (server config limit); leave room for the header.
+# Keepalive pings notice a server that stopped answering (frozen, or its host gone) even
+# while a stream waits quietly for a batch.
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 4 << 20),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
+    # Reconnect quickly after a restart: the scheduler does its own backoff between tries.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
+
+
+@dataclass(eq=False)
+class Server:
+    """One server. Fields are guarded by the scheduler's lock."""
+
+    address: str
+    channel: grpc.Channel
+    stream: BatchStream | None = None
+    outstanding: dict[int, float] = field(default_factory=dict)  # batch index -> credited at
+    state: str = "up"  # up | down (until retry_at) | draining | stalled | gone
+    retry_at: float = 0.0
+    backoff: float = BACKOFF_FIRST
+    last_error: str = ""
+    latency: float | None = None  # seconds from credit to batch, moving average
+    last_progress: float = 0.0
+    batches: int = 0
+    errors: int = 0
+
+    def usable(self, now: float) -> bool:
+        return self.state == "up" or (self.state == "down" and now >= self.retry_at)
+
+    def record_latency(self, seconds: float) -> None:
+        self.latency = seconds if self.latency is None else 0.8 * self.latency + 0.2 * seconds
+
+    def failed(self, error: Any, now: float) -> None:
+        self.state, self.stream = "down", None
+        self.last_error = str(error)
+        self.errors += 1
+        self.retry_at = now + self.backoff
+        self.backoff = min(self.backoff * 2, BACKOFF_MAX)
+
+    def stats(self) -> dict[str, Any]:
+        return {"state": self.state, "batches": self.batches, "errors": self.errors,
+                "latency_seconds": self.latency, "outstanding": len(self.outstanding),
+                "last_error": self.last_error}
+
+
+def parse_addresses(address: str | Sequence[str]) -> tuple[list[str], str | None]:
+    """(fixed addresses, dns target or None)."""
+    addresses = [address] if isinstance(address, str) else list(address)
+    if not addresses:
+        raise ValueError("address: give at least one 'host:port' or 'dns:///name:port'")
+    dns = [a for a in addresses if a.startswith("dns:")]
+    if dns and len(addresses) > 1:
+        raise ValueError(f"address: a dns: target stands alone, got {addresses}")
+    for a in addresses:
+        host, sep, port = a.removeprefix("dns:///").removeprefix("dns:").rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"address: expected 'host:port' or 'dns:///name:port', got {a!r}")
+    return (addresses, None) if not dns else ([], dns[0])
+
+
+def resolve(target: str) -> list[str]:
+    """The "ip:port" addresses a dns:///name:port target names now (sorted, deduplicated)."""
+    host, _, port = target.removeprefix("dns:///").removeprefix("dns:").rpartition(":")
+    infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    found = set()
+    for family, _, _, _, sockaddr in infos:
+        ip = sockaddr[0]
+        found.add(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
+    return sorted(found)
+
+
+class ServerSet:
+    """The current servers; re-resolves a dns target now and then. Not thread-safe: the
+    scheduler calls it under its lock."""
+
+    def __init__(self, address: str | Sequence[str]) -> None:
+        self._fixed, self._dns = parse_addresses(address)
+        self.servers: dict[str, Server] = {}
+        self._resolved_at = -RESOLVE_EVERY
+        self.refresh(time.monotonic())
+
+    def describe(self) -> str:
+        return self._dns or ", ".join(self._fixed)
+
+    def refresh(self, now: float) -> None:
+        if self._dns is None:
+            wanted = self._fixed
+        elif now - self._resolved_at >= RESOLVE_EVERY:
+            self._resolved_at = now
+            try:
+                wanted = resolve(self._dns)
+            except OSError:
+                return  # keep what we have; the name may come back
+        else:
+            return
+        for address in wanted:
+            server = self.servers.get(address)
+            if server is None:
+                channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                self.servers[address] = Server(address, channel, last_progress=now)
+            elif server.state == "gone":
+                server.state = "up"
+        for address, server in self.servers.items():
+            if address not in wanted and server.state != "gone":
+                server.state = "gone"  # no new credits; what it holds still counts
+
+    def close(self) -> None:
+        for server in self.servers.values():
+            if server.stream is not None:
+                server.stream.close(wait=False)
+            server.channel.close()
