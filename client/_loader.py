@@ -85,7 +85,8 @@ class RemoteLoader:
             self._feed = DeviceFeed(device, max_buffers=prefetch + 2)
         self._describe: pb.DescribeDatasetResponse | None = None
         self._scheduler: Scheduler | None = None
-        self._stats = {"batches": 0, "bytes": 0, "wait_seconds": 0.0, "failovers": 0}
+        self._stats = {"batches": 0, "bytes": 0, "wait_seconds": 0.0, "failovers": 0,
+                       "hedges": 0}
         self._started = time.perf_counter()
 
     # -- positions -------------------------------------------------------------------------
@@ -171,6 +172,7 @@ class RemoteLoader:
             self._scheduler = None
             self._stats["bytes"] += scheduler.bytes_received
             self._stats["failovers"] += scheduler.failovers
+            self._stats["hedges"] += scheduler.hedges
 
     def _allocate(self, nbytes: int) -> tuple[Any, np.ndarray]:
         if self._feed is not None:
@@ -192,13 +194,16 @@ class RemoteLoader:
     def stats(self) -> dict[str, Any]:
         """batches handed out, bytes received (batches fetched ahead included), seconds the
         caller waited for data, batches/s since the loader was made, failovers (times a
-        server's batches were asked of another), each server's state and figures; with a
+        server's batches were asked of another because it failed or stalled), hedges (times
+        the awaited batch was also asked of a second server), each server's state and
+        figures; with a
         CUDA device, how many pinned buffers were allocated."""
         live = self._scheduler
         elapsed = time.perf_counter() - self._started
         stats = {**self._stats,
                  "bytes": self._stats["bytes"] + (live.bytes_received if live else 0),
                  "failovers": self._stats["failovers"] + (live.failovers if live else 0),
+                 "hedges": self._stats["hedges"] + (live.hedges if live else 0),
                  "batches_per_second": self._stats["batches"] / elapsed if elapsed else 0.0,
                  "epoch": self._epoch, "next_batch": self._next,
                  "servers": {a: s.stats() for a, s in self._servers.servers.items()}}

@@ -66,6 +66,7 @@ class Scheduler:
         self._closed = False
         self._progress = time.monotonic()
         self.failovers = 0
+        self.hedges = 0
         self.bytes_received = 0
         with self._cond:
             self._assign(time.monotonic())
@@ -126,6 +127,7 @@ class Scheduler:
             if now - asked > max(HEDGE_MIN, 4 * fastest):
                 if self._credit(waiting_for, now, exclude=holders):
                     self._hedged.add(waiting_for)
+                    self.hedges += 1
 
     def _assign(self, now: float) -> None:
         """Credit every index in the window that no live server holds."""

@@ -1,0 +1,136 @@
+"""Several servers, and servers that fail: the sequence a trainer sees never changes.
+
+Every test compares the sample_index sequence element for element with a failure-free run.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stoker.client import RemoteLoader
+from stoker.server import ServerProcess, write_config
+
+from conftest import server_env
+
+# Slow enough (10 ms a sample) that faults land mid-epoch; 30 batches of 2.
+DATASETS = {"toy": {"format": "python", "factory": "toy_datasets:toy",
+                    "options": {"n": 60, "delay": 0.01}}}
+KW = dict(batch_size=2, seed=7, shuffle=True, output="numpy", prefetch=6, timeout=60)
+
+
+@pytest.fixture
+def servers(tmp_path: Path) -> Iterator[list[ServerProcess]]:
+    config = write_config(tmp_path / "config.yaml",
+                          {"server": {"grace_seconds": 2}, "datasets": DATASETS})
+    started: list[ServerProcess] = []
+
+    def start(port: int = 0) -> ServerProcess:
+        proc = ServerProcess(config, workers=1, port=port, env=server_env()).start()
+        started.append(proc)
+        return proc
+
+    yield start  # type: ignore[misc]
+    for proc in started:  # stop() also reaps the ones a test killed
+        if proc.proc is not None and proc.proc.poll() is None:
+            proc.proc.send_signal(signal.SIGCONT)
+        proc.stop()
+
+
+def reference(epoch: int = 0) -> list[list[int]]:
+    """The failure-free sequence, from the sampling rule itself (see test_sampling.py)."""
+    order = np.random.default_rng([KW["seed"], epoch]).permutation(60)
+    return [order[i : i + 2].tolist() for i in range(0, 60, 2)]
+
+
+def run(addresses: list[str], fault_at: int | None = None, fault=None) -> list[list[int]]:
+    got = []
+    with RemoteLoader(addresses, "toy", **KW) as loader:
+        for k, batch in enumerate(loader):
+            got.append(batch["sample_index"].tolist())
+            if k == fault_at:
+                fault()
+        stats = loader.stats()
+    if fault is not None:
+        assert stats["failovers"] + stats["hedges"] >= 1 or any(
+            s["errors"] for s in stats["servers"].values()), stats
+    return got
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_any_number_of_servers_gives_the_same_sequence(servers, n: int) -> None:
+    procs = [servers() for _ in range(n)]
+    with RemoteLoader([p.address for p in procs], "toy", **KW) as loader:
+        got = [b["sample_index"].tolist() for b in loader]
+        used = [s["batches"] for s in loader.stats()["servers"].values()]
+    assert got == reference()
+    assert len(used) == n and all(u > 0 for u in used)  # every server did some of the work
+
+
+@pytest.mark.parametrize(("n", "sig"), [(2, signal.SIGKILL), (3, signal.SIGKILL),
+                                        (2, signal.SIGTERM), (3, signal.SIGTERM),
+                                        (2, signal.SIGSTOP)])
+def test_a_server_failing_mid_epoch_loses_and_repeats_nothing(servers, n: int, sig) -> None:
+    procs = [servers() for _ in range(n)]
+    victim = procs[0].proc
+    got = run([p.address for p in procs], fault_at=5, fault=lambda: victim.send_signal(sig))
+    assert got == reference()
+
+
+def test_all_servers_down_then_one_back_completes_the_epoch(servers) -> None:
+    a, b = servers(), servers()
+    port = a.ready["grpc_port"]
+
+    def outage() -> None:
+        for p in (a, b):
+            p.proc.kill()
+            p.proc.wait()
+        servers(port=port)  # restarted on the same address, within the retry window
+
+    assert run([a.address, b.address], fault_at=8, fault=outage) == reference()
+
+
+def test_resume_with_a_different_number_of_servers(servers) -> None:
+    procs = [servers() for _ in range(3)]
+    with RemoteLoader([p.address for p in procs], "toy", **KW) as loader:
+        first = []
+        for batch in loader:
+            first.append(batch["sample_index"].tolist())
+            if len(first) == 11:
+                state = loader.state_dict()
+                break
+    with RemoteLoader(procs[2].address, "toy", **KW) as resumed:
+        resumed.load_state_dict(state)
+        rest = [b["sample_index"].tolist() for b in resumed]
+    assert first + rest == reference()
+
+
+def test_all_servers_gone_for_good_is_an_error_naming_them(servers) -> None:
+    a = servers()
+    address = a.address
+    with RemoteLoader(address, "toy", **{**KW, "timeout": 3}) as loader:
+        it = iter(loader)
+        next(it)
+        a.proc.kill()
+        a.proc.wait()
+        with pytest.raises(Exception) as info:
+            for _ in it:
+                pass
+    assert address in str(info.value) and "last error" in str(info.value)
+
+
+def test_a_dns_name_stands_for_its_servers(servers) -> None:
+    server = servers()
+    with RemoteLoader(f"dns:///localhost:{server.ready['grpc_port']}", "toy", **KW) as loader:
+        assert [b["sample_index"].tolist() for b in loader] == reference()
+        assert f"127.0.0.1:{server.ready['grpc_port']}" in loader.stats()["servers"]
+
+
+@pytest.mark.parametrize("address", ["nohost", "host:port", [], ["dns:///a:1", "b:2"]])
+def test_a_malformed_address_is_a_clear_error(address) -> None:
+    with pytest.raises(ValueError, match="address"):
+        RemoteLoader(address, "toy", batch_size=2)
