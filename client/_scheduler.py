@@ -13,7 +13,8 @@ asked of any server, any number of times, and the first answer wins. So:
 - the index the loop waits on, outstanding too long at its server, is also asked of another
   server (a hedge); the duplicate that may follow is dropped;
 - an in-band UNAVAILABLE (a draining server refusing new credits) sends that index elsewhere.
-Errors that any server would repeat (NOT_FOUND, INVALID_ARGUMENT, DATA_LOSS...) are raised.
+Errors that any server would repeat are raised: stream errors with a FATAL code, and in-band
+batch errors other than UNAVAILABLE and (up to BATCH_RETRIES times) INTERNAL, e.g. DATA_LOSS.
 
 Threading: take() and close() run on the loop's thread; receive threads call _on_batch and
 _on_end. All state is guarded by one condition variable.
@@ -43,6 +44,7 @@ FATAL = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
 BATCH_RETRIES = 2  # an INTERNAL batch error (a worker died) is tried this many more times
 TICK = 0.1  # while the loop waits: how often to look for stalls, hedges, retries
 HEDGE_MIN, STALL_MIN = 0.5, 2.0  # seconds
+DRAIN_RETRY = 1.0  # seconds before a server that drained is tried again
 
 
 class Scheduler:
@@ -76,11 +78,13 @@ class Scheduler:
         """Batch `index` (the next one), waiting while servers fail and come back for up to
         `timeout` seconds without progress."""
         with self._cond:
+            started = time.monotonic()
             while index not in self._ready:
                 if self._fatal is not None:
                     raise self._fatal
                 now = time.monotonic()
-                if now - self._progress > self._timeout:
+                # Time the loop spent elsewhere (evaluation, a checkpoint) does not count.
+                if now - max(self._progress, started) > self._timeout:
                     raise self._no_server(index)
                 self._maintain(now, index)
                 self._cond.wait(TICK)
@@ -177,10 +181,13 @@ class Scheduler:
             server.backoff = BACKOFF_FIRST
             if server.state == "stalled":
                 server.state = "up"
+            if isinstance(item, RemoteError) and item.code == grpc.StatusCode.UNAVAILABLE:
+                server.state = "draining"  # it refuses new credits: send none
             if server.state == "draining" and not server.outstanding:
-                # Done with what it took: let go, so its shutdown need not wait for us.
-                server.stream = None
-                server.failed("draining", now)
+                # Done with what it took: let go, so its shutdown need not wait for us, and
+                # try it again later (it may be restarting).
+                server.stream, server.state = None, "down"
+                server.retry_at, server.last_error = now + DRAIN_RETRY, "draining"
                 stream.close(wait=False)
             if index < self._next or index in self._ready:
                 return  # a duplicate: another server answered first
@@ -189,9 +196,7 @@ class Scheduler:
                     item.code == grpc.StatusCode.INTERNAL
                     and self._retries.get(index, 0) < BATCH_RETRIES))
             if retry:
-                if item.code == grpc.StatusCode.UNAVAILABLE:
-                    server.state = "draining"  # it refuses new credits: send none
-                else:
+                if item.code == grpc.StatusCode.INTERNAL:
                     self._retries[index] = self._retries.get(index, 0) + 1
                 self._holders.get(index, set()).discard(server)
                 self._assign(now)

@@ -33,6 +33,10 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
+    # Clients ping every 10 s to notice a frozen server; accept that (the default allows one
+    # ping per 5 minutes without data, and answers more with GOAWAY too_many_pings).
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.so_reuseport", 0),
 ]
 

@@ -30,3 +30,28 @@ def test_quick_benchmark_writes_both_systems(tmp_path: Path) -> None:
         assert system["batches_per_s"]["median"] > 0
     assert res["ratio_stoker_over_dataloader"]["batches_per_s_median"] > 0
     assert "ratio stoker / DataLoader" in result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_quick_wire_benchmark_measures_all_three(tmp_path: Path) -> None:
+    out = tmp_path / "wire.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "wire.py"), "--quick", "--sizes", "64K,4M",
+         "--repeats", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    res = json.loads(out.read_text())
+    assert res["check_problems"] == [] and res["server_exit_code"] == 0
+    assert [s["size"] for s in res["sizes"]] == [64 << 10, 4 << 20]
+    for size in res["sizes"]:
+        for name in ("tcp", "stoker", "memcpy"):
+            system = size["systems"][name]
+            assert len(system["repeats"]) == 1
+            assert system["gb_per_s"]["median"] > 0
+            assert system["repeats"][0]["timed_bytes"] == (
+                size["timed_batches"] * size["payload_bytes"])
+        stoker = size["systems"]["stoker"]
+        assert stoker["client_cpu_s_per_gb"]["median"] > 0
+        assert stoker["peer_cpu_s_per_gb"]["median"] > 0
+        assert size["ratio_stoker_over_tcp"] > 0
+    assert "stoker/" in result.stdout and "raw TCP" in result.stdout

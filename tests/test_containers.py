@@ -305,7 +305,10 @@ def test_ports_agree_across_config_expose_cmd_healthcheck_and_compose() -> None:
             f"server port {mapping} pins a host port: `--scale server=N` would collide on it"
 
     command = service("trainer")["command"]
-    host, _, port = command[command.index("--address") + 1].rpartition(":")
+    target = command[command.index("--address") + 1]
+    # dns:/// so that one trainer uses every replica `--scale server=N` starts.
+    assert target.startswith("dns:///"), target
+    host, _, port = target.removeprefix("dns:///").rpartition(":")
     assert host == "server" and int(port) == grpc_port
     assert service("trainer")["depends_on"]["server"]["condition"] == "service_healthy"
 

@@ -6,6 +6,7 @@ Every test compares the sample_index sequence element for element with a failure
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,7 +48,8 @@ def reference(epoch: int = 0) -> list[list[int]]:
     return [order[i : i + 2].tolist() for i in range(0, 60, 2)]
 
 
-def run(addresses: list[str], fault_at: int | None = None, fault=None) -> list[list[int]]:
+def run(addresses: list[str], fault_at: int | None = None, fault=None,
+        victim: str | None = None) -> list[list[int]]:
     got = []
     with RemoteLoader(addresses, "toy", **KW) as loader:
         for k, batch in enumerate(loader):
@@ -55,9 +57,8 @@ def run(addresses: list[str], fault_at: int | None = None, fault=None) -> list[l
             if k == fault_at:
                 fault()
         stats = loader.stats()
-    if fault is not None:
-        assert stats["failovers"] + stats["hedges"] >= 1 or any(
-            s["errors"] for s in stats["servers"].values()), stats
+    if victim is not None:  # the client noticed: not a run that merely got lucky
+        assert stats["servers"][victim]["state"] != "up" or stats["hedges"] > 0, stats
     return got
 
 
@@ -77,7 +78,8 @@ def test_any_number_of_servers_gives_the_same_sequence(servers, n: int) -> None:
 def test_a_server_failing_mid_epoch_loses_and_repeats_nothing(servers, n: int, sig) -> None:
     procs = [servers() for _ in range(n)]
     victim = procs[0].proc
-    got = run([p.address for p in procs], fault_at=5, fault=lambda: victim.send_signal(sig))
+    got = run([p.address for p in procs], fault_at=5, fault=lambda: victim.send_signal(sig),
+              victim=procs[0].address)
     assert got == reference()
 
 
@@ -134,3 +136,15 @@ def test_a_dns_name_stands_for_its_servers(servers) -> None:
 def test_a_malformed_address_is_a_clear_error(address) -> None:
     with pytest.raises(ValueError, match="address"):
         RemoteLoader(address, "toy", batch_size=2)
+
+
+def test_time_the_loop_spends_elsewhere_is_not_a_timeout(servers) -> None:
+    server = servers()
+    compute = 1.5  # seconds of "training step", longer than the loader's timeout
+    with RemoteLoader(server.address, "toy", **{**KW, "timeout": 1.0}) as loader:
+        got = []
+        for batch in loader:
+            got.append(batch["sample_index"].tolist())
+            if len(got) == 3:
+                time.sleep(compute)
+    assert got == reference()
