@@ -1,0 +1,599 @@
+"""Bytes/s of ready batches into client memory: stoker against raw loopback TCP and memcpy.
+
+    python benchmarks/wire.py                   # 64 KiB .. 64 MiB batches, 5 repeats
+    python benchmarks/wire.py --quick           # smoke test, well under 30 s
+    python benchmarks/wire.py --json out.json
+
+Three ways to move the same bytes, batch by batch, on this machine:
+
+- stoker: a RemoteLoader (output="numpy") reading from one `stoker serve` on loopback with
+  2 worker processes. The dataset (`Constant`, below) returns one preallocated array per
+  sample, so building a batch costs only stoker's own collation into shared memory: what is
+  timed is stoker's data path, from the worker's collate to a numpy array in this process.
+- raw TCP: a sender process sock.sendall()s the same number of bytes per batch from a
+  preallocated buffer; this process recv_into()s them into a preallocated bytearray. The
+  physical limit of the wire here, with Python at both ends.
+- memcpy: numpy copies the same number of bytes between two preallocated arrays, in this
+  process. The limit of any copy.
+
+The server, its workers, this process and the TCP peers share the same cores: on one
+machine, every copy stoker makes competes with the next batch's transfer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import resource
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from stoker.client import RemoteLoader
+from stoker.server import ServerProcess, write_config
+
+BENCHMARKS = Path(__file__).resolve().parent
+SYSTEMS = ("tcp", "stoker", "memcpy")
+LABELS = {"tcp": "raw TCP", "stoker": "stoker", "memcpy": "memcpy"}
+GB = 1e9  # GB/s means 10^9 bytes per second throughout
+SIZES = "64K,1M,4M,16M,64M"
+# Cores kept busy by processes outside this run above which the output warns of noise.
+OTHER_LOAD_WARN = 0.2
+
+FULL = {"sizes": SIZES, "repeats": 5, "min_bytes": 256 << 20, "min_batches": 20}
+QUICK = {"sizes": "64K,4M,64M", "repeats": 2, "min_bytes": 32 << 20, "min_batches": 4}
+
+
+# -- the dataset the server runs (imported there as `wire:Constant`) -------------------------
+def pattern(nbytes: int) -> np.ndarray:
+    """A byte pattern that is not all zeros: zeroed memory may be the kernel's shared zero
+    page, which reads from cache and would flatter every copy."""
+    return (np.arange(nbytes, dtype=np.int64) % 251).astype(np.uint8)
+
+
+class Constant:
+    """`n` samples, each {"x": the same preallocated uint8[sample_bytes]}: free to build."""
+
+    def __init__(self, n: int, sample_bytes: int) -> None:
+        self.n = n
+        self.x = pattern(sample_bytes)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        return {"x": self.x}
+
+
+# -- sizes -----------------------------------------------------------------------------------
+def parse_size(text: str) -> int:
+    """'64K' -> 65536, '4M' -> 4 MiB, '1G' -> 1 GiB, '1000' -> 1000 bytes."""
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text.rstrip("KMG")) * scale)
+
+
+def human(nbytes: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes:g} B"
+
+
+def batch_shape(size: int) -> tuple[int, int]:
+    """(batch_size, sample_bytes) with batch_size x sample_bytes == size: batches of tens of
+    samples, as in training; sample_index (8 bytes a sample) rides along."""
+    for batch_size in (64 if size >= 64 << 20 else 32 if size >= 4 << 20 else 16, 8, 4, 2, 1):
+        if size % batch_size == 0:
+            return batch_size, size // batch_size
+    raise AssertionError
+
+
+def payload_bytes(batch_size: int, sample_bytes: int) -> int:
+    """Bytes of one stoker batch payload: x, padded to 64 bytes, then sample_index (int64).
+    The peers move exactly this many bytes per batch."""
+    return -(-batch_size * sample_bytes // 64) * 64 + 8 * batch_size
+
+
+def plan(size: int, min_bytes: int, min_batches: int) -> dict[str, int]:
+    batch_size, sample_bytes = batch_shape(size)
+    payload = payload_bytes(batch_size, sample_bytes)
+    timed = max(min_batches, math.ceil(min_bytes / payload))
+    return {"size": size, "batch_size": batch_size, "sample_bytes": sample_bytes,
+            "payload_bytes": payload, "timed_batches": timed,
+            "samples": batch_size * (timed + 1)}  # + 1: the warm-up batch
+
+
+# -- CPU accounting --------------------------------------------------------------------------
+def self_cpu() -> float:
+    """User + system CPU seconds of this process, all threads (gRPC's included)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def proc_table() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, user+system CPU seconds) of every process (Linux /proc, else {})."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}
+    try:
+        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        return {}
+    for name in entries:
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                # comm (field 2) may hold spaces and parentheses: split after the last ')'.
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue  # exited while we looked
+        stats[int(name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    return stats
+
+
+def tree_cpu(table: dict[int, tuple[int, float]], root: int) -> dict[int, float]:
+    """pid -> CPU seconds for `root` and its live descendants (server: front end + workers)."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in table:
+            out[pid] = table[pid][1]
+        todo += children.get(pid, [])
+    return out
+
+
+def cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
+    return sum(cpu - before.get(pid, 0.0) for pid, cpu in after.items())
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds all processes on this machine have been busy (/proc/stat; NaN without).
+    Excludes idle, iowait and steal."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq = map(int, f.readline().split()[1:8])
+    except (OSError, ValueError):
+        return float("nan")
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+class Meter:
+    """CPU and wall time over a region: this process (getrusage) and the process trees rooted
+    at `peers` (from /proc)."""
+
+    def __init__(self, peers: dict[str, int]) -> None:
+        self.peers = peers
+
+    def mark(self) -> dict[str, Any]:
+        table = proc_table() if self.peers else {}
+        return {"t": time.perf_counter(), "self": self_cpu(),
+                "peers": {role: tree_cpu(table, pid) for role, pid in self.peers.items()}}
+
+    def between(self, a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+        """Seconds, and CPU seconds: this process, each peer tree, each peer's root alone."""
+        return {"wall_s": b["t"] - a["t"], "client_cpu_s": b["self"] - a["self"],
+                "peer_cpu_s": {role: cpu_delta(a["peers"][role], b["peers"][role])
+                               for role in b["peers"]},
+                "peer_root_cpu_s": {role: b["peers"][role].get(pid, 0.0)
+                                    - a["peers"][role].get(pid, 0.0)
+                                    for role, pid in self.peers.items()}}
+
+
+class LoadMeter:
+    """Cores that processes outside this run kept busy over a stretch of seconds: the
+    machine's busy time less ours (this process, its live descendants such as the server and
+    its workers, and the children it reaped, such as finished TCP senders). Meant for
+    stretches of seconds: /proc counts in 10 ms ticks."""
+
+    @staticmethod
+    def mark() -> tuple[float, float, float]:
+        ours = sum(tree_cpu(proc_table(), os.getpid()).values())
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return time.perf_counter(), machine_busy_seconds(), ours + r.ru_utime + r.ru_stime
+
+    @staticmethod
+    def other_cores(a: tuple[float, float, float], b: tuple[float, float, float]) -> float:
+        wall = b[0] - a[0]
+        return max((b[1] - a[1]) - (b[2] - a[2]), 0.0) / wall if wall > 0 else float("nan")
+
+
+# -- the three systems -----------------------------------------------------------------------
+def _tcp_sender(port: int, payload: int, batches: int) -> None:
+    """Child process: connect, send `batches` x `payload` bytes from one buffer, close."""
+    buf = memoryview(pattern(payload))
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        for _ in range(batches):
+            sock.sendall(buf)
+        sock.shutdown(socket.SHUT_WR)
+        sock.recv(1)  # wait until the receiver has everything and closes
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> int:
+    filled = 0
+    while filled < len(view):
+        n = sock.recv_into(view[filled:])
+        if n == 0:
+            break
+        filled += n
+    return filled
+
+
+def _accept(listener: socket.socket, sender: Any) -> socket.socket:
+    """The sender's connection; fails at once if the sender died first."""
+    listener.settimeout(1.0)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return listener.accept()[0]
+        except TimeoutError:
+            if not sender.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"TCP sender did not connect (exit code {sender.exitcode})"
+                                   ) from None
+
+
+def run_tcp(p: dict[str, int], ctx: Any) -> dict[str, Any]:
+    """One repeat: a fresh sender process, warm-up batch untimed, then the timed batches."""
+    payload, timed = p["payload_bytes"], p["timed_batches"]
+    buf = bytearray(payload)
+    view = memoryview(buf)
+    problems: list[str] = []
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        sender = ctx.Process(target=_tcp_sender, daemon=True,
+                             args=(listener.getsockname()[1], payload, timed + 1))
+        sender.start()
+        try:
+            conn = _accept(listener, sender)
+            with conn:
+                meter = Meter({"sender": sender.pid})
+                m0 = meter.mark()  # from the connection on: the sender's start-up is not ours
+                got = _recv_exactly(conn, view)
+                if got != payload:
+                    problems.append(f"warm-up batch: {got} bytes, wanted {payload}")
+                m1 = meter.mark()
+                received = 0
+                for _ in range(timed):
+                    received += _recv_exactly(conn, view)
+                m2 = meter.mark()
+                extra = conn.recv(1)
+                if received != timed * payload or extra:
+                    problems.append(f"timed batches: {received + len(extra)} bytes, wanted "
+                                    f"{timed * payload}")
+                if not np.array_equal(np.frombuffer(buf, np.uint8), pattern(payload)):
+                    problems.append("last batch's bytes differ from what the sender sent")
+        finally:
+            sender.join(timeout=30)
+            if sender.is_alive():
+                sender.kill()
+                sender.join()
+    return finish(meter.between(m1, m2), meter.between(m0, m2), p, problems,
+                  peer_role="sender")
+
+
+def run_stoker(p: dict[str, int], loader: RemoteLoader, epoch: int,
+               meter: Meter) -> dict[str, Any]:
+    """One epoch: batch 0 is the warm-up (stream start), then the timed batches. Each batch is
+    checked for its shape and sample indices as it comes (cheap), the last one byte by byte
+    (after the clock stops)."""
+    bs, sample_bytes = p["batch_size"], p["sample_bytes"]
+    problems: list[str] = []
+    loader.set_epoch(epoch)
+    wire0 = loader.stats()["bytes"]
+    m0 = meter.mark()
+    it = iter(loader)
+    last = next(it)
+    m1 = meter.mark()
+    n = 0
+    for n, last in enumerate(it, start=1):  # `last` stays the last batch: checked below
+        x, idx = last["x"], last["sample_index"]
+        if (x.shape != (bs, sample_bytes) or x.dtype != np.uint8
+                or idx[0] != n * bs or idx[-1] != (n + 1) * bs - 1):
+            problems.append(f"batch {n}: x {x.dtype}{list(x.shape)}, samples {idx[0]}..{idx[-1]}"
+                            f"; wanted uint8{[bs, sample_bytes]}, {n * bs}..{(n + 1) * bs - 1}")
+            break
+    m2 = meter.mark()
+    if n != p["timed_batches"]:
+        problems.append(f"{n} timed batches, wanted {p['timed_batches']}")
+    got = sum(a.nbytes for a in last.values())
+    if got != p["payload_bytes"]:
+        problems.append(f"a batch holds {got} bytes, wanted {p['payload_bytes']}")
+    if not (last["x"] == pattern(sample_bytes)).all():
+        problems.append("last batch's bytes differ from the dataset's")
+    res = finish(meter.between(m1, m2), meter.between(m0, m2), p, problems, peer_role="server")
+    # Bytes on the wire (frames with their headers) per payload byte.
+    res["wire_bytes_per_payload_byte"] = ((loader.stats()["bytes"] - wire0)
+                                          / ((p["timed_batches"] + 1) * p["payload_bytes"]))
+    return res
+
+
+def run_memcpy(p: dict[str, int]) -> dict[str, Any]:
+    payload, timed = p["payload_bytes"], p["timed_batches"]
+    src, dst = pattern(payload), np.empty(payload, np.uint8)
+    meter = Meter({})
+    m0 = meter.mark()
+    np.copyto(dst, src)  # warm-up: faults dst's pages in
+    m1 = meter.mark()
+    for _ in range(timed):
+        np.copyto(dst, src)
+    m2 = meter.mark()
+    problems = [] if np.array_equal(dst, src) else ["copy differs from its source"]
+    return finish(meter.between(m1, m2), meter.between(m0, m2), p, problems, peer_role=None)
+
+
+def finish(timed: dict[str, Any], whole: dict[str, Any], p: dict[str, int],
+           problems: list[str], peer_role: str | None) -> dict[str, Any]:
+    """Throughput over the timed batches; CPU over every batch (warm-up included), so that
+    work done ahead for later batches (prefetch, socket buffers) is counted once."""
+    moved = p["timed_batches"] * p["payload_bytes"]
+    all_bytes = (p["timed_batches"] + 1) * p["payload_bytes"]
+    wall = timed["wall_s"]
+    res = {"timed_s": wall, "timed_bytes": moved,
+           "gb_per_s": moved / wall / GB if wall > 0 else float("nan"),
+           "batches_per_s": p["timed_batches"] / wall if wall > 0 else float("nan"),
+           "first_batch_s": whole["wall_s"] - wall,
+           "client_cpu_s_per_gb": whole["client_cpu_s"] / (all_bytes / GB),
+           "problems": problems}
+    if peer_role is not None:
+        # The server's tree: `stoker serve` (the front end) and its worker processes.
+        res["peer_cpu_s_per_gb"] = whole["peer_cpu_s"][peer_role] / (all_bytes / GB)
+        res["peer_root_cpu_s_per_gb"] = whole["peer_root_cpu_s"][peer_role] / (all_bytes / GB)
+    return res
+
+
+# -- the run ---------------------------------------------------------------------------------
+def summarise(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def machine_info() -> dict[str, Any]:
+    return {"cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(), "numpy": np.__version__,
+            "grpcio": grpc.__version__, "load_avg_at_start": list(os.getloadavg())}
+
+
+def server_env() -> dict[str, str]:
+    """The server's workers import this file as `wire` (format: python, factory wire:Constant)."""
+    paths = [str(BENCHMARKS)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH")
+                                 else [])
+    return {"PYTHONPATH": os.pathsep.join(paths)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    plans = [plan(parse_size(s), args.min_bytes, args.min_batches) for s in args.sizes.split(",")]
+    results: dict[str, Any] = {"benchmark": "wire", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                               "machine": machine_info(), "parameters": dict(vars(args)),
+                               "sizes": []}
+    settings: dict[str, Any] = {}
+    if args.frame_bytes is not None:
+        settings["frame_bytes"] = args.frame_bytes
+    datasets = {f"b{p['size']}": {"format": "python", "factory": "wire:Constant",
+                                  "options": {"n": p["samples"],
+                                              "sample_bytes": p["sample_bytes"]}}
+                for p in plans}
+    ctx = mp.get_context("spawn")
+    with ExitStack() as stack:
+        cfg_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="stoker-wire-")))
+        config = write_config(cfg_dir / "config.yaml", {"server": settings,
+                                                        "datasets": datasets})
+        # Started once, before any timing: one server serves every size.
+        t0 = time.perf_counter()
+        server = ServerProcess(config, workers=args.workers, env=server_env()).start()
+        results["server_start_s"] = time.perf_counter() - t0
+        try:
+            meter = Meter({"server": server.proc.pid})
+            for p in plans:
+                loader = RemoteLoader(server.address, f"b{p['size']}", batch_size=p["batch_size"],
+                                      shuffle=False, drop_last=True, output="numpy",
+                                      prefetch=args.prefetch)
+                repeats: dict[str, list[dict[str, Any]]] = {name: [] for name in SYSTEMS}
+                load0 = LoadMeter.mark()
+                try:
+                    if len(loader) != p["timed_batches"] + 1:
+                        raise SystemExit(f"server has {len(loader)} batches of {p['size']} "
+                                         f"bytes, wanted {p['timed_batches'] + 1}")
+                    for r in range(args.repeats):
+                        # Rotate who goes first: a shared machine drifts.
+                        order = SYSTEMS[r % 3:] + SYSTEMS[:r % 3]
+                        for position, name in enumerate(order):
+                            if name == "tcp":
+                                m = run_tcp(p, ctx)
+                            elif name == "stoker":
+                                m = run_stoker(p, loader, r, meter)
+                            else:
+                                m = run_memcpy(p)
+                            m.update(repeat=r, position=position)
+                            repeats[name].append(m)
+                            if not args.json_only:
+                                print(f"  {human(p['size']):>8}  repeat {r}  {LABELS[name]:<8}"
+                                      f"{m['gb_per_s']:8.3f} GB/s  "
+                                      f"{m['batches_per_s']:9.1f} batches/s", flush=True)
+                finally:
+                    loader.close()
+                results["sizes"].append({**p, **summarise_size(repeats),
+                                         "other_cores_busy": LoadMeter.other_cores(
+                                             load0, LoadMeter.mark())})
+        finally:
+            results["server_exit_code"] = server.stop()
+            results["server_stderr"] = server.stderr[-4000:]
+    results["check_problems"] = [f"{human(s['size'])} {name} repeat {m['repeat']}: {x}"
+                                 for s in results["sizes"] for name in SYSTEMS
+                                 for m in s["systems"][name]["repeats"] for x in m["problems"]]
+    results["load_avg_at_end"] = list(os.getloadavg())
+    results["notes"] = NOTES
+    return results
+
+
+def summarise_size(repeats: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    systems = {}
+    for name, rs in repeats.items():
+        s = {"repeats": rs,
+             "gb_per_s": summarise([m["gb_per_s"] for m in rs]),
+             "batches_per_s": summarise([m["batches_per_s"] for m in rs]),
+             "client_cpu_s_per_gb": summarise([m["client_cpu_s_per_gb"] for m in rs])}
+        if "peer_cpu_s_per_gb" in rs[0]:
+            s["peer_cpu_s_per_gb"] = summarise([m["peer_cpu_s_per_gb"] for m in rs])
+            s["peer_root_cpu_s_per_gb"] = summarise([m["peer_root_cpu_s_per_gb"] for m in rs])
+        if name == "stoker":
+            s["wire_bytes_per_payload_byte"] = rs[0]["wire_bytes_per_payload_byte"]
+            s["first_batch_s"] = summarise([m["first_batch_s"] for m in rs])
+        systems[name] = s
+    med = {name: systems[name]["gb_per_s"]["median"] for name in SYSTEMS}
+    return {"systems": systems,
+            "ratio_stoker_over_tcp": med["stoker"] / med["tcp"],
+            "ratio_stoker_over_memcpy": med["stoker"] / med["memcpy"]}
+
+
+NOTES = [
+    "GB/s = 10^9 bytes/s of batch payload (the tensors' bytes) delivered into client memory, "
+    "over the timed batches; each repeat's first batch is a warm-up (stream or connection "
+    "start) and is not timed. Medians over repeats; the order of the three rotates per repeat.",
+    "Batch bytes: batch_size x sample_bytes of x plus 8 bytes a sample of sample_index, which "
+    "stoker adds to every batch; raw TCP and memcpy move exactly the same bytes per batch.",
+    "CPU s/GB counts every batch of a repeat, the warm-up too, so that work done ahead "
+    "(prefetched batches, filled socket buffers) is counted once. client: this process "
+    "(getrusage, all threads); server: `stoker serve` and its workers (/proc, 10 ms ticks); "
+    "for raw TCP the same columns are the receiver (this process) and the sender process.",
+    "stoker's data path here: worker collates samples into shared memory -> front end frames "
+    "it and gRPC sends it -> client receive thread assembles frames into a new numpy buffer.",
+    "The stoker server (front end + workers), this client, and the TCP sender share this "
+    "machine's cores, so every copy competes with the transfer it serves; over a network the "
+    "server's copies would run on another machine.",
+]
+
+
+# -- output ----------------------------------------------------------------------------------
+def report(res: dict[str, Any]) -> str:
+    p, m = res["parameters"], res["machine"]
+    frame = p["frame_bytes"] if p["frame_bytes"] is not None else "server default"
+    lines = [
+        "",
+        "wire: ready batches into client memory, stoker vs raw loopback TCP vs memcpy",
+        f"machine   {m['cpus_usable']} usable CPUs (cpu_count {m['cpu_count']}), "
+        f"{m['platform']}, Python {m['python']}, grpcio {m['grpcio']}",
+        f"stoker    one server on 127.0.0.1, --workers {p['workers']}, RemoteLoader "
+        f"output=numpy prefetch={p['prefetch']}, frame_bytes {frame}",
+        f"          server ({p['workers']} workers + front end), client and TCP peers share "
+        f"these {m['cpus_usable']} cores",
+        f"repeats   {p['repeats']} per size; each moves >= {human(p['min_bytes'])} and >= "
+        f"{p['min_batches']} batches (+1 warm-up)",
+        "",
+        f"{'batch':>9}{'samples':>14}{'batches':>9}{'raw TCP':>10}{'stoker':>10}"
+        f"{'stoker/':>9}{'memcpy':>10}   {'CPU s/GB, stoker':>18}   {'CPU s/GB, TCP':>15}",
+        f"{'':>9}{'x bytes':>14}{'timed':>9}{'GB/s':>10}{'GB/s':>10}{'TCP':>9}{'GB/s':>10}"
+        f"   {'client':>8}{'server':>10}   {'recv':>7}{'send':>8}",
+    ]
+    for s in res["sizes"]:
+        sy = s["systems"]
+        st, tc = sy["stoker"], sy["tcp"]
+        lines.append(
+            f"{human(s['size']):>9}{s['batch_size']:>5} x {human(s['sample_bytes']):>8}"
+            f"{s['timed_batches']:>9}{tc['gb_per_s']['median']:>10.3f}"
+            f"{st['gb_per_s']['median']:>10.3f}{s['ratio_stoker_over_tcp']:>9.3f}"
+            f"{sy['memcpy']['gb_per_s']['median']:>10.2f}"
+            f"   {st['client_cpu_s_per_gb']['median']:>8.3f}"
+            f"{st['peer_cpu_s_per_gb']['median']:>10.3f}"
+            f"   {tc['client_cpu_s_per_gb']['median']:>7.3f}"
+            f"{tc['peer_cpu_s_per_gb']['median']:>8.3f}")
+    lines += ["", "spread over repeats, GB/s [min, max]:"]
+    for s in res["sizes"]:
+        lines.append(f"  {human(s['size']):>8}  " + "  ".join(
+            f"{LABELS[n]} [{s['systems'][n]['gb_per_s']['min']:.3f}, "
+            f"{s['systems'][n]['gb_per_s']['max']:.3f}]" for n in SYSTEMS))
+    lines += ["", "stoker per size (medians): batches/s, first batch of an epoch, server CPU s/GB "
+                  "split into front end and workers, wire bytes per payload byte:"]
+    for s in res["sizes"]:
+        st = s["systems"]["stoker"]
+        front = st["peer_root_cpu_s_per_gb"]["median"]
+        lines.append(f"  {human(s['size']):>8}  {st['batches_per_s']['median']:9.1f} batches/s"
+                     f"  first batch {1000 * st['first_batch_s']['median']:6.1f} ms"
+                     f"  server: front end {front:6.3f}, workers "
+                     f"{st['peer_cpu_s_per_gb']['median'] - front:6.3f}"
+                     f"  wire/payload {st['wire_bytes_per_payload_byte']:.5f}")
+    lines += ["", "GB/s, median; bars scaled to the fastest raw TCP figure:"]
+    best = max(s["systems"]["tcp"]["gb_per_s"]["median"] for s in res["sizes"])
+    for s in res["sizes"]:
+        for name in ("tcp", "stoker"):
+            v = s["systems"][name]["gb_per_s"]["median"]
+            label = human(s["size"]) if name == "tcp" else ""
+            lines.append(f"  {label:>8} {LABELS[name]:<8} {'#' * max(1, round(40 * v / best)):<40}"
+                         f" {v:.3f}")
+    lines += ["", "notes:"] + [f"  - {n}" for n in res["notes"]]
+    lines.append("  - other load (cores kept busy by processes outside this run, per size): "
+                 + ", ".join(f"{human(s['size'])} {s['other_cores_busy']:.2f}"
+                             for s in res["sizes"]))
+    other = max(s["other_cores_busy"] for s in res["sizes"])
+    if other > OTHER_LOAD_WARN:
+        lines.append(f"  - WARNING: other processes kept up to {other:.2f} of "
+                     f"{m['cpus_usable']} cores busy while sizes were measured: figures are "
+                     "noisy; use more --repeats.")
+    if res["server_stderr"].strip():
+        lines += ["", "server stderr (last 4000 characters):", res["server_stderr"].rstrip()]
+    if res["check_problems"]:
+        lines += ["", "CHECK FAILED:"] + [f"  - {x}" for x in res["check_problems"]]
+    else:
+        lines.append("  - check: every batch had the expected shape, bytes and sample indices; "
+                     "the last batch of each repeat equals what was sent, byte for byte.")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", help=f"batch sizes in bytes, K/M/G suffixes ({FULL['sizes']}; "
+                    f"--quick {QUICK['sizes']})")
+    ap.add_argument("--repeats", type=int, help=f"per size and system ({FULL['repeats']})")
+    ap.add_argument("--min-bytes", type=parse_size,
+                    help=f"bytes timed per repeat, at least ({human(FULL['min_bytes'])})")
+    ap.add_argument("--min-batches", type=int,
+                    help=f"batches timed per repeat, at least ({FULL['min_batches']})")
+    ap.add_argument("--workers", type=int, default=2, help="server worker processes (2)")
+    ap.add_argument("--prefetch", type=int, default=8, help="RemoteLoader batches in flight (8)")
+    ap.add_argument("--frame-bytes", type=parse_size,
+                    help="server frame_bytes setting (default: the server's default)")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    ap.add_argument("--json-only", action="store_true", help="print nothing but errors")
+    ap.add_argument("--quick", action="store_true", help="small smoke-test settings")
+    args = ap.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.repeats < 1 or args.min_batches < 1 or args.workers < 1:
+        ap.error("--repeats, --min-batches and --workers must be >= 1")
+    for s in args.sizes.split(","):
+        if parse_size(s) < 1:
+            ap.error(f"--sizes: {s!r} is not a positive size")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    res = run(args)
+    res["total_s"] = time.perf_counter() - t0
+    if not args.json_only:
+        print(report(res))
+        print(f"\ntotal wall time {res['total_s']:.1f} s "
+              f"(server start {res['server_start_s']:.1f} s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
+        if not args.json_only:
+            print(f"results written to {args.json}")
+    return 1 if res["check_problems"] or res["server_exit_code"] != 0 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
