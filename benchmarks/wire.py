@@ -310,7 +310,9 @@ def run_stoker(p: dict[str, int], loader: RemoteLoader, epoch: int,
     got = sum(a.nbytes for a in last.values())
     if got != p["payload_bytes"]:
         problems.append(f"a batch holds {got} bytes, wanted {p['payload_bytes']}")
-    if not (last["x"] == pattern(sample_bytes)).all():
+    if last["x"].shape != (bs, sample_bytes):
+        problems.append(f"last batch: x {list(last['x'].shape)}, wanted {[bs, sample_bytes]}")
+    elif not (last["x"] == pattern(sample_bytes)).all():
         problems.append("last batch's bytes differ from the dataset's")
     res = finish(meter.between(m1, m2), meter.between(m0, m2), p, problems, peer_role="server")
     # Bytes on the wire (frames with their headers) per payload byte.
