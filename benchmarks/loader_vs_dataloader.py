@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from typing import Any
 import numpy as np
 import PIL
 import torch
+from _measure import machine_busy_seconds, machine_info, summarise, write_results
 from PIL import Image
 from torch.utils.data import DataLoader
 
@@ -167,18 +167,6 @@ def _descends(pid: int, ancestor: int, tree: dict[int, tuple[int, float]]) -> bo
 ROLES = ("trainer", "loader workers", "server front end", "server workers")
 
 
-def machine_busy_seconds() -> float:
-    """CPU seconds all processes on this (virtual) machine have been busy, from /proc/stat.
-
-    Busy excludes idle and iowait; steal (time the hypervisor gave to others) is excluded
-    too, since nobody here ran then. NaN where /proc/stat is missing.
-    """
-    try:
-        with open("/proc/stat") as f:
-            user, nice, system, _idle, _iowait, irq, softirq = map(int, f.readline().split()[1:8])
-    except (OSError, ValueError):
-        return float("nan")
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 def time_epoch(batches: Iterable[dict[str, Any]], server_pid: int) -> dict[str, Any]:
@@ -211,8 +199,6 @@ def time_epoch(batches: Iterable[dict[str, Any]], server_pid: int) -> dict[str, 
             "other_cores_busy": other, "first": first}
 
 
-def summarise(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def check_first_batches(first: dict[str, dict[str, Any]], ds: ImageFolder,
@@ -239,25 +225,16 @@ def check_first_batches(first: dict[str, dict[str, Any]], ds: ImageFolder,
     return problems
 
 
-def machine_info() -> dict[str, Any]:
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "pillow": PIL.__version__,
-        "load_avg_at_start": list(os.getloadavg()),
-    }
 
 
 # -- the run ---------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"benchmark": "loader_vs_dataloader",
                                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                               "machine": machine_info(), "parameters": dict(vars(args))}
+                               "machine": machine_info(
+                                   torch=torch.__version__, numpy=np.__version__,
+                                   pillow=PIL.__version__),
+                               "parameters": dict(vars(args))}
     with ExitStack() as stack:
         if args.data_dir is None:
             data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(
@@ -491,15 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     res = run(args)
     res["total_s"] = time.perf_counter() - t0
-    if not args.json_only:
-        print(report(res))
-        print(f"\ntotal wall time {res['total_s']:.1f} s "
-              f"(data generation {res['data_generation_s']:.1f} s)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
-        if not args.json_only:
-            print(f"results written to {args.json}")
-    return 1 if res["check_problems"] or res["server_exit_code"] != 0 else 0
+    text = (report(res) + f"\n\ntotal wall time {res['total_s']:.1f} s "
+            f"(data generation {res['data_generation_s']:.1f} s)")
+    return write_results(res, text, args.json, args.json_only)
 
 
 if __name__ == "__main__":

@@ -23,14 +23,11 @@ machine, every copy stoker makes competes with the next batch's transfer.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import multiprocessing as mp
 import os
-import platform
 import resource
 import socket
-import statistics
 import sys
 import tempfile
 import time
@@ -40,6 +37,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+from _measure import machine_busy_seconds, machine_info, summarise, write_results
 
 from stoker.client import RemoteLoader
 from stoker.server import ServerProcess, write_config
@@ -160,15 +158,6 @@ def cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
     return sum(cpu - before.get(pid, 0.0) for pid, cpu in after.items())
 
 
-def machine_busy_seconds() -> float:
-    """CPU seconds all processes on this machine have been busy (/proc/stat; NaN without).
-    Excludes idle, iowait and steal."""
-    try:
-        with open("/proc/stat") as f:
-            user, nice, system, _idle, _iowait, irq, softirq = map(int, f.readline().split()[1:8])
-    except (OSError, ValueError):
-        return float("nan")
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 class Meter:
@@ -356,16 +345,8 @@ def finish(timed: dict[str, Any], whole: dict[str, Any], p: dict[str, int],
 
 
 # -- the run ---------------------------------------------------------------------------------
-def summarise(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def machine_info() -> dict[str, Any]:
-    return {"cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "python": platform.python_version(), "numpy": np.__version__,
-            "grpcio": grpc.__version__, "load_avg_at_start": list(os.getloadavg())}
 
 
 def server_env() -> dict[str, str]:
@@ -378,7 +359,9 @@ def server_env() -> dict[str, str]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     plans = [plan(parse_size(s), args.min_bytes, args.min_batches) for s in args.sizes.split(",")]
     results: dict[str, Any] = {"benchmark": "wire", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                               "machine": machine_info(), "parameters": dict(vars(args)),
+                               "machine": machine_info(
+                                   numpy=np.__version__, grpcio=grpc.__version__),
+                               "parameters": dict(vars(args)),
                                "sizes": []}
     settings: dict[str, Any] = {}
     if args.frame_bytes is not None:
@@ -586,15 +569,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     res = run(args)
     res["total_s"] = time.perf_counter() - t0
-    if not args.json_only:
-        print(report(res))
-        print(f"\ntotal wall time {res['total_s']:.1f} s "
-              f"(server start {res['server_start_s']:.1f} s)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
-        if not args.json_only:
-            print(f"results written to {args.json}")
-    return 1 if res["check_problems"] or res["server_exit_code"] != 0 else 0
+    text = (report(res) + f"\n\ntotal wall time {res['total_s']:.1f} s "
+            f"(server start {res['server_start_s']:.1f} s)")
+    return write_results(res, text, args.json, args.json_only)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,9 @@ def test_healthz_answers_on_the_http_port(tmp_path: Path) -> None:
 
 
 def wait_for_segments(server: ServerProcess, timeout: float = 30.0) -> list[str]:
+    """Probe /dev/shm until a batch of `server` waits there (bounded). Not a readiness sleep:
+    no server event tells when a worker finished a batch the client has not read, and the
+    standard library has no file-system notification to wait on instead."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if found := segments(server):

@@ -1,0 +1,53 @@
+"""What every benchmark here measures and writes the same way: machine facts, busy time of
+the whole machine, medians, and the JSON + exit code at the end of a run.
+
+Benchmarks run as scripts (`python benchmarks/NAME.py`), so this folder is on sys.path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def machine_info(**versions: str) -> dict[str, Any]:
+    """Machine facts for the JSON, plus the versions the caller names (numpy=..., ...)."""
+    return {"cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(), **versions,
+            "load_avg_at_start": list(os.getloadavg())}
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds all processes on this (virtual) machine have been busy, from /proc/stat.
+
+    Busy excludes idle and iowait; steal (time the hypervisor gave to others) is excluded
+    too, since nobody here ran then. NaN where /proc/stat is missing.
+    """
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq = map(int, f.readline().split()[1:8])
+    except (OSError, ValueError):
+        return float("nan")
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def summarise(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def write_results(res: dict[str, Any], report: str, json_path: str | None, quiet: bool) -> int:
+    """Print the report, write the JSON; exit code 1 if a check failed or the server did
+    not stop cleanly (a figure from a broken run is no figure)."""
+    if not quiet:
+        print(report)
+    if json_path:
+        Path(json_path).write_text(json.dumps(res, indent=2, default=str) + "\n")
+        if not quiet:
+            print(f"results written to {json_path}")
+    return 1 if res["check_problems"] or res["server_exit_code"] != 0 else 0
