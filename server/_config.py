@@ -11,7 +11,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+)
 
 # Frames must stay well under the client's receive limit (see stoker.client).
 MAX_FRAME_BYTES = 32 << 20
@@ -25,6 +33,48 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class S3Settings(_Strict):
+    """How to reach S3 or an S3-compatible store (MinIO...). Credentials come from boto3's
+    standard chain (environment, profile, instance role), never from this file."""
+
+    endpoint_url: str | None = Field(None, description="e.g. http://minio:9000; None: AWS")
+    region: str | None = None
+    profile: str | None = Field(None, description="a named profile from ~/.aws/config")
+    # Connections per worker process; None: enough for the prefetch and range threads.
+    max_pool_connections: int | None = Field(None, ge=1, le=1024)
+    connect_timeout: float = Field(10.0, gt=0)
+    read_timeout: float = Field(60.0, gt=0)
+    # botocore's retries: exponential backoff with jitter on throttling (503 SlowDown),
+    # 5xx and dropped connections; `adaptive` also slows the client down when throttled.
+    max_attempts: int = Field(10, ge=1, le=100)
+    retry_mode: Literal["standard", "adaptive"] = "standard"
+    # Objects larger than range_bytes are read as parallel ranged GETs of this size.
+    range_bytes: ByteSize = Field(ByteSize(8 << 20), ge=1 << 20)
+    range_concurrency: int = Field(8, ge=1, le=64)
+
+
+class CacheSettings(_Strict):
+    """The disk cache for remote objects: shared by a server's workers, kept across restarts."""
+
+    dir: Path = Field(default_factory=lambda: Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "stoker")
+    max_bytes: ByteSize = Field(ByteSize(20 << 30), ge=1 << 20, description="e.g. 50GiB")
+
+
+class _Sourced(_Strict):
+    """Fields every dataset read from storage has."""
+
+    source: str = Field(min_length=1, description="a path or s3://bucket/prefix, may hold a glob")
+    s3: S3Settings | None = Field(None, description="overrides the top-level s3: block")
+    # raise: the batch fails with DATA_LOSS naming the sample and where it came from.
+    # skip: the sample is replaced by another, the same one on every server; counted, logged.
+    on_error: Literal["raise", "skip"] = "raise"
+    # global: any sample after any other. block: shards in a random order, samples shuffled
+    # within a window of `shuffle_window` shards, so reads stay sequential (see docs).
+    shuffle: Literal["global", "block"] = "global"
+    shuffle_window: int = Field(4, ge=1)
+
+
 class PythonDataset(_Strict):
     """The user's own map-style dataset: `factory` returns an object with __len__ and
     __getitem__(i) -> dict of numpy arrays or numbers."""
@@ -33,37 +83,109 @@ class PythonDataset(_Strict):
     factory: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$",
                          description='"module:callable", importable on the server')
     options: dict[str, Any] = Field(default_factory=dict)
+    on_error: Literal["raise", "skip"] = "raise"
 
 
-class ImageFolderDataset(_Strict):
-    """One sub-folder per class under `source` (class index = sorted folder order)."""
+def _square(v: Any) -> Any:
+    return (v, v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+
+def _positive_size(v: tuple[int, int]) -> tuple[int, int]:
+    if min(v) < 1:
+        raise ValueError("sizes must be >= 1")
+    return v
+
+
+ImageSize = Annotated[tuple[int, int], BeforeValidator(_square), AfterValidator(_positive_size),
+                      Field(description="output [height, width], or one int for square")]
+
+
+class ImageFolderDataset(_Sourced):
+    """One sub-folder per class under `source` (class index = sorted folder order), or the
+    images and labels a `manifest` lists."""
 
     format: Literal["image-folder"]
-    source: Path
-    size: tuple[int, int] = Field(description="output [height, width], or one int for square")
+    size: ImageSize
     layout: Literal["chw", "hwc"] = "chw"
-
-    @field_validator("size", mode="before")
-    @classmethod
-    def _square(cls, v: Any) -> Any:
-        return (v, v) if isinstance(v, int) and not isinstance(v, bool) else v
-
-    @field_validator("size")
-    @classmethod
-    def _positive(cls, v: tuple[int, int]) -> tuple[int, int]:
-        if min(v) < 1:
-            raise ValueError("sizes must be >= 1")
-        return v
-
-    @field_validator("source")
-    @classmethod
-    def _is_dir(cls, v: Path) -> Path:
-        if not v.is_dir():
-            raise ValueError(f"not a directory: {v}")
-        return v
+    manifest: str | None = Field(
+        None, description="key under source of a CSV (path,label) or JSON lines "
+                          '({"path": ..., "label": ...}) file; paths relative to source')
 
 
-DatasetConfig = Annotated[PythonDataset | ImageFolderDataset, Field(discriminator="format")]
+NumberDtype = Literal["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                      "uint64", "float16", "float32", "float64"]
+
+
+class JsonField(_Strict):
+    path: str | None = Field(None, description="dotted key in the record; default: field name")
+    dtype: NumberDtype | Literal["utf8"] = "float32"
+    shape: tuple[int, ...] = ()
+    # utf8: the text's bytes as uint8[max_bytes], zero-padded, and `<name>_length` (int64).
+    max_bytes: int | None = Field(None, ge=1)
+
+
+class JsonlDataset(_Sourced):
+    """Records, one JSON object per line, from one file or many (a glob); a shard is a file."""
+
+    format: Literal["jsonl"]
+    fields: dict[str, JsonField] = Field(min_length=1)
+
+
+class TokensDataset(_Sourced):
+    """nanoGPT-style flat token files: sample i is a window of seq_len + 1 tokens, giving
+    `input_ids` (the first seq_len) and `labels` (the last seq_len); windows step by seq_len
+    and never cross a file; a shard is a file."""
+
+    format: Literal["tokens"]
+    dtype: Literal["uint16", "uint32"] = "uint16"
+    seq_len: int = Field(ge=1)
+    header_bytes: int = Field(0, ge=0, description="bytes to skip at the start of each file")
+    output_dtype: Literal["int32", "int64"] = "int64"
+
+
+class MemmapDataset(_Sourced):
+    """Arrays whose first axis is the sample: .npy files, or raw arrays with stoker's small
+    header (see formats/memmap.py). Each field's files are concatenated along axis 0 in key
+    order; a shard is a file of the first field."""
+
+    format: Literal["memmap"]
+    fields: dict[str, str] = Field(min_length=1, description="field -> glob under source")
+
+
+class TarField(_Strict):
+    ext: str = Field(min_length=1, description="the member's extension after the sample key")
+    decode: Literal["image", "int", "float", "npy", "utf8"]
+    size: ImageSize | None = None  # image
+    layout: Literal["chw", "hwc"] = "chw"  # image
+    max_bytes: int | None = Field(None, ge=1)  # utf8, as in jsonl
+
+
+class TarDataset(_Sourced):
+    """WebDataset-style shards: members `KEY.EXT` grouped into samples by KEY; a shard is a
+    tar file."""
+
+    format: Literal["tar"]
+    fields: dict[str, TarField] = Field(min_length=1)
+    shuffle: Literal["global", "block"] = "block"
+
+
+class ParquetField(_Strict):
+    column: str | None = Field(None, description="default: the field name")
+    dtype: NumberDtype | None = Field(None, description="default: the column's own type")
+
+
+class ParquetDataset(_Sourced):
+    """Parquet files (pyarrow): columns -> fields, read by row group; a shard is a row group."""
+
+    format: Literal["parquet"]
+    fields: dict[str, ParquetField] = Field(min_length=1)
+    shuffle: Literal["global", "block"] = "block"
+
+
+DatasetConfig = Annotated[
+    PythonDataset | ImageFolderDataset | JsonlDataset | TokensDataset | MemmapDataset
+    | TarDataset | ParquetDataset,
+    Field(discriminator="format")]
 
 
 class ServerSettings(_Strict):
@@ -85,7 +207,16 @@ class ServerSettings(_Strict):
 
 class Config(_Strict):
     server: ServerSettings = Field(default_factory=ServerSettings)
+    s3: S3Settings = Field(default_factory=S3Settings)
+    cache: CacheSettings = Field(default_factory=CacheSettings)
     datasets: dict[str, DatasetConfig] = Field(min_length=1)
+
+    def s3_for(self, dataset: str) -> S3Settings:
+        """The top-level s3: block with the dataset's own s3: fields laid over it."""
+        own = getattr(self.datasets[dataset], "s3", None)
+        if own is None:
+            return self.s3
+        return self.s3.model_copy(update=own.model_dump(exclude_unset=True))
 
 
 def _resolve_sources(raw: Any, base: Path) -> Any:
@@ -93,9 +224,14 @@ def _resolve_sources(raw: Any, base: Path) -> Any:
     datasets = raw.get("datasets") if isinstance(raw, dict) else None
     if isinstance(datasets, dict):
         for ds in datasets.values():
-            if isinstance(ds, dict) and isinstance(ds.get("source"), str):
+            if (isinstance(ds, dict) and isinstance(ds.get("source"), str)
+                    and "://" not in ds["source"]):
                 src = Path(ds["source"]).expanduser()
                 ds["source"] = str(src if src.is_absolute() else base / src)
+    cache = raw.get("cache")
+    if isinstance(cache, dict) and isinstance(cache.get("dir"), str):
+        d = Path(cache["dir"]).expanduser()
+        cache["dir"] = str(d if d.is_absolute() else base / d)
     return raw
 
 

@@ -65,11 +65,16 @@ def _worker_main(config: Any, conn: mpc.Connection, probe: bool) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from .formats import open_dataset
 
+    cache = None
+    if any(str(getattr(c, "source", "")).startswith("s3://") for c in config.datasets.values()):
+        from .sources.cache import DiskCache
+
+        cache = DiskCache(config.cache.dir, int(config.cache.max_bytes))
     datasets: dict[str, Any] = {}
     meta: dict[str, DatasetMeta] = {}
-    for name, cfg in config.datasets.items():
+    for name in config.datasets:
         try:
-            datasets[name] = ds = open_dataset(cfg)
+            datasets[name] = ds = open_dataset(name, config, cache)
             if probe:
                 meta[name] = DatasetMeta(len(ds), probe_fields(ds))
         except Exception as e:

@@ -1,0 +1,107 @@
+"""Where bytes come from: local paths and `s3://bucket/prefix`, behind one small interface.
+
+A format never opens files itself: it asks a `Storage` for keys (paths relative to the
+dataset's root, '/'-separated), their sizes, their bytes (whole or a range), or a local file
+holding them (the file itself on local disk, the disk-cache entry for S3). Keys are looked up
+under the root, never joined blindly: a key cannot name anything outside it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+GLOB_CHARS = frozenset("*?[")
+
+
+class StorageError(OSError):
+    """An object that cannot be listed or read; the message names its full URL."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str  # relative to the storage root, '/'-separated
+    size: int
+    version: str  # changes when the object's bytes change (S3 ETag; local mtime and size)
+
+
+class Storage(Protocol):
+    url: str  # the root: a directory path, or s3://bucket/prefix
+
+    def list(self, pattern: str | None = None) -> list[ObjectInfo]:
+        """Objects under the root whose key matches the glob `pattern` (all if None),
+        sorted by key. `*` and `?` stay within one path segment; `**/` spans folders."""
+        ...
+
+    def info(self, key: str) -> ObjectInfo: ...
+    def read(self, key: str) -> bytes: ...
+    def read_range(self, key: str, start: int, length: int) -> bytes: ...
+
+    def local_path(self, key: str) -> Path:
+        """A local file with the object's bytes, for memory maps and sequential readers."""
+        ...
+
+    def prefetch(self, keys: Iterable[str]) -> None:
+        """A hint: these keys will be read soon. Never blocks, never raises."""
+        ...
+
+    def where(self, key: str) -> str:
+        """The object's full URL or path, for error messages."""
+        ...
+
+
+def split_source(source: str) -> tuple[str, str | None]:
+    """`data/*.jsonl` -> (`data`, `*.jsonl`); `s3://b/p/**/*.tar` -> (`s3://b/p`, `**/*.tar`);
+    a source without glob characters is all root."""
+    parts = source.rstrip("/").split("/")
+    for i, part in enumerate(parts):
+        if GLOB_CHARS & set(part):
+            root = "/".join(parts[:i]) or "."
+            return root, "/".join(parts[i:])
+    return source.rstrip("/") or "/", None
+
+
+def glob_regex(pattern: str) -> re.Pattern[str]:
+    """A compiled regex for a '/'-separated glob: `*`, `?`, `[...]` within a segment,
+    `**/` zero or more whole segments, a final `**` anything."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:[^/]+/)*")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif pattern[i] == "[" and "]" in pattern[i + 2:]:
+            end = pattern.index("]", i + 2)
+            body = pattern[i + 1:end]
+            body = "^" + body[1:] if body.startswith("!") else body
+            out.append(f"[{body}]")
+            i = end + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+def open_storage(root: str, s3: Any = None, cache: Any = None) -> Storage:
+    """The storage for `root` (no glob characters): `s3://...` needs the `s3` settings and a
+    `cache` (a DiskCache, see cache.py); anything else is a local directory."""
+    if root.startswith("s3://"):
+        from .s3 import S3Storage
+
+        return S3Storage(root, s3, cache)
+    if "://" in root:
+        raise StorageError(f"{root}: unsupported URL scheme (local paths and s3:// are)")
+    from .local import LocalStorage
+
+    return LocalStorage(Path(root))
