@@ -36,7 +36,9 @@ from torch.utils.data import DataLoader
 
 from stoker.client import RemoteLoader
 from stoker.server import ServerProcess, write_config
+from stoker.server._config import ImageFolderDataset
 from stoker.server.formats.image_folder import ImageFolder
+from stoker.server.sources.local import LocalStorage
 
 DATASET = "imgs"
 SYSTEMS = ("dataloader", "stoker")
@@ -248,7 +250,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results["data"] = {"dir": str(data_dir), "jpeg_bytes": jpeg_bytes,
                            "mean_jpeg_bytes": jpeg_bytes / args.images}
         size = (args.size, args.size)
-        ds = ImageFolder(data_dir, size, layout="chw")
+        ds = ImageFolder(ImageFolderDataset(format="image-folder", source=str(data_dir),
+                                            size=size, layout="chw"), LocalStorage(data_dir))
 
         config = write_config(Path(stack.enter_context(tempfile.TemporaryDirectory(
             prefix="stoker-bench-cfg-"))) / "config.yaml", {

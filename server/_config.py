@@ -19,6 +19,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    field_validator,
 )
 
 # Frames must stay well under the client's receive limit (see stoker.client).
@@ -73,6 +74,16 @@ class _Sourced(_Strict):
     # within a window of `shuffle_window` shards, so reads stay sequential (see docs).
     shuffle: Literal["global", "block"] = "global"
     shuffle_window: int = Field(4, ge=1)
+
+    @field_validator("source")
+    @classmethod
+    def _local_root_exists(cls, v: str) -> str:
+        from .sources import split_source
+
+        root, _ = split_source(v)
+        if "://" not in root and not Path(root).is_dir():
+            raise ValueError(f"not a directory: {root}")
+        return v
 
 
 class PythonDataset(_Strict):

@@ -31,7 +31,7 @@ def write(tmp_path: Path, text: str = "datasets: {a: {format: python, factory: "
     ("datasets: {}", ["datasets:", "at least 1"]),
     ("server: {max_credits: 0}\ndatasets: {a: {format: python, factory: 'm:f'}}",
      ["server.max_credits:", "greater than or equal to 1"]),
-    ("datasets: {a: {format: parquet}}", ["datasets.a:", "'python', 'image-folder'"]),
+    ("datasets: {a: {format: feather}}", ["datasets.a:", "'python', 'image-folder'"]),
     ("datasets: {a: {format: python, factory: 'no colon'}}",
      ["datasets.a.python.factory:", "pattern"]),
     ("datasets: {a: {format: python, factory: 'm:f', typo: 1}}",

@@ -6,45 +6,53 @@ the sorted folder names).
 
 from __future__ import annotations
 
-from pathlib import Path
+import io
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
+from ..sources import Storage
+
 EXTENSIONS = (".jpg", ".jpeg", ".png")
+
+
+def decode_image(data: bytes, size: tuple[int, int], layout: str) -> np.ndarray:
+    """JPEG/PNG bytes -> uint8 RGB resized to size (height, width), CHW or HWC."""
+    height, width = size
+    with Image.open(io.BytesIO(data)) as img:
+        rgb = img.convert("RGB").resize((width, height), Image.Resampling.BILINEAR)
+        image = np.array(rgb, dtype=np.uint8)  # writable: torch warns on read-only arrays
+    return image.transpose(2, 0, 1) if layout == "chw" else image
 
 
 class ImageFolder:
     """Thread-safe: __getitem__ reads only immutable numpy arrays."""
 
-    def __init__(self, root: Path, size: tuple[int, int], layout: str = "chw") -> None:
-        self.root = Path(root)
-        self.classes = sorted(p.name for p in self.root.iterdir() if p.is_dir())
-        paths, labels = [], []
-        for label, name in enumerate(self.classes):
-            for f in sorted((self.root / name).iterdir()):
-                if f.suffix.lower() in EXTENSIONS and f.is_file():
-                    paths.append(f"{name}/{f.name}")
-                    labels.append(label)
-        if not paths:
-            raise ValueError(f"{self.root}: no {'/'.join(EXTENSIONS)} files in class sub-folders")
+    def __init__(self, cfg: Any, storage: Storage, pattern: str | None = None) -> None:
+        self.storage = storage
+        keys = [o.key for o in storage.list(pattern)
+                if o.key.lower().endswith(EXTENSIONS) and o.key.count("/") == 1]
+        self.classes = sorted({k.split("/", 1)[0] for k in keys})
+        if not keys:
+            raise ValueError(f"{storage.url}: no {'/'.join(EXTENSIONS)} files in class "
+                             "sub-folders")
+        index = {name: i for i, name in enumerate(self.classes)}
         # Fixed-width numpy arrays, not lists of str: no per-item refcounts to copy on write.
-        self.paths = np.array(paths)
-        self.labels = np.array(labels, dtype=np.int64)
-        self.height, self.width = size
-        self.layout = layout
+        self.keys = np.array(keys)
+        self.labels = np.array([index[k.split("/", 1)[0]] for k in keys], dtype=np.int64)
+        self.size = tuple(cfg.size)
+        self.layout = cfg.layout
 
     def __len__(self) -> int:
-        return len(self.paths)
+        return len(self.keys)
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray | np.int64]:
-        path = self.root / str(self.paths[index])
-        with Image.open(path) as img:
-            rgb = img.convert("RGB").resize((self.width, self.height), Image.Resampling.BILINEAR)
-            image = np.array(rgb, dtype=np.uint8)  # writable: torch warns on read-only arrays
-        if self.layout == "chw":
-            image = image.transpose(2, 0, 1)
+        image = decode_image(self.storage.read(str(self.keys[index])), self.size, self.layout)
         return {"image": image, "label": self.labels[index]}
 
     def source_of(self, index: int) -> str:
-        return str(self.root / str(self.paths[index]))
+        return self.storage.where(str(self.keys[index]))
+
+    def objects_of(self, indices: np.ndarray) -> list[str]:
+        return [str(k) for k in self.keys[indices]]
