@@ -9,6 +9,7 @@ what travels on the wire; the front end reads it from shared memory without unpi
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,8 @@ from typing import Any
 import numpy as np
 
 from . import _shm
+
+log = logging.getLogger("stoker.server")
 
 ALIGN = 64
 SAMPLE_INDEX = "sample_index"
@@ -41,6 +44,7 @@ class BuiltBatch:
     shm_name: str
     payload_bytes: int
     tensors: tuple[TensorLayout, ...]
+    skipped: int = 0  # samples replaced under on_error: skip
 
 
 def _as_array(value: Any) -> np.ndarray:
@@ -58,22 +62,61 @@ def _as_array(value: Any) -> np.ndarray:
     raise TypeError(f"{type(value).__name__} is not a numpy array or number")
 
 
-def fetch_samples(dataset: Any, indices: np.ndarray) -> list[dict[str, np.ndarray]]:
-    samples = []
-    for i in indices.tolist():
+# on_error: skip tries at most this many replacements for one bad sample.
+MAX_REPLACEMENTS = 16
+_logged: set[int] = set()  # bad samples this process has logged (each once)
+
+
+def replacement(index: int, attempt: int, num_samples: int) -> int:
+    """The sample that stands in for a bad one: the same on every server and every run."""
+    return int(np.random.default_rng([index, attempt]).integers(num_samples))
+
+
+def fetch_sample(dataset: Any, i: int) -> dict[str, np.ndarray]:
+    try:
+        raw = dataset[i]
+    except Exception as e:  # the user's code: any failure is this sample's failure
+        where = getattr(dataset, "source_of", None)
+        src = f" ({where(i)})" if where else ""
+        raise SampleError(f"sample {i}{src}: {type(e).__name__}: {e}") from e
+    if not isinstance(raw, dict):
+        raise SampleError(f"sample {i}: expected a dict of fields, got {type(raw).__name__}")
+    try:
+        return {str(k): _as_array(v) for k, v in raw.items()}
+    except (TypeError, OverflowError) as e:  # OverflowError: an int beyond int64
+        raise SampleError(f"sample {i}: {e}") from None
+
+
+def fetch_samples(dataset: Any, indices: np.ndarray, skip: bool = False
+                  ) -> tuple[list[dict[str, np.ndarray]], np.ndarray, int]:
+    """The samples of `indices`, the indices actually delivered (a bad sample replaced under
+    `skip`), and how many were replaced."""
+    samples, delivered, skipped = [], indices.copy(), 0
+    for pos, i in enumerate(indices.tolist()):
         try:
-            raw = dataset[i]
-        except Exception as e:  # the user's code: any failure is this sample's failure
-            where = getattr(dataset, "source_of", None)
-            src = f" ({where(i)})" if where else ""
-            raise SampleError(f"sample {i}{src}: {type(e).__name__}: {e}") from e
-        if not isinstance(raw, dict):
-            raise SampleError(f"sample {i}: expected a dict of fields, got {type(raw).__name__}")
-        try:
-            samples.append({str(k): _as_array(v) for k, v in raw.items()})
-        except (TypeError, OverflowError) as e:  # OverflowError: an int beyond int64
-            raise SampleError(f"sample {i}: {e}") from None
-    return samples
+            samples.append(fetch_sample(dataset, i))
+            continue
+        except SampleError as e:
+            if not skip:
+                raise
+            error = e
+        for attempt in range(1, MAX_REPLACEMENTS + 1):
+            if i not in _logged:
+                _logged.add(i)
+                log.warning("skipping %s", error)
+            j = replacement(i, attempt, len(dataset))
+            try:
+                samples.append(fetch_sample(dataset, j))
+            except SampleError as e:
+                error = e
+                i = j
+                continue
+            delivered[pos] = j
+            skipped += 1
+            break
+        else:
+            raise SampleError(f"{error} (and {MAX_REPLACEMENTS} replacements failed too)")
+    return samples, delivered, skipped
 
 
 def plan_layout(samples: list[dict[str, np.ndarray]], indices: np.ndarray) -> list[TensorLayout]:
@@ -109,9 +152,9 @@ def _segment_name() -> str:
     return f"{_shm.prefix(os.getppid())}{os.getpid()}_{next(_segments)}"
 
 
-def build_batch(dataset: Any, indices: np.ndarray) -> BuiltBatch:
+def build_batch(dataset: Any, indices: np.ndarray, skip: bool = False) -> BuiltBatch:
     """Compute the batch of `indices` into a new shared-memory segment (owned by the caller)."""
-    samples = fetch_samples(dataset, indices)
+    samples, indices, skipped = fetch_samples(dataset, indices, skip)
     layout = plan_layout(samples, indices)
     total = layout[-1].offset + layout[-1].nbytes
     name = _segment_name()
@@ -130,12 +173,13 @@ def build_batch(dataset: Any, indices: np.ndarray) -> BuiltBatch:
         _shm.unlink(name)
         raise
     segment.close()
-    return BuiltBatch(name, total, tuple(layout))
+    return BuiltBatch(name, total, tuple(layout), skipped)
 
 
 def probe_fields(dataset: Any) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, dtype, per-sample shape) of every output field, from sample 0."""
     if len(dataset) == 0:
         return [(SAMPLE_INDEX, "int64", ())]
-    layout = plan_layout(fetch_samples(dataset, np.zeros(1, np.int64)), np.zeros(1, np.int64))
+    first = np.zeros(1, np.int64)
+    layout = plan_layout(fetch_samples(dataset, first)[0], first)
     return [(t.name, t.dtype, t.shape[1:]) for t in layout]

@@ -60,6 +60,9 @@ class CacheSettings(_Strict):
     dir: Path = Field(default_factory=lambda: Path(
         os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "stoker")
     max_bytes: ByteSize = Field(ByteSize(20 << 30), ge=1 << 20, description="e.g. 50GiB")
+    # Objects each worker fetches ahead of the batches that need them (the epoch's order is
+    # known), at most this many bytes in flight.
+    prefetch_bytes: ByteSize = Field(ByteSize(256 << 20), ge=0)
 
 
 class _Sourced(_Strict):

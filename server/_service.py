@@ -7,6 +7,7 @@ the worker processes; this module only validates, schedules and sends.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import numpy as np
 
 from stoker.v1 import stoker_pb2 as pb
 
@@ -22,7 +24,7 @@ from ._batch import BuiltBatch
 from ._config import Config
 from ._frames import encode_error, encode_frames
 from ._sampling import CoordinateError, Coordinates, batch_samples, batches_per_epoch
-from ._workers import BatchFailed, DatasetMeta, WorkerPool, release
+from ._workers import DEPTH, BatchFailed, DatasetMeta, WorkerPool, release
 
 log = logging.getLogger("stoker.server")
 
@@ -63,7 +65,10 @@ class DataService:
         self._pool = pool
         self._meta = meta
         self._settings = config.server
+        # Hints reach one round of the workers' queues ahead of the batch being asked for.
+        self._lookahead = self._settings.worker_count * DEPTH
         self.draining = False
+        self.skipped: collections.Counter[str] = collections.Counter()
 
     def handler(self) -> grpc.GenericRpcHandler:
         """Method handlers; StreamBatches sends frames this module has already serialized."""
@@ -191,8 +196,8 @@ class DataService:
                     try:
                         # In a thread: a new epoch's permutation of a large dataset takes a
                         # while, and every other stream shares this event loop.
-                        indices = await asyncio.to_thread(batch_samples, meta.num_samples,
-                                                          coords, index)
+                        indices, ahead = await asyncio.to_thread(
+                            self._samples, meta, coords, index)
                     except CoordinateError as e:
                         raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
                     state["outstanding"] += 1
@@ -200,7 +205,7 @@ class DataService:
                         ready.put_nowait(_Failed(index, coords.epoch, grpc.StatusCode.UNAVAILABLE,
                                                  f"batch {index}: server draining, ask another"))
                         continue
-                    job = asyncio.create_task(self._build(coords, index, indices, ready))
+                    job = asyncio.create_task(self._build(coords, index, indices, ahead, ready))
                     jobs.add(job)
                     job.add_done_callback(jobs.discard)
         except _Abort as e:
@@ -213,10 +218,20 @@ class DataService:
         state["eof"] = True
         ready.put_nowait(None)
 
-    async def _build(self, coords: Coordinates, index: int, indices: Any,
-                     ready: asyncio.Queue) -> None:
+    def _samples(self, meta: DatasetMeta, coords: Coordinates, index: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """Batch `index`'s samples, and those of the batch `lookahead` further on, which the
+        workers fetch from storage ahead of time."""
+        indices = batch_samples(meta.ordering, coords, index)
+        later = index + self._lookahead
+        if later < batches_per_epoch(meta.num_samples, coords):
+            return indices, batch_samples(meta.ordering, coords, later)
+        return indices, indices[:0]
+
+    async def _build(self, coords: Coordinates, index: int, indices: np.ndarray,
+                     ahead: np.ndarray, ready: asyncio.Queue) -> None:
         try:
-            fut = self._pool.submit(coords.dataset, indices)
+            fut = self._pool.submit(coords.dataset, indices, ahead)
             try:
                 batch: BuiltBatch = await asyncio.wrap_future(fut)
             except asyncio.CancelledError:
@@ -228,4 +243,6 @@ class DataService:
             ready.put_nowait(_Failed(index, coords.epoch, _FAILURE_CODE[e.kind],
                                      f"batch {index}: {e}"))
             return
+        if batch.skipped:
+            self.skipped[coords.dataset] += batch.skipped
         ready.put_nowait((batch, index, coords.epoch))

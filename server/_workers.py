@@ -27,6 +27,7 @@ import numpy as np
 
 from . import _shm
 from ._batch import BuiltBatch, SampleError, build_batch, probe_fields
+from ._sampling import Ordering
 
 log = logging.getLogger("stoker.server")
 
@@ -51,6 +52,26 @@ class BatchFailed(Exception):
 class DatasetMeta:
     num_samples: int
     fields: list[tuple[str, str, tuple[int, ...]]]
+    ordering: Ordering
+
+
+def _describe(ds: Any, cfg: Any) -> DatasetMeta:
+    ordering = Ordering(len(ds), getattr(ds, "shard_starts", None),
+                        getattr(cfg, "shuffle", "global") == "block",
+                        getattr(cfg, "shuffle_window", 1))
+    return DatasetMeta(len(ds), probe_fields(ds), ordering)
+
+
+def _prefetch(ds: Any, indices: np.ndarray) -> None:
+    """Ask the dataset's storage to fetch what these samples read (a hint, never fails)."""
+    objects_of = getattr(ds, "objects_of", None)
+    storage = getattr(ds, "storage", None)
+    if objects_of is None or storage is None or len(indices) == 0:
+        return
+    try:
+        storage.prefetch(objects_of(indices))
+    except Exception as e:  # the read itself will fail, and say why
+        log.debug("prefetch hint failed: %s", e)
 
 
 def release(batch: BuiltBatch) -> None:
@@ -76,7 +97,7 @@ def _worker_main(config: Any, conn: mpc.Connection, probe: bool) -> None:
         try:
             datasets[name] = ds = open_dataset(name, config, cache)
             if probe:
-                meta[name] = DatasetMeta(len(ds), probe_fields(ds))
+                meta[name] = _describe(ds, config.datasets[name])
         except Exception as e:
             conn.send(("failed", f"dataset {name!r}: {type(e).__name__}: {e}"))
             return
@@ -88,9 +109,14 @@ def _worker_main(config: Any, conn: mpc.Connection, probe: bool) -> None:
             return
         if task is None:
             return
-        task_id, dataset, indices = task
+        task_id, dataset, indices, ahead = task
+        ds, skip = datasets[dataset], config.datasets[dataset].on_error == "skip"
+        # This batch's objects in parallel, then those of a batch further on: a store's
+        # first-byte latency is paid ahead of time, not once per sample in turn.
+        _prefetch(ds, indices)
+        _prefetch(ds, ahead)
         try:
-            conn.send(("done", task_id, build_batch(datasets[dataset], indices)))
+            conn.send(("done", task_id, build_batch(ds, indices, skip)))
         except SampleError as e:
             conn.send(("error", task_id, "data_loss", f"dataset {dataset!r}: {e}"))
         except Exception as e:
@@ -103,11 +129,12 @@ class _Worker:
     conn: mpc.Connection
     ready: bool = False
     # Tasks sent to this worker, oldest first: the first is the one it is building.
-    tasks: dict[int, tuple[str, np.ndarray, concurrent.futures.Future[BuiltBatch]]] = field(
-        default_factory=dict)
+    tasks: dict[int, tuple[str, np.ndarray, np.ndarray, concurrent.futures.Future[BuiltBatch]]
+                ] = field(default_factory=dict)
 
 
-_Task = tuple[int, str, np.ndarray, concurrent.futures.Future]
+_Task = tuple[int, str, np.ndarray, np.ndarray, concurrent.futures.Future]
+_NOTHING = np.zeros(0, np.int64)
 
 
 class WorkerPool:
@@ -179,7 +206,9 @@ class WorkerPool:
         _shm.sweep(os.getpid())
 
     # -- submitting ------------------------------------------------------------------------
-    def submit(self, dataset: str, indices: np.ndarray) -> concurrent.futures.Future[BuiltBatch]:
+    def submit(self, dataset: str, indices: np.ndarray, ahead: np.ndarray = _NOTHING
+               ) -> concurrent.futures.Future[BuiltBatch]:
+        """Build the batch of `indices`; `ahead`: samples a later batch will need (a hint)."""
         fut: concurrent.futures.Future[BuiltBatch] = concurrent.futures.Future()
         with self._lock:
             if self._closing:
@@ -187,7 +216,7 @@ class WorkerPool:
             if not self._workers:
                 raise BatchFailed("internal", "no worker process is running")
             self._next_id += 1
-            self._queue.append((self._next_id, dataset, indices, fut))
+            self._queue.append((self._next_id, dataset, indices, ahead, fut))
         self._wake_w.send_bytes(b"x")
         return fut
 
@@ -233,11 +262,11 @@ class WorkerPool:
         with self._lock:
             for w in sorted(self._workers, key=lambda w: len(w.tasks)):
                 while w.ready and len(w.tasks) < DEPTH and self._queue:
-                    task_id, dataset, indices, fut = self._queue.popleft()
+                    task_id, dataset, indices, ahead, fut = self._queue.popleft()
                     if fut.cancelled():
                         continue
-                    w.tasks[task_id] = (dataset, indices, fut)
-                    w.conn.send((task_id, dataset, indices))
+                    w.tasks[task_id] = (dataset, indices, ahead, fut)
+                    w.conn.send((task_id, dataset, indices, ahead))
 
     def _receive(self, w: _Worker) -> None:
         try:
@@ -264,7 +293,7 @@ class WorkerPool:
                 self._remove(w)
             return
         task = w.tasks.pop(msg[1], None)
-        fut = task[2] if task else None
+        fut = task[3] if task else None
         if kind == "done":
             if fut is None or not _resolve(fut, msg[2]):
                 release(msg[2])  # nobody waits for it any more
@@ -280,11 +309,11 @@ class WorkerPool:
         tasks = list(w.tasks.items())
         w.tasks.clear()
         if tasks:
-            _reject(tasks[0][1][2], BatchFailed(
+            _reject(tasks[0][1][3], BatchFailed(
                 "internal", f"worker process died (exit code {code}) while building it"))
         with self._lock:
-            for task_id, (dataset, indices, fut) in reversed(tasks[1:]):
-                self._queue.appendleft((task_id, dataset, indices, fut))
+            for task_id, (dataset, indices, ahead, fut) in reversed(tasks[1:]):
+                self._queue.appendleft((task_id, dataset, indices, ahead, fut))
         w.conn.close()
         self._workers[self._workers.index(w)] = self._spawn(probe=False)
 

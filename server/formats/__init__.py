@@ -32,7 +32,8 @@ def open_dataset(name: str, config: Any, cache: Any = None) -> MapDataset:
 
         return open_python(cfg)
     root, pattern = split_source(cfg.source)
-    storage: Storage = open_storage(root, config.s3_for(name), cache)
+    storage: Storage = open_storage(root, config.s3_for(name), cache,
+                                    int(config.cache.prefetch_bytes))
     if cfg.format == "image-folder":
         from .image_folder import ImageFolder
 

@@ -93,13 +93,14 @@ def glob_regex(pattern: str) -> re.Pattern[str]:
     return re.compile("".join(out) + r"\Z")
 
 
-def open_storage(root: str, s3: Any = None, cache: Any = None) -> Storage:
+def open_storage(root: str, s3: Any = None, cache: Any = None,
+                 prefetch_bytes: int = 0) -> Storage:
     """The storage for `root` (no glob characters): `s3://...` needs the `s3` settings and a
     `cache` (a DiskCache, see cache.py); anything else is a local directory."""
     if root.startswith("s3://"):
         from .s3 import S3Storage
 
-        return S3Storage(root, s3, cache)
+        return S3Storage(root, s3, cache, prefetch_bytes)
     if "://" in root:
         raise StorageError(f"{root}: unsupported URL scheme (local paths and s3:// are)")
     from .local import LocalStorage

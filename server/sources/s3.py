@@ -1,0 +1,214 @@
+"""`s3://bucket/prefix` through boto3: AWS S3 and S3-compatible stores (MinIO, Ceph...).
+
+- Credentials: boto3's standard chain (environment, profile, instance role); the config holds
+  only where to connect (endpoint_url, region) and how (pool, timeouts, retries).
+- Retries: botocore retries requests (503 SlowDown, 5xx, resets) with backoff. A body that
+  breaks off mid-read is not covered by that, so reads here retry too, with the same budget.
+- Objects come through the disk cache (cache.py): an epoch after the first reads local files.
+  Cache entries are keyed by URL and ETag, so a changed object is fetched again.
+- Large objects are fetched as parallel ranged GETs of `range_bytes`.
+- prefetch(keys) fills the cache from a thread pool, at most `prefetch_bytes` in flight;
+  a read of a key being prefetched waits for that fetch instead of starting another.
+
+Threading contract: every method may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import boto3
+import botocore.exceptions as bx
+from botocore.config import Config as BotoConfig
+
+from . import ObjectInfo, StorageError, glob_regex
+from .cache import DiskCache
+
+log = logging.getLogger("stoker.server")
+T = TypeVar("T")
+
+# A response body that broke off: botocore does not retry these by itself.
+_BODY_ERRORS = (bx.ResponseStreamingError, bx.IncompleteReadError, bx.ReadTimeoutError,
+                bx.ConnectionClosedError, bx.EndpointConnectionError, ConnectionError)
+_MISSING = {"404", "NoSuchKey", "NotFound"}
+
+
+class S3Storage:
+    def __init__(self, url: str, settings: Any, cache: DiskCache | None,
+                 prefetch_bytes: int = 0) -> None:
+        if cache is None:
+            raise StorageError(f"{url}: s3 sources need the disk cache (cache: in the config)")
+        bucket, _, prefix = url.removeprefix("s3://").partition("/")
+        if not bucket:
+            raise StorageError(f"{url}: no bucket name")
+        self.url = url.rstrip("/")
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.settings = settings
+        self.cache = cache
+        self.prefetch_bytes = prefetch_bytes
+        threads = max(settings.range_concurrency, 8)
+        session = boto3.session.Session(profile_name=settings.profile,
+                                        region_name=settings.region)
+        self.client = session.client("s3", endpoint_url=settings.endpoint_url, config=BotoConfig(
+            max_pool_connections=settings.max_pool_connections or 2 * threads + 4,
+            connect_timeout=settings.connect_timeout, read_timeout=settings.read_timeout,
+            retries={"max_attempts": settings.max_attempts, "mode": settings.retry_mode},
+            s3={"addressing_style": "path"} if settings.endpoint_url else None,
+            tcp_keepalive=True))
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, "stoker-s3")
+        self._lock = threading.Lock()
+        # From list(): what a read needs to find the cache entry without a HEAD request.
+        self._known: dict[str, tuple[str, int]] = {}
+        self._inflight: dict[str, concurrent.futures.Future[Path]] = {}
+        self._inflight_bytes = 0
+
+    # -- the Storage interface -------------------------------------------------------------
+    def list(self, pattern: str | None = None) -> list[ObjectInfo]:
+        match = glob_regex(pattern).match if pattern else None
+        start = f"{self.prefix}/" if self.prefix else ""
+        found = []
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=start)
+        try:
+            for page in pages:
+                for obj in page.get("Contents", ()):
+                    key = obj["Key"][len(start):]
+                    if key and not key.endswith("/") and (match is None or match(key)):
+                        found.append(ObjectInfo(key, obj["Size"], obj["ETag"].strip('"')))
+        except bx.ClientError as e:
+            raise StorageError(f"{self.url}: cannot list: {_describe(e)}") from None
+        except bx.BotoCoreError as e:
+            raise StorageError(f"{self.url}: cannot list: {e}") from None
+        with self._lock:
+            self._known.update((o.key, (o.version, o.size)) for o in found)
+        return sorted(found, key=lambda o: o.key)
+
+    def info(self, key: str) -> ObjectInfo:
+        with self._lock:
+            known = self._known.get(key)
+        if known:
+            return ObjectInfo(key, known[1], known[0])
+        head = self._retrying(key, lambda: self.client.head_object(
+            Bucket=self.bucket, Key=self._key(key)))
+        info = ObjectInfo(key, head["ContentLength"], head["ETag"].strip('"'))
+        with self._lock:
+            self._known[key] = (info.version, info.size)
+        return info
+
+    def read(self, key: str) -> bytes:
+        info = self.info(key)
+        fut = self._inflight_fetch(key)
+        if fut is not None:
+            fut.result()  # a prefetch is fetching it; its errors are ours too
+        return self.cache.read(self.where(key), info.version,
+                               lambda fd: self._download(key, info.size, fd))
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        end = start + length - 1
+        return self._retrying(key, lambda: self._get(key, f"bytes={start}-{end}", length))
+
+    def local_path(self, key: str) -> Path:
+        info = self.info(key)
+        fut = self._inflight_fetch(key)
+        if fut is not None:
+            return fut.result()
+        return self.cache.get(self.where(key), info.version,
+                              lambda fd: self._download(key, info.size, fd))
+
+    def prefetch(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            with self._lock:
+                known = self._known.get(key)
+                if (known is None or key in self._inflight
+                        or self._inflight_bytes + known[1] > self.prefetch_bytes):
+                    continue
+                version, size = known
+                if self.cache.entry(self.where(key), version).exists():
+                    continue
+                self._inflight_bytes += size
+                fut = self._pool.submit(self.cache.get, self.where(key), version,
+                                        lambda fd, k=key, n=size: self._download(k, n, fd))
+                self._inflight[key] = fut
+            fut.add_done_callback(lambda f, k=key, n=size: self._settled(k, n, f))
+
+    def where(self, key: str) -> str:
+        return f"{self.url}/{key}"
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _inflight_fetch(self, key: str) -> concurrent.futures.Future[Path] | None:
+        with self._lock:
+            return self._inflight.get(key)
+
+    def _settled(self, key: str, size: int, fut: concurrent.futures.Future[Path]) -> None:
+        with self._lock:
+            self._inflight.pop(key, None)
+            self._inflight_bytes -= size
+        if fut.exception() is not None:  # the read that needs it will fail and say why
+            log.debug("prefetch of %s failed: %s", self.where(key), fut.exception())
+
+    def _get(self, key: str, byte_range: str | None, expect: int) -> bytes:
+        kwargs = {"Range": byte_range} if byte_range else {}
+        body = self.client.get_object(Bucket=self.bucket, Key=self._key(key), **kwargs)["Body"]
+        with body:
+            data = body.read()
+        if len(data) != expect:
+            raise ConnectionError(f"got {len(data)} bytes of {expect}")
+        return data
+
+    def _download(self, key: str, size: int, fd: int) -> None:
+        """Write the object into `fd`: one GET, or parallel ranges for a large object."""
+        step = int(self.settings.range_bytes)
+        if size <= step:
+            os.pwrite(fd, self._retrying(key, lambda: self._get(key, None, size)), 0)
+            return
+
+        def part(start: int) -> None:
+            n = min(step, size - start)
+            data = self._retrying(key, lambda: self._get(
+                key, f"bytes={start}-{start + n - 1}", n))
+            os.pwrite(fd, data, start)
+
+        # Not self._pool: a prefetch running there must not wait on its own pool's slots.
+        with concurrent.futures.ThreadPoolExecutor(self.settings.range_concurrency) as parts:
+            for f in [parts.submit(part, s) for s in range(0, size, step)]:
+                f.result()
+
+    def _retrying(self, key: str, call: Callable[[], T]) -> T:
+        attempts = self.settings.max_attempts
+        for attempt in range(1, attempts + 1):
+            try:
+                return call()
+            except bx.ClientError as e:
+                if _code(e) in _MISSING:
+                    raise StorageError(f"{self.where(key)}: no such object") from None
+                raise StorageError(f"{self.where(key)}: {_describe(e)}") from None
+            except _BODY_ERRORS as e:
+                if attempt == attempts:
+                    raise StorageError(f"{self.where(key)}: {type(e).__name__}: {e} "
+                                       f"(after {attempts} attempts)") from None
+                # Full jitter, as botocore's own backoff: 0..min(20 s, 0.1 s * 2^attempt).
+                time.sleep(random.uniform(0, min(20.0, 0.1 * 2 ** attempt)))
+            except bx.BotoCoreError as e:
+                raise StorageError(f"{self.where(key)}: {e}") from None
+        raise AssertionError("unreachable")
+
+
+def _code(e: bx.ClientError) -> str:
+    return str(e.response.get("Error", {}).get("Code", ""))
+
+
+def _describe(e: bx.ClientError) -> str:
+    err = e.response.get("Error", {})
+    status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return f"{err.get('Code', 'error')} (HTTP {status}): {err.get('Message', '')}".rstrip(": ")
