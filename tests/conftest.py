@@ -29,6 +29,8 @@ TOY_DATASETS: dict[str, Any] = {
     "toy": {"format": "python", "factory": "toy_datasets:toy", "options": {"n": 103}},
     "flaky": {"format": "python", "factory": "toy_datasets:toy", "options": {"n": 40,
                                                                          "fail_at": [13]}},
+    "skippy": {"format": "python", "factory": "toy_datasets:toy", "on_error": "skip",
+               "options": {"n": 40, "fail_at": [13, 30]}},
     "ragged": {"format": "python", "factory": "toy_datasets:Ragged", "options": {"n": 10}},
     "crashy": {"format": "python", "factory": "toy_datasets:toy", "options": {"n": 40,
                                                                           "die_at": 21}},

@@ -8,8 +8,11 @@ import pytest
 
 from stoker.client import RemoteError, RemoteLoader
 from stoker.server import ServerProcess
+from stoker.server._batch import replacement
 from stoker.v1 import stoker_pb2 as pb
 from stoker.v1 import stoker_pb2_grpc as pb_grpc
+
+from toy_datasets import Toy
 
 
 def still_serves(server: ServerProcess) -> None:
@@ -112,6 +115,26 @@ def test_a_failing_sample_is_data_loss_naming_it(toy_server) -> None:
             for batch in ld:
                 got.append(batch["sample_index"].copy())
     assert np.array_equal(np.concatenate(got), np.arange(12))
+
+
+def test_on_error_skip_replaces_a_bad_sample_the_same_way_every_time(toy_server) -> None:
+    def epoch() -> list[dict[str, np.ndarray]]:
+        with RemoteLoader(toy_server.address, "skippy", batch_size=4, shuffle=False,
+                          output="numpy", timeout=60) as ld:
+            batches = [{k: v.copy() for k, v in b.items()} for b in ld]
+        return batches
+
+    first, second = epoch(), epoch()
+    got = np.concatenate([b["sample_index"] for b in first])
+    expected = np.arange(40)
+    expected[13], expected[30] = replacement(13, 1, 40), replacement(30, 1, 40)
+    assert expected[13] not in (13, 30) and expected[30] not in (13, 30)  # good stand-ins
+    assert np.array_equal(got, expected)
+    # The stand-in's data, not a copy of its index only.
+    x = np.concatenate([b["x"] for b in first])
+    assert np.array_equal(x[13], Toy(n=40).__getitem__(int(expected[13]))["x"])
+    for a, b in zip(first, second, strict=True):  # deterministic: identical every epoch
+        assert all(np.array_equal(a[k], b[k]) for k in a)
 
 
 def test_a_failed_batch_is_answered_in_band_and_the_stream_goes_on(toy_server) -> None:

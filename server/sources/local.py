@@ -38,21 +38,24 @@ class LocalStorage:
         return found
 
     def info(self, key: str) -> ObjectInfo:
+        path = self._path(key)
         try:
-            st = self._path(key).stat()
+            st = path.stat()
         except OSError as e:
             raise StorageError(f"{self.where(key)}: {e.strerror}") from None
         return ObjectInfo(key, st.st_size, f"{st.st_mtime_ns}-{st.st_size}")
 
     def read(self, key: str) -> bytes:
+        path = self._path(key)
         try:
-            return self._path(key).read_bytes()
+            return path.read_bytes()
         except OSError as e:
             raise StorageError(f"{self.where(key)}: {e.strerror}") from None
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
+        path = self._path(key)
         try:
-            with open(self._path(key), "rb") as f:
+            with open(path, "rb") as f:
                 return os.pread(f.fileno(), length, start)
         except OSError as e:
             raise StorageError(f"{self.where(key)}: {e.strerror}") from None
