@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 import PIL
 import torch
+from _data import make_image_folder
 from _measure import machine_busy_seconds, machine_info, summarise, write_results
-from PIL import Image
 from torch.utils.data import DataLoader
 
 from stoker.client import RemoteLoader
@@ -53,32 +53,6 @@ QUICK = {"images": 384, "size": 160, "source_size": 192, "batch_size": 16, "repe
 
 
 # -- data ------------------------------------------------------------------------------------
-def make_image_folder(root: Path, images: int, classes: int, source_size: int,
-                      seed: int = 0) -> None:
-    """Write `images` JPEGs into `classes` class folders under `root`.
-
-    Each image is a class-coloured gradient plus Gaussian noise, its height and width drawn
-    from [0.75, 1.25] x source_size: noise keeps the JPEG entropy (and so the decode cost)
-    close to a photo's, and unequal sizes make the resize do real work on every image.
-    Deterministic in (images, classes, source_size, seed).
-    """
-    rng = np.random.default_rng(seed)
-    colours = rng.uniform(40, 215, size=(classes, 3))
-    lo, hi = int(source_size * 0.75), int(source_size * 1.25)
-    for c in range(classes):
-        (root / f"class_{c:03d}").mkdir(parents=True, exist_ok=True)
-    for i in range(images):
-        c = i % classes
-        r = np.random.default_rng([seed, i])
-        h, w = (int(v) for v in r.integers(lo, hi + 1, size=2))
-        yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
-        direction = r.uniform(-1, 1, size=(2, 3)).astype(np.float32)
-        ramp = (yy[..., None] / h) * direction[0] + (xx[..., None] / w) * direction[1]
-        pixels = colours[c] + 60 * ramp + r.normal(0, 24, size=(h, w, 3))
-        img = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), "RGB")
-        img.save(root / f"class_{c:03d}" / f"{i:06d}.jpg", quality=90)
-
-
 def prepare_data(data_dir: Path, images: int, classes: int, source_size: int) -> float:
     """Make the dataset in `data_dir` unless the marker says it is already there.
 
