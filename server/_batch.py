@@ -77,7 +77,9 @@ def fetch_sample(dataset: Any, i: int) -> dict[str, np.ndarray]:
         raw = dataset[i]
     except Exception as e:  # the user's code: any failure is this sample's failure
         where = getattr(dataset, "source_of", None)
-        src = f" ({where(i)})" if where else ""
+        place = where(i) if where else ""
+        # Formats' own errors often name the place already: say it once.
+        src = f" ({place})" if place and place not in str(e) else ""
         raise SampleError(f"sample {i}{src}: {type(e).__name__}: {e}") from e
     if not isinstance(raw, dict):
         raise SampleError(f"sample {i}: expected a dict of fields, got {type(raw).__name__}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 from PIL import Image
 
 from stoker.client import RemoteLoader
+from stoker.server import ServerProcess, write_config
 
 COLOURS = {"blue": (0, 0, 255), "green": (0, 255, 0), "red": (255, 0, 0)}
 
@@ -63,3 +66,68 @@ def test_a_corrupt_image_is_data_loss_naming_the_file(start_server, folder: Path
                           output="numpy", timeout=60) as loader:
             list(loader)
     assert "sample 1" in info.value.details and str(root / "a" / "1.jpg") in info.value.details
+
+
+# -- manifests ---------------------------------------------------------------------------------
+
+MANIFEST_ROWS = [("imgs/b.png", 7), ("other/deep/c.jpg", 2), ("imgs/a.png", 0),
+                 ("./imgs/b.png", 3)]  # a key may repeat; a leading ./ is the source itself
+SHADES = {"imgs/a.png": (250, 0, 0), "imgs/b.png": (0, 250, 0), "other/deep/c.jpg": (0, 0, 250)}
+
+
+@pytest.fixture(scope="module")
+def manifested(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("manifested")
+    for key, rgb in SHADES.items():
+        (root / key).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (12, 9), rgb).save(root / key, quality=95)
+    lines = ["path,label", ""] + [f"{p},{label}" for p, label in MANIFEST_ROWS]
+    (root / "train.csv").write_text("\n".join(lines) + "\n")
+    (root / "train.jsonl").write_text("".join(
+        json.dumps({"path": p, "label": label}) + "\n" for p, label in MANIFEST_ROWS))
+    return root
+
+
+def test_a_manifest_gives_the_samples_and_labels(start_server, manifested: Path) -> None:
+    server = start_server({
+        name: {"format": "image-folder", "source": str(manifested), "size": 4,
+               "manifest": f"train.{name}"} for name in ("csv", "jsonl")})
+    for name in ("csv", "jsonl"):
+        with RemoteLoader(server.address, name, batch_size=3, shuffle=False, drop_last=False,
+                          output="numpy", timeout=60) as loader:
+            batches = [{k: v.copy() for k, v in b.items()} for b in loader]
+        labels = np.concatenate([b["label"] for b in batches])
+        images = np.concatenate([b["image"] for b in batches])
+        assert labels.dtype == np.int64 and labels.tolist() == [lab for _, lab in MANIFEST_ROWS]
+        assert images.shape == (4, 3, 4, 4)
+        for image, (path, _) in zip(images, MANIFEST_ROWS, strict=True):
+            rgb = SHADES[path.removeprefix("./")]
+            assert np.allclose(image.mean(axis=(1, 2)), rgb, atol=3), (name, path)
+
+
+def start_fails(tmp_path: Path, dataset: dict) -> str:
+    config = write_config(tmp_path / "bad.yaml", {"datasets": {"bad": dataset}})
+    with pytest.raises(RuntimeError) as info:
+        ServerProcess(config, workers=1).start()
+    return str(info.value)
+
+
+@pytest.mark.parametrize(("manifest", "text", "expected"), [
+    ("m.csv", "path,label\nimgs/a.png,1\n\nimgs/nope.png,2\nother/none.jpg,1\n",
+     "m.csv line 4: no file 'imgs/nope.png' under {root} (and 1 more rows)"),
+    ("m.jsonl", '{"path": "imgs/a.png", "label": 1}\n{"path": "imgs/b.png", "label": 1.5}\n',
+     "m.jsonl line 2: label must be an integer (int64), got 1.5"),
+    ("m.csv", "path,label\nimgs/a.png,one\n", "m.csv line 2: label must be an integer"),
+    ("m.csv", "file,label\nimgs/a.png,1\n", "m.csv line 1: expected a header with `path`"),
+    ("m.jsonl", '{"path": "../x.png", "label": 1}\n', "m.jsonl line 1: path '../x.png' must"),
+])
+def test_a_bad_manifest_stops_the_start_naming_the_line(manifested: Path, tmp_path: Path,
+                                                        manifest: str, text: str,
+                                                        expected: str) -> None:
+    root = tmp_path / "data"
+    shutil.copytree(manifested, root)
+    (root / manifest).write_text(text)
+    message = start_fails(tmp_path, {"format": "image-folder", "source": str(root), "size": 4,
+                                     "manifest": manifest})
+    assert "cannot start" in message and "dataset 'bad'" in message
+    assert str(root / expected.format(root=root)) in message, message

@@ -39,6 +39,14 @@ def test_glob(pattern: str, yes: list[str], no: list[str]) -> None:
     assert all(match(k) for k in yes) and not any(match(k) for k in no)
 
 
+def test_a_local_file_source_is_its_folder_and_its_name(tmp_path: Path) -> None:
+    (tmp_path / "odd[1]*.bin").write_bytes(b"x")
+    (tmp_path / "odd1x.bin").write_bytes(b"y")
+    root, pattern = split_source(str(tmp_path / "odd[1]*.bin"))
+    assert root == str(tmp_path) and pattern is not None
+    assert [o.key for o in open_storage(root).list(pattern)] == ["odd[1]*.bin"]
+
+
 def test_local_storage_lists_reads_and_stays_inside_its_root(tmp_path: Path) -> None:
     root = tmp_path / "root"
     (root / "d").mkdir(parents=True)

@@ -1,12 +1,17 @@
-"""`format: image-folder`: one sub-folder per class, JPEG/PNG files, decoded to RGB and resized.
+"""`format: image-folder`: JPEG/PNG files, decoded to RGB and resized.
 
-Yields `image` (uint8, CHW or HWC as configured) and `label` (int64, the class's position in
-the sorted folder names).
+Samples are either the files of one sub-folder per class (label = the class's position in the
+sorted folder names), or the rows of a `manifest` under the source: CSV with a `path,label`
+header, or JSON lines `{"path": ..., "label": ...}`; paths are keys under the source.
+Yields `image` (uint8, CHW or HWC as configured) and `label` (int64).
 """
 
 from __future__ import annotations
 
+import csv
 import io
+import json
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -15,6 +20,7 @@ from PIL import Image
 from ..sources import Storage
 
 EXTENSIONS = (".jpg", ".jpeg", ".png")
+INT64 = np.iinfo(np.int64)
 
 
 def decode_image(data: bytes, size: tuple[int, int], layout: str) -> np.ndarray:
@@ -26,21 +32,110 @@ def decode_image(data: bytes, size: tuple[int, int], layout: str) -> np.ndarray:
     return image.transpose(2, 0, 1) if layout == "chw" else image
 
 
+def _csv_rows(text: str, where: str) -> Iterator[tuple[int, Any, Any]]:
+    reader = csv.reader(io.StringIO(text, newline=""))
+    header: list[str] | None = None
+    for row in reader:
+        if not any(cell.strip() for cell in row):
+            continue  # blank lines
+        if header is None:
+            header = [cell.strip() for cell in row]
+            if "path" not in header or "label" not in header:
+                raise ValueError(f"{where} line {reader.line_num}: expected a header with "
+                                 f"`path` and `label` columns, got {row}")
+            p, lab = header.index("path"), header.index("label")
+            continue
+        if len(row) != len(header):
+            raise ValueError(f"{where} line {reader.line_num}: {len(row)} columns, the header "
+                             f"has {len(header)}")
+        yield reader.line_num, row[p].strip(), row[lab].strip()
+
+
+def _jsonl_rows(text: str, where: str) -> Iterator[tuple[int, Any, Any]]:
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where} line {n}: not JSON: {e}") from None
+        if not isinstance(record, dict) or "path" not in record or "label" not in record:
+            raise ValueError(f"{where} line {n}: expected an object with `path` and `label`")
+        yield n, record["path"], record["label"]
+
+
+def _label(value: Any) -> int:
+    if isinstance(value, str):
+        value = int(value)  # "3", " 3", "-1"; not "3.0"
+    elif isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError
+    if not INT64.min <= value <= INT64.max:
+        raise ValueError
+    return value
+
+
+def read_manifest(storage: Storage, manifest: str, pattern: str | None
+                  ) -> tuple[list[str], list[int]]:
+    """The (key, label) rows of a manifest, every key checked against one listing of the
+    source (one LIST for S3, not a HEAD per row)."""
+    where = storage.where(manifest)
+    lower = manifest.lower()
+    if lower.endswith(".csv"):
+        parse = _csv_rows
+    elif lower.endswith((".jsonl", ".json")):
+        parse = _jsonl_rows
+    else:
+        raise ValueError(f"{where}: a manifest must end in .csv, .jsonl or .json")
+    try:
+        text = storage.read(manifest).decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8: {e}") from None
+    keys, labels, lines = [], [], []
+    for n, path, label in parse(text, where):
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"{where} line {n}: path must be a non-empty string, got {path!r}")
+        key = path.removeprefix("./")
+        if key.startswith("/") or ".." in key.split("/"):
+            raise ValueError(f"{where} line {n}: path {path!r} must be relative to the source "
+                             "and stay under it")
+        try:
+            labels.append(_label(label))
+        except ValueError:
+            raise ValueError(f"{where} line {n}: label must be an integer (int64), got "
+                             f"{label!r}") from None
+        keys.append(key)
+        lines.append(n)
+    if not keys:
+        raise ValueError(f"{where}: the manifest lists no images")
+    listed = {o.key for o in storage.list(pattern)}
+    missing = [i for i, key in enumerate(keys) if key not in listed]
+    if missing:
+        first = missing[0]
+        more = f" (and {len(missing) - 1} more rows)" if len(missing) > 1 else ""
+        raise ValueError(f"{where} line {lines[first]}: no file {keys[first]!r} under "
+                         f"{storage.url}{more}")
+    return keys, labels
+
+
 class ImageFolder:
     """Thread-safe: __getitem__ reads only immutable numpy arrays."""
 
     def __init__(self, cfg: Any, storage: Storage, pattern: str | None = None) -> None:
         self.storage = storage
-        keys = [o.key for o in storage.list(pattern)
-                if o.key.lower().endswith(EXTENSIONS) and o.key.count("/") == 1]
-        self.classes = sorted({k.split("/", 1)[0] for k in keys})
-        if not keys:
-            raise ValueError(f"{storage.url}: no {'/'.join(EXTENSIONS)} files in class "
-                             "sub-folders")
-        index = {name: i for i, name in enumerate(self.classes)}
+        if cfg.manifest is not None:
+            keys, labels = read_manifest(storage, cfg.manifest, pattern)
+        else:
+            keys = [o.key for o in storage.list(pattern)
+                    if o.key.lower().endswith(EXTENSIONS) and o.key.count("/") == 1]
+            if not keys:
+                raise ValueError(f"{storage.url}: no {'/'.join(EXTENSIONS)} files in class "
+                                 "sub-folders")
+            classes = sorted({k.split("/", 1)[0] for k in keys})
+            index = {name: i for i, name in enumerate(classes)}
+            labels = [index[k.split("/", 1)[0]] for k in keys]
         # Fixed-width numpy arrays, not lists of str: no per-item refcounts to copy on write.
         self.keys = np.array(keys)
-        self.labels = np.array([index[k.split("/", 1)[0]] for k in keys], dtype=np.int64)
+        self.labels = np.array(labels, dtype=np.int64)
         self.size = tuple(cfg.size)
         self.layout = cfg.layout
 

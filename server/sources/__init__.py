@@ -55,7 +55,11 @@ class Storage(Protocol):
 
 def split_source(source: str) -> tuple[str, str | None]:
     """`data/*.jsonl` -> (`data`, `*.jsonl`); `s3://b/p/**/*.tar` -> (`s3://b/p`, `**/*.tar`);
-    a source without glob characters is all root."""
+    a local file -> (its folder, its name); any other source without glob characters is all
+    root."""
+    if "://" not in source and Path(source).is_file():  # one local file
+        path = Path(source)
+        return str(path.parent), re.sub(r"([*?\[])", r"[\1]", path.name)
     parts = source.rstrip("/").split("/")
     for i, part in enumerate(parts):
         if GLOB_CHARS & set(part):
@@ -84,6 +88,7 @@ def glob_regex(pattern: str) -> re.Pattern[str]:
         elif pattern[i] == "[" and "]" in pattern[i + 2:]:
             end = pattern.index("]", i + 2)
             body = pattern[i + 1:end]
+            body = body.replace("\\", "\\\\").replace("[", "\\[")
             body = "^" + body[1:] if body.startswith("!") else body
             out.append(f"[{body}]")
             i = end + 1

@@ -1,0 +1,217 @@
+"""`format: jsonl`: records, one JSON object per line, from one file or many.
+
+Every non-empty line is a record (a line holding only "\\r" counts as empty; one with other
+whitespace only is a record, and a bad one); a last line without a newline counts. Files are
+taken in key order; a source that names a directory takes every `*.jsonl` file under it.
+
+At open, each file's lines are found once (a vectorised newline search over a memory map, in
+chunks) and kept as one int64 array of record start offsets: no Python object per record.
+Sample i parses its line and, for each configured field, takes the value at the field's
+dotted path (`a.b.0` walks objects by key and lists by position), checked and converted to
+the field's dtype and shape. `utf8` fields become the text's UTF-8 bytes as uint8[max_bytes],
+zero-padded, cut at a character boundary when longer, plus `<name>_length` (int64): the
+bytes kept.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..sources import Storage
+from .memmap import OpenMaps
+
+DEFAULT_PATTERN = "**/*.jsonl"  # a source that names a directory
+CHUNK = 64 << 20  # bytes scanned at a time: the comparison's temporary stays this small
+NEWLINE = ord("\n")
+
+
+def _map(path: Path) -> mmap.mmap | None:
+    """A read-only map of the file, None when it is empty (mmap refuses empty files)."""
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+
+
+def line_starts(mm: mmap.mmap) -> np.ndarray:
+    """The start offset of every non-empty line of a mapped file (int64)."""
+    buf = np.frombuffer(mm, np.uint8)
+    try:
+        newlines = np.concatenate(
+            [np.flatnonzero(buf[a : a + CHUNK] == NEWLINE) + a
+             for a in range(0, len(buf), CHUNK)]).astype(np.int64)
+        starts = np.concatenate([[0], newlines + 1]).astype(np.int64)
+        ends = np.append(newlines, len(buf))
+        lengths = ends - starts
+        keep = lengths > 0
+        cr_only = np.flatnonzero(lengths == 1)
+        keep[cr_only[buf[starts[cr_only]] == ord("\r")]] = False
+    finally:
+        del buf  # the map cannot close while a view of it exists
+    return starts[keep]
+
+
+class _Field:
+    def __init__(self, name: str, cfg: Any) -> None:
+        self.name = name
+        self.path = tuple((cfg.path or name).split("."))
+        self.utf8 = cfg.dtype == "utf8"
+        self.dtype = np.dtype(np.uint8 if self.utf8 else cfg.dtype)
+        self.shape = tuple(cfg.shape)
+        self.max_bytes = cfg.max_bytes
+        if self.utf8 and self.max_bytes is None:
+            raise ValueError(f"field {name!r}: dtype utf8 needs max_bytes")
+        if self.utf8 and self.shape:
+            raise ValueError(f"field {name!r}: a utf8 field is one string; shape must be []")
+        if not self.utf8 and self.max_bytes is not None:
+            raise ValueError(f"field {name!r}: max_bytes applies to dtype utf8 only")
+
+    def lookup(self, record: Any) -> Any:
+        value = record
+        for i, part in enumerate(self.path):
+            at = ".".join(self.path[: i + 1])
+            if isinstance(value, dict):
+                if part not in value:
+                    raise KeyError(f"field {self.name!r}: no {at!r} in the record")
+                value = value[part]
+            elif isinstance(value, list) and part.isdigit():
+                if int(part) >= len(value):
+                    raise KeyError(f"field {self.name!r}: {at!r}: list has {len(value)} items")
+                value = value[int(part)]
+            else:
+                raise KeyError(f"field {self.name!r}: {at!r}: a {type(value).__name__} has no "
+                               "keys")
+        return value
+
+    def convert(self, value: Any, out: dict[str, Any]) -> None:
+        if self.utf8:
+            if not isinstance(value, str):
+                raise TypeError(f"field {self.name!r}: expected a string, got "
+                                f"{type(value).__name__}")
+            data = value.encode("utf-8")
+            if len(data) > self.max_bytes:  # cut at a character boundary
+                data = data[: self.max_bytes].decode("utf-8", "ignore").encode("utf-8")
+            text = np.zeros(self.max_bytes, np.uint8)
+            text[: len(data)] = np.frombuffer(data, np.uint8)
+            out[self.name] = text
+            out[f"{self.name}_length"] = np.int64(len(data))
+            return
+        if value is None or isinstance(value, str | dict):
+            raise TypeError(f"field {self.name!r}: expected {self.dtype} numbers, got "
+                            f"{type(value).__name__}")
+        try:
+            raw = np.asarray(value)
+        except ValueError:  # ragged lists
+            raise TypeError(f"field {self.name!r}: ragged lists") from None
+        if raw.dtype.kind not in "biuf":
+            raise TypeError(f"field {self.name!r}: expected {self.dtype} numbers, got "
+                            f"{_describe(value)}")
+        if raw.shape != self.shape:
+            raise ValueError(f"field {self.name!r}: shape {list(raw.shape)}, expected "
+                             f"{list(self.shape)}")
+        with np.errstate(all="ignore"):  # checked below instead
+            arr = raw.astype(self.dtype)
+        if (not np.array_equal(arr, raw) if self.dtype.kind in "biu"
+                else np.any(np.isinf(arr) & ~np.isinf(raw))):
+            raise ValueError(f"field {self.name!r}: {_describe(value)} does not fit "
+                             f"{self.dtype}")
+        out[self.name] = arr
+
+
+def _describe(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+class Jsonl:
+    """Thread-safe: __getitem__ reads immutable arrays and maps opened under a lock."""
+
+    def __init__(self, cfg: Any, storage: Storage, pattern: str | None = None) -> None:
+        self.storage = storage
+        self.fields = [_Field(name, f) for name, f in cfg.fields.items()]
+        names = [f.name for f in self.fields]
+        for f in self.fields:
+            if f.utf8 and f"{f.name}_length" in names:
+                raise ValueError(f"field {f.name}_length: clashes with utf8 field {f.name!r}'s "
+                                 "length")
+        infos = storage.list(pattern or DEFAULT_PATTERN)
+        if not infos:
+            raise ValueError(f"{storage.url}: no files match {pattern or DEFAULT_PATTERN!r}")
+        offsets, counts = [], []
+        for o in infos:
+            mm = _map(storage.local_path(o.key))
+            if mm is None:
+                starts = np.zeros(0, np.int64)
+            else:
+                with mm:
+                    starts = line_starts(mm)
+            offsets.append(starts)
+            counts.append(len(starts))
+        # Fixed-width numpy arrays, not lists: nothing for copy-on-write to touch.
+        self.keys = np.array([o.key for o in infos])
+        self.offsets = np.concatenate(offsets)
+        self.file_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.length = int(self.file_starts[-1])
+        if self.length == 0:
+            raise ValueError(f"{storage.url}: no records in {len(infos)} file(s)")
+        self.shard_starts = self.file_starts[:-1][np.array(counts) > 0]
+        self._maps: OpenMaps[mmap.mmap | None] = OpenMaps(storage, lambda _, p: _map(p))
+
+    def _locate(self, index: int) -> int:
+        if not 0 <= index < self.length:
+            raise IndexError(f"sample {index} not in [0, {self.length})")
+        # side="right": a file with no records is never chosen, the next one starting there is.
+        return int(np.searchsorted(self.file_starts, index, side="right")) - 1
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        f = self._locate(index)
+        key = str(self.keys[f])
+        mm = self._maps.get(key)
+        start = int(self.offsets[index])
+        if mm is None or start >= len(mm):
+            raise ValueError(f"{self.source_of(index)}: the file changed since the server started")
+        end = mm.find(b"\n", start)
+        line = mm[start : end if end >= 0 else len(mm)]
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:  # its own "line 1" would only confuse
+            raise ValueError(f"{self.source_of(index)}: not valid JSON: {e.msg} at column "
+                             f"{e.colno}") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{self.source_of(index)}: not valid UTF-8 at byte "
+                             f"{e.start + 1}") from None
+        out: dict[str, Any] = {}
+        for field in self.fields:
+            try:
+                field.convert(field.lookup(record), out)
+            except (KeyError, TypeError, ValueError) as e:
+                msg = e.args[0] if e.args else str(e)
+                raise ValueError(f"{self.source_of(index)}: {msg}") from None
+        return out
+
+    def source_of(self, index: int) -> str:
+        """`FILE line N` (1-based) of sample `index`."""
+        f = self._locate(index)
+        key = str(self.keys[f])
+        mm = self._maps.get(key)
+        start = int(self.offsets[index])
+        line = 1
+        if mm is not None:  # newlines before the record: blank lines are lines too
+            buf = np.frombuffer(mm, np.uint8)
+            try:
+                line += sum(int(np.count_nonzero(buf[a : min(a + CHUNK, start)] == NEWLINE))
+                            for a in range(0, start, CHUNK))
+            finally:
+                del buf
+        return f"{self.storage.where(key)} line {line}"
+
+    def objects_of(self, indices: np.ndarray) -> list[str]:
+        files = np.unique(np.searchsorted(self.file_starts, indices, side="right") - 1)
+        return self.keys[files].tolist()
