@@ -17,11 +17,14 @@ Reported per run: server start (ready line; for formats that memory-map whole fi
 tokens, the download happens here, while the worker opens the dataset), the first batch, and
 samples/s and bytes/s (payload bytes of the batches received) over the epoch; medians over
 repeats. The ratio to local is the figure to read: S3 warm should be within 10% of local.
+For scale, the endpoint's own limit is measured too: plain boto3 GETs of every object from 16
+threads in this process, objects/s and bytes/s (the best a cold epoch could do).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+import botocore.config
 import numpy as np
 from _data import make_image_folder
 from _measure import machine_info, summarise, write_results
@@ -92,6 +96,22 @@ def upload(endpoint: str, root: Path, prefix: str) -> int:
             s3.upload_file(str(path), BUCKET, f"{prefix}/{path.relative_to(root).as_posix()}")
             total += path.stat().st_size
     return total
+
+
+def endpoint_limit(endpoint: str, prefix: str, threads: int = 16) -> dict[str, float]:
+    """Objects/s and bytes/s that plain boto3 GETs of every object get from the endpoint, from
+    `threads` threads in this process: what a cold read could reach at best."""
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                      config=botocore.config.Config(max_pool_connections=threads))
+    keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(
+        Bucket=BUCKET, Prefix=f"{prefix}/") for o in page.get("Contents", ())]
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        nbytes = sum(pool.map(
+            lambda k: len(s3.get_object(Bucket=BUCKET, Key=k)["Body"].read()), keys))
+    wall = time.perf_counter() - t0
+    return {"objects_per_s": len(keys) / wall, "bytes_per_s": nbytes / wall,
+            "objects": len(keys), "threads": threads}
 
 
 # -- the datasets ----------------------------------------------------------------------------
@@ -160,6 +180,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if args.formats and fmt not in args.formats:
                 continue
             stored = upload(endpoint, d["dir"], fmt)
+            limit = endpoint_limit(endpoint, fmt)
             runs: dict[str, list[dict[str, Any]]] = {r: [] for r in RUNS}
             for rep in range(p["repeats"]):
                 cache = work / f"cache-{fmt}-{rep}"
@@ -179,6 +200,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         res["server_exit_code"] = out["server_exit_code"]
                 shutil.rmtree(cache, ignore_errors=True)
             res["formats"][fmt] = summarise_format(fmt, runs, stored, res["check_problems"])
+            res["formats"][fmt]["endpoint_get_limit"] = limit
     return res
 
 
@@ -215,6 +237,12 @@ def report(res: dict[str, Any]) -> str:
                 f"{x['first_batch_s']['median']:>11.3f} "
                 f"{sps['median']:>8.0f} [{sps['min']:.0f}, {sps['max']:.0f}]".ljust(55)
                 + f" {x['bytes_per_s']['median'] / 1e6:>8.1f} {f['ratio_over_local'][r]:>8.3f}")
+    lines.append("")
+    for fmt, f in res["formats"].items():
+        lim = f["endpoint_get_limit"]
+        lines.append(f"{fmt}: plain boto3 GETs of all {lim['objects']} objects, "
+                     f"{lim['threads']} threads: {lim['objects_per_s']:.0f} objects/s, "
+                     f"{lim['bytes_per_s'] / 1e6:.1f} MB/s (the endpoint's limit here)")
     if res["check_problems"]:
         lines += ["", "CHECK PROBLEMS:", *[f"  - {p}" for p in res["check_problems"]]]
     return "\n".join(lines)

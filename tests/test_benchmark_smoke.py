@@ -55,3 +55,22 @@ def test_quick_wire_benchmark_measures_all_three(tmp_path: Path) -> None:
         assert stoker["peer_cpu_s_per_gb"]["median"] > 0
         assert size["ratio_stoker_over_tcp"] > 0
     assert "stoker/" in result.stdout and "raw TCP" in result.stdout
+
+
+@pytest.mark.timeout(180)
+def test_quick_storage_benchmark_reads_local_and_s3(tmp_path: Path) -> None:
+    out = tmp_path / "storage.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "storage.py"), "--quick", "--json", str(out)],
+        capture_output=True, text=True, timeout=170, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    res = json.loads(out.read_text())
+    assert res["check_problems"] == [] and res["server_exit_code"] == 0
+    assert set(res["formats"]) == {"image-folder", "tokens"}
+    for fmt in res["formats"].values():
+        for run in ("local", "s3_cold", "s3_warm"):
+            rep = fmt["runs"][run]["repeats"][0]
+            assert rep["samples"] > 0 and rep["samples_per_s"] > 0 and rep["server_exit_code"] == 0
+        assert fmt["ratio_over_local"]["local"] == 1.0
+        assert fmt["endpoint_get_limit"]["objects"] > 0
+    assert "s3_warm" in result.stdout
