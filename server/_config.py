@@ -20,6 +20,7 @@ from pydantic import (
     Field,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 # Frames must stay well under the client's receive limit (see stoker.client).
@@ -130,12 +131,26 @@ NumberDtype = Literal["bool", "int8", "int16", "int32", "int64", "uint8", "uint1
                       "uint64", "float16", "float32", "float64"]
 
 
+def _check_text(is_text: bool, max_bytes: int | None) -> None:
+    if is_text and max_bytes is None:
+        raise ValueError("max_bytes is required for utf8 text")
+    if not is_text and max_bytes is not None:
+        raise ValueError("max_bytes applies to utf8 text only")
+
+
 class JsonField(_Strict):
     path: str | None = Field(None, description="dotted key in the record; default: field name")
     dtype: NumberDtype | Literal["utf8"] = "float32"
     shape: tuple[int, ...] = ()
     # utf8: the text's bytes as uint8[max_bytes], zero-padded, and `<name>_length` (int64).
     max_bytes: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _utf8_needs_max_bytes(self) -> JsonField:
+        _check_text(self.dtype == "utf8", self.max_bytes)
+        if self.dtype == "utf8" and self.shape:
+            raise ValueError("a utf8 field has no shape (it is uint8[max_bytes])")
+        return self
 
 
 class JsonlDataset(_Sourced):
@@ -172,6 +187,13 @@ class TarField(_Strict):
     size: ImageSize | None = None  # image
     layout: Literal["chw", "hwc"] = "chw"  # image
     max_bytes: int | None = Field(None, ge=1)  # utf8, as in jsonl
+
+    @model_validator(mode="after")
+    def _decoder_options(self) -> TarField:
+        _check_text(self.decode == "utf8", self.max_bytes)
+        if (self.decode == "image") != (self.size is not None):
+            raise ValueError("size is required for decode: image, and only for it")
+        return self
 
 
 class TarDataset(_Sourced):
