@@ -2,8 +2,9 @@
 
 - Credentials: boto3's standard chain (environment, profile, instance role); the config holds
   only where to connect (endpoint_url, region) and how (pool, timeouts, retries).
-- Retries: botocore retries requests (503 SlowDown, 5xx, resets) with backoff. A body that
-  breaks off mid-read is not covered by that, so reads here retry too, with the same budget.
+- Retries: botocore retries requests (503 SlowDown, 5xx, resets) with backoff, at most
+  `max_attempts` requests in all. A body that breaks off mid-read is not covered by that, so
+  a GET whose body breaks is repeated here, up to `max_attempts` GETs.
 - Objects come through the disk cache (cache.py): an epoch after the first reads local files.
   Cache entries are keyed by URL and ETag, so a changed object is fetched again.
 - Large objects are fetched as parallel ranged GETs of `range_bytes`.
@@ -35,10 +36,14 @@ from .cache import DiskCache
 log = logging.getLogger("stoker.server")
 T = TypeVar("T")
 
-# A response body that broke off: botocore does not retry these by itself.
+# Errors reading a response body: botocore retries requests, not these.
 _BODY_ERRORS = (bx.ResponseStreamingError, bx.IncompleteReadError, bx.ReadTimeoutError,
                 bx.ConnectionClosedError, bx.EndpointConnectionError, ConnectionError)
 _MISSING = {"404", "NoSuchKey", "NotFound"}
+
+
+class _BrokenBody(Exception):
+    """A GET whose headers arrived but whose body did not, whole."""
 
 
 class S3Storage:
@@ -60,7 +65,7 @@ class S3Storage:
         self.client = session.client("s3", endpoint_url=settings.endpoint_url, config=BotoConfig(
             max_pool_connections=settings.max_pool_connections or 2 * threads + 4,
             connect_timeout=settings.connect_timeout, read_timeout=settings.read_timeout,
-            retries={"max_attempts": settings.max_attempts, "mode": settings.retry_mode},
+            retries={"total_max_attempts": settings.max_attempts, "mode": settings.retry_mode},
             s3={"addressing_style": "path"} if settings.endpoint_url else None,
             tcp_keepalive=True))
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, "stoker-s3")
@@ -159,11 +164,15 @@ class S3Storage:
 
     def _get(self, key: str, byte_range: str | None, expect: int) -> bytes:
         kwargs = {"Range": byte_range} if byte_range else {}
+        # The request itself: botocore has retried it already when this raises.
         body = self.client.get_object(Bucket=self.bucket, Key=self._key(key), **kwargs)["Body"]
-        with body:
-            data = body.read()
+        try:
+            with body:
+                data = body.read()
+        except _BODY_ERRORS as e:
+            raise _BrokenBody(f"{type(e).__name__}: {e}") from None
         if len(data) != expect:
-            raise ConnectionError(f"got {len(data)} bytes of {expect}")
+            raise _BrokenBody(f"got {len(data)} bytes of {expect}")
         return data
 
     def _download(self, key: str, size: int, fd: int) -> None:
@@ -193,14 +202,15 @@ class S3Storage:
                 if _code(e) in _MISSING:
                     raise StorageError(f"{self.where(key)}: no such object") from None
                 raise StorageError(f"{self.where(key)}: {_describe(e)}") from None
-            except _BODY_ERRORS as e:
+            except _BrokenBody as e:
                 if attempt == attempts:
-                    raise StorageError(f"{self.where(key)}: {type(e).__name__}: {e} "
+                    raise StorageError(f"{self.where(key)}: response body broke off: {e} "
                                        f"(after {attempts} attempts)") from None
                 # Full jitter, as botocore's own backoff: 0..min(20 s, 0.1 s * 2^attempt).
                 time.sleep(random.uniform(0, min(20.0, 0.1 * 2 ** attempt)))
-            except bx.BotoCoreError as e:
-                raise StorageError(f"{self.where(key)}: {e}") from None
+            except (bx.BotoCoreError, ConnectionError) as e:  # retried by botocore already
+                raise StorageError(f"{self.where(key)}: {type(e).__name__}: {e} "
+                                   f"(after {attempts} attempts)") from None
         raise AssertionError("unreachable")
 
 
