@@ -149,15 +149,21 @@ def tar_server(start_server_module: StartServer, tar_data, bad_tars: Path) -> Se
     }, workers=2)
 
 
+def whole_epoch_order(got: dict[str, np.ndarray], n: int, shuffle: bool) -> np.ndarray:
+    """The epoch's sample order, checked: every sample once, in index order unshuffled."""
+    order = got["sample_index"]
+    assert sorted(order.tolist()) == list(range(n))
+    if not shuffle:
+        assert order.tolist() == list(range(n))
+    return order
+
+
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_tar_epoch_equals_what_was_written(tar_server: ServerProcess, tar_data,
                                            shuffle: bool) -> None:
     _, expected = tar_data
     got = epoch(tar_server, "shards", shuffle, batch_size=4)
-    order = got["sample_index"]
-    assert sorted(order.tolist()) == list(range(15))
-    if not shuffle:
-        assert order.tolist() == list(range(15))
+    order = whole_epoch_order(got, 15, shuffle)
     assert got["image"].dtype == np.uint8 and got["image"].shape == (15, H, W, 3)
     assert got["label"].dtype == np.int64 and got["weight"].dtype == np.float64
     assert got["emb"].dtype == np.float32 and got["emb"].shape == (15, 2, 3)
@@ -260,10 +266,7 @@ def test_parquet_epoch_equals_what_was_written(parquet_server: ServerProcess, pa
                                                shuffle: bool) -> None:
     _, expected = parquet_data
     got = epoch(parquet_server, "table", shuffle, batch_size=3)
-    order = got["sample_index"]
-    assert sorted(order.tolist()) == list(range(32))
-    if not shuffle:
-        assert order.tolist() == list(range(32))
+    order = whole_epoch_order(got, 32, shuffle)
     assert got["id"].dtype == np.int64 and np.array_equal(got["id"], order)
     assert got["x"].dtype == np.float32
     assert np.array_equal(got["x"], expected["x"][order].astype(np.float32))

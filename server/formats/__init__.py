@@ -13,6 +13,7 @@ Formats read bytes only through a `Storage` (see sources/), never by opening pat
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Protocol
 
 from ..sources import Storage, open_storage, split_source
@@ -21,6 +22,12 @@ from ..sources import Storage, open_storage, split_source
 class MapDataset(Protocol):
     def __len__(self) -> int: ...
     def __getitem__(self, index: int) -> dict[str, Any]: ...
+
+
+# format -> (module, class): imported on use, so a server imports only the codecs it serves.
+_READERS = {"image-folder": ("image_folder", "ImageFolder"), "jsonl": ("jsonl", "Jsonl"),
+            "tokens": ("tokens", "Tokens"), "memmap": ("memmap", "Memmap"),
+            "tar": ("tar", "Tar"), "parquet": ("parquet", "Parquet")}
 
 
 def open_dataset(name: str, config: Any, cache: Any = None) -> MapDataset:
@@ -34,28 +41,6 @@ def open_dataset(name: str, config: Any, cache: Any = None) -> MapDataset:
     root, pattern = split_source(cfg.source)
     storage: Storage = open_storage(root, config.s3_for(name), cache,
                                     int(config.cache.prefetch_bytes))
-    if cfg.format == "image-folder":
-        from .image_folder import ImageFolder
-
-        return ImageFolder(cfg, storage, pattern)
-    if cfg.format == "jsonl":
-        from .jsonl import Jsonl
-
-        return Jsonl(cfg, storage, pattern)
-    if cfg.format == "tokens":
-        from .tokens import Tokens
-
-        return Tokens(cfg, storage, pattern)
-    if cfg.format == "memmap":
-        from .memmap import Memmap
-
-        return Memmap(cfg, storage, pattern)
-    if cfg.format == "tar":
-        from .tar import Tar
-
-        return Tar(cfg, storage, pattern)
-    if cfg.format == "parquet":
-        from .parquet import Parquet
-
-        return Parquet(cfg, storage, pattern)
-    raise ValueError(f"unknown format {cfg.format!r}")
+    module, cls = _READERS[cfg.format]
+    reader = getattr(importlib.import_module(f".{module}", __name__), cls)
+    return reader(cfg, storage, pattern)
