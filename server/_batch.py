@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import _shm
+from ._sampling import EpochKey
 
 log = logging.getLogger("stoker.server")
 
@@ -65,6 +66,7 @@ def _as_array(value: Any) -> np.ndarray:
 # on_error: skip tries at most this many replacements for one bad sample.
 MAX_REPLACEMENTS = 16
 _logged: set[int] = set()  # bad samples this process has logged (each once)
+_FIRST_EPOCH = EpochKey()
 
 
 def replacement(index: int, attempt: int, num_samples: int) -> int:
@@ -72,9 +74,12 @@ def replacement(index: int, attempt: int, num_samples: int) -> int:
     return int(np.random.default_rng([index, attempt]).integers(num_samples))
 
 
-def fetch_sample(dataset: Any, i: int) -> dict[str, np.ndarray]:
+def fetch_sample(dataset: Any, i: int, key: EpochKey = _FIRST_EPOCH) -> dict[str, np.ndarray]:
+    """Sample i as a dict of numpy arrays. A dataset with `sample(i, key)` gets the epoch's
+    key (augmentation, packing); a plain map-style one is indexed."""
     try:
-        raw = dataset[i]
+        sample = getattr(dataset, "sample", None)
+        raw = sample(i, key) if sample is not None else dataset[i]
     except Exception as e:  # the user's code: any failure is this sample's failure
         where = getattr(dataset, "source_of", None)
         place = where(i) if where else ""
@@ -89,61 +94,56 @@ def fetch_sample(dataset: Any, i: int) -> dict[str, np.ndarray]:
         raise SampleError(f"sample {i}: {e}") from None
 
 
-def fetch_samples(dataset: Any, indices: np.ndarray, skip: bool = False
-                  ) -> tuple[list[dict[str, np.ndarray]], np.ndarray, int]:
-    """The samples of `indices`, the indices actually delivered (a bad sample replaced under
-    `skip`), and how many were replaced."""
-    samples, delivered, skipped = [], indices.copy(), 0
-    for pos, i in enumerate(indices.tolist()):
+def fetch_or_replace(dataset: Any, i: int, key: EpochKey, skip: bool
+                     ) -> tuple[dict[str, np.ndarray], int]:
+    """Sample i, or under `skip` the replacement that stands in for it; returns the sample and
+    the index actually delivered."""
+    try:
+        return fetch_sample(dataset, i, key), i
+    except SampleError as e:
+        if not skip:
+            raise
+        error = e
+    for attempt in range(1, MAX_REPLACEMENTS + 1):
+        if i not in _logged:
+            _logged.add(i)
+            log.warning("skipping %s", error)
+        j = replacement(i, attempt, len(dataset))
         try:
-            samples.append(fetch_sample(dataset, i))
-            continue
+            return fetch_sample(dataset, j, key), j
         except SampleError as e:
-            if not skip:
-                raise
             error = e
-        for attempt in range(1, MAX_REPLACEMENTS + 1):
-            if i not in _logged:
-                _logged.add(i)
-                log.warning("skipping %s", error)
-            j = replacement(i, attempt, len(dataset))
-            try:
-                samples.append(fetch_sample(dataset, j))
-            except SampleError as e:
-                error = e
-                i = j
-                continue
-            delivered[pos] = j
-            skipped += 1
-            break
-        else:
-            raise SampleError(f"{error} (and {MAX_REPLACEMENTS} replacements failed too)")
-    return samples, delivered, skipped
+            i = j
+    raise SampleError(f"{error} (and {MAX_REPLACEMENTS} replacements failed too)")
 
 
-def plan_layout(samples: list[dict[str, np.ndarray]], indices: np.ndarray) -> list[TensorLayout]:
-    """Where each collated field goes in the payload; checks samples agree on keys and shapes."""
-    first = samples[0]
+def plan_layout(first: dict[str, np.ndarray], n: int, first_index: int) -> list[TensorLayout]:
+    """Where each field of a batch of `n` samples shaped like `first` goes in the payload."""
     if SAMPLE_INDEX in first:
-        raise SampleError(f"sample {indices[0]}: field name {SAMPLE_INDEX!r} is reserved")
+        raise SampleError(f"sample {first_index}: field name {SAMPLE_INDEX!r} is reserved")
     fields = [(k, v.dtype, v.shape) for k, v in first.items()]
     fields.append((SAMPLE_INDEX, np.dtype(np.int64), ()))
-    for idx, s in zip(indices.tolist(), samples, strict=True):
-        if s.keys() != first.keys():
-            raise SampleError(
-                f"sample {idx}: fields {sorted(s)} differ from sample {indices[0]}'s "
-                f"{sorted(first)}")
-        for k, dtype, shape in fields[:-1]:
-            if s[k].shape != shape or s[k].dtype != dtype:
-                raise SampleError(
-                    f"sample {idx}: field {k!r} is {s[k].dtype}{list(s[k].shape)}, but sample "
-                    f"{indices[0]} has {dtype}{list(shape)}; a batch needs equal shapes")
-    layout, offset, n = [], 0, len(samples)
+    layout, offset = [], 0
     for name, dtype, shape in fields:
         nbytes = n * int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         layout.append(TensorLayout(name, dtype.name, (n, *shape), offset, nbytes))
         offset += -(-nbytes // ALIGN) * ALIGN
     return layout
+
+
+def _check_like(s: dict[str, np.ndarray], idx: int, layout: list[TensorLayout],
+                first_index: int) -> None:
+    """Sample `idx` has the fields, dtypes and shapes of the batch's first sample."""
+    names = [t.name for t in layout[:-1]]
+    if s.keys() != set(names):
+        raise SampleError(f"sample {idx}: fields {sorted(s)} differ from sample "
+                          f"{first_index}'s {sorted(names)}")
+    for t in layout[:-1]:
+        v = s[t.name]
+        if v.shape != t.shape[1:] or v.dtype != np.dtype(t.dtype):
+            raise SampleError(
+                f"sample {idx}: field {t.name!r} is {v.dtype}{list(v.shape)}, but sample "
+                f"{first_index} has {t.dtype}{list(t.shape[1:])}; a batch needs equal shapes")
 
 
 _segments = itertools.count()
@@ -154,34 +154,49 @@ def _segment_name() -> str:
     return f"{_shm.prefix(os.getppid())}{os.getpid()}_{next(_segments)}"
 
 
-def build_batch(dataset: Any, indices: np.ndarray, skip: bool = False) -> BuiltBatch:
-    """Compute the batch of `indices` into a new shared-memory segment (owned by the caller)."""
-    samples, indices, skipped = fetch_samples(dataset, indices, skip)
-    layout = plan_layout(samples, indices)
-    total = layout[-1].offset + layout[-1].nbytes
-    name = _segment_name()
-    segment = _shm.create(name, total)
+def build_batch(dataset: Any, indices: np.ndarray, key: EpochKey = _FIRST_EPOCH,
+                skip: bool = False) -> BuiltBatch:
+    """Compute the batch of `indices` into a new shared-memory segment (owned by the caller).
+
+    Collated in one pass: the first sample fixes the layout, the segment is created, and each
+    sample is written into its row as soon as it exists; no list of samples is kept."""
+    delivered = np.array(indices, dtype=np.int64)
+    skipped = 0
+    name, segment, views, layout = "", None, {}, []
+    first_index = 0
     try:
-        for t in layout:
-            out = np.ndarray(t.shape, np.dtype(t.dtype).newbyteorder("<"), segment, t.offset)
-            if t.name == SAMPLE_INDEX:
-                out[:] = indices
+        for pos, i in enumerate(indices.tolist()):
+            s, j = fetch_or_replace(dataset, i, key, skip)
+            skipped += j != i
+            delivered[pos] = j
+            if segment is None:
+                first_index = j
+                layout = plan_layout(s, len(indices), j)
+                name = _segment_name()
+                segment = _shm.create(name, layout[-1].offset + layout[-1].nbytes)
+                views = {t.name: np.ndarray(t.shape, np.dtype(t.dtype).newbyteorder("<"),
+                                            segment, t.offset) for t in layout}
             else:
-                for row, s in enumerate(samples):
-                    out[row] = s[t.name]
-            del out  # views must be gone before close()
+                _check_like(s, j, layout, first_index)
+            for field_name, value in s.items():
+                views[field_name][pos] = value
+        if segment is None:
+            raise SampleError("a batch needs at least one sample")
+        views[SAMPLE_INDEX][:] = delivered
     except BaseException:
-        segment.close()
-        _shm.unlink(name)
+        views.clear()
+        if segment is not None:
+            segment.close()
+            _shm.unlink(name)
         raise
+    views.clear()  # views must be gone before close()
     segment.close()
-    return BuiltBatch(name, total, tuple(layout), skipped)
+    return BuiltBatch(name, layout[-1].offset + layout[-1].nbytes, tuple(layout), skipped)
 
 
 def probe_fields(dataset: Any) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, dtype, per-sample shape) of every output field, from sample 0."""
     if len(dataset) == 0:
         return [(SAMPLE_INDEX, "int64", ())]
-    first = np.zeros(1, np.int64)
-    layout = plan_layout(fetch_samples(dataset, first)[0], first)
+    layout = plan_layout(fetch_sample(dataset, 0), 1, 0)
     return [(t.name, t.dtype, t.shape[1:]) for t in layout]

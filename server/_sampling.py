@@ -45,6 +45,22 @@ class Coordinates:
             raise CoordinateError("epoch", f"must be >= 0, got {self.epoch}")
 
 
+@dataclass(frozen=True)
+class EpochKey:
+    """What a sample's content may depend on besides its index: augmentation randomness and
+    packing plans are functions of (seed, epoch, shuffle, index), never of which server,
+    worker or batch builds it."""
+
+    seed: int = 0
+    epoch: int = 0
+    shuffle: bool = False
+
+    def rng(self, index: int, stream: int = 0) -> np.random.Generator:
+        """Sample `index`'s generator; `stream` separates independent users (0: built-in
+        transforms, 1: the user's transform)."""
+        return np.random.default_rng([self.seed, self.epoch, index, stream])
+
+
 class Ordering:
     """How one dataset's samples are ordered in an epoch.
 

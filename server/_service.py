@@ -23,7 +23,13 @@ from . import _shm
 from ._batch import BuiltBatch
 from ._config import Config
 from ._frames import encode_error, encode_frames
-from ._sampling import CoordinateError, Coordinates, batch_samples, batches_per_epoch
+from ._sampling import (
+    CoordinateError,
+    Coordinates,
+    EpochKey,
+    batch_samples,
+    batches_per_epoch,
+)
 from ._workers import DEPTH, BatchFailed, DatasetMeta, WorkerPool, release
 
 log = logging.getLogger("stoker.server")
@@ -231,7 +237,8 @@ class DataService:
     async def _build(self, coords: Coordinates, index: int, indices: np.ndarray,
                      ahead: np.ndarray, ready: asyncio.Queue) -> None:
         try:
-            fut = self._pool.submit(coords.dataset, indices, ahead)
+            fut = self._pool.submit(coords.dataset, indices, ahead,
+                                    EpochKey(coords.seed, coords.epoch, coords.shuffle))
             try:
                 batch: BuiltBatch = await asyncio.wrap_future(fut)
             except asyncio.CancelledError:

@@ -27,7 +27,7 @@ import numpy as np
 
 from . import _shm
 from ._batch import BuiltBatch, SampleError, build_batch, probe_fields
-from ._sampling import Ordering
+from ._sampling import EpochKey, Ordering
 
 log = logging.getLogger("stoker.server")
 
@@ -109,14 +109,14 @@ def _worker_main(config: Any, conn: mpc.Connection, probe: bool) -> None:
             return
         if task is None:
             return
-        task_id, dataset, indices, ahead = task
+        task_id, dataset, indices, ahead, key = task
         ds, skip = datasets[dataset], config.datasets[dataset].on_error == "skip"
         # This batch's objects in parallel, then those of a batch further on: a store's
         # first-byte latency is paid ahead of time, not once per sample in turn.
         _prefetch(ds, indices)
         _prefetch(ds, ahead)
         try:
-            conn.send(("done", task_id, build_batch(ds, indices, skip)))
+            conn.send(("done", task_id, build_batch(ds, indices, key, skip)))
         except SampleError as e:
             conn.send(("error", task_id, "data_loss", f"dataset {dataset!r}: {e}"))
         except Exception as e:
@@ -129,11 +129,12 @@ class _Worker:
     conn: mpc.Connection
     ready: bool = False
     # Tasks sent to this worker, oldest first: the first is the one it is building.
-    tasks: dict[int, tuple[str, np.ndarray, np.ndarray, concurrent.futures.Future[BuiltBatch]]
-                ] = field(default_factory=dict)
+    tasks: dict[int, tuple[str, np.ndarray, np.ndarray, EpochKey,
+                           concurrent.futures.Future[BuiltBatch]]] = field(default_factory=dict)
 
 
-_Task = tuple[int, str, np.ndarray, np.ndarray, concurrent.futures.Future]
+_Task = tuple[int, str, np.ndarray, np.ndarray, EpochKey, concurrent.futures.Future]
+_FIRST_EPOCH = EpochKey()
 _NOTHING = np.zeros(0, np.int64)
 
 
@@ -206,9 +207,10 @@ class WorkerPool:
         _shm.sweep(os.getpid())
 
     # -- submitting ------------------------------------------------------------------------
-    def submit(self, dataset: str, indices: np.ndarray, ahead: np.ndarray = _NOTHING
-               ) -> concurrent.futures.Future[BuiltBatch]:
-        """Build the batch of `indices`; `ahead`: samples a later batch will need (a hint)."""
+    def submit(self, dataset: str, indices: np.ndarray, ahead: np.ndarray = _NOTHING,
+               key: EpochKey = _FIRST_EPOCH) -> concurrent.futures.Future[BuiltBatch]:
+        """Build the batch of `indices` for the epoch `key`; `ahead`: samples a later batch
+        will need (a hint)."""
         fut: concurrent.futures.Future[BuiltBatch] = concurrent.futures.Future()
         with self._lock:
             if self._closing:
@@ -216,7 +218,7 @@ class WorkerPool:
             if not self._workers:
                 raise BatchFailed("internal", "no worker process is running")
             self._next_id += 1
-            self._queue.append((self._next_id, dataset, indices, ahead, fut))
+            self._queue.append((self._next_id, dataset, indices, ahead, key, fut))
         self._wake_w.send_bytes(b"x")
         return fut
 
@@ -262,11 +264,11 @@ class WorkerPool:
         with self._lock:
             for w in sorted(self._workers, key=lambda w: len(w.tasks)):
                 while w.ready and len(w.tasks) < DEPTH and self._queue:
-                    task_id, dataset, indices, ahead, fut = self._queue.popleft()
+                    task_id, dataset, indices, ahead, key, fut = self._queue.popleft()
                     if fut.cancelled():
                         continue
-                    w.tasks[task_id] = (dataset, indices, ahead, fut)
-                    w.conn.send((task_id, dataset, indices, ahead))
+                    w.tasks[task_id] = (dataset, indices, ahead, key, fut)
+                    w.conn.send((task_id, dataset, indices, ahead, key))
 
     def _receive(self, w: _Worker) -> None:
         try:
@@ -293,7 +295,7 @@ class WorkerPool:
                 self._remove(w)
             return
         task = w.tasks.pop(msg[1], None)
-        fut = task[3] if task else None
+        fut = task[-1] if task else None
         if kind == "done":
             if fut is None or not _resolve(fut, msg[2]):
                 release(msg[2])  # nobody waits for it any more
@@ -309,11 +311,11 @@ class WorkerPool:
         tasks = list(w.tasks.items())
         w.tasks.clear()
         if tasks:
-            _reject(tasks[0][1][3], BatchFailed(
+            _reject(tasks[0][1][-1], BatchFailed(
                 "internal", f"worker process died (exit code {code}) while building it"))
         with self._lock:
-            for task_id, (dataset, indices, ahead, fut) in reversed(tasks[1:]):
-                self._queue.appendleft((task_id, dataset, indices, ahead, fut))
+            for task_id, task in reversed(tasks[1:]):
+                self._queue.appendleft((task_id, *task))
         w.conn.close()
         self._workers[self._workers.index(w)] = self._spawn(probe=False)
 
