@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import (
@@ -17,7 +17,9 @@ from pydantic import (
     BeforeValidator,
     ByteSize,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationError,
     field_validator,
     model_validator,
@@ -66,6 +68,12 @@ class CacheSettings(_Strict):
     prefetch_bytes: ByteSize = Field(ByteSize(256 << 20), ge=0)
 
 
+# fn(sample: dict of arrays, rng: numpy Generator) -> dict, applied to every sample after the
+# format's own decoding and transforms; rng is seeded by (seed, epoch, sample index).
+UserTransform = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$",
+                      description='"module:callable", importable on the server')
+
+
 class _Sourced(_Strict):
     """Fields every dataset read from storage has."""
 
@@ -78,6 +86,7 @@ class _Sourced(_Strict):
     # within a window of `shuffle_window` shards, so reads stay sequential (see docs).
     shuffle: Literal["global", "block"] = "global"
     shuffle_window: int = Field(4, ge=1)
+    transform: str | None = UserTransform
 
     @field_validator("source")
     @classmethod
@@ -99,6 +108,7 @@ class PythonDataset(_Strict):
                          description='"module:callable", importable on the server')
     options: dict[str, Any] = Field(default_factory=dict)
     on_error: Literal["raise", "skip"] = "raise"
+    transform: str | None = UserTransform
 
 
 def _square(v: Any) -> Any:
@@ -115,16 +125,160 @@ ImageSize = Annotated[tuple[int, int], BeforeValidator(_square), AfterValidator(
                       Field(description="output [height, width], or one int for square")]
 
 
+# -- transforms: an ordered list of one-key mappings `name: {arguments}` -----------------------
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def _none_is_empty(v: Any) -> Any:
+    return {} if v is None else v  # `- horizontal_flip:` with nothing after it
+
+
+class ResizeArgs(_Strict):
+    size: int | tuple[int, int] = Field(
+        description="int: the shorter side (aspect kept); [height, width]: exactly")
+
+    @field_validator("size")
+    @classmethod
+    def _positive(cls, v: Any) -> Any:
+        if min(v if isinstance(v, tuple) else (v,)) < 1:
+            raise ValueError("sizes must be >= 1")
+        return v
+
+
+class CenterCropArgs(_Strict):
+    size: ImageSize
+
+
+def _ordered_range(v: tuple[float, float]) -> tuple[float, float]:
+    if not 0 < v[0] <= v[1]:
+        raise ValueError(f"expected 0 < low <= high, got {list(v)}")
+    return v
+
+
+Range = Annotated[tuple[float, float], AfterValidator(_ordered_range)]
+
+
+class RandomResizedCropArgs(_Strict):
+    """As torchvision's RandomResizedCrop: area fraction in `scale`, aspect in `ratio`."""
+
+    size: ImageSize
+    scale: Range = (0.08, 1.0)
+    ratio: Range = (3 / 4, 4 / 3)
+
+    @field_validator("scale")
+    @classmethod
+    def _fraction(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if v[1] > 1:
+            raise ValueError(f"scale is a fraction of the image's area, at most 1, got {list(v)}")
+        return v
+
+
+class FlipArgs(_Strict):
+    p: float = Field(0.5, ge=0, le=1, description="probability of mirroring")
+
+
+def _positive_std(v: tuple[float, float, float]) -> tuple[float, float, float]:
+    if min(v) <= 0:
+        raise ValueError("std must be > 0")
+    return v
+
+
+class NormalizeArgs(_Strict):
+    """(pixel / 255 - mean) / std per channel; output CHW in `dtype`."""
+
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: Annotated[tuple[float, float, float], AfterValidator(_positive_std)] = IMAGENET_STD
+    dtype: Literal["float32", "float16"] = "float32"
+
+
+# One model per transform, its single field named like it (module-level: configs are pickled
+# to the worker processes).
+_Args = BeforeValidator(_none_is_empty)
+
+
+class ResizeStep(_Strict):
+    resize: Annotated[ResizeArgs, _Args]
+
+
+class CenterCropStep(_Strict):
+    center_crop: Annotated[CenterCropArgs, _Args]
+
+
+class RandomResizedCropStep(_Strict):
+    random_resized_crop: Annotated[RandomResizedCropArgs, _Args]
+
+
+class HorizontalFlipStep(_Strict):
+    horizontal_flip: Annotated[FlipArgs, _Args]
+
+
+class NormalizeStep(_Strict):
+    normalize: Annotated[NormalizeArgs, _Args]
+
+
+TRANSFORMS = {"resize": ResizeStep, "center_crop": CenterCropStep,
+              "random_resized_crop": RandomResizedCropStep,
+              "horizontal_flip": HorizontalFlipStep, "normalize": NormalizeStep}
+
+
+def _transform_name(v: Any) -> str | None:
+    if isinstance(v, dict):
+        return next(iter(v)) if len(v) == 1 and next(iter(v)) in TRANSFORMS else None
+    return next(iter(type(v).model_fields), None)
+
+
+TransformStep = Annotated[
+    Union[tuple(Annotated[m, Tag(n)] for n, m in TRANSFORMS.items())],  # noqa: UP007
+    Discriminator(_transform_name, custom_error_type="transform",
+                  custom_error_message="each transform is a one-key mapping `name: {arguments}`"
+                                       f" with name one of {', '.join(TRANSFORMS)}")]
+
+
+def transform_steps(steps: list[Any]) -> list[tuple[str, Any]]:
+    """(name, arguments) of each validated step, in order."""
+    return [(name, getattr(step, name)) for step in steps
+            for name in type(step).model_fields]
+
+
+def _check_transforms(steps: list[Any]) -> list[Any]:
+    names = [n for n, _ in transform_steps(steps)]
+    if "normalize" in names[:-1]:
+        raise ValueError("normalize must be the last transform (its output is float CHW)")
+    if not {"center_crop", "random_resized_crop"} & set(names) and not any(
+            n == "resize" and isinstance(a.size, tuple) for n, a in transform_steps(steps)):
+        raise ValueError("transforms must give every image the same size: include "
+                         "center_crop, random_resized_crop, or resize with [height, width]")
+    return steps
+
+
+Transforms = Annotated[list[TransformStep], AfterValidator(_check_transforms),
+                       Field(min_length=1)]
+
+
+def _size_or_transforms(size: Any, transforms: Any) -> None:
+    if (size is None) == (transforms is None):
+        raise ValueError("give either size (a plain resize) or transforms, not both" if size
+                         else "size or transforms is required")
+
+
 class ImageFolderDataset(_Sourced):
     """One sub-folder per class under `source` (class index = sorted folder order), or the
     images and labels a `manifest` lists."""
 
     format: Literal["image-folder"]
-    size: ImageSize
-    layout: Literal["chw", "hwc"] = "chw"
+    size: ImageSize | None = None
+    transforms: Transforms | None = Field(
+        None, description="ordered list replacing `size`; see docs/configuration.md")
+    layout: Literal["chw", "hwc"] = Field("chw", description="uint8 output; normalize: CHW")
     manifest: str | None = Field(
         None, description="key under source of a CSV (path,label) or JSON lines "
                           '({"path": ..., "label": ...}) file; paths relative to source')
+
+    @model_validator(mode="after")
+    def _one_geometry(self) -> ImageFolderDataset:
+        _size_or_transforms(self.size, self.transforms)
+        return self
 
 
 NumberDtype = Literal["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
@@ -184,15 +338,18 @@ class MemmapDataset(_Sourced):
 class TarField(_Strict):
     ext: str = Field(min_length=1, description="the member's extension after the sample key")
     decode: Literal["image", "int", "float", "npy", "utf8"]
-    size: ImageSize | None = None  # image
+    size: ImageSize | None = None  # image: a plain resize
+    transforms: Transforms | None = None  # image: instead of size
     layout: Literal["chw", "hwc"] = "chw"  # image
     max_bytes: int | None = Field(None, ge=1)  # utf8, as in jsonl
 
     @model_validator(mode="after")
     def _decoder_options(self) -> TarField:
         _check_text(self.decode == "utf8", self.max_bytes)
-        if (self.decode == "image") != (self.size is not None):
-            raise ValueError("size is required for decode: image, and only for it")
+        if self.decode == "image":
+            _size_or_transforms(self.size, self.transforms)
+        elif self.size is not None or self.transforms is not None:
+            raise ValueError("size and transforms apply to decode: image only")
         return self
 
 

@@ -72,3 +72,13 @@ class Noise:
         rng = np.random.default_rng(i)
         return {"big": rng.standard_normal(self.shape).astype(np.float32),
                 "odd": np.arange(3, dtype=np.int8) + i, "half": np.float16(i)}
+
+
+def jitter(sample: dict, rng) -> dict:
+    """A user `transform:`: adds seeded noise to x, and a new field."""
+    return {**sample, "x": sample["x"] + rng.normal(size=sample["x"].shape).astype(np.float32),
+            "coin": np.int64(rng.integers(2))}
+
+
+def not_a_dict(sample: dict, rng) -> list:
+    return [sample]

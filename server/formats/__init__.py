@@ -2,6 +2,8 @@
 
 A format object has:
 - `__len__()` and `__getitem__(i) -> dict[str, numpy array | numpy scalar]`;
+- optionally `sample(i, key) -> dict`, which the server calls instead of `__getitem__` with
+  the batch's EpochKey (seed, epoch, shuffle): for augmentation (`key.rng(i)`) and packing;
 - `source_of(i) -> str`: where sample i comes from, for error messages (file or object URL,
   and the line, tar member or row inside it);
 - optionally `shard_starts`: an int64 array, ascending, starting at 0, of the first sample of
@@ -37,10 +39,18 @@ def open_dataset(name: str, config: Any, cache: Any = None) -> MapDataset:
     if cfg.format == "python":
         from .python import open_python
 
-        return open_python(cfg)
-    root, pattern = split_source(cfg.source)
-    storage: Storage = open_storage(root, config.s3_for(name), cache,
-                                    int(config.cache.prefetch_bytes))
-    module, cls = _READERS[cfg.format]
-    reader = getattr(importlib.import_module(f".{module}", __name__), cls)
-    return reader(cfg, storage, pattern)
+        dataset = open_python(cfg)
+    else:
+        root, pattern = split_source(cfg.source)
+        storage: Storage = open_storage(root, config.s3_for(name), cache,
+                                        int(config.cache.prefetch_bytes))
+        module, cls = _READERS[cfg.format]
+        reader = getattr(importlib.import_module(f".{module}", __name__), cls)
+        # text keeps its tokenized corpus in the cache folder, shared by the workers.
+        extra = {"cache_dir": config.cache.dir} if cfg.format == "text" else {}
+        dataset = reader(cfg, storage, pattern, **extra)
+    if cfg.transform is not None:
+        from .python import WithTransform
+
+        dataset = WithTransform(dataset, cfg.transform)
+    return dataset

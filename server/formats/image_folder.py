@@ -3,7 +3,8 @@
 Samples are either the files of one sub-folder per class (label = the class's position in the
 sorted folder names), or the rows of a `manifest` under the source: CSV with a `path,label`
 header, or JSON lines `{"path": ..., "label": ...}`; paths are keys under the source.
-Yields `image` (uint8, CHW or HWC as configured) and `label` (int64).
+Yields `image` (uint8 CHW or HWC as configured, or float CHW after `normalize`; see
+images.py for `size:` and `transforms:`) and `label` (int64).
 """
 
 from __future__ import annotations
@@ -15,21 +16,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from PIL import Image
-
+from .._sampling import EpochKey
+from ..images import image_pipeline
 from ..sources import Storage
 
 EXTENSIONS = (".jpg", ".jpeg", ".png")
 INT64 = np.iinfo(np.int64)
-
-
-def decode_image(data: bytes, size: tuple[int, int], layout: str) -> np.ndarray:
-    """JPEG/PNG bytes -> uint8 RGB resized to size (height, width), CHW or HWC."""
-    height, width = size
-    with Image.open(io.BytesIO(data)) as img:
-        rgb = img.convert("RGB").resize((width, height), Image.Resampling.BILINEAR)
-        image = np.array(rgb, dtype=np.uint8)  # writable: torch warns on read-only arrays
-    return image.transpose(2, 0, 1) if layout == "chw" else image
 
 
 def _csv_rows(text: str, where: str) -> Iterator[tuple[int, Any, Any]]:
@@ -136,15 +128,17 @@ class ImageFolder:
         # Fixed-width numpy arrays, not lists of str: no per-item refcounts to copy on write.
         self.keys = np.array(keys)
         self.labels = np.array(labels, dtype=np.int64)
-        self.size = tuple(cfg.size)
-        self.layout = cfg.layout
+        self.pipeline = image_pipeline(cfg)
 
     def __len__(self) -> int:
         return len(self.keys)
 
-    def __getitem__(self, index: int) -> dict[str, np.ndarray | np.int64]:
-        image = decode_image(self.storage.read(str(self.keys[index])), self.size, self.layout)
+    def sample(self, index: int, key: EpochKey) -> dict[str, np.ndarray | np.int64]:
+        image = self.pipeline(self.storage.read(str(self.keys[index])), key.rng(index))
         return {"image": image, "label": self.labels[index]}
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray | np.int64]:
+        return self.sample(index, EpochKey())
 
     def source_of(self, index: int) -> str:
         return self.storage.where(str(self.keys[index]))

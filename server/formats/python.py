@@ -1,25 +1,64 @@
-"""`format: python`: the user's own map-style dataset, built by `factory(**options)`."""
+"""`format: python`: the user's own map-style dataset, built by `factory(**options)`; and the
+user's per-sample `transform:`, which any format may have."""
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
+from .._sampling import EpochKey
 
-def open_python(cfg: Any) -> Any:
-    module_name, _, attr = cfg.factory.partition(":")
+
+def load_callable(spec: str, what: str) -> Any:
+    """The object `module:attr.path` names; ValueError saying which part is missing."""
+    module_name, _, attr = spec.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"factory {cfg.factory!r}: cannot import {module_name!r}: {e}") from e
+        raise ValueError(f"{what} {spec!r}: cannot import {module_name!r}: {e}") from e
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise ValueError(f"factory {cfg.factory!r}: {module_name!r} has no {attr!r}") from None
-    dataset = obj(**cfg.options)
+            raise ValueError(f"{what} {spec!r}: {module_name!r} has no {attr!r}") from None
+    if not callable(obj):
+        raise ValueError(f"{what} {spec!r} is a {type(obj).__name__}, not callable")
+    return obj
+
+
+def open_python(cfg: Any) -> Any:
+    dataset = load_callable(cfg.factory, "factory")(**cfg.options)
     for method in ("__len__", "__getitem__"):
         if not hasattr(dataset, method):
             raise ValueError(
                 f"factory {cfg.factory!r} returned {type(dataset).__name__}, which has no {method}")
     return dataset
+
+
+class WithTransform:
+    """A dataset whose samples go through the user's `transform(sample, rng)` after the
+    format's own decoding; rng is seeded by (seed, epoch, index), apart from the format's."""
+
+    def __init__(self, dataset: Any, spec: str) -> None:
+        self.dataset = dataset
+        self.spec = spec
+        self.fn = load_callable(spec, "transform")
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def sample(self, index: int, key: EpochKey) -> Any:
+        inner = getattr(self.dataset, "sample", None)
+        raw = inner(index, key) if inner is not None else self.dataset[index]
+        out = self.fn(raw, key.rng(index, stream=1))
+        if not isinstance(out, dict):
+            raise TypeError(f"transform {self.spec!r} returned {type(out).__name__}, "
+                            "expected a dict of fields")
+        return out
+
+    def __getitem__(self, index: int) -> Any:
+        return self.sample(index, EpochKey())
+
+    def __getattr__(self, name: str) -> Any:
+        # source_of, objects_of, storage, shard_starts: the format's own, where it has them.
+        return getattr(self.__dict__["dataset"], name)

@@ -23,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from .._sampling import EpochKey
+from ..images import image_pipeline
 from ..sources import Storage
-from .image_folder import decode_image
 from .memmap import OpenMaps
 
 DEFAULT_PATTERN = "**/*.tar"  # a source that names a directory: every .tar file under it
@@ -56,21 +57,16 @@ class _Field:
         self.name = name
         self.ext = cfg.ext
         self.decode = cfg.decode
-        self.size = tuple(cfg.size) if cfg.size is not None else None
-        self.layout = cfg.layout
+        self.pipeline = image_pipeline(cfg) if cfg.decode == "image" else None
         self.max_bytes = cfg.max_bytes
-        if self.decode == "image" and self.size is None:
-            raise ValueError(f"field {name!r}: decode image needs size")
-        if self.decode != "image" and self.size is not None:
-            raise ValueError(f"field {name!r}: size applies to decode image only")
         if self.decode == "utf8" and self.max_bytes is None:
             raise ValueError(f"field {name!r}: decode utf8 needs max_bytes")
         if self.decode != "utf8" and self.max_bytes is not None:
             raise ValueError(f"field {name!r}: max_bytes applies to decode utf8 only")
 
-    def convert(self, data: bytes, out: dict[str, Any]) -> None:
-        if self.decode == "image":
-            out[self.name] = decode_image(data, self.size, self.layout)
+    def convert(self, data: bytes, out: dict[str, Any], rng: np.random.Generator) -> None:
+        if self.pipeline is not None:
+            out[self.name] = self.pipeline(data, rng)
         elif self.decode == "int":
             out[self.name] = np.int64(int(data.decode("utf-8").strip()))
         elif self.decode == "float":
@@ -182,7 +178,11 @@ class Tar:
         return self.length
 
     def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.sample(index, EpochKey())
+
+    def sample(self, index: int, key: EpochKey) -> dict[str, Any]:
         shard = str(self.shards[self._locate(index)])
+        rng = key.rng(index)  # shared by the image fields, in field order
         key = self.keys[index].decode("utf-8")
         out: dict[str, Any] = {}
         fd: _Fd | None = None
@@ -198,7 +198,7 @@ class Tar:
                 raise EOFError(f"member {member!r}: {len(data)} of {size} bytes at byte "
                                f"{int(self.offsets[index, f])}; the shard is truncated")
             try:
-                field.convert(data, out)
+                field.convert(data, out, rng)
             except Exception as e:
                 raise ValueError(f"member {member!r}: cannot decode {field.decode}: "
                                  f"{type(e).__name__}: {e}") from e
