@@ -71,7 +71,7 @@ def _center_crop(plan: _Plan, args: Any, rng: np.random.Generator) -> None:
     if h > plan.height or w > plan.width:
         raise ValueError(f"center_crop {h}x{w} is larger than the image ({plan.height}x"
                          f"{plan.width} at that step): resize first")
-    plan.crop(int(round((plan.width - w) / 2)), int(round((plan.height - h) / 2)), w, h)
+    plan.crop(round((plan.width - w) / 2), round((plan.height - h) / 2), w, h)
 
 
 def rrc_box(width: int, height: int, scale: Sequence[float], ratio: Sequence[float],
@@ -84,17 +84,17 @@ def rrc_box(width: int, height: int, scale: Sequence[float], ratio: Sequence[flo
     for _ in range(10):
         target = area * rng.uniform(scale[0], scale[1])
         aspect = math.exp(rng.uniform(*log_ratio))
-        w = int(round(math.sqrt(target * aspect)))
-        h = int(round(math.sqrt(target / aspect)))
+        w = round(math.sqrt(target * aspect))
+        h = round(math.sqrt(target / aspect))
         if 0 < w <= width and 0 < h <= height:
             top = int(rng.integers(0, height - h + 1))
             left = int(rng.integers(0, width - w + 1))
             return left, top, w, h
     in_ratio = width / height
     if in_ratio < min(ratio):
-        w, h = width, int(round(width / min(ratio)))
+        w, h = width, round(width / min(ratio))
     elif in_ratio > max(ratio):
-        h, w = height, int(round(height * max(ratio)))
+        h, w = height, round(height * max(ratio))
     else:
         w, h = width, height
     return (width - w) // 2, (height - h) // 2, w, h

@@ -12,12 +12,12 @@ import yaml
 from PIL import Image
 
 from stoker.client import RemoteLoader
-from conftest import server_env
-
 from stoker.server import ConfigError, ServerProcess, load_config, write_config
 from stoker.server._config import ImageFolderDataset, transform_steps
 from stoker.server._sampling import EpochKey
 from stoker.server.images import ImagePipeline, rrc_box
+
+from conftest import server_env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -132,7 +132,7 @@ def test_size_and_transforms_are_one_or_the_other(tmp_path: Path) -> None:
         path = tmp_path / "c.yaml"
         path.write_text(yaml.safe_dump({"datasets": {"pics": {
             "format": "image-folder", "source": str(tmp_path), **extra}}}))
-        with pytest.raises(ConfigError, match="size or transforms|not both"):
+        with pytest.raises(ConfigError, match=r"size or transforms|not both"):
             load_config(path)
 
 

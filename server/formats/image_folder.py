@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+
 from .._sampling import EpochKey
 from ..images import image_pipeline
 from ..sources import Storage
