@@ -9,23 +9,29 @@ from PIL import Image
 
 
 def make_image_folder(root: Path, images: int, classes: int, source_size: int,
-                      seed: int = 0) -> None:
+                      seed: int = 0, shape: tuple[int, int] | None = None) -> None:
     """Write `images` JPEGs into `classes` class folders under `root`.
 
     Each image is a class-coloured gradient plus Gaussian noise, its height and width drawn
-    from [0.75, 1.25] x source_size: noise keeps the JPEG entropy (and so the decode cost)
+    from [0.75, 1.25] x source_size (or, given `shape` (height, width), from 0.9 to 1.1 times
+    it, e.g. ImageNet's typical 375x500): noise keeps the JPEG entropy (and so the decode cost)
     close to a photo's, and unequal sizes make the resize do real work on every image.
     Deterministic in (images, classes, source_size, seed).
     """
     rng = np.random.default_rng(seed)
     colours = rng.uniform(40, 215, size=(classes, 3))
     lo, hi = int(source_size * 0.75), int(source_size * 1.25)
+    if shape is not None:
+        bounds = [(int(v * 0.9), int(v * 1.1)) for v in shape]
     for c in range(classes):
         (root / f"class_{c:03d}").mkdir(parents=True, exist_ok=True)
     for i in range(images):
         c = i % classes
         r = np.random.default_rng([seed, i])
-        h, w = (int(v) for v in r.integers(lo, hi + 1, size=2))
+        if shape is None:
+            h, w = (int(v) for v in r.integers(lo, hi + 1, size=2))
+        else:
+            h, w = (int(r.integers(a, b + 1)) for a, b in bounds)
         yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
         direction = r.uniform(-1, 1, size=(2, 3)).astype(np.float32)
         ramp = (yy[..., None] / h) * direction[0] + (xx[..., None] / w) * direction[1]

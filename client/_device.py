@@ -18,7 +18,7 @@ from ._buffers import BufferPool
 
 
 class DeviceFeed:
-    def __init__(self, device: Any, max_buffers: int) -> None:
+    def __init__(self, device: Any, max_buffers: int, normalize: Any = None) -> None:
         import torch
 
         self.torch = torch
@@ -28,6 +28,7 @@ class DeviceFeed:
         if not torch.cuda.is_available():
             raise RuntimeError(f"device={device!r} but CUDA is not available")
         self.stream = torch.cuda.Stream(self.device)
+        self.normalize = normalize  # a Normalizer, run on the side stream after the copy
         self.pool: BufferPool[Any] = BufferPool(
             lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True),
             lambda t: t.numel(), max_buffers)
@@ -44,6 +45,8 @@ class DeviceFeed:
             for t in tensors:
                 host = buf[t.offset : t.offset + t.nbytes].view(_torch_dtype(torch, t.dtype))
                 out[t.name] = host.view(tuple(t.shape)).to(self.device, non_blocking=True)
+            if self.normalize is not None:
+                out = self.normalize.torch(out)
             event = torch.cuda.Event()
             event.record(self.stream)
         self.pool.release(buf, event)

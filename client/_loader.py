@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -20,6 +20,7 @@ from stoker.v1 import stoker_pb2_grpc as pb_grpc
 
 from ._errors import RemoteError
 from ._frames import Assembled, numpy_views
+from ._normalize import Normalizer
 from ._scheduler import FATAL, Scheduler
 from ._servers import ServerSet
 
@@ -55,13 +56,18 @@ class RemoteLoader:
                  seed: int = 0, shuffle: bool = True, drop_last: bool = True,
                  rank: int | None = None, world_size: int | None = None,
                  device: Any = None, output: str = "torch", prefetch: int = 8,
-                 timeout: float = 300.0) -> None:
+                 timeout: float = 300.0,
+                 normalize: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
+                 normalize_dtype: str = "float32") -> None:
         if output not in ("torch", "numpy"):
             raise ValueError(f"output must be 'torch' or 'numpy', got {output!r}")
         if output == "numpy" and device is not None:
             raise ValueError("output='numpy' yields host arrays; device must be None")
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        self._normalize = Normalizer(normalize, normalize_dtype) if normalize else None
+        if self._normalize is not None and output == "numpy" and normalize_dtype == "bfloat16":
+            raise ValueError("normalize_dtype='bfloat16' needs output='torch' (numpy has none)")
         if rank is None or world_size is None:
             default_rank, default_world = _default_rank_world()
             rank = default_rank if rank is None else rank
@@ -82,7 +88,7 @@ class RemoteLoader:
 
             # prefetch batches can wait in pinned buffers, plus one being filled and one
             # whose copy to the device is still running.
-            self._feed = DeviceFeed(device, max_buffers=prefetch + 2)
+            self._feed = DeviceFeed(device, max_buffers=prefetch + 2, normalize=self._normalize)
         self._describe: pb.DescribeDatasetResponse | None = None
         self._scheduler: Scheduler | None = None
         self._stats = {"batches": 0, "bytes": 0, "wait_seconds": 0.0, "failovers": 0,
@@ -151,6 +157,8 @@ class RemoteLoader:
     # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
         total = len(self)
+        if self._normalize is not None and not self._normalize.axes:
+            self._normalize.validate(self.describe().fields)  # here, not on a receive thread
         if self._next and self._next >= total:  # finished (saved on an epoch's last batch)
             self._epoch, self._next = self._epoch + 1, 0
         scheduler = Scheduler(self._servers, self.coordinates(), total, self._next,
@@ -185,10 +193,11 @@ class RemoteLoader:
             return self._feed.to_device(batch.buffer, batch.tensors)
         arrays = numpy_views(batch.buffer, batch.tensors)
         if self._output == "numpy":
-            return arrays
+            return self._normalize.numpy(arrays) if self._normalize else arrays
         import torch
 
-        return {k: torch.from_numpy(v) for k, v in arrays.items()}
+        tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
+        return self._normalize.torch(tensors) if self._normalize else tensors
 
     # -- telemetry and lifecycle -----------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -8,9 +8,7 @@ what travels on the wire; the front end reads it from shared memory without unpi
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,17 +144,9 @@ def _check_like(s: dict[str, np.ndarray], idx: int, layout: list[TensorLayout],
                 f"{first_index} has {t.dtype}{list(t.shape[1:])}; a batch needs equal shapes")
 
 
-_segments = itertools.count()
-
-
-def _segment_name() -> str:
-    # Called in worker processes, whose parent is the server: the name says whose it is.
-    return f"{_shm.prefix(os.getppid())}{os.getpid()}_{next(_segments)}"
-
-
-def build_batch(dataset: Any, indices: np.ndarray, key: EpochKey = _FIRST_EPOCH,
-                skip: bool = False) -> BuiltBatch:
-    """Compute the batch of `indices` into a new shared-memory segment (owned by the caller).
+def build_batch(dataset: Any, indices: np.ndarray, segments: _shm.SegmentPool,
+                key: EpochKey = _FIRST_EPOCH, skip: bool = False) -> BuiltBatch:
+    """Compute the batch of `indices` into a segment of `segments`, lent to the caller.
 
     Collated in one pass: the first sample fixes the layout, the segment is created, and each
     sample is written into its row as soon as it exists; no list of samples is kept."""
@@ -172,8 +162,7 @@ def build_batch(dataset: Any, indices: np.ndarray, key: EpochKey = _FIRST_EPOCH,
             if segment is None:
                 first_index = j
                 layout = plan_layout(s, len(indices), j)
-                name = _segment_name()
-                segment = _shm.create(name, layout[-1].offset + layout[-1].nbytes)
+                name, segment = segments.acquire(layout[-1].offset + layout[-1].nbytes)
                 views = {t.name: np.ndarray(t.shape, np.dtype(t.dtype).newbyteorder("<"),
                                             segment, t.offset) for t in layout}
             else:
@@ -186,11 +175,9 @@ def build_batch(dataset: Any, indices: np.ndarray, key: EpochKey = _FIRST_EPOCH,
     except BaseException:
         views.clear()
         if segment is not None:
-            segment.close()
-            _shm.unlink(name)
+            segments.discard(name)
         raise
-    views.clear()  # views must be gone before close()
-    segment.close()
+    views.clear()  # the pool may resize the map later: no view of it may outlive the batch
     return BuiltBatch(name, layout[-1].offset + layout[-1].nbytes, tuple(layout), skipped)
 
 

@@ -137,6 +137,7 @@ def _none_is_empty(v: Any) -> Any:
 class ResizeArgs(_Strict):
     size: int | tuple[int, int] = Field(
         description="int: the shorter side (aspect kept); [height, width]: exactly")
+    antialias: bool = Field(True, description="false: plain bilinear, faster, aliases")
 
     @field_validator("size")
     @classmethod
@@ -165,6 +166,7 @@ class RandomResizedCropArgs(_Strict):
     size: ImageSize
     scale: Range = (0.08, 1.0)
     ratio: Range = (3 / 4, 4 / 3)
+    antialias: bool = Field(True, description="false: plain bilinear, faster, aliases")
 
     @field_validator("scale")
     @classmethod

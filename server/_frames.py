@@ -35,7 +35,8 @@ def encode_frames(batch: BuiltBatch, payload: memoryview, batch_index: int, epoc
     """Serialized BatchFrames covering `payload` in order; the first lists the tensors."""
     total = batch.payload_bytes
     for offset in range(0, max(total, 1), frame_bytes):
-        chunk = payload[offset : offset + frame_bytes] if total else b""
+        # The segment may be larger than the batch (segments are reused): stop at total.
+        chunk = payload[offset : min(offset + frame_bytes, total)] if total else b""
         head = pb.BatchFrame(batch_index=batch_index, epoch=epoch, offset=offset,
                              payload_bytes=total,
                              tensors=tensor_infos(batch) if offset == 0 else ())

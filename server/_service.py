@@ -30,7 +30,7 @@ from ._sampling import (
     batch_samples,
     batches_per_epoch,
 )
-from ._workers import DEPTH, BatchFailed, DatasetMeta, WorkerPool, release
+from ._workers import DEPTH, BatchFailed, DatasetMeta, WorkerPool
 
 log = logging.getLogger("stoker.server")
 
@@ -169,7 +169,7 @@ class DataService:
                     finally:
                         segment.close()
                 finally:
-                    release(batch)
+                    self._pool.release(batch)
         finally:
             reader.cancel()
             for job in jobs:
@@ -179,7 +179,7 @@ class DataService:
             while not ready.empty():
                 item = ready.get_nowait()
                 if isinstance(item, tuple):
-                    release(item[0])
+                    self._pool.release(item[0])
 
     async def _read_credits(self, requests: AsyncIterator[pb.StreamRequest], ready: asyncio.Queue,
                             jobs: set[asyncio.Task], state: dict[str, Any]) -> None:
@@ -244,7 +244,7 @@ class DataService:
             except asyncio.CancelledError:
                 # Built just as the stream went away: nobody else will free it.
                 if not fut.cancel() and fut.exception() is None:
-                    release(fut.result())
+                    self._pool.release(fut.result())
                 raise
         except BatchFailed as e:
             ready.put_nowait(_Failed(index, coords.epoch, _FAILURE_CODE[e.kind],

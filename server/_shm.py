@@ -53,6 +53,95 @@ def unlink(name: str) -> None:
         pass
 
 
+def worker_prefix(server_pid: int, worker_pid: int) -> str:
+    return f"{prefix(server_pid)}{worker_pid}_"
+
+
+def worker_of(name: str) -> int | None:
+    """The worker pid in a segment name `stoker_<server>_<worker>_<n>`."""
+    parts = name.split("_")
+    return int(parts[2]) if len(parts) == 4 and parts[2].isdigit() else None
+
+
+def remove_prefixed(name_prefix: str, keep: set[str]) -> int:
+    """Unlink every segment whose name starts with `name_prefix`, except those in `keep`."""
+    if not _DEV_SHM.is_dir():
+        return 0
+    gone = [e.name for e in _DEV_SHM.iterdir()
+            if e.name.startswith(name_prefix) and e.name not in keep]
+    for name in gone:
+        unlink(name)
+    return len(gone)
+
+
+ROUND = 64 << 10  # capacities grow in these steps, so a pool of batches of one size settles
+
+
+class SegmentPool:
+    """A worker process's segments, reused from batch to batch.
+
+    Writing a fresh segment costs a page fault per 4 KiB page (about 1 CPU-second per GB
+    collated; the wire benchmark measured it as most of the workers' transport cost); a
+    segment that was written before costs none. The front end sends a segment back once its
+    batch is on the wire (`give_back`); at most `keep` free ones are kept, the rest unlinked,
+    so a worker holds at most `keep` batches' worth of idle memory.
+    Not thread-safe: one per worker process, used by its one building thread.
+    """
+
+    def __init__(self, name_prefix: str, keep: int) -> None:
+        self._prefix = name_prefix
+        self._keep = keep
+        self._count = 0
+        self._free: list[tuple[str, mmap.mmap]] = []
+        self._lent: dict[str, mmap.mmap] = {}
+
+    def acquire(self, size: int) -> tuple[str, mmap.mmap]:
+        """A segment of at least `size` bytes, mapped read-write; lent until given back."""
+        size = max(-(-size // ROUND) * ROUND, ROUND)
+        fits = [i for i, (_, m) in enumerate(self._free) if len(m) >= size]
+        if fits:
+            i = min(fits, key=lambda i: len(self._free[i][1]))
+            name, mm = self._free.pop(i)
+        elif self._free:  # grow the largest: its pages so far stay faulted in
+            name, old = self._free.pop(max(range(len(self._free)),
+                                           key=lambda i: len(self._free[i][1])))
+            old.close()
+            mm = _resize(name, size)
+        else:
+            self._count += 1
+            name = f"{self._prefix}{self._count}"
+            mm = create(name, size)
+        self._lent[name] = mm
+        return name, mm
+
+    def give_back(self, name: str) -> None:
+        mm = self._lent.pop(name, None)
+        if mm is None:
+            return  # not ours, or already back
+        self._free.append((name, mm))
+        if len(self._free) > self._keep:  # the smallest is the least useful
+            small = min(range(len(self._free)), key=lambda i: len(self._free[i][1]))
+            old_name, old = self._free.pop(small)
+            old.close()
+            unlink(old_name)
+
+    def discard(self, name: str) -> None:
+        """A segment whose batch failed: unlinked, not reused (its size may be odd)."""
+        mm = self._lent.pop(name, None)
+        if mm is not None:
+            mm.close()
+        unlink(name)
+
+
+def _resize(name: str, size: int) -> mmap.mmap:
+    fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    try:
+        os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
 def sweep(server_pid: int | None = None) -> int:
     """Remove the segments of `server_pid`, or (None) of every stoker server that is gone.
 

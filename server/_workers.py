@@ -33,6 +33,9 @@ log = logging.getLogger("stoker.server")
 
 # Tasks queued inside one worker: two lets a worker start the next batch without a round trip.
 DEPTH = 2
+# Free segments a worker keeps for reuse (see _shm.SegmentPool): enough for the batches it
+# has queued plus those on their way out.
+KEEP_SEGMENTS = DEPTH + 2
 
 
 class StartError(RuntimeError):
@@ -74,11 +77,6 @@ def _prefetch(ds: Any, indices: np.ndarray) -> None:
         log.debug("prefetch hint failed: %s", e)
 
 
-def release(batch: BuiltBatch) -> None:
-    """Free a built batch's shared memory (after sending it, or when nobody wants it)."""
-    _shm.unlink(batch.shm_name)
-
-
 def _worker_main(config: Any, conn: mpc.Connection, probe: bool) -> None:
     # The parent owns shutdown and closes our pipe when it is time (or dies, and the pipe ends).
     # Ctrl-C, or a SIGTERM sent to the whole process group, must not kill us mid-batch first.
@@ -102,6 +100,7 @@ def _worker_main(config: Any, conn: mpc.Connection, probe: bool) -> None:
             conn.send(("failed", f"dataset {name!r}: {type(e).__name__}: {e}"))
             return
     conn.send(("ready", meta if probe else None))
+    segments = _shm.SegmentPool(_shm.worker_prefix(os.getppid(), os.getpid()), KEEP_SEGMENTS)
     while True:
         try:
             task = conn.recv()
@@ -109,6 +108,10 @@ def _worker_main(config: Any, conn: mpc.Connection, probe: bool) -> None:
             return
         if task is None:
             return
+        if task[0] == "free":  # the front end has sent these batches: reuse their memory
+            for name in task[1]:
+                segments.give_back(name)
+            continue
         task_id, dataset, indices, ahead, key = task
         ds, skip = datasets[dataset], config.datasets[dataset].on_error == "skip"
         # This batch's objects in parallel, then those of a batch further on: a store's
@@ -116,7 +119,7 @@ def _worker_main(config: Any, conn: mpc.Connection, probe: bool) -> None:
         _prefetch(ds, indices)
         _prefetch(ds, ahead)
         try:
-            conn.send(("done", task_id, build_batch(ds, indices, key, skip)))
+            conn.send(("done", task_id, build_batch(ds, indices, segments, key, skip)))
         except SampleError as e:
             conn.send(("error", task_id, "data_loss", f"dataset {dataset!r}: {e}"))
         except Exception as e:
@@ -128,6 +131,8 @@ class _Worker:
     process: Any
     conn: mpc.Connection
     ready: bool = False
+    # Segments the front end has finished with, to send back on the next dispatcher round.
+    freed: list[str] = field(default_factory=list)
     # Tasks sent to this worker, oldest first: the first is the one it is building.
     tasks: dict[int, tuple[str, np.ndarray, np.ndarray, EpochKey,
                            concurrent.futures.Future[BuiltBatch]]] = field(default_factory=dict)
@@ -150,6 +155,8 @@ class WorkerPool:
         self._next_id = 0
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._by_pid: dict[int, _Worker] = {}
+        self._lent: set[str] = set()  # segments of built batches the front end holds
         self.meta: dict[str, DatasetMeta] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -206,6 +213,21 @@ class WorkerPool:
         # Whatever a stream or a worker still held: nothing of ours outlives the server.
         _shm.sweep(os.getpid())
 
+    def release(self, batch: BuiltBatch) -> None:
+        """The front end is done with a built batch (sent, or nobody wants it): its segment
+        goes back to the worker that made it, or is unlinked if that worker is gone.
+        Any thread."""
+        name = batch.shm_name
+        with self._lock:
+            self._lent.discard(name)
+            w = None if self._closing else self._by_pid.get(_shm.worker_of(name) or -1)
+            if w is not None:
+                w.freed.append(name)
+        if w is None:
+            _shm.unlink(name)
+        else:
+            self._wake_w.send_bytes(b"x")
+
     # -- submitting ------------------------------------------------------------------------
     def submit(self, dataset: str, indices: np.ndarray, ahead: np.ndarray = _NOTHING,
                key: EpochKey = _FIRST_EPOCH) -> concurrent.futures.Future[BuiltBatch]:
@@ -229,7 +251,10 @@ class WorkerPool:
                               name="stoker-worker", daemon=True)
         p.start()
         child.close()
-        return _Worker(p, parent)
+        w = _Worker(p, parent)
+        with self._lock:
+            self._by_pid[p.pid] = w
+        return w
 
     def _dispatch(self) -> None:
         while True:
@@ -262,6 +287,10 @@ class WorkerPool:
 
     def _assign(self) -> None:
         with self._lock:
+            for w in self._workers:
+                if w.freed:
+                    w.conn.send(("free", w.freed))
+                    w.freed = []
             for w in sorted(self._workers, key=lambda w: len(w.tasks)):
                 while w.ready and len(w.tasks) < DEPTH and self._queue:
                     task_id, dataset, indices, ahead, key, fut = self._queue.popleft()
@@ -297,8 +326,10 @@ class WorkerPool:
         task = w.tasks.pop(msg[1], None)
         fut = task[-1] if task else None
         if kind == "done":
+            with self._lock:
+                self._lent.add(msg[2].shm_name)
             if fut is None or not _resolve(fut, msg[2]):
-                release(msg[2])  # nobody waits for it any more
+                self.release(msg[2])  # nobody waits for it any more
         elif fut is not None:
             _reject(fut, BatchFailed(msg[2], msg[3]))
 
@@ -317,12 +348,22 @@ class WorkerPool:
             for task_id, task in reversed(tasks[1:]):
                 self._queue.appendleft((task_id, *task))
         w.conn.close()
+        self._forget(w)
         self._workers[self._workers.index(w)] = self._spawn(probe=False)
+
+    def _forget(self, w: _Worker) -> None:
+        """A worker is gone: unlink its idle segments; those the front end still holds are
+        unlinked when it releases them."""
+        with self._lock:
+            self._by_pid.pop(w.process.pid, None)
+            keep = set(self._lent)
+        _shm.remove_prefixed(_shm.worker_prefix(os.getpid(), w.process.pid), keep)
 
     def _remove(self, w: _Worker) -> None:
         self._workers.remove(w)
         w.conn.close()
         w.process.join(timeout=10)
+        self._forget(w)
         if not self._workers:
             with self._lock:
                 queued = [fut for *_, fut in self._queue]

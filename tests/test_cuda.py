@@ -47,3 +47,18 @@ def test_cuda_batches_equal_host_batches_and_reuse_pinned_buffers(toy_server) ->
         for key in a:
             assert torch.equal(a[key], b[key]), key
     assert allocations <= kw["prefetch"] + 2  # reused, not one per batch
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_uint8_normalized_on_the_gpu_equals_normalized_on_the_host(toy_server) -> None:
+    # toy's `tokens` field is uint8 [2, 3]: 2 "channels" first, normalised per channel.
+    kw = dict(batch_size=8, seed=1, timeout=60, normalize={"tokens": ((0.5, 0.25), (0.2, 0.4))})
+    with RemoteLoader(toy_server.address, "toy", **kw) as host:
+        expected = [b["tokens"] for b in host]
+    with RemoteLoader(toy_server.address, "toy", device="cuda", **kw) as gpu:
+        got = [b["tokens"].clone().cpu() for b in gpu]
+    torch.cuda.synchronize()
+    assert got[0].dtype == torch.float32
+    for a, b in zip(expected, got, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)

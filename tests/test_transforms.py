@@ -4,6 +4,7 @@ DCT-scaled decoding, and augmentation that is the same on every server and worke
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 
 import numpy as np
@@ -216,3 +217,57 @@ def test_epoch_key_rng_streams_are_independent() -> None:
     assert key.rng(5).random() == EpochKey(1, 2, True).rng(5).random()
     assert key.rng(5).random() != key.rng(5, stream=1).random()
     assert key.rng(5).random() != EpochKey(1, 3, True).rng(5).random()
+
+
+# -- uint8 on the wire, normalised by the client ---------------------------------------------
+GEOMETRY = AUGMENT[:2]
+MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+
+
+@pytest.mark.parametrize(("output", "dtype"), [("numpy", "float32"), ("torch", "float16"),
+                                               ("torch", "bfloat16")])
+def test_client_normalize_of_uint8_equals_the_servers_normalize(start_server, photos: Path,
+                                                                output: str, dtype: str) -> None:
+    server = start_server({
+        "raw": {"format": "image-folder", "source": str(photos), "transforms": GEOMETRY},
+        "pics": {"format": "image-folder", "source": str(photos), "transforms": [
+            *GEOMETRY, {"normalize": {"mean": list(MEAN), "std": list(STD)}}]}})
+    on_server = epoch_of(server, 2)
+    with RemoteLoader(server.address, "raw", batch_size=5, seed=7, drop_last=False,
+                      output=output, normalize={"image": (MEAN, STD)}, normalize_dtype=dtype,
+                      timeout=60) as loader:
+        loader.set_epoch(2)
+        batches = list(loader)
+    image = np.concatenate([np.asarray(b["image"].float() if output == "torch" else b["image"])
+                            for b in batches])
+    assert str(batches[0]["image"].dtype).removeprefix("torch.") == dtype
+    assert str(batches[0]["label"].dtype).removeprefix("torch.") == "int64"  # untouched
+    tolerance = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 5e-2}[dtype]
+    np.testing.assert_allclose(image, on_server["image"].astype(np.float32), atol=tolerance)
+
+
+@pytest.mark.parametrize(("normalize", "message"), [
+    ({"picture": (MEAN, STD)}, "fields the dataset does not have: ['picture']"),
+    ({"label": (MEAN, STD)}, "the field is int64, not uint8"),
+    ({"image": ((0.5,) * 4, (0.2,) * 4)}, "no axis of 4 channels"),
+])
+def test_client_normalize_that_does_not_fit_the_dataset_is_a_value_error(
+        start_server, photos: Path, normalize, message: str) -> None:
+    server = start_server({"raw": {"format": "image-folder", "source": str(photos),
+                                   "transforms": GEOMETRY}})
+    with RemoteLoader(server.address, "raw", batch_size=5, output="numpy", timeout=60,
+                      normalize=normalize) as loader:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            next(iter(loader))
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"normalize": {"image": (MEAN, (0.2, 0.0, 0.3))}}, "std must be > 0"),
+    ({"normalize": {"image": (MEAN, STD[:2])}}, "mean has 3 values, std 2"),
+    ({"normalize": {"image": (MEAN, STD)}, "normalize_dtype": "int8"}, "normalize_dtype"),
+    ({"normalize": {"image": (MEAN, STD)}, "normalize_dtype": "bfloat16", "output": "numpy"},
+     "needs output='torch'"),
+])
+def test_bad_client_normalize_arguments_are_refused_at_once(kwargs, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        RemoteLoader("127.0.0.1:1", "raw", batch_size=5, **kwargs)

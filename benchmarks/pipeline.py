@@ -1,0 +1,239 @@
+"""The image training pipeline: stoker's server against torch DataLoader, W workers each.
+
+    python benchmarks/pipeline.py                  # 1024 JPEGs ~375x500, W = 1..cores, 3 repeats
+    python benchmarks/pipeline.py --quick          # smoke test, about a minute
+    python benchmarks/pipeline.py --json out.json
+
+Pipeline: JPEG ~375x500 -> random resized crop 224 (scale 0.08-1, ratio 3/4-4/3) ->
+horizontal flip (p 0.5) -> normalize (ImageNet mean/std) -> float32 CHW, batches of 32.
+
+- DataLoader(num_workers=W) runs what a user writes with Pillow and torch, step by step as
+  torchvision's RandomResizedCrop / RandomHorizontalFlip / ToTensor / Normalize do it
+  (torchvision itself has no build for this torch on the package registry here, so its
+  Pillow code path is reproduced in `PillowPipeline`).
+- stoker: a server with W worker processes and the same steps as `transforms:`, read by
+  RemoteLoader (torch tensors).
+
+Both run on the same cores, alternating, medians over repeats. The offload itself (decode on
+other machines) cannot show on one machine: this is images/s per CPU, side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import PIL
+import simplejpeg
+import torch
+from _data import make_image_folder
+from _measure import machine_info, summarise, write_results
+from loader_vs_dataloader import ROLES, time_epoch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+
+from stoker.client import RemoteLoader
+from stoker.server import ServerProcess, write_config
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+TRANSFORMS = [{"random_resized_crop": {"size": 224}}, {"horizontal_flip": {"p": 0.5}},
+              {"normalize": {"mean": list(MEAN), "std": list(STD)}}]
+FULL = {"images": 1024, "batch_size": 32, "repeats": 3}
+QUICK = {"images": 192, "batch_size": 16, "repeats": 1}
+SYSTEMS = ("dataloader", "stoker")
+LABELS = {"dataloader": "torch DataLoader", "stoker": "stoker RemoteLoader"}
+
+
+class PillowPipeline(Dataset):
+    """An ImageFolder with torchvision's Pillow transforms, written out: open, convert RGB,
+    RandomResizedCrop (crop, then bilinear resize), RandomHorizontalFlip, ToTensor
+    (contiguous CHW float / 255), Normalize. Randomness from torch's RNG, as torchvision."""
+
+    def __init__(self, root: Path, size: int = 224) -> None:
+        classes = sorted(p.name for p in root.iterdir() if p.is_dir())
+        self.items = [(str(f), c) for c, name in enumerate(classes)
+                      for f in sorted((root / name).glob("*.jpg"))]
+        self.size = size
+        self.mean = torch.tensor(MEAN).view(3, 1, 1)
+        self.std = torch.tensor(STD).view(3, 1, 1)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def _crop(self, width: int, height: int) -> tuple[int, int, int, int]:
+        area = width * height
+        log_ratio = torch.log(torch.tensor((3 / 4, 4 / 3)))
+        for _ in range(10):
+            target = area * torch.empty(1).uniform_(0.08, 1.0).item()
+            aspect = math.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1]).item())
+            w = round(math.sqrt(target * aspect))
+            h = round(math.sqrt(target / aspect))
+            if 0 < w <= width and 0 < h <= height:
+                top = int(torch.randint(0, height - h + 1, size=(1,)).item())
+                left = int(torch.randint(0, width - w + 1, size=(1,)).item())
+                return left, top, w, h
+        side = min(width, height)
+        return (width - side) // 2, (height - side) // 2, side, side
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        path, label = self.items[i]
+        with open(path, "rb") as f:
+            img = Image.open(f).convert("RGB")
+        left, top, w, h = self._crop(*img.size)
+        img = img.crop((left, top, left + w, top + h)).resize(
+            (self.size, self.size), Image.Resampling.BILINEAR)
+        if torch.rand(1).item() < 0.5:
+            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        t = torch.from_numpy(np.array(img, copy=True)).permute(2, 0, 1).contiguous()
+        t = t.float().div(255)
+        return {"image": t.sub_(self.mean).div_(self.std), "label": label}
+
+
+def measure_w(args: argparse.Namespace, data_dir: Path, cfg_dir: Path, w: int
+              ) -> dict[str, Any]:
+    """Both systems at W workers: alternating epochs, `repeats` each."""
+    config = write_config(cfg_dir / f"config-w{w}.yaml", {"datasets": {"imgs": {
+        "format": "image-folder", "source": str(data_dir), "transforms": TRANSFORMS}}})
+    t0 = time.perf_counter()
+    server = ServerProcess(config, workers=w).start()
+    start_s = time.perf_counter() - t0
+    g = torch.Generator()
+    g.manual_seed(args.seed)
+    loaders: dict[str, Any] = {
+        "dataloader": DataLoader(PillowPipeline(data_dir), batch_size=args.batch_size,
+                                 shuffle=True, drop_last=True, num_workers=w,
+                                 persistent_workers=True, generator=g),
+        "stoker": RemoteLoader(server.address, "imgs", batch_size=args.batch_size,
+                               seed=args.seed, shuffle=True, drop_last=True,
+                               prefetch=args.prefetch)}
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in SYSTEMS}
+    problems: list[str] = []
+    try:
+        for r in range(args.repeats):
+            order = SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]
+            for name in order:
+                if name == "stoker":
+                    loaders[name].set_epoch(r)
+                m = time_epoch(loaders[name], server.proc.pid)
+                first = m.pop("first")
+                image = first["image"]
+                if tuple(image.shape) != (args.batch_size, 3, 224, 224) or \
+                        image.dtype != torch.float32:
+                    problems.append(f"{name}: batch image {image.dtype}{list(image.shape)}")
+                m["images_per_s"] = m["batches_per_s"] * args.batch_size
+                runs[name].append(m)
+                if not args.json_only:
+                    print(f"  W={w} repeat {r} {LABELS[name]:<20} {m['images_per_s']:8.1f} "
+                          f"images/s  {m['cpu_ms_per_batch']:7.1f} CPU ms/batch", flush=True)
+    finally:
+        loaders.pop("dataloader")
+        loaders.pop("stoker").close()
+        code = server.stop()
+    if code != 0:
+        problems.append(f"W={w}: server exit code {code}: {server.stderr[-2000:]}")
+    out: dict[str, Any] = {"workers": w, "server_start_s": start_s, "problems": problems}
+    for name in SYSTEMS:
+        rs = runs[name]
+        out[name] = {"repeats": rs,
+                     "images_per_s": summarise([m["images_per_s"] for m in rs]),
+                     "cpu_ms_per_batch": summarise([m["cpu_ms_per_batch"] for m in rs]),
+                     "cpu_ms_per_batch_by_role": {
+                         role: float(np.median([m["cpu_ms_per_batch_by_role"][role]
+                                                for m in rs])) for role in ROLES}}
+    out["ratio_images_per_s"] = (out["stoker"]["images_per_s"]["median"]
+                                 / out["dataloader"]["images_per_s"]["median"])
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    res: dict[str, Any] = {
+        "benchmark": "pipeline", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine_info(torch=torch.__version__, numpy=np.__version__,
+                                pillow=PIL.__version__, simplejpeg=simplejpeg.__version__),
+        "parameters": dict(vars(args)), "transforms": TRANSFORMS}
+    with ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="stoker-pipe-")))
+        data_dir = Path(args.data_dir) if args.data_dir else tmp / "images"
+        if not any(data_dir.glob("class_*/*.jpg")):
+            make_image_folder(data_dir, args.images, 10, 437, shape=(375, 500))
+        jpegs = list(data_dir.glob("class_*/*.jpg"))
+        res["data"] = {"images": len(jpegs),
+                       "mean_jpeg_bytes": sum(p.stat().st_size for p in jpegs) / len(jpegs)}
+        res["sweep"] = [measure_w(args, data_dir, tmp, w) for w in args.workers]
+    res["check_problems"] = [p for s in res["sweep"] for p in s["problems"]]
+    res["server_exit_code"] = 0  # per-W exit codes are checked into check_problems
+    return res
+
+
+def report(res: dict[str, Any]) -> str:
+    p, m = res["parameters"], res["machine"]
+    lines = ["", "image pipeline: stoker server vs torch DataLoader, same machine, same run",
+             f"machine   {m['cpus_usable']} usable CPUs, {m['platform']}, torch {m['torch']}, "
+             f"pillow {m['pillow']}, simplejpeg {m['simplejpeg']}",
+             f"data      {res['data']['images']} JPEGs ~375x500 (mean "
+             f"{res['data']['mean_jpeg_bytes'] / 1024:.0f} KiB) -> random resized crop 224 -> "
+             "flip -> normalize -> float32 CHW",
+             f"loaders   batch {p['batch_size']}, {p['repeats']} repeats per system, medians",
+             "", f"{'W':>3}{'DataLoader img/s':>19}{'stoker img/s':>15}{'ratio':>8}"
+             f"{'DL CPU ms/b':>13}{'stoker CPU ms/b':>17}"]
+    for s in res["sweep"]:
+        lines.append(f"{s['workers']:>3}{s['dataloader']['images_per_s']['median']:>19.1f}"
+                     f"{s['stoker']['images_per_s']['median']:>15.1f}"
+                     f"{s['ratio_images_per_s']:>8.2f}"
+                     f"{s['dataloader']['cpu_ms_per_batch']['median']:>13.1f}"
+                     f"{s['stoker']['cpu_ms_per_batch']['median']:>17.1f}")
+    lines += ["", "CPU ms/batch by role (medians):"]
+    for s in res["sweep"]:
+        for name in SYSTEMS:
+            roles = s[name]["cpu_ms_per_batch_by_role"]
+            lines.append(f"  W={s['workers']} {LABELS[name]:<20}" + ", ".join(
+                f"{r} {roles[r]:.1f}" for r in ROLES if roles[r] >= 0.05))
+    if res["check_problems"]:
+        lines += ["", "CHECK FAILED:"] + [f"  - {x}" for x in res["check_problems"]]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    cores = len(os.sched_getaffinity(0))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--images", type=int)
+    ap.add_argument("--batch-size", type=int)
+    ap.add_argument("--repeats", type=int)
+    ap.add_argument("--workers", type=int, nargs="+", default=list(range(1, cores + 1)),
+                    help="the W values to sweep (default 1..cores)")
+    ap.add_argument("--prefetch", type=int, default=8, help="RemoteLoader batches in flight")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data-dir", help="use (or fill) this folder of JPEGs")
+    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--json-only", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if min(args.workers) < 1:
+        ap.error("--workers values must be >= 1")
+    if args.images // args.batch_size < 2:
+        ap.error("need at least 2 batches per epoch (one warm-up, one timed)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    res = run(args)
+    res["total_s"] = time.perf_counter() - t0
+    return write_results(res, report(res) + f"\n\ntotal {res['total_s']:.0f} s", args.json,
+                         args.json_only)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
