@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[server,client,dev]"
+	$(PY) -m pip install --quiet -e ".[server,client,text,dev]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -377,9 +377,59 @@ class ParquetDataset(_Sourced):
     shuffle: Literal["global", "block"] = "block"
 
 
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+
+
+class TextDataset(_Sourced):
+    """Documents (a string field of .jsonl records or a string column of .parquet files),
+    tokenized once at open and packed into rows of seq_len tokens: the documents of an epoch
+    concatenated in a (seed, epoch) order and cut every seq_len tokens (see formats/text.py)."""
+
+    format: Literal["text"]
+    field: str = Field("text", min_length=1,
+                       description="jsonl: a dotted path in each record; parquet: a column")
+    tokenizer: str = Field("byte", min_length=1,
+                           description='"byte", a tokenizer.json (Hugging Face tokenizers) or '
+                                       "a *.tiktoken BPE ranks file")
+    tiktoken_pattern: str | None = Field(None, description="*.tiktoken only; default cl100k's")
+    seq_len: int = Field(ge=2)
+    bos: bool = Field(False, description="prepend BOS to every document")
+    eos: bool = Field(True, description="append EOS to every document")
+    bos_id: TokenId | None = None  # default: the tokenizer's own BOS
+    eos_id: TokenId | None = None  # default: the tokenizer's own EOS
+    pad_id: TokenId | None = None  # default: the tokenizer's PAD, else the EOS, else 0
+    # split: a document longer than seq_len (BOS/EOS included) runs on across rows; drop: left out.
+    long_documents: Literal["split", "drop"] = "split"
+    shuffle: Literal["global"] = "global"  # rows have no shards
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_file(cls, v: str) -> str:
+        if v == "byte":
+            return v
+        path = Path(v).expanduser()
+        if path.suffix not in (".json", ".tiktoken"):
+            raise ValueError(f"expected 'byte', a Hugging Face tokenizer file (*.json) or a "
+                             f"tiktoken BPE file (*.tiktoken), got {v!r}")
+        if not path.is_file():
+            raise ValueError(f"tokenizer file not found: {path}")
+        return str(path)
+
+    @model_validator(mode="after")
+    def _special_ids(self) -> TextDataset:
+        tiktoken = self.tokenizer.endswith(".tiktoken")
+        if self.tiktoken_pattern is not None and not tiktoken:
+            raise ValueError("tiktoken_pattern applies to a *.tiktoken tokenizer only")
+        for flag, name in ((self.bos, "bos"), (self.eos, "eos")):
+            if tiktoken and flag and getattr(self, f"{name}_id") is None:
+                raise ValueError(f"{name}_id is required with {name}: true and a *.tiktoken "
+                                 "tokenizer (the file holds no special tokens)")
+        return self
+
+
 DatasetConfig = Annotated[
     PythonDataset | ImageFolderDataset | JsonlDataset | TokensDataset | MemmapDataset
-    | TarDataset | ParquetDataset,
+    | TarDataset | ParquetDataset | TextDataset,
     Field(discriminator="format")]
 
 
@@ -415,7 +465,8 @@ class Config(_Strict):
 
 
 def _resolve_sources(raw: Any, base: Path) -> Any:
-    """Relative `source:` paths are relative to the config file, not the working directory."""
+    """Relative `source:` paths (and text datasets' `tokenizer:` files) are relative to the
+    config file, not the working directory."""
     datasets = raw.get("datasets") if isinstance(raw, dict) else None
     if isinstance(datasets, dict):
         for ds in datasets.values():
@@ -423,6 +474,10 @@ def _resolve_sources(raw: Any, base: Path) -> Any:
                     and "://" not in ds["source"]):
                 src = Path(ds["source"]).expanduser()
                 ds["source"] = str(src if src.is_absolute() else base / src)
+            if (isinstance(ds, dict) and ds.get("format") == "text"
+                    and isinstance(ds.get("tokenizer"), str) and ds["tokenizer"] != "byte"):
+                tok = Path(ds["tokenizer"]).expanduser()  # a local file, like a local source
+                ds["tokenizer"] = str(tok if tok.is_absolute() else base / tok)
     cache = raw.get("cache")
     if isinstance(cache, dict) and isinstance(cache.get("dir"), str):
         d = Path(cache["dir"]).expanduser()

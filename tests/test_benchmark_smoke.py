@@ -74,3 +74,27 @@ def test_quick_storage_benchmark_reads_local_and_s3(tmp_path: Path) -> None:
         assert fmt["ratio_over_local"]["local"] == 1.0
         assert fmt["endpoint_get_limit"]["objects"] > 0
     assert "s3_warm" in result.stdout
+
+
+@pytest.mark.timeout(180)
+def test_quick_packing_benchmark_delivers_every_token(tmp_path: Path) -> None:
+    pytest.importorskip("tokenizers")
+    out = tmp_path / "packing.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "packing.py"), "--quick", "--json", str(out)],
+        capture_output=True, text=True, timeout=170, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    res = json.loads(out.read_text())
+    assert res["check_problems"] == [] and res["server_exit_code"] == 0
+    corpus, packing = res["corpus"], res["packing"]
+    assert corpus["tokens"] > 0 and corpus["docs_longer_than_seq_len"] > 0
+    assert 0.9 < packing["packing_efficiency"] <= 1 and 0 < packing["cut_fraction"] < 1
+    assert packing["rows"] * res["params"]["seq_len"] - packing["padding_tokens"] == (
+        corpus["tokens"])
+    assert res["tokenize"]["cold_open_s"] > 0 and res["tokenize"]["tokens_per_s"] > 0
+    for name in ("text", "tokens"):
+        system = res["systems"][name]
+        assert len(system["repeats"]) == 1
+        assert system["real_tokens_per_s"]["median"] > 0
+    assert res["ratio_text_over_tokens"]["rows_per_s"] > 0
+    assert "ratio text / tokens" in result.stdout

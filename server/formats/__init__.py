@@ -29,7 +29,8 @@ class MapDataset(Protocol):
 # format -> (module, class): imported on use, so a server imports only the codecs it serves.
 _READERS = {"image-folder": ("image_folder", "ImageFolder"), "jsonl": ("jsonl", "Jsonl"),
             "tokens": ("tokens", "Tokens"), "memmap": ("memmap", "Memmap"),
-            "tar": ("tar", "Tar"), "parquet": ("parquet", "Parquet")}
+            "tar": ("tar", "Tar"), "parquet": ("parquet", "Parquet"),
+            "text": ("text", "Text")}
 
 
 def open_dataset(name: str, config: Any, cache: Any = None) -> MapDataset:
