@@ -13,6 +13,9 @@ horizontal flip (p 0.5) -> normalize (ImageNet mean/std) -> float32 CHW, batches
   Pillow code path is reproduced in `PillowPipeline`).
 - stoker: a server with W worker processes and the same steps as `transforms:`, read by
   RemoteLoader (torch tensors).
+- stoker uint8: the same without `normalize` on the server: uint8 images on the wire (4x
+  fewer bytes), normalised by RemoteLoader(normalize=...) after they arrive (on a GPU that
+  runs on the device; here, on the trainer's CPU, and counted).
 
 Both run on the same cores, alternating, medians over repeats. The offload itself (decode on
 other machines) cannot show on one machine: this is images/s per CPU, side by side.
@@ -48,8 +51,9 @@ TRANSFORMS = [{"random_resized_crop": {"size": 224}}, {"horizontal_flip": {"p": 
               {"normalize": {"mean": list(MEAN), "std": list(STD)}}]
 FULL = {"images": 1024, "batch_size": 32, "repeats": 3}
 QUICK = {"images": 192, "batch_size": 16, "repeats": 1}
-SYSTEMS = ("dataloader", "stoker")
-LABELS = {"dataloader": "torch DataLoader", "stoker": "stoker RemoteLoader"}
+SYSTEMS = ("dataloader", "stoker", "stoker_uint8")
+LABELS = {"dataloader": "torch DataLoader", "stoker": "stoker RemoteLoader",
+          "stoker_uint8": "stoker, uint8 + client normalize"}
 
 
 class PillowPipeline(Dataset):
@@ -100,8 +104,10 @@ class PillowPipeline(Dataset):
 def measure_w(args: argparse.Namespace, data_dir: Path, cfg_dir: Path, w: int
               ) -> dict[str, Any]:
     """Both systems at W workers: alternating epochs, `repeats` each."""
-    config = write_config(cfg_dir / f"config-w{w}.yaml", {"datasets": {"imgs": {
-        "format": "image-folder", "source": str(data_dir), "transforms": TRANSFORMS}}})
+    config = write_config(cfg_dir / f"config-w{w}.yaml", {"datasets": {
+        "imgs": {"format": "image-folder", "source": str(data_dir), "transforms": TRANSFORMS},
+        "imgs_uint8": {"format": "image-folder", "source": str(data_dir),
+                       "transforms": TRANSFORMS[:-1]}}})
     t0 = time.perf_counter()
     server = ServerProcess(config, workers=w).start()
     start_s = time.perf_counter() - t0
@@ -113,14 +119,17 @@ def measure_w(args: argparse.Namespace, data_dir: Path, cfg_dir: Path, w: int
                                  persistent_workers=True, generator=g),
         "stoker": RemoteLoader(server.address, "imgs", batch_size=args.batch_size,
                                seed=args.seed, shuffle=True, drop_last=True,
-                               prefetch=args.prefetch)}
+                               prefetch=args.prefetch),
+        "stoker_uint8": RemoteLoader(server.address, "imgs_uint8", batch_size=args.batch_size,
+                                     seed=args.seed, shuffle=True, drop_last=True,
+                                     prefetch=args.prefetch, normalize={"image": (MEAN, STD)})}
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in SYSTEMS}
     problems: list[str] = []
     try:
         for r in range(args.repeats):
             order = SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]
             for name in order:
-                if name == "stoker":
+                if name != "dataloader":
                     loaders[name].set_epoch(r)
                 m = time_epoch(loaders[name], server.proc.pid)
                 first = m.pop("first")
@@ -135,7 +144,8 @@ def measure_w(args: argparse.Namespace, data_dir: Path, cfg_dir: Path, w: int
                           f"images/s  {m['cpu_ms_per_batch']:7.1f} CPU ms/batch", flush=True)
     finally:
         loaders.pop("dataloader")
-        loaders.pop("stoker").close()
+        for name in SYSTEMS[1:]:
+            loaders.pop(name).close()
         code = server.stop()
     if code != 0:
         problems.append(f"W={w}: server exit code {code}: {server.stderr[-2000:]}")
@@ -148,8 +158,9 @@ def measure_w(args: argparse.Namespace, data_dir: Path, cfg_dir: Path, w: int
                      "cpu_ms_per_batch_by_role": {
                          role: float(np.median([m["cpu_ms_per_batch_by_role"][role]
                                                 for m in rs])) for role in ROLES}}
-    out["ratio_images_per_s"] = (out["stoker"]["images_per_s"]["median"]
-                                 / out["dataloader"]["images_per_s"]["median"])
+    out["ratio_images_per_s"] = {
+        name: out[name]["images_per_s"]["median"] / out["dataloader"]["images_per_s"]["median"]
+        for name in SYSTEMS[1:]}
     return out
 
 
@@ -182,19 +193,21 @@ def report(res: dict[str, Any]) -> str:
              f"{res['data']['mean_jpeg_bytes'] / 1024:.0f} KiB) -> random resized crop 224 -> "
              "flip -> normalize -> float32 CHW",
              f"loaders   batch {p['batch_size']}, {p['repeats']} repeats per system, medians",
-             "", f"{'W':>3}{'DataLoader img/s':>19}{'stoker img/s':>15}{'ratio':>8}"
-             f"{'DL CPU ms/b':>13}{'stoker CPU ms/b':>17}"]
+             "", f"{'W':>3}  {'system':<34}{'images/s':>10}{'[min, max]':>18}"
+             f"{'vs DataLoader':>15}{'CPU ms/batch':>14}"]
     for s in res["sweep"]:
-        lines.append(f"{s['workers']:>3}{s['dataloader']['images_per_s']['median']:>19.1f}"
-                     f"{s['stoker']['images_per_s']['median']:>15.1f}"
-                     f"{s['ratio_images_per_s']:>8.2f}"
-                     f"{s['dataloader']['cpu_ms_per_batch']['median']:>13.1f}"
-                     f"{s['stoker']['cpu_ms_per_batch']['median']:>17.1f}")
+        for name in SYSTEMS:
+            i = s[name]["images_per_s"]
+            ratio = f"{s['ratio_images_per_s'][name]:.2f}x" if name != "dataloader" else ""
+            spread = f"[{i['min']:.0f}, {i['max']:.0f}]"
+            lines.append(f"{s['workers']:>3}  {LABELS[name]:<34}{i['median']:>10.1f}"
+                         f"{spread:>18}{ratio:>15}"
+                         f"{s[name]['cpu_ms_per_batch']['median']:>14.1f}")
     lines += ["", "CPU ms/batch by role (medians):"]
     for s in res["sweep"]:
         for name in SYSTEMS:
             roles = s[name]["cpu_ms_per_batch_by_role"]
-            lines.append(f"  W={s['workers']} {LABELS[name]:<20}" + ", ".join(
+            lines.append(f"  W={s['workers']} {LABELS[name]:<34}" + ", ".join(
                 f"{r} {roles[r]:.1f}" for r in ROLES if roles[r] >= 0.05))
     if res["check_problems"]:
         lines += ["", "CHECK FAILED:"] + [f"  - {x}" for x in res["check_problems"]]

@@ -15,6 +15,8 @@ import numpy as np
 
 from stoker.v1 import stoker_pb2 as pb
 
+from ._samehost import read_segment
+
 _DATA_TAG = 0x0A
 
 
@@ -48,6 +50,7 @@ class Assembled:
     buffer: Any  # what `allocate` returned
     tensors: list[pb.TensorInfo]
     payload_bytes: int
+    shared: bool = False  # read from the server's shared memory, not from the frames
 
 
 class Assembler:
@@ -59,8 +62,10 @@ class Assembler:
     Threading: one thread feeds one Assembler.
     """
 
-    def __init__(self, allocate: Callable[[int], tuple[Any, np.ndarray]]) -> None:
+    def __init__(self, allocate: Callable[[int], tuple[Any, np.ndarray]],
+                 release: Callable[[str], None] = lambda name: None) -> None:
         self._allocate = allocate
+        self._release = release  # a same-host segment, once copied out
         self._current: tuple[pb.BatchFrame, Any, np.ndarray, int] | None = None
 
     def feed(self, raw: bytes) -> Assembled | pb.BatchFrame | None:
@@ -69,6 +74,14 @@ class Assembler:
         data, head = split_frame(raw)
         if head.HasField("error"):
             return head
+        if head.shm_name:  # same host: the whole payload is in the server's segment
+            owner, view = self._allocate(head.payload_bytes)
+            try:
+                read_segment(head.shm_name, view[: head.payload_bytes])
+            finally:
+                self._release(head.shm_name)
+            return Assembled(head.batch_index, head.epoch, owner, list(head.tensors),
+                             head.payload_bytes, shared=True)
         if head.offset == 0:
             owner, view = self._allocate(head.payload_bytes)
             self._current = (head, owner, view, 0)

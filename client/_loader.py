@@ -18,6 +18,7 @@ import numpy as np
 from stoker.v1 import stoker_pb2 as pb
 from stoker.v1 import stoker_pb2_grpc as pb_grpc
 
+from . import _samehost as samehost
 from ._errors import RemoteError
 from ._frames import Assembled, numpy_views
 from ._normalize import Normalizer
@@ -58,7 +59,7 @@ class RemoteLoader:
                  device: Any = None, output: str = "torch", prefetch: int = 8,
                  timeout: float = 300.0,
                  normalize: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
-                 normalize_dtype: str = "float32") -> None:
+                 normalize_dtype: str = "float32", shared_memory: bool = True) -> None:
         if output not in ("torch", "numpy"):
             raise ValueError(f"output must be 'torch' or 'numpy', got {output!r}")
         if output == "numpy" and device is not None:
@@ -82,6 +83,7 @@ class RemoteLoader:
         self._output = output
         self._prefetch = prefetch
         self._timeout = timeout
+        self._shared_memory = shared_memory
         self._feed = None
         if device is not None and str(device).partition(":")[0] != "cpu":
             from ._device import DeviceFeed
@@ -162,7 +164,8 @@ class RemoteLoader:
         if self._next and self._next >= total:  # finished (saved on an epoch's last batch)
             self._epoch, self._next = self._epoch + 1, 0
         scheduler = Scheduler(self._servers, self.coordinates(), total, self._next,
-                              self._prefetch, self._timeout, self._allocate, self._finish)
+                              self._prefetch, self._timeout, self._allocate, self._finish,
+                              samehost.probe() if self._shared_memory else None)
         self._scheduler = scheduler
         try:
             while self._next < total:

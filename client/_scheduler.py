@@ -50,8 +50,10 @@ DRAIN_RETRY = 1.0  # seconds before a server that drained is tried again
 class Scheduler:
     def __init__(self, servers: ServerSet, coordinates: pb.Coordinates, total: int, start: int,
                  window: int, timeout: float, allocate: Callable[[int], tuple[Any, Any]],
-                 finish: Callable[[Assembled], Any]) -> None:
+                 finish: Callable[[Assembled], Any],
+                 shm_probe: pb.SharedMemoryProbe | None = None) -> None:
         self._servers = servers
+        self._shm_probe = shm_probe
         self._coords = coordinates
         self._total = total
         self._next = start
@@ -155,7 +157,7 @@ class Scheduler:
             server.state = "up"
             server.stream = BatchStream(server.channel, server.address, self._coords,
                                         self._allocate, self._finish, self._on_batch,
-                                        self._on_end)
+                                        self._on_end, self._shm_probe)
         if not server.outstanding:
             server.last_progress = now  # patience runs from when it has work
         server.outstanding[index] = now

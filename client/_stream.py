@@ -32,15 +32,16 @@ OnEnd = Callable[["BatchStream", "RemoteError | None"], None]
 class BatchStream:
     def __init__(self, channel: grpc.Channel, address: str, coordinates: pb.Coordinates,
                  allocate: Callable[[int], tuple[Any, Any]], finish: Callable[[Assembled], Any],
-                 on_batch: OnBatch, on_end: OnEnd) -> None:
+                 on_batch: OnBatch, on_end: OnEnd,
+                 shm_probe: pb.SharedMemoryProbe | None = None) -> None:
         self.address = address
         self._requests: queue.SimpleQueue[pb.StreamRequest | None] = queue.SimpleQueue()
-        self._requests.put(pb.StreamRequest(coordinates=coordinates))
+        self._requests.put(pb.StreamRequest(coordinates=coordinates, shm_probe=shm_probe))
         # No response deserializer: frames arrive as bytes and are split without a parse copy.
         method = channel.stream_stream(
             METHOD, request_serializer=pb.StreamRequest.SerializeToString)
         self._call = method(self._outgoing())
-        self._assembler = Assembler(allocate)
+        self._assembler = Assembler(allocate, self._release)
         self._finish = finish
         self._on_batch = on_batch
         self._on_end = on_end
@@ -54,6 +55,9 @@ class BatchStream:
         indices = list(batch_indices)
         if indices:
             self._requests.put(pb.StreamRequest(batch_indices=indices))
+
+    def _release(self, shm_name: str) -> None:
+        self._requests.put(pb.StreamRequest(released=[shm_name]))
 
     def close(self, wait: bool = True) -> None:
         """Cancel the call (the server frees what it held for it) and stop receiving."""
@@ -73,6 +77,8 @@ class BatchStream:
             for raw in self._call:
                 self.bytes_received += len(raw)
                 done = self._assembler.feed(raw)
+                if isinstance(done, Assembled) and done.shared:
+                    self.bytes_received += done.payload_bytes  # read from shared memory
                 if isinstance(done, pb.BatchFrame):  # this batch failed; the stream goes on
                     code = _STATUS.get(done.error.code, grpc.StatusCode.UNKNOWN)
                     self._on_batch(self, done.batch_index,

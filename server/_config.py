@@ -444,6 +444,9 @@ class ServerSettings(_Strict):
     # gRPC clients have by default, so any gRPC client can read the stream unconfigured.
     frame_bytes: int = Field((4 << 20) - (64 << 10), ge=4096, le=MAX_FRAME_BYTES)
     grace_seconds: float = Field(10.0, ge=0)
+    # Clients on this host (same user) read batches straight from shared memory: no copy
+    # through gRPC. false: every batch goes over the socket.
+    shared_memory: bool = True
 
     @property
     def worker_count(self) -> int:

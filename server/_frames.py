@@ -43,6 +43,13 @@ def encode_frames(batch: BuiltBatch, payload: memoryview, batch_index: int, epoc
         yield b"".join((_DATA_TAG, _varint(len(chunk)), chunk, head.SerializeToString()))
 
 
+def encode_shm_frame(batch: BuiltBatch, batch_index: int, epoch: int) -> bytes:
+    """The one frame of a batch the client reads from shared memory itself (same host)."""
+    return pb.BatchFrame(batch_index=batch_index, epoch=epoch, offset=0,
+                         payload_bytes=batch.payload_bytes, tensors=tensor_infos(batch),
+                         shm_name=batch.shm_name).SerializeToString()
+
+
 def encode_error(batch_index: int, epoch: int, code: int, message: str) -> bytes:
     """The one frame that answers a batch which could not be built."""
     return pb.BatchFrame(batch_index=batch_index, epoch=epoch,

@@ -22,7 +22,7 @@ from stoker.v1 import stoker_pb2 as pb
 from . import _shm
 from ._batch import BuiltBatch
 from ._config import Config
-from ._frames import encode_error, encode_frames
+from ._frames import encode_error, encode_frames, encode_shm_frame
 from ._sampling import (
     CoordinateError,
     Coordinates,
@@ -140,7 +140,8 @@ class DataService:
         """
         ready: asyncio.Queue[Any] = asyncio.Queue()
         jobs: set[asyncio.Task] = set()
-        state = {"outstanding": 0, "eof": False}
+        # shm: the client reads batches from shared memory; lent: those it has not released.
+        state: dict[str, Any] = {"outstanding": 0, "eof": False, "shm": False, "lent": {}}
         reader = asyncio.create_task(self._read_credits(requests, ready, jobs, state))
         try:
             while not (state["eof"] and state["outstanding"] == 0):
@@ -158,6 +159,11 @@ class DataService:
                         return
                     continue
                 batch, batch_index, epoch = item
+                if state["shm"]:
+                    state["lent"][batch.shm_name] = batch  # until the client releases it
+                    if not await _write(context, encode_shm_frame(batch, batch_index, epoch)):
+                        return
+                    continue
                 try:
                     segment = _shm.open_readonly(batch.shm_name)
                     try:
@@ -180,6 +186,8 @@ class DataService:
                 item = ready.get_nowait()
                 if isinstance(item, tuple):
                     self._pool.release(item[0])
+            for batch in state["lent"].values():  # the client may be reading one still
+                self._pool.release(batch, reuse=False)
 
     async def _read_credits(self, requests: AsyncIterator[pb.StreamRequest], ready: asyncio.Queue,
                             jobs: set[asyncio.Task], state: dict[str, Any]) -> None:
@@ -187,6 +195,12 @@ class DataService:
         meta: DatasetMeta | None = None
         try:
             async for req in requests:
+                for name in req.released:
+                    batch = state["lent"].pop(name, None)
+                    if batch is not None:
+                        self._pool.release(batch)
+                if req.HasField("shm_probe") and coords is None and self._settings.shared_memory:
+                    state["shm"] = _shm.same_host(req.shm_probe.name, req.shm_probe.token)
                 if req.HasField("coordinates"):
                     coords, meta = self._coordinates(req.coordinates)
                 if req.batch_indices and coords is None:

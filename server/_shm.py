@@ -53,6 +53,28 @@ def unlink(name: str) -> None:
         pass
 
 
+_PROBE = re.compile(r"^stoker_client_\d+_[0-9a-f]{32}$")
+
+
+def same_host(probe_name: str, token: bytes) -> bool:
+    """Whether a client's probe segment is readable here, owned by this user, and starts with
+    `token`: then the client shares this host's /dev/shm and can read our segments (mode
+    0600, same user). The name is checked against the one pattern clients use: never a path.
+    """
+    if not _PROBE.match(probe_name) or len(token) != 16:
+        return False
+    try:
+        fd = _posixshmem.shm_open("/" + probe_name, os.O_RDONLY, mode=0o600)
+    except OSError:
+        return False
+    try:
+        return os.fstat(fd).st_uid == os.getuid() and os.pread(fd, 16, 0) == token
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def worker_prefix(server_pid: int, worker_pid: int) -> str:
     return f"{prefix(server_pid)}{worker_pid}_"
 

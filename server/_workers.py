@@ -19,6 +19,7 @@ import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import signal
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,11 +78,14 @@ def _prefetch(ds: Any, indices: np.ndarray) -> None:
         log.debug("prefetch hint failed: %s", e)
 
 
-def _worker_main(config: Any, conn: mpc.Connection, probe: bool) -> None:
+def _worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int) -> None:
     # The parent owns shutdown and closes our pipe when it is time (or dies, and the pipe ends).
     # Ctrl-C, or a SIGTERM sent to the whole process group, must not kill us mid-batch first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Spawned: nothing of the server's logging setup came along. Same level, same stream.
+    logging.basicConfig(level=log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s[worker]: %(message)s")
     from .formats import open_dataset
 
     cache = None
@@ -112,6 +116,10 @@ def _worker_main(config: Any, conn: mpc.Connection, probe: bool) -> None:
             for name in task[1]:
                 segments.give_back(name)
             continue
+        if task[0] == "drop":  # a client may still read these: never write them again
+            for name in task[1]:
+                segments.discard(name)
+            continue
         task_id, dataset, indices, ahead, key = task
         ds, skip = datasets[dataset], config.datasets[dataset].on_error == "skip"
         # This batch's objects in parallel, then those of a batch further on: a store's
@@ -133,6 +141,7 @@ class _Worker:
     ready: bool = False
     # Segments the front end has finished with, to send back on the next dispatcher round.
     freed: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # unlinked: the worker forgets them
     # Tasks sent to this worker, oldest first: the first is the one it is building.
     tasks: dict[int, tuple[str, np.ndarray, np.ndarray, EpochKey,
                            concurrent.futures.Future[BuiltBatch]]] = field(default_factory=dict)
@@ -213,19 +222,20 @@ class WorkerPool:
         # Whatever a stream or a worker still held: nothing of ours outlives the server.
         _shm.sweep(os.getpid())
 
-    def release(self, batch: BuiltBatch) -> None:
+    def release(self, batch: BuiltBatch, reuse: bool = True) -> None:
         """The front end is done with a built batch (sent, or nobody wants it): its segment
         goes back to the worker that made it, or is unlinked if that worker is gone.
-        Any thread."""
+        reuse=False: unlinked in any case (a client may still be reading it: its mapping
+        stays valid, and the worker will not write into it again). Any thread."""
         name = batch.shm_name
         with self._lock:
             self._lent.discard(name)
             w = None if self._closing else self._by_pid.get(_shm.worker_of(name) or -1)
             if w is not None:
-                w.freed.append(name)
-        if w is None:
+                (w.freed if reuse else w.dropped).append(name)
+        if w is None or not reuse:
             _shm.unlink(name)
-        else:
+        if w is not None:
             self._wake_w.send_bytes(b"x")
 
     # -- submitting ------------------------------------------------------------------------
@@ -247,7 +257,8 @@ class WorkerPool:
     # -- the dispatcher thread -------------------------------------------------------------
     def _spawn(self, probe: bool) -> _Worker:
         parent, child = self._ctx.Pipe()
-        p = self._ctx.Process(target=_worker_main, args=(self._config, child, probe),
+        p = self._ctx.Process(target=_worker_main,
+                              args=(self._config, child, probe, log.getEffectiveLevel()),
                               name="stoker-worker", daemon=True)
         p.start()
         child.close()
@@ -291,6 +302,9 @@ class WorkerPool:
                 if w.freed:
                     w.conn.send(("free", w.freed))
                     w.freed = []
+                if w.dropped:
+                    w.conn.send(("drop", w.dropped))
+                    w.dropped = []
             for w in sorted(self._workers, key=lambda w: len(w.tasks)):
                 while w.ready and len(w.tasks) < DEPTH and self._queue:
                     task_id, dataset, indices, ahead, key, fut = self._queue.popleft()

@@ -64,8 +64,10 @@ def test_a_batch_travels_as_ordered_frames_of_ordinary_protobuf(framed) -> None:
 @pytest.mark.parametrize("output", ["numpy", "torch"])
 def test_reassembled_batches_equal_the_samples(framed, output: str) -> None:
     ds = Noise()
+    # shared_memory=False: the frames over the socket are what is tested here (a client on
+    # the server's host otherwise reads payloads from shared memory; test_samehost.py).
     with RemoteLoader(framed.address, "noise", batch_size=4, drop_last=False, output=output,
-                      timeout=60) as loader:
+                      timeout=60, shared_memory=False) as loader:
         for batch in loader:
             for row, i in enumerate(batch["sample_index"].tolist()):
                 for key, value in ds[i].items():

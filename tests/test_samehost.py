@@ -1,0 +1,113 @@
+"""Same-host delivery: a client on the server's host reads batches from shared memory."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from stoker.client import RemoteLoader
+from stoker.client._samehost import probe
+from stoker.v1 import stoker_pb2 as pb
+
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")]
+
+NOISE = {"noise": {"format": "python", "factory": "toy_datasets:Noise",
+                   "options": {"n": 12, "shape": [64, 64]}}}
+
+
+def raw_stream(address: str, indices: list[int], shm_probe: Any = None,
+               hold: threading.Event | None = None) -> Any:
+    """A StreamBatches call; with `hold`, the request side stays open until it is set."""
+    coords = pb.Coordinates(dataset="noise", seed=0, epoch=0, shuffle=False, rank=0,
+                            world_size=1, batch_size=3, drop_last=True)
+    channel = grpc.insecure_channel(address)
+    method = channel.stream_stream("/stoker.v1.DataService/StreamBatches",
+                                   request_serializer=pb.StreamRequest.SerializeToString,
+                                   response_deserializer=pb.BatchFrame.FromString)
+    first = pb.StreamRequest(coordinates=coords, batch_indices=indices, shm_probe=shm_probe)
+
+    def requests() -> Iterator[pb.StreamRequest]:
+        yield first
+        if hold is not None:
+            hold.wait(60)
+
+    return channel, method(requests(), timeout=60)
+
+
+def epoch(address: str, **kw: Any) -> dict[str, np.ndarray]:
+    with RemoteLoader(address, "noise", batch_size=3, output="numpy", timeout=60, **kw) as ld:
+        batches = list(ld)
+        received = ld.stats()["bytes"]
+    out = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+    out["bytes"] = np.array(received)
+    return out
+
+
+def test_shared_memory_batches_equal_socket_batches(start_server) -> None:
+    server = start_server(NOISE, workers=2)
+    via_shm, via_socket = epoch(server.address), epoch(server.address, shared_memory=False)
+    for k in via_socket:
+        if k != "bytes":
+            assert np.array_equal(via_shm[k], via_socket[k]), k
+    # Stats count the payload either way: 4 batches of 3 x 64 x 64 float32 at least.
+    assert via_shm["bytes"] >= 4 * 3 * 64 * 64 * 4 and via_socket["bytes"] >= 4 * 3 * 64 * 64 * 4
+
+
+def test_the_server_names_segments_only_to_a_client_that_proves_it_shares_the_host(
+        start_server) -> None:
+    server = start_server(NOISE)
+    good = probe()
+    assert good is not None
+    cases = {"good": good,
+             "wrong token": pb.SharedMemoryProbe(name=good.name, token=secrets.token_bytes(16)),
+             "a path": pb.SharedMemoryProbe(name="../../etc/passwd", token=good.token),
+             "missing": pb.SharedMemoryProbe(name=f"stoker_client_1_{'0' * 32}",
+                                             token=good.token),
+             "none": None}
+    for case, shm_probe in cases.items():
+        channel, call = raw_stream(server.address, [0], shm_probe)
+        with channel:
+            frame = next(call)
+        assert frame.payload_bytes > 0 and not frame.HasField("error"), case
+        if case == "good":
+            assert frame.shm_name.startswith("stoker_") and frame.data == b""
+        else:
+            assert frame.shm_name == "" and len(frame.data) > 0, case
+    assert "Traceback" not in server.stderr
+
+
+def test_a_server_configured_without_shared_memory_sends_bytes(start_server) -> None:
+    server = start_server(NOISE, server={"shared_memory": False})
+    channel, call = raw_stream(server.address, [0], probe())
+    with channel:
+        frame = next(call)
+    assert frame.shm_name == "" and len(frame.data) > 0
+
+
+def test_segments_a_client_never_released_are_unlinked_when_its_stream_ends(
+        start_server) -> None:
+    server = start_server(NOISE)
+    hold = threading.Event()
+    channel, call = raw_stream(server.address, [0, 1, 2], probe(), hold)
+    with channel:
+        names = [next(call).shm_name for _ in range(3)]  # read, never released
+        assert all((Path("/dev/shm") / n).exists() for n in names), names
+        call.cancel()
+        hold.set()
+    # The stream's end is handled on the server's event loop and no event tells the test:
+    # poll /dev/shm, boundedly (as tests/test_lifecycle.py does).
+    deadline = time.monotonic() + 30
+    while any((Path("/dev/shm") / n).exists() for n in names) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any((Path("/dev/shm") / n).exists() for n in names)
+    # ...and the server goes on serving, over shared memory.
+    assert len(epoch(server.address)["sample_index"]) == 12
