@@ -125,6 +125,7 @@ def measure_w(args: argparse.Namespace, data_dir: Path, cfg_dir: Path, w: int
                                      prefetch=args.prefetch, normalize={"image": (MEAN, STD)})}
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in SYSTEMS}
     problems: list[str] = []
+    firsts: dict[str, Any] = {}
     try:
         for r in range(args.repeats):
             order = SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]
@@ -134,6 +135,8 @@ def measure_w(args: argparse.Namespace, data_dir: Path, cfg_dir: Path, w: int
                 m = time_epoch(loaders[name], server.proc.pid)
                 first = m.pop("first")
                 image = first["image"]
+                if r == 0:
+                    firsts[name] = image
                 if tuple(image.shape) != (args.batch_size, 3, 224, 224) or \
                         image.dtype != torch.float32:
                     problems.append(f"{name}: batch image {image.dtype}{list(image.shape)}")
@@ -142,6 +145,9 @@ def measure_w(args: argparse.Namespace, data_dir: Path, cfg_dir: Path, w: int
                 if not args.json_only:
                     print(f"  W={w} repeat {r} {LABELS[name]:<20} {m['images_per_s']:8.1f} "
                           f"images/s  {m['cpu_ms_per_batch']:7.1f} CPU ms/batch", flush=True)
+        # Same seed and epoch: the server's normalize and the client's give the same pixels.
+        if not torch.allclose(firsts["stoker"], firsts["stoker_uint8"], atol=1e-4):
+            problems.append(f"W={w}: uint8 + client normalize differs from server normalize")
     finally:
         loaders.pop("dataloader")
         for name in SYSTEMS[1:]:

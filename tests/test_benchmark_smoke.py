@@ -98,3 +98,22 @@ def test_quick_packing_benchmark_delivers_every_token(tmp_path: Path) -> None:
         assert system["real_tokens_per_s"]["median"] > 0
     assert res["ratio_text_over_tokens"]["rows_per_s"] > 0
     assert "ratio text / tokens" in result.stdout
+
+
+@pytest.mark.timeout(240)
+def test_quick_pipeline_benchmark_runs_every_system_and_checks_batches(tmp_path: Path) -> None:
+    out = tmp_path / "pipeline.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "pipeline.py"), "--quick", "--workers", "1",
+         "--images", "64", "--json", str(out)],
+        capture_output=True, text=True, timeout=230, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    res = json.loads(out.read_text())
+    assert res["check_problems"] == []  # batch shapes and dtypes, server exit codes
+    (sweep,) = res["sweep"]
+    assert sweep["workers"] == 1
+    for name in ("dataloader", "stoker", "stoker_uint8"):
+        images = sweep[name]["images_per_s"]
+        assert len(sweep[name]["repeats"]) == 1 and images["median"] > 0
+    assert set(sweep["ratio_images_per_s"]) == {"stoker", "stoker_uint8"}
+    assert "vs DataLoader" in result.stdout
