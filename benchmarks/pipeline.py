@@ -119,10 +119,11 @@ def measure_w(args: argparse.Namespace, data_dir: Path, cfg_dir: Path, w: int
                                  persistent_workers=True, generator=g),
         "stoker": RemoteLoader(server.address, "imgs", batch_size=args.batch_size,
                                seed=args.seed, shuffle=True, drop_last=True,
-                               prefetch=args.prefetch),
+                               prefetch=args.prefetch, shared_memory=not args.socket),
         "stoker_uint8": RemoteLoader(server.address, "imgs_uint8", batch_size=args.batch_size,
                                      seed=args.seed, shuffle=True, drop_last=True,
-                                     prefetch=args.prefetch, normalize={"image": (MEAN, STD)})}
+                                     prefetch=args.prefetch, normalize={"image": (MEAN, STD)},
+                                     shared_memory=not args.socket)}
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in SYSTEMS}
     problems: list[str] = []
     firsts: dict[str, Any] = {}
@@ -198,7 +199,8 @@ def report(res: dict[str, Any]) -> str:
              f"data      {res['data']['images']} JPEGs ~375x500 (mean "
              f"{res['data']['mean_jpeg_bytes'] / 1024:.0f} KiB) -> random resized crop 224 -> "
              "flip -> normalize -> float32 CHW",
-             f"loaders   batch {p['batch_size']}, {p['repeats']} repeats per system, medians",
+             f"loaders   batch {p['batch_size']}, {p['repeats']} repeats per system, medians; "
+             f"stoker batches via {'gRPC (--socket)' if p['socket'] else 'shared memory'}",
              "", f"{'W':>3}  {'system':<34}{'images/s':>10}{'[min, max]':>18}"
              f"{'vs DataLoader':>15}{'CPU ms/batch':>14}"]
     for s in res["sweep"]:
@@ -229,6 +231,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workers", type=int, nargs="+", default=list(range(1, cores + 1)),
                     help="the W values to sweep (default 1..cores)")
     ap.add_argument("--prefetch", type=int, default=8, help="RemoteLoader batches in flight")
+    ap.add_argument("--socket", action="store_true",
+                    help="stoker batches through gRPC even on one host (shared_memory=False), "
+                         "as between machines")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data-dir", help="use (or fill) this folder of JPEGs")
     ap.add_argument("--json", metavar="PATH")
