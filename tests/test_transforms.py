@@ -271,3 +271,31 @@ def test_client_normalize_that_does_not_fit_the_dataset_is_a_value_error(
 def test_bad_client_normalize_arguments_are_refused_at_once(kwargs, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         RemoteLoader("127.0.0.1:1", "raw", batch_size=5, **kwargs)
+
+
+def test_tar_image_fields_take_transforms_seeded_per_sample(tmp_path: Path) -> None:
+    import tarfile
+
+    from stoker.server._config import TarDataset
+    from stoker.server.formats.tar import Tar
+    from stoker.server.sources.local import LocalStorage
+
+    rng = np.random.default_rng(0)
+    with tarfile.open(tmp_path / "a.tar", "w") as tf:
+        for i in range(4):
+            for ext in ("jpg", "mask.png"):
+                data = png(rng.integers(0, 256, (50, 70, 3), dtype=np.uint8))
+                info = tarfile.TarInfo(f"{i:04d}.{ext}")
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    cfg = TarDataset.model_validate({"format": "tar", "source": str(tmp_path), "fields": {
+        "image": {"ext": "jpg", "decode": "image", "transforms": AUGMENT},
+        "mask": {"ext": "mask.png", "decode": "image", "size": 16}}})
+    a, b = (Tar(cfg, LocalStorage(tmp_path)) for _ in range(2))  # two "servers"
+    key = EpochKey(3, 1, True)
+    for i in range(4):
+        x, y = a.sample(i, key), b.sample(i, key)
+        assert x["image"].shape == (3, 24, 24) and x["image"].dtype == np.float16
+        assert x["mask"].shape == (3, 16, 16) and x["mask"].dtype == np.uint8
+        assert np.array_equal(x["image"], y["image"]) and np.array_equal(x["mask"], y["mask"])
+    assert not np.array_equal(a.sample(0, key)["image"], a.sample(0, EpochKey(3, 2, True))["image"])
