@@ -6,10 +6,13 @@
 
 Three ways to move the same bytes, batch by batch, on this machine:
 
-- stoker: a RemoteLoader (output="numpy") reading from one `stoker serve` on loopback with
-  2 worker processes. The dataset (`Constant`, below) returns one preallocated array per
-  sample, so building a batch costs only stoker's own collation into shared memory: what is
-  timed is stoker's data path, from the worker's collate to a numpy array in this process.
+- stoker: a RemoteLoader (output="numpy", shared_memory=False: through gRPC, as between
+  machines) reading from one `stoker serve` on loopback with 2 worker processes. The
+  dataset (`Constant`, below) returns one preallocated array per sample, so building a batch
+  costs only stoker's own collation into shared memory: what is timed is stoker's data path,
+  from the worker's collate to a numpy array in this process.
+- stoker shm: the same loader with its default same-host delivery: payloads read from the
+  workers' shared memory, gRPC for control only (docs/protocol.md#same-host-delivery).
 - raw TCP: a sender process sock.sendall()s the same number of bytes per batch from a
   preallocated buffer; this process recv_into()s them into a preallocated bytearray. The
   physical limit of the wire here, with Python at both ends.
@@ -43,8 +46,8 @@ from stoker.client import RemoteLoader
 from stoker.server import ServerProcess, write_config
 
 BENCHMARKS = Path(__file__).resolve().parent
-SYSTEMS = ("tcp", "stoker", "memcpy")
-LABELS = {"tcp": "raw TCP", "stoker": "stoker", "memcpy": "memcpy"}
+SYSTEMS = ("tcp", "stoker", "stoker_shm", "memcpy")
+LABELS = {"tcp": "raw TCP", "stoker": "stoker", "stoker_shm": "stoker shm", "memcpy": "memcpy"}
 GB = 1e9  # GB/s means 10^9 bytes per second throughout
 SIZES = "64K,1M,4M,16M,64M"
 # Cores kept busy by processes outside this run above which the output warns of noise.
@@ -382,9 +385,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             meter = Meter({"server": server.proc.pid})
             for p in plans:
-                loader = RemoteLoader(server.address, f"b{p['size']}", batch_size=p["batch_size"],
-                                      shuffle=False, drop_last=True, output="numpy",
-                                      prefetch=args.prefetch)
+                loaders = {shm: RemoteLoader(
+                    server.address, f"b{p['size']}", batch_size=p["batch_size"], shuffle=False,
+                    drop_last=True, output="numpy", prefetch=args.prefetch, shared_memory=shm)
+                    for shm in (False, True)}
+                loader = loaders[False]
                 repeats: dict[str, list[dict[str, Any]]] = {name: [] for name in SYSTEMS}
                 load0 = LoadMeter.mark()
                 try:
@@ -393,12 +398,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                          f"bytes, wanted {p['timed_batches'] + 1}")
                     for r in range(args.repeats):
                         # Rotate who goes first: a shared machine drifts.
-                        order = SYSTEMS[r % 3:] + SYSTEMS[:r % 3]
+                        k = r % len(SYSTEMS)
+                        order = SYSTEMS[k:] + SYSTEMS[:k]
                         for position, name in enumerate(order):
                             if name == "tcp":
                                 m = run_tcp(p, ctx)
                             elif name == "stoker":
                                 m = run_stoker(p, loader, r, meter)
+                            elif name == "stoker_shm":
+                                m = run_stoker(p, loaders[True], r, meter)
                             else:
                                 m = run_memcpy(p)
                             m.update(repeat=r, position=position)
@@ -408,7 +416,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                       f"{m['gb_per_s']:8.3f} GB/s  "
                                       f"{m['batches_per_s']:9.1f} batches/s", flush=True)
                 finally:
-                    loader.close()
+                    for ld in loaders.values():
+                        ld.close()
                 results["sizes"].append({**p, **summarise_size(repeats),
                                          "other_cores_busy": LoadMeter.other_cores(
                                              load0, LoadMeter.mark())})
@@ -433,13 +442,14 @@ def summarise_size(repeats: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         if "peer_cpu_s_per_gb" in rs[0]:
             s["peer_cpu_s_per_gb"] = summarise([m["peer_cpu_s_per_gb"] for m in rs])
             s["peer_root_cpu_s_per_gb"] = summarise([m["peer_root_cpu_s_per_gb"] for m in rs])
-        if name == "stoker":
+        if name.startswith("stoker"):
             s["wire_bytes_per_payload_byte"] = rs[0]["wire_bytes_per_payload_byte"]
             s["first_batch_s"] = summarise([m["first_batch_s"] for m in rs])
         systems[name] = s
     med = {name: systems[name]["gb_per_s"]["median"] for name in SYSTEMS}
     return {"systems": systems,
             "ratio_stoker_over_tcp": med["stoker"] / med["tcp"],
+            "ratio_stoker_shm_over_tcp": med["stoker_shm"] / med["tcp"],
             "ratio_stoker_over_memcpy": med["stoker"] / med["memcpy"]}
 
 
@@ -478,9 +488,10 @@ def report(res: dict[str, Any]) -> str:
         f"{p['min_batches']} batches (+1 warm-up)",
         "",
         f"{'batch':>9}{'samples':>14}{'batches':>9}{'raw TCP':>10}{'stoker':>10}"
-        f"{'stoker/':>9}{'memcpy':>10}   {'CPU s/GB, stoker':>18}   {'CPU s/GB, TCP':>15}",
-        f"{'':>9}{'x bytes':>14}{'timed':>9}{'GB/s':>10}{'GB/s':>10}{'TCP':>9}{'GB/s':>10}"
-        f"   {'client':>8}{'server':>10}   {'recv':>7}{'send':>8}",
+        f"{'stoker/':>9}{'shm':>9}{'shm/':>7}{'memcpy':>10}   {'CPU s/GB, stoker':>18}"
+        f"   {'CPU s/GB, TCP':>15}",
+        f"{'':>9}{'x bytes':>14}{'timed':>9}{'GB/s':>10}{'GB/s':>10}{'TCP':>9}{'GB/s':>9}"
+        f"{'TCP':>7}{'GB/s':>10}   {'client':>8}{'server':>10}   {'recv':>7}{'send':>8}",
     ]
     for s in res["sizes"]:
         sy = s["systems"]
@@ -489,6 +500,8 @@ def report(res: dict[str, Any]) -> str:
             f"{human(s['size']):>9}{s['batch_size']:>5} x {human(s['sample_bytes']):>8}"
             f"{s['timed_batches']:>9}{tc['gb_per_s']['median']:>10.3f}"
             f"{st['gb_per_s']['median']:>10.3f}{s['ratio_stoker_over_tcp']:>9.3f}"
+            f"{sy['stoker_shm']['gb_per_s']['median']:>9.3f}"
+            f"{s['ratio_stoker_shm_over_tcp']:>7.2f}"
             f"{sy['memcpy']['gb_per_s']['median']:>10.2f}"
             f"   {st['client_cpu_s_per_gb']['median']:>8.3f}"
             f"{st['peer_cpu_s_per_gb']['median']:>10.3f}"
@@ -512,11 +525,11 @@ def report(res: dict[str, Any]) -> str:
     lines += ["", "GB/s, median; bars scaled to the fastest raw TCP figure:"]
     best = max(s["systems"]["tcp"]["gb_per_s"]["median"] for s in res["sizes"])
     for s in res["sizes"]:
-        for name in ("tcp", "stoker"):
+        for name in ("tcp", "stoker", "stoker_shm"):
             v = s["systems"][name]["gb_per_s"]["median"]
             label = human(s["size"]) if name == "tcp" else ""
-            lines.append(f"  {label:>8} {LABELS[name]:<8} {'#' * max(1, round(40 * v / best)):<40}"
-                         f" {v:.3f}")
+            bar = "#" * min(60, max(1, round(40 * v / best)))
+            lines.append(f"  {label:>8} {LABELS[name]:<10} {bar:<40} {v:.3f}")
     lines += ["", "notes:"] + [f"  - {n}" for n in res["notes"]]
     lines.append("  - other load (cores kept busy by processes outside this run, per size): "
                  + ", ".join(f"{human(s['size'])} {s['other_cores_busy']:.2f}"

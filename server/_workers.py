@@ -163,6 +163,7 @@ class WorkerPool:
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
         self._next_id = 0
         self._closing = False
+        self._broken = False  # the dispatcher thread died of a bug
         self._thread: threading.Thread | None = None
         self._by_pid: dict[int, _Worker] = {}
         self._lent: set[str] = set()  # segments of built batches the front end holds
@@ -249,6 +250,8 @@ class WorkerPool:
                 raise BatchFailed("internal", "server shutting down")
             if not self._workers:
                 raise BatchFailed("internal", "no worker process is running")
+            if self._broken:
+                raise BatchFailed("internal", "the server's worker dispatcher failed (see its log)")
             self._next_id += 1
             self._queue.append((self._next_id, dataset, indices, ahead, key, fut))
         self._wake_w.send_bytes(b"x")
@@ -268,6 +271,19 @@ class WorkerPool:
         return w
 
     def _dispatch(self) -> None:
+        try:
+            self._dispatch_loop()
+        except Exception:  # a bug: say so, and fail every batch instead of stalling them
+            log.exception("the worker dispatcher failed; this server can build no batch")
+            with self._lock:
+                self._broken = True
+                queued = [fut for *_, fut in self._queue]
+                self._queue.clear()
+            for w in self._workers:
+                queued += [task[-1] for task in w.tasks.values()]
+            self._fail_all(queued, "the server's worker dispatcher failed (see its log)")
+
+    def _dispatch_loop(self) -> None:
         while True:
             self._assign()
             with self._lock:
@@ -300,18 +316,20 @@ class WorkerPool:
         with self._lock:
             for w in self._workers:
                 if w.freed:
-                    w.conn.send(("free", w.freed))
+                    _send(w, ("free", w.freed))
                     w.freed = []
                 if w.dropped:
-                    w.conn.send(("drop", w.dropped))
+                    _send(w, ("drop", w.dropped))
                     w.dropped = []
             for w in sorted(self._workers, key=lambda w: len(w.tasks)):
                 while w.ready and len(w.tasks) < DEPTH and self._queue:
                     task_id, dataset, indices, ahead, key, fut = self._queue.popleft()
                     if fut.cancelled():
                         continue
+                    # Recorded first: if the worker is dead, _replace deals with the task.
                     w.tasks[task_id] = (dataset, indices, ahead, key, fut)
-                    w.conn.send((task_id, dataset, indices, ahead, key))
+                    if not _send(w, (task_id, dataset, indices, ahead, key)):
+                        break
 
     def _receive(self, w: _Worker) -> None:
         try:
@@ -388,6 +406,16 @@ class WorkerPool:
     def _fail_all(futures: list[concurrent.futures.Future], message: str) -> None:
         for fut in futures:
             _reject(fut, BatchFailed("internal", message))
+
+
+def _send(w: _Worker, message: Any) -> bool:
+    """Send to a worker; False if its pipe is broken: it died, and its sentinel will say so
+    on the dispatcher's next wait (where _replace handles its tasks)."""
+    try:
+        w.conn.send(message)
+    except OSError:
+        return False
+    return True
 
 
 def _reject(fut: concurrent.futures.Future, error: BaseException) -> None:

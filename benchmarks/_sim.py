@@ -1,0 +1,30 @@
+"""Datasets the simulated-training benchmark serves (importable by a server: no torch)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+
+def spin(seconds: float) -> None:
+    """Busy for `seconds` of this thread's CPU time (a stand-in for decoding)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+class Costly:
+    """Sample i: a small array, after `sample_ms` of CPU work. Map-style: DataLoader and a
+    stoker server (`format: python`, factory `_sim:Costly`) both take it."""
+
+    def __init__(self, n: int, sample_ms: float) -> None:
+        self.n, self.seconds = n, sample_ms / 1000
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        spin(self.seconds)
+        return {"x": np.full(256, i, np.float32)}
