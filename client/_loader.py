@@ -22,6 +22,7 @@ from . import _samehost as samehost
 from ._errors import RemoteError
 from ._frames import Assembled, numpy_views
 from ._normalize import Normalizer
+from ._progress import Progress
 from ._scheduler import FATAL, Scheduler
 from ._servers import ServerSet
 
@@ -59,7 +60,8 @@ class RemoteLoader:
                  device: Any = None, output: str = "torch", prefetch: int = 8,
                  timeout: float = 300.0,
                  normalize: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
-                 normalize_dtype: str = "float32", shared_memory: bool = True) -> None:
+                 normalize_dtype: str = "float32", shared_memory: bool = True,
+                 progress: bool = False, log_every: float | None = None) -> None:
         if output not in ("torch", "numpy"):
             raise ValueError(f"output must be 'torch' or 'numpy', got {output!r}")
         if output == "numpy" and device is not None:
@@ -84,6 +86,9 @@ class RemoteLoader:
         self._prefetch = prefetch
         self._timeout = timeout
         self._shared_memory = shared_memory
+        if log_every is not None and log_every <= 0:
+            raise ValueError(f"log_every must be > 0 seconds or None, got {log_every}")
+        self._progress, self._log_every = progress, log_every
         self._feed = None
         if device is not None and str(device).partition(":")[0] != "cpu":
             from ._device import DeviceFeed
@@ -93,8 +98,9 @@ class RemoteLoader:
             self._feed = DeviceFeed(device, max_buffers=prefetch + 2, normalize=self._normalize)
         self._describe: pb.DescribeDatasetResponse | None = None
         self._scheduler: Scheduler | None = None
-        self._stats = {"batches": 0, "bytes": 0, "wait_seconds": 0.0, "failovers": 0,
-                       "hedges": 0}
+        self._stats = {"batches": 0, "bytes": 0, "wait_seconds": 0.0, "loop_seconds": 0.0,
+                       "failovers": 0, "hedges": 0}
+        self._loop_started: float | None = None  # while an iteration runs
         self._started = time.perf_counter()
 
     # -- positions -------------------------------------------------------------------------
@@ -167,18 +173,30 @@ class RemoteLoader:
                               self._prefetch, self._timeout, self._allocate, self._finish,
                               samehost.probe() if self._shared_memory else None)
         self._scheduler = scheduler
+        progress = None
+        if self._progress or self._log_every is not None:
+            progress = Progress(bar=self._progress, log_every=self._log_every, total=total,
+                                start=self._next, label=f"{self.dataset} epoch {self._epoch}")
+        self._loop_started = time.perf_counter()
         try:
             while self._next < total:
                 t0 = time.perf_counter()
                 batch = scheduler.take(self._next)
-                self._stats["wait_seconds"] += time.perf_counter() - t0
+                waited = time.perf_counter() - t0
+                self._stats["wait_seconds"] += waited
                 if self._feed is not None:
                     batch = self._feed.hand_over(*batch)
                 self._next += 1
                 self._stats["batches"] += 1
+                if progress is not None:
+                    progress.step(self._next - 1, waited, scheduler.received())
                 yield batch
             self._epoch, self._next = self._epoch + 1, 0
         finally:
+            self._stats["loop_seconds"] += time.perf_counter() - self._loop_started
+            self._loop_started = None
+            if progress is not None:
+                progress.close()
             scheduler.close()
             self._scheduler = None
             self._stats["bytes"] += scheduler.bytes_received
@@ -205,15 +223,21 @@ class RemoteLoader:
     # -- telemetry and lifecycle -----------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """batches handed out, bytes received (batches fetched ahead included), seconds the
-        caller waited for data, batches/s since the loader was made, failovers (times a
+        caller waited for data and seconds spent in iteration (`stall`: their ratio, the share
+        of the loop's time it waited for data), batches/s since the loader was made, failovers (times a
         server's batches were asked of another because it failed or stalled), hedges (times
         the awaited batch was also asked of a second server), each server's state and
         figures; with a
         CUDA device, how many pinned buffers were allocated."""
         live = self._scheduler
-        elapsed = time.perf_counter() - self._started
+        now = time.perf_counter()
+        elapsed = now - self._started
+        loop = self._stats["loop_seconds"] + (now - self._loop_started
+                                              if self._loop_started is not None else 0.0)
         stats = {**self._stats,
-                 "bytes": self._stats["bytes"] + (live.bytes_received if live else 0),
+                 "loop_seconds": loop,
+                 "stall": self._stats["wait_seconds"] / loop if loop > 0 else 0.0,
+                 "bytes": self._stats["bytes"] + (live.received() if live else 0),
                  "failovers": self._stats["failovers"] + (live.failovers if live else 0),
                  "hedges": self._stats["hedges"] + (live.hedges if live else 0),
                  "batches_per_second": self._stats["batches"] / elapsed if elapsed else 0.0,

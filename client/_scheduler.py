@@ -76,6 +76,13 @@ class Scheduler:
             self._assign(time.monotonic())
 
     # -- the loop's side -------------------------------------------------------------------
+    def received(self) -> int:
+        """Bytes received so far, by streams that ended and by those still open."""
+        with self._cond:
+            live = sum(s.stream.bytes_received for s in self._servers.servers.values()
+                       if s.stream is not None)
+            return self.bytes_received + live
+
     def take(self, index: int) -> Any:
         """Batch `index` (the next one), waiting while servers fail and come back for up to
         `timeout` seconds without progress."""
