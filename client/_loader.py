@@ -222,13 +222,12 @@ class RemoteLoader:
 
     # -- telemetry and lifecycle -----------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """batches handed out, bytes received (batches fetched ahead included), seconds the
-        caller waited for data and seconds spent in iteration (`stall`: their ratio, the share
-        of the loop's time it waited for data), batches/s since the loader was made, failovers (times a
-        server's batches were asked of another because it failed or stalled), hedges (times
-        the awaited batch was also asked of a second server), each server's state and
-        figures; with a
-        CUDA device, how many pinned buffers were allocated."""
+        """batches handed out; bytes received (batches fetched ahead included); seconds the
+        caller waited for data and seconds spent iterating (`stall`: their ratio, the share of
+        the loop's time it waited for data); batches/s since the loader was made; failovers
+        (times a server's batches were asked of another because it failed or stalled);
+        hedges (times the awaited batch was also asked of a second server); each server's
+        state and figures; with a CUDA device, how many pinned buffers were allocated."""
         live = self._scheduler
         now = time.perf_counter()
         elapsed = now - self._started
