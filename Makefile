@@ -27,10 +27,9 @@ test: install lint
 lint: install
 	$(PY) -m ruff check .
 
-## bench: RemoteLoader vs torch DataLoader on the same image pipeline
+## bench: every benchmark scenario; writes results/*.json and docs/benchmarks.md
 bench: install
-	mkdir -p results
-	$(PY) benchmarks/loader_vs_dataloader.py --json results/loader_vs_dataloader.json
+	$(PY) -m benchmarks
 
 ## proto: regenerate protos/stoker/v1/*_pb2*.py after editing the .proto
 proto: install

@@ -11,6 +11,7 @@ horizontal flip (p 0.5) -> normalize (ImageNet mean/std) -> float32 CHW, batches
   torchvision's RandomResizedCrop / RandomHorizontalFlip / ToTensor / Normalize do it
   (torchvision itself has no build for this torch on the package registry here, so its
   Pillow code path is reproduced in `PillowPipeline`).
+- torchdata's StatefulDataLoader(num_workers=W): the resumable DataLoader, same pipeline.
 - stoker: a server with W worker processes and the same steps as `transforms:`, read by
   RemoteLoader (torch tensors).
 - stoker uint8: the same without `normalize` on the server: uint8 images on the wire (4x
@@ -42,6 +43,7 @@ from _measure import machine_info, summarise, write_results
 from loader_vs_dataloader import ROLES, time_epoch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from stoker.client import RemoteLoader
 from stoker.server import ServerProcess, write_config
@@ -51,9 +53,9 @@ TRANSFORMS = [{"random_resized_crop": {"size": 224}}, {"horizontal_flip": {"p": 
               {"normalize": {"mean": list(MEAN), "std": list(STD)}}]
 FULL = {"images": 1024, "batch_size": 32, "repeats": 3}
 QUICK = {"images": 192, "batch_size": 16, "repeats": 1}
-SYSTEMS = ("dataloader", "stoker", "stoker_uint8")
-LABELS = {"dataloader": "torch DataLoader", "stoker": "stoker RemoteLoader",
-          "stoker_uint8": "stoker, uint8 + client normalize"}
+SYSTEMS = ("dataloader", "stateful", "stoker", "stoker_uint8")
+LABELS = {"dataloader": "torch DataLoader", "stateful": "torchdata StatefulDataLoader",
+          "stoker": "stoker RemoteLoader", "stoker_uint8": "stoker, uint8 + client normalize"}
 
 
 class PillowPipeline(Dataset):
@@ -101,6 +103,35 @@ class PillowPipeline(Dataset):
         return {"image": t.sub_(self.mean).div_(self.std), "label": label}
 
 
+def _summary(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"repeats": rs,
+            "images_per_s": summarise([m["images_per_s"] for m in rs]),
+            "cpu_ms_per_batch": summarise([m["cpu_ms_per_batch"] for m in rs]),
+            "cpu_ms_per_batch_by_role": {
+                role: float(np.median([m["cpu_ms_per_batch_by_role"][role] for m in rs]))
+                for role in ROLES}}
+
+
+def measure_w0(args: argparse.Namespace, data_dir: Path) -> dict[str, Any]:
+    """W = 0: DataLoader loads in the training process itself; stoker has no such mode (a
+    server has at least one worker)."""
+    g = torch.Generator()
+    g.manual_seed(args.seed)
+    dl = DataLoader(PillowPipeline(data_dir), batch_size=args.batch_size, shuffle=True,
+                    drop_last=True, num_workers=0, generator=g)
+    runs = []
+    for r in range(args.repeats):
+        m = time_epoch(dl, -1)
+        m.pop("first")
+        m["images_per_s"] = m["batches_per_s"] * args.batch_size
+        runs.append(m)
+        if not args.json_only:
+            print(f"  W=0 repeat {r} {LABELS['dataloader']:<20} {m['images_per_s']:8.1f} "
+                  f"images/s  {m['cpu_ms_per_batch']:7.1f} CPU ms/batch", flush=True)
+    return {"workers": 0, "problems": [], "dataloader": _summary(runs),
+            "ratio_images_per_s": {}, "trainer_cpu_vs_dataloader_node": {}}
+
+
 def measure_w(args: argparse.Namespace, data_dir: Path, cfg_dir: Path, w: int
               ) -> dict[str, Any]:
     """Both systems at W workers: alternating epochs, `repeats` each."""
@@ -117,6 +148,10 @@ def measure_w(args: argparse.Namespace, data_dir: Path, cfg_dir: Path, w: int
         "dataloader": DataLoader(PillowPipeline(data_dir), batch_size=args.batch_size,
                                  shuffle=True, drop_last=True, num_workers=w,
                                  persistent_workers=True, generator=g),
+        # The resumable DataLoader (torchdata): same workers, plus state_dict bookkeeping.
+        "stateful": StatefulDataLoader(PillowPipeline(data_dir), batch_size=args.batch_size,
+                                       shuffle=True, drop_last=True, num_workers=w,
+                                       persistent_workers=True, generator=g),
         "stoker": RemoteLoader(server.address, "imgs", batch_size=args.batch_size,
                                seed=args.seed, shuffle=True, drop_last=True,
                                prefetch=args.prefetch, shared_memory=not args.socket),
@@ -131,7 +166,7 @@ def measure_w(args: argparse.Namespace, data_dir: Path, cfg_dir: Path, w: int
         for r in range(args.repeats):
             order = SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]
             for name in order:
-                if name != "dataloader":
+                if name.startswith("stoker"):
                     loaders[name].set_epoch(r)
                 m = time_epoch(loaders[name], server.proc.pid)
                 first = m.pop("first")
@@ -151,20 +186,21 @@ def measure_w(args: argparse.Namespace, data_dir: Path, cfg_dir: Path, w: int
             problems.append(f"W={w}: uint8 + client normalize differs from server normalize")
     finally:
         loaders.pop("dataloader")
-        for name in SYSTEMS[1:]:
+        loaders.pop("stateful")
+        for name in ("stoker", "stoker_uint8"):
             loaders.pop(name).close()
         code = server.stop()
     if code != 0:
         problems.append(f"W={w}: server exit code {code}: {server.stderr[-2000:]}")
     out: dict[str, Any] = {"workers": w, "server_start_s": start_s, "problems": problems}
     for name in SYSTEMS:
-        rs = runs[name]
-        out[name] = {"repeats": rs,
-                     "images_per_s": summarise([m["images_per_s"] for m in rs]),
-                     "cpu_ms_per_batch": summarise([m["cpu_ms_per_batch"] for m in rs]),
-                     "cpu_ms_per_batch_by_role": {
-                         role: float(np.median([m["cpu_ms_per_batch_by_role"][role]
-                                                for m in rs])) for role in ROLES}}
+        out[name] = _summary(runs[name])
+    # The training node's CPU: DataLoader's main process and workers, against what stoker's
+    # client spends there (its servers run elsewhere in a deployment).
+    dl_node = sum(out["dataloader"]["cpu_ms_per_batch_by_role"][r]
+                  for r in ("trainer", "loader workers"))
+    out["trainer_cpu_vs_dataloader_node"] = {
+        name: out[name]["cpu_ms_per_batch_by_role"]["trainer"] / dl_node for name in SYSTEMS[1:]}
     out["ratio_images_per_s"] = {
         name: out[name]["images_per_s"]["median"] / out["dataloader"]["images_per_s"]["median"]
         for name in SYSTEMS[1:]}
@@ -185,7 +221,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         jpegs = list(data_dir.glob("class_*/*.jpg"))
         res["data"] = {"images": len(jpegs),
                        "mean_jpeg_bytes": sum(p.stat().st_size for p in jpegs) / len(jpegs)}
-        res["sweep"] = [measure_w(args, data_dir, tmp, w) for w in args.workers]
+        res["sweep"] = [measure_w0(args, data_dir) if w == 0 else
+                        measure_w(args, data_dir, tmp, w) for w in args.workers]
     res["check_problems"] = [p for s in res["sweep"] for p in s["problems"]]
     res["server_exit_code"] = 0  # per-W exit codes are checked into check_problems
     return res
@@ -204,16 +241,24 @@ def report(res: dict[str, Any]) -> str:
              "", f"{'W':>3}  {'system':<34}{'images/s':>10}{'[min, max]':>18}"
              f"{'vs DataLoader':>15}{'CPU ms/batch':>14}"]
     for s in res["sweep"]:
-        for name in SYSTEMS:
+        for name in (n for n in SYSTEMS if n in s):
             i = s[name]["images_per_s"]
             ratio = f"{s['ratio_images_per_s'][name]:.2f}x" if name != "dataloader" else ""
             spread = f"[{i['min']:.0f}, {i['max']:.0f}]"
             lines.append(f"{s['workers']:>3}  {LABELS[name]:<34}{i['median']:>10.1f}"
                          f"{spread:>18}{ratio:>15}"
                          f"{s[name]['cpu_ms_per_batch']['median']:>14.1f}")
+    lines += ["", "training-node CPU: stoker's client process / DataLoader's main process + "
+                  "workers, CPU ms per batch:"]
+    for s in res["sweep"]:
+        if not s["trainer_cpu_vs_dataloader_node"]:
+            continue
+        lines.append(f"  W={s['workers']}  " + ", ".join(
+            f"{LABELS[n]} {share:.1%}" for n, share in
+            s["trainer_cpu_vs_dataloader_node"].items()))
     lines += ["", "CPU ms/batch by role (medians):"]
     for s in res["sweep"]:
-        for name in SYSTEMS:
+        for name in (n for n in SYSTEMS if n in s):
             roles = s[name]["cpu_ms_per_batch_by_role"]
             lines.append(f"  W={s['workers']} {LABELS[name]:<34}" + ", ".join(
                 f"{r} {roles[r]:.1f}" for r in ROLES if roles[r] >= 0.05))
@@ -229,7 +274,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int)
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--workers", type=int, nargs="+", default=list(range(1, cores + 1)),
-                    help="the W values to sweep (default 1..cores)")
+                    help="the W values to sweep (default 1..cores; 0: DataLoader alone, "
+                         "loading in the training process)")
     ap.add_argument("--prefetch", type=int, default=8, help="RemoteLoader batches in flight")
     ap.add_argument("--socket", action="store_true",
                     help="stoker batches through gRPC even on one host (shared_memory=False), "
@@ -243,8 +289,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if min(args.workers) < 1:
-        ap.error("--workers values must be >= 1")
+    if min(args.workers) < 0:
+        ap.error("--workers values must be >= 0")
     if args.images // args.batch_size < 2:
         ap.error("need at least 2 batches per epoch (one warm-up, one timed)")
     return args

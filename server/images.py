@@ -214,14 +214,17 @@ class ImagePipeline:
         return out
 
 
+@dataclass(frozen=True)
+class _ExactSize:
+    """Arguments of the resize that a plain `size:` means (module level: picklable)."""
+
+    size: tuple[int, int]
+    antialias: bool = True
+
+
 def resize_pipeline(size: Sequence[int], layout: str) -> ImagePipeline:
     """The plain `size:` of a dataset without `transforms:`: resize to exactly (h, w)."""
-
-    @dataclass(frozen=True)
-    class _Exact:
-        size: tuple[int, int]
-
-    return ImagePipeline([("resize", _Exact((int(size[0]), int(size[1]))))], layout)
+    return ImagePipeline([("resize", _ExactSize((int(size[0]), int(size[1]))))], layout)
 
 
 def image_pipeline(cfg: Any) -> ImagePipeline:

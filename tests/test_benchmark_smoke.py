@@ -115,8 +115,28 @@ def test_quick_pipeline_benchmark_runs_every_system_and_checks_batches(tmp_path:
     assert res["check_problems"] == []  # batch shapes and dtypes, server exit codes
     (sweep,) = res["sweep"]
     assert sweep["workers"] == 1
-    for name in ("dataloader", "stoker", "stoker_uint8"):
+    for name in ("dataloader", "stateful", "stoker", "stoker_uint8"):
         images = sweep[name]["images_per_s"]
         assert len(sweep[name]["repeats"]) == 1 and images["median"] > 0
-    assert set(sweep["ratio_images_per_s"]) == {"stoker", "stoker_uint8"}
+    assert set(sweep["ratio_images_per_s"]) == {"stateful", "stoker", "stoker_uint8"}
     assert "vs DataLoader" in result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_the_suite_runs_scenarios_and_generates_the_page(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    results, page = tmp_path / "results", tmp_path / "docs" / "benchmarks.md"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--only", "stall", "startup",
+         "--results", str(results), "--docs", str(page)],
+        capture_output=True, text=True, timeout=290, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(p.name for p in results.glob("*.json")) == ["stall.json", "startup.json"]
+    stall = json.loads((results / "stall.json").read_text())
+    for row in stall["costs"]:  # each system's steps took at least the compute time
+        for name in ("sync", "dataloader", "stoker"):
+            assert row[name]["step_over_compute"] >= 0.99
+    text = page.read_text()
+    assert "## Stall: simulated training" in text and "## Start-up" in text
+    assert "Not measured in this run (no wire.json in results/)" in text
+    assert (page.parent / "benchmarks" / "stall.png").stat().st_size > 1000

@@ -299,3 +299,14 @@ def test_tar_image_fields_take_transforms_seeded_per_sample(tmp_path: Path) -> N
         assert x["mask"].shape == (3, 16, 16) and x["mask"].dtype == np.uint8
         assert np.array_equal(x["image"], y["image"]) and np.array_equal(x["mask"], y["mask"])
     assert not np.array_equal(a.sample(0, key)["image"], a.sample(0, EpochKey(3, 2, True))["image"])
+
+
+def test_pipelines_pickle_for_spawned_processes() -> None:
+    import pickle
+
+    from stoker.server.images import resize_pipeline
+
+    src = png(coordinates_image(30, 40))
+    for p in (resize_pipeline((8, 8), "chw"), pipeline(yaml.safe_dump(AUGMENT))):
+        again = pickle.loads(pickle.dumps(p))
+        assert np.array_equal(again(src, np.random.default_rng(1)), p(src, np.random.default_rng(1)))

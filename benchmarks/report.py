@@ -1,0 +1,254 @@
+"""docs/benchmarks.md, generated from the JSON the scenarios wrote (python -m benchmarks).
+
+Every figure on the page comes from a results/*.json file; nothing is typed by hand. A
+scenario without its JSON gets a line saying so. Plots are PNG files next to the page
+(docs/benchmarks/), drawn with matplotlib (the `bench` extra).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt
+
+Section = Callable[[dict[str, Any], Path], list[str]]
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def _table(head: list[str], rows: list[list[Any]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return [*out, ""]
+
+
+def _spread(s: dict[str, float], fmt: str = ".0f") -> str:
+    return f"{s['median']:{fmt}} [{s['min']:{fmt}}, {s['max']:{fmt}}]"
+
+
+def _save(fig: Any, plots: Path, name: str) -> str:
+    plots.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(plots / name, dpi=110)
+    plt.close(fig)
+    return f"![{name}]({plots.name}/{name})"
+
+
+def pipeline(r: dict[str, Any], plots: Path) -> list[str]:
+    labels = {"dataloader": "torch DataLoader", "stateful": "torchdata StatefulDataLoader",
+              "stoker": "stoker", "stoker_uint8": "stoker, uint8 + client normalize"}
+    rows, series = [], {}
+    for s in r["sweep"]:
+        for name, label in labels.items():
+            if name not in s:
+                continue
+            ratio = s["ratio_images_per_s"].get(name)
+            rows.append([s["workers"], label, _spread(s[name]["images_per_s"]),
+                         f"{ratio:.2f}x" if ratio else "",
+                         f"{s[name]['cpu_ms_per_batch']['median']:.1f}"])
+            series.setdefault(name, []).append((s["workers"], s[name]["images_per_s"]))
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for name, pts in series.items():
+        w = [p[0] for p in pts]
+        med = [p[1]["median"] for p in pts]
+        err = [[p[1]["median"] - p[1]["min"] for p in pts],
+               [p[1]["max"] - p[1]["median"] for p in pts]]
+        ax.errorbar(w, med, yerr=err, marker="o", capsize=4, label=labels[name])
+    ax.set_xlabel("worker processes W")
+    ax.set_ylabel("images/s (median, min-max)")
+    ax.set_xticks(sorted({s["workers"] for s in r["sweep"]}))
+    ax.legend()
+    ax.grid(alpha=0.3)
+    p = r["parameters"]
+    return [f"{r['data']['images']} JPEGs ~375x500 → random resized crop 224 → flip → normalize "
+            f"→ float32 CHW, batch {p['batch_size']}, {p['repeats']} repeats per system; "
+            f"stoker batches via {'gRPC' if p.get('socket') else 'shared memory (same host)'}.",
+            "", *_table(["W", "system", "images/s median [min, max]", "vs DataLoader",
+                         "CPU ms/batch, all processes"], rows),
+            _save(fig, plots, "pipeline.png"), ""]
+
+
+def trainer_cpu(r: dict[str, Any], plots: Path) -> list[str]:
+    rows = []
+    for s in r["sweep"]:
+        if not s.get("trainer_cpu_vs_dataloader_node"):
+            continue
+        dl = s["dataloader"]["cpu_ms_per_batch_by_role"]
+        node = dl["trainer"] + dl["loader workers"]
+        for name, share in s["trainer_cpu_vs_dataloader_node"].items():
+            client = s[name]["cpu_ms_per_batch_by_role"]["trainer"]
+            rows.append([s["workers"], name, f"{client:.1f}", f"{node:.1f}", f"{share:.1%}"])
+    return ["From the pipeline run: CPU the training process spends per batch with stoker's "
+            "client, against DataLoader's main process plus its W workers (all on the training "
+            "node).", "",
+            *_table(["W", "stoker system", "client ms/batch", "DataLoader node ms/batch",
+                     "share"], rows)]
+
+
+def wire(r: dict[str, Any], plots: Path) -> list[str]:
+    rows, xs, ys = [], [], {"tcp": [], "stoker": [], "stoker_shm": [], "memcpy": []}
+    for s in r["sizes"]:
+        sy = s["systems"]
+        rows.append([f"{s['size'] / 2**20:g} MiB", f"{sy['tcp']['gb_per_s']['median']:.2f}",
+                     f"{sy['stoker']['gb_per_s']['median']:.2f}",
+                     f"{s['ratio_stoker_over_tcp']:.2f}",
+                     f"{sy['stoker_shm']['gb_per_s']['median']:.2f}"
+                     if "stoker_shm" in sy else "",
+                     f"{sy['memcpy']['gb_per_s']['median']:.1f}"])
+        xs.append(s["size"])
+        for k in ys:
+            if k in sy:
+                ys[k].append(sy[k]["gb_per_s"]["median"])
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for k, v in ys.items():
+        if len(v) == len(xs):
+            ax.plot(xs, v, marker="o", label=k)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch bytes")
+    ax.set_ylabel("GB/s into client memory")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return ["Ready batches into client memory (numpy): stoker through gRPC on loopback, stoker "
+            "through shared memory (same host), a raw TCP stream between two Python processes, "
+            "and memcpy.", "",
+            *_table(["batch", "raw TCP GB/s", "stoker gRPC GB/s", "gRPC / TCP", "stoker shm GB/s",
+                     "memcpy GB/s"], rows), _save(fig, plots, "wire.png"), ""]
+
+
+def stall(r: dict[str, Any], plots: Path) -> list[str]:
+    p = r["parameters"]
+    names = {"sync": "sync", "dataloader": f"DataLoader(W={p['workers']})", "stoker": "stoker"}
+    rows = [[f"{row['data_ms_per_batch']:g}", *[
+        f"{row[n]['step_ms']['median']:.1f} ({row[n]['step_over_compute']:.3f}x), wait "
+        f"{row[n]['wait_ms']['median']:.2f}" for n in names]] for row in r["costs"]]
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    costs = [row["data_ms_per_batch"] for row in r["costs"]]
+    for n, label in names.items():
+        ax.plot(costs, [row[n]["step_ms"]["median"] for row in r["costs"]], marker="o",
+                label=label)
+    ax.axhline(p["compute_ms"], color="grey", ls="--", label="compute only")
+    ax.set_xlabel("data cost per batch, ms of CPU")
+    ax.set_ylabel("step time, ms (median)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return [f"The loop of shared/seeds/000_*: each step takes a batch, then 'computes' for "
+            f"{p['compute_ms']:g} ms (a sleep: the accelerator's time). Step time in ms (x the "
+            "compute time) and the median wait for data.", "",
+            *_table(["data ms/batch", *names.values()], rows), _save(fig, plots, "stall.png"), ""]
+
+
+def startup(r: dict[str, Any], plots: Path) -> list[str]:
+    rows = [[name, _spread(s, ".3f")] for name, s in r["summary"].items()]
+    return ["Seconds from creating the loader to holding the first batch (stoker: against a "
+            f"running server; its own start, {r['server_start_s']:.2f} s, is paid once).", "",
+            *_table(["loader", "seconds median [min, max]"], rows)]
+
+
+def memory(r: dict[str, Any], plots: Path) -> list[str]:
+    s = r["summary"]
+    rows = [[who, key, _mib(v["first"]), _mib(v["last"]), _mib(v["peak"]), f"{v['growth']:+.2%}"]
+            for who in ("server", "client") for key, v in s[who].items()]
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    for who in ("server", "client"):
+        ax.plot([x["batch"] for x in r["samples"]],
+                [x[who]["RssAnon"] / 2**20 for x in r["samples"]], label=f"{who} RssAnon")
+    ax.set_xlabel("batches")
+    ax.set_ylabel("MiB")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return [f"{r['parameters']['batches']} batches; growth from batch {s['from_batch']} to "
+            f"{s['to_batch']}.", "",
+            *_table(["process", "measure", "first MiB", "last MiB", "peak MiB", "growth"], rows),
+            _save(fig, plots, "memory.png"), ""]
+
+
+def scale(r: dict[str, Any], plots: Path) -> list[str]:
+    rows = [[f"1 server x {x['workers']} workers", _spread(x["images_per_s"]),
+             f"{x['efficiency']:.2f}"] for x in r["workers"]]
+    rows += [[f"{x['servers']} servers x 1 worker", _spread(x["images_per_s"]),
+              f"{x['efficiency']:.2f}"] for x in r["servers"]]
+    per = r["per_worker_images_per_s"]
+    return ["The image pipeline (uint8 out), read by one RemoteLoader.", "",
+            *_table(["servers", "images/s median [min, max]", "efficiency"], rows),
+            f"Sizing model: a trainer consuming R images/s needs about R / (r x c x u) CPU "
+            f"nodes of c cores, r the rate of one worker process (here {per:.0f} images/s for "
+            "this pipeline) and u the utilisation to plan for (0.8 leaves room for the front "
+            "end and spikes). Example: 8 GPUs at 2,500 images/s each need 20,000 / "
+            f"({per:.0f} x 32 x 0.8) = {20000 / (per * 32 * 0.8):.1f} nodes of 32 cores.", ""]
+
+
+def s3(r: dict[str, Any], plots: Path) -> list[str]:
+    rows = []
+    for fmt, f in r["formats"].items():
+        for run, x in f["runs"].items():
+            rows.append([fmt, run, _spread(x["samples_per_s"]),
+                         f"{f['ratio_over_local'][run]:.2f}"])
+    return ["The same dataset from local disk and from a loopback S3 endpoint (moto), with the "
+            "disk cache cold and warm.", "",
+            *_table(["format", "run", "samples/s median [min, max]", "/ local"], rows)]
+
+
+def packing(r: dict[str, Any], plots: Path) -> list[str]:
+    pk, sy = r["packing"], r["systems"]
+    rows = [[name, _spread(s["rows_per_s"]), f"{s['tokens_per_s']['median'] / 1e6:.2f}"]
+            for name, s in sy.items()]
+    return [f"format: text, seq_len {r['params']['seq_len']}: packing efficiency "
+            f"{pk['packing_efficiency']:.5f}, {pk['cut_fraction']:.1%} of documents cut across "
+            "rows; packed rows served against the flat `tokens` format.", "",
+            *_table(["system", "rows/s median [min, max]", "M tokens/s"], rows)]
+
+
+# (results file, title, renderer): a file may feed several sections.
+SECTIONS: list[tuple[str, str, Section]] = [
+    ("pipeline", "Image pipeline: stoker vs DataLoader", pipeline),
+    ("pipeline", "Training-node CPU", trainer_cpu),
+    ("wire", "Wire: bytes/s into client memory", wire),
+    ("stall", "Stall: simulated training", stall),
+    ("startup", "Start-up", startup),
+    ("memory", "Memory over a long run", memory),
+    ("scale", "Scale", scale),
+    ("s3", "S3: local disk vs object store", s3),
+    ("packing", "Sequence packing", packing),
+]
+
+
+def write_report(results: Path, page: Path) -> Path:
+    plots = page.parent / page.stem
+    found = {p.stem: json.loads(p.read_text()) for p in sorted(results.glob("*.json"))}
+    machine = next((r["machine"] for r in found.values() if "machine" in r), {})
+    lines = ["# Benchmarks", "",
+             "Generated by `python -m benchmarks` from the JSON in `docs/benchmarks/results/` "
+             "(benchmarks/report.py): every figure below was measured, side by side in one run "
+             "per scenario, on the machine described here. Machines differ and are noisy: "
+             "compare ratios, not absolute rates, across machines.", "",
+             "Peers: torch `DataLoader` and torchdata's `StatefulDataLoader` run the same "
+             "pipelines. SPDL (`spdl`, `spdl_io` 0.8 install from the registry) is not included "
+             "yet: its thread pipeline would need the same transforms written in its own API "
+             "around `spdl.io`'s decoder, which has not been done; torchdata's nodes API is "
+             "a composition layer over the same workers and is left out as a duplicate.", "",
+             f"Machine: {machine.get('cpus_usable', '?')} usable CPUs, "
+             f"{machine.get('platform', '?')}, Python {machine.get('python', '?')}.", ""]
+    for key, title, section in SECTIONS:
+        lines += [f"## {title}", ""]
+        r = found.get(key)
+        if r is None:
+            lines += [f"Not measured in this run (no {key}.json in {results.name}/).", ""]
+            continue
+        params = r.get("parameters", r.get("params", {}))
+        small = bool(params.get("quick"))
+        lines += [f"`python -m benchmarks --only {key}" + (" --quick" if small else "") + "`"
+                  + (" (quick mode: small settings, indicative only)" if small else "")
+                  + f"; run started {r.get('started', '?')}.", ""]
+        lines += section(r, plots)
+    page.parent.mkdir(parents=True, exist_ok=True)
+    page.write_text("\n".join(lines).rstrip() + "\n")
+    return page

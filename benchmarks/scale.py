@@ -1,0 +1,117 @@
+"""Scale: images/s against the number of worker processes and of servers.
+
+    python benchmarks/scale.py [--quick] [--json out.json]
+
+The image pipeline (JPEG ~375x500 -> random resized crop 224 -> flip -> uint8 CHW; the client
+does not normalise, so the figure is the servers' rate) read by one RemoteLoader from:
+- one server with W = 1..cores worker processes;
+- S = 1..cores servers of one worker each (the client spreads credits over them).
+
+From the per-core rate r (images/s per worker process) the sizing model in docs/benchmarks.md
+follows: a trainer consuming R images/s needs ceil(R / (r x cores per node x u)) CPU nodes,
+u the utilisation one can run at (0.8, say).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from _data import make_image_folder
+from _measure import machine_info, summarise, write_results
+
+from stoker.client import RemoteLoader
+from stoker.server import ServerProcess, write_config
+
+GEOMETRY = [{"random_resized_crop": {"size": 224}}, {"horizontal_flip": {"p": 0.5}}]
+
+
+def epoch_rate(addresses: list[str], batch_size: int, epoch: int) -> float:
+    with RemoteLoader(addresses, "imgs", batch_size=batch_size, seed=0, prefetch=16,
+                      timeout=120) as loader:
+        loader.set_epoch(epoch)
+        it = iter(loader)
+        next(it)  # warm-up: streams open
+        t0, n = time.perf_counter(), 0
+        for batch in it:
+            n += batch["image"].shape[0]
+        return n / (time.perf_counter() - t0)
+
+
+def measure(config: Path, servers: int, workers: int, args: argparse.Namespace) -> list[float]:
+    procs = [ServerProcess(config, workers=workers, port=0, http_port=0).start()
+             for _ in range(servers)]
+    try:
+        return [epoch_rate([p.address for p in procs], args.batch_size, r)
+                for r in range(args.repeats)]
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    cores = len(os.sched_getaffinity(0))
+    res: dict[str, Any] = {"benchmark": "scale", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                           "machine": machine_info(numpy=np.__version__),
+                           "parameters": dict(vars(args)), "workers": [], "servers": []}
+    with tempfile.TemporaryDirectory(prefix="stoker-scale-") as tmp:
+        root = Path(tmp) / "images"
+        make_image_folder(root, args.images, 4, 437, shape=(375, 500))
+        config = write_config(Path(tmp) / "c.yaml", {"datasets": {"imgs": {
+            "format": "image-folder", "source": str(root), "transforms": GEOMETRY}}})
+        for w in range(1, cores + 1):
+            rates = measure(config, 1, w, args)
+            res["workers"].append({"workers": w, "images_per_s": summarise(rates)})
+            if not args.json_only:
+                print(f"  1 server, {w} workers: {summarise(rates)['median']:.0f} images/s")
+        for s in range(1, cores + 1):
+            rates = measure(config, s, 1, args)
+            res["servers"].append({"servers": s, "images_per_s": summarise(rates)})
+            if not args.json_only:
+                print(f"  {s} servers x 1 worker: {summarise(rates)['median']:.0f} images/s")
+    one = res["workers"][0]["images_per_s"]["median"]
+    res["per_worker_images_per_s"] = one
+    for row in res["workers"]:
+        row["efficiency"] = row["images_per_s"]["median"] / (one * row["workers"])
+    for row in res["servers"]:
+        row["efficiency"] = row["images_per_s"]["median"] / (one * row["servers"])
+    res["check_problems"], res["server_exit_code"] = [], 0
+    return res
+
+
+def report(res: dict[str, Any]) -> str:
+    lines = ["", "scale: image pipeline (uint8), images/s medians; efficiency = rate / "
+                 "(one worker's rate x processes)", ""]
+    for row in res["workers"]:
+        lines.append(f"  1 server x {row['workers']} workers   {row['images_per_s']['median']:8.0f}"
+                     f"   efficiency {row['efficiency']:.2f}")
+    for row in res["servers"]:
+        lines.append(f"  {row['servers']} servers x 1 worker   {row['images_per_s']['median']:8.0f}"
+                     f"   efficiency {row['efficiency']:.2f}")
+    lines.append(f"  per worker process: {res['per_worker_images_per_s']:.0f} images/s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--images", type=int)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--repeats", type=int)
+    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--json-only", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    args.images = args.images or (128 if args.quick else 1024)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    res = run(args)
+    return write_results(res, report(res), args.json, args.json_only)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
