@@ -309,4 +309,5 @@ def test_pipelines_pickle_for_spawned_processes() -> None:
     src = png(coordinates_image(30, 40))
     for p in (resize_pipeline((8, 8), "chw"), pipeline(yaml.safe_dump(AUGMENT))):
         again = pickle.loads(pickle.dumps(p))
-        assert np.array_equal(again(src, np.random.default_rng(1)), p(src, np.random.default_rng(1)))
+        rng_a, rng_b = np.random.default_rng(1), np.random.default_rng(1)
+        assert np.array_equal(again(src, rng_a), p(src, rng_b))
