@@ -86,11 +86,15 @@ def trainer_cpu(r: dict[str, Any], plots: Path) -> list[str]:
         for name, share in s["trainer_cpu_vs_dataloader_node"].items():
             client = s[name]["cpu_ms_per_batch_by_role"]["trainer"]
             rows.append([s["workers"], name, f"{client:.1f}", f"{node:.1f}", f"{share:.1%}"])
+    fig, ax = plt.subplots(figsize=(6.4, 3.2))
+    ax.barh([f"W={row[0]} {row[1]}" for row in rows], [float(row[4][:-1]) for row in rows])
+    ax.set_xlabel("% of DataLoader's training-node CPU per batch")
+    ax.grid(alpha=0.3, axis="x")
     return ["From the pipeline run: CPU the training process spends per batch with stoker's "
             "client, against DataLoader's main process plus its W workers (all on the training "
             "node).", "",
             *_table(["W", "stoker system", "client ms/batch", "DataLoader node ms/batch",
-                     "share"], rows)]
+                     "share"], rows), _save(fig, plots, "trainer-cpu.png"), ""]
 
 
 def wire(r: dict[str, Any], plots: Path) -> list[str]:
@@ -148,9 +152,14 @@ def stall(r: dict[str, Any], plots: Path) -> list[str]:
 
 def startup(r: dict[str, Any], plots: Path) -> list[str]:
     rows = [[name, _spread(s, ".3f")] for name, s in r["summary"].items()]
+    fig, ax = plt.subplots(figsize=(6.4, 3.0))
+    ax.barh(list(r["summary"]), [s["median"] for s in r["summary"].values()])
+    ax.set_xlabel("seconds to the first batch (median)")
+    ax.grid(alpha=0.3, axis="x")
+    plot = _save(fig, plots, "startup.png")
     return ["Seconds from creating the loader to holding the first batch (stoker: against a "
             f"running server; its own start, {r['server_start_s']:.2f} s, is paid once).", "",
-            *_table(["loader", "seconds median [min, max]"], rows)]
+            *_table(["loader", "seconds median [min, max]"], rows), plot, ""]
 
 
 def memory(r: dict[str, Any], plots: Path) -> list[str]:
@@ -172,13 +181,27 @@ def memory(r: dict[str, Any], plots: Path) -> list[str]:
 
 
 def scale(r: dict[str, Any], plots: Path) -> list[str]:
-    rows = [[f"1 server x {x['workers']} workers", _spread(x["images_per_s"]),
+    rows = [[f"1 server x {x['workers']} worker{'s' * (x['workers'] > 1)}",
+             _spread(x["images_per_s"]),
              f"{x['efficiency']:.2f}"] for x in r["workers"]]
-    rows += [[f"{x['servers']} servers x 1 worker", _spread(x["images_per_s"]),
+    rows += [[f"{x['servers']} server{'s' * (x['servers'] > 1)} x 1 worker",
+              _spread(x["images_per_s"]),
               f"{x['efficiency']:.2f}"] for x in r["servers"]]
     per = r["per_worker_images_per_s"]
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    for key, label in (("workers", "1 server, W workers"), ("servers", "S servers x 1 worker")):
+        ax.plot([x[key] for x in r[key]], [x["images_per_s"]["median"] for x in r[key]],
+                marker="o", label=label)
+    n = [x["workers"] for x in r["workers"]]
+    ax.plot(n, [per * k for k in n], ls="--", color="grey", label="linear")
+    ax.set_xlabel("processes")
+    ax.set_ylabel("images/s")
+    ax.set_xticks(n)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    plot = _save(fig, plots, "scale.png")
     return ["The image pipeline (uint8 out), read by one RemoteLoader.", "",
-            *_table(["servers", "images/s median [min, max]", "efficiency"], rows),
+            *_table(["servers", "images/s median [min, max]", "efficiency"], rows), plot, "",
             f"Sizing model: a trainer consuming R images/s needs about R / (r x c x u) CPU "
             f"nodes of c cores, r the rate of one worker process (here {per:.0f} images/s for "
             "this pipeline) and u the utilisation to plan for (0.8 leaves room for the front "
@@ -192,19 +215,29 @@ def s3(r: dict[str, Any], plots: Path) -> list[str]:
         for run, x in f["runs"].items():
             rows.append([fmt, run, _spread(x["samples_per_s"]),
                          f"{f['ratio_over_local'][run]:.2f}"])
+    fig, ax = plt.subplots(figsize=(6.4, 3.0))
+    ax.barh([f"{row[0]} {row[1]}" for row in rows], [float(row[3]) for row in rows])
+    ax.set_xlabel("samples/s relative to local disk")
+    ax.grid(alpha=0.3, axis="x")
     return ["The same dataset from local disk and from a loopback S3 endpoint (moto), with the "
             "disk cache cold and warm.", "",
-            *_table(["format", "run", "samples/s median [min, max]", "/ local"], rows)]
+            *_table(["format", "run", "samples/s median [min, max]", "/ local"], rows),
+            _save(fig, plots, "s3.png"), ""]
 
 
 def packing(r: dict[str, Any], plots: Path) -> list[str]:
     pk, sy = r["packing"], r["systems"]
     rows = [[name, _spread(s["rows_per_s"]), f"{s['tokens_per_s']['median'] / 1e6:.2f}"]
             for name, s in sy.items()]
+    fig, ax = plt.subplots(figsize=(6.4, 2.4))
+    ax.barh(list(sy), [s["tokens_per_s"]["median"] / 1e6 for s in sy.values()])
+    ax.set_xlabel("M tokens/s served (median)")
+    ax.grid(alpha=0.3, axis="x")
+    plot = _save(fig, plots, "packing.png")
     return [f"format: text, seq_len {r['params']['seq_len']}: packing efficiency "
             f"{pk['packing_efficiency']:.5f}, {pk['cut_fraction']:.1%} of documents cut across "
             "rows; packed rows served against the flat `tokens` format.", "",
-            *_table(["system", "rows/s median [min, max]", "M tokens/s"], rows)]
+            *_table(["system", "rows/s median [min, max]", "M tokens/s"], rows), plot, ""]
 
 
 # (results file, title, renderer): a file may feed several sections.
@@ -247,7 +280,7 @@ def write_report(results: Path, page: Path) -> Path:
         small = bool(params.get("quick"))
         lines += [f"`python -m benchmarks --only {key}" + (" --quick" if small else "") + "`"
                   + (" (quick mode: small settings, indicative only)" if small else "")
-                  + f"; run started {r.get('started', '?')}.", ""]
+                  + (f"; run started {r['started']}." if "started" in r else "."), ""]
         lines += section(r, plots)
     page.parent.mkdir(parents=True, exist_ok=True)
     page.write_text("\n".join(lines).rstrip() + "\n")

@@ -66,8 +66,10 @@ def free_port() -> int:
 def moto_endpoint() -> Any:
     """moto in server mode as a child process; yields its URL once it answers HTTP."""
     port = free_port()
+    # moto logs every request: to a file, not a pipe nobody reads (a full pipe blocks it).
+    log = tempfile.TemporaryFile()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                             str(port)], stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -77,13 +79,15 @@ def moto_endpoint() -> Any:
                 break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto server did not start: {proc.stderr.read()!r}"
+                    log.seek(0)
+                    raise RuntimeError(f"moto server did not start: {log.read()[-2000:]!r}"
                                        ) from None
                 time.sleep(0.1)  # polling a readiness probe, bounded by the deadline
         yield url
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        log.close()
 
 
 def upload(endpoint: str, root: Path, prefix: str) -> int:
@@ -168,7 +172,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     p = dict(QUICK if args.quick else FULL)
     if args.repeats:
         p["repeats"] = args.repeats
-    res: dict[str, Any] = {"params": p, "workers": args.workers, "check_problems": [],
+    res: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "params": p,
+                           "workers": args.workers, "check_problems": [],
                            "server_exit_code": 0, "formats": {},
                            "machine": machine_info(numpy=np.__version__,
                                                    boto3=boto3.__version__)}
