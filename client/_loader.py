@@ -40,6 +40,11 @@ def _default_rank_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+# The loop's data stall goes to the servers (for their metrics) this often, the first time
+# after REPORT_FIRST seconds of iterating.
+REPORT_FIRST, REPORT_EVERY = 1.0, 5.0
+
+
 class RemoteLoader:
     """Batches of `dataset` from a stoker data server, as dicts of tensors (or numpy arrays).
 
@@ -178,6 +183,7 @@ class RemoteLoader:
             progress = Progress(bar=self._progress, log_every=self._log_every, total=total,
                                 start=self._next, label=f"{self.dataset} epoch {self._epoch}")
         self._loop_started = time.perf_counter()
+        next_report = self._loop_started + REPORT_FIRST
         try:
             while self._next < total:
                 t0 = time.perf_counter()
@@ -190,6 +196,11 @@ class RemoteLoader:
                 self._stats["batches"] += 1
                 if progress is not None:
                     progress.step(self._next - 1, waited, scheduler.received())
+                now = time.perf_counter()
+                if now >= next_report:  # the servers' stoker_client_data_stall metric
+                    next_report = now + REPORT_EVERY
+                    scheduler.report(self._stats["wait_seconds"], self._stats["loop_seconds"]
+                                     + now - self._loop_started)
                 yield batch
             self._epoch, self._next = self._epoch + 1, 0
         finally:

@@ -76,6 +76,13 @@ class Scheduler:
             self._assign(time.monotonic())
 
     # -- the loop's side -------------------------------------------------------------------
+    def report(self, wait_seconds: float, loop_seconds: float) -> None:
+        """Send the loop's data stall to every server with an open stream."""
+        with self._cond:
+            streams = [s.stream for s in self._servers.servers.values() if s.stream is not None]
+        for stream in streams:
+            stream.report(wait_seconds, loop_seconds)
+
     def received(self) -> int:
         """Bytes received so far, by streams that ended and by those still open."""
         with self._cond:

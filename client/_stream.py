@@ -56,6 +56,11 @@ class BatchStream:
         if indices:
             self._requests.put(pb.StreamRequest(batch_indices=indices))
 
+    def report(self, wait_seconds: float, loop_seconds: float) -> None:
+        """Tell the server how the training loop is doing (its data stall metric)."""
+        self._requests.put(pb.StreamRequest(report=pb.ClientReport(
+            wait_seconds=wait_seconds, loop_seconds=loop_seconds)))
+
     def _release(self, shm_name: str) -> None:
         self._requests.put(pb.StreamRequest(released=[shm_name]))
 

@@ -67,7 +67,7 @@ async def serve(config: Config) -> None:
             raise StartError(f"cannot listen on {address} (gRPC): {e}") from None
         await server.start()
         try:
-            http = HttpServer(settings.host, settings.http_port)
+            http = HttpServer(settings.host, settings.http_port, service)
         except OSError as e:
             await server.stop(None)
             raise StartError(f"cannot listen on {grpc_address(settings.host, settings.http_port)}"

@@ -9,6 +9,7 @@ what travels on the wire; the front end reads it from shared memory without unpi
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,7 @@ class BuiltBatch:
     payload_bytes: int
     tensors: tuple[TensorLayout, ...]
     skipped: int = 0  # samples replaced under on_error: skip
+    build_seconds: float = 0.0  # the worker's time to build it
 
 
 def _as_array(value: Any) -> np.ndarray:
@@ -150,6 +152,7 @@ def build_batch(dataset: Any, indices: np.ndarray, segments: _shm.SegmentPool,
 
     Collated in one pass: the first sample fixes the layout, the segment is created, and each
     sample is written into its row as soon as it exists; no list of samples is kept."""
+    started = time.perf_counter()
     delivered = np.array(indices, dtype=np.int64)
     skipped = 0
     name, segment, views, layout = "", None, {}, []
@@ -178,7 +181,8 @@ def build_batch(dataset: Any, indices: np.ndarray, segments: _shm.SegmentPool,
             segments.discard(name)
         raise
     views.clear()  # the pool may resize the map later: no view of it may outlive the batch
-    return BuiltBatch(name, layout[-1].offset + layout[-1].nbytes, tuple(layout), skipped)
+    return BuiltBatch(name, layout[-1].offset + layout[-1].nbytes, tuple(layout), skipped,
+                      time.perf_counter() - started)
 
 
 def probe_fields(dataset: Any) -> list[tuple[str, str, tuple[int, ...]]]:

@@ -1,31 +1,133 @@
-"""The HTTP control plane (FastAPI on uvicorn). For now: /healthz; the rest comes later.
+"""The HTTP control plane (FastAPI on uvicorn): probes, metrics, and what the server serves.
+
+    GET /healthz             alive (the process answers)
+    GET /readyz              200 when workers are up and the server takes streams; 503 while
+                             draining (SIGTERM) or with no worker
+    GET /metrics             Prometheus text format (see _metrics.py)
+    GET /v1/datasets         every dataset: name, format, samples, fields
+    GET /v1/datasets/{name}  one of them (404 naming the served ones)
+    GET /v1/stats            live rates over the last seconds, streams, clients' data stall
+    GET /openapi.json, /docs the OpenAPI document FastAPI generates from these
 
 uvicorn runs on its own thread with its own event loop: it must not install signal handlers
-(the server's lifecycle owns SIGTERM/SIGINT), and off the main thread it does not.
+(the server's lifecycle owns SIGTERM/SIGINT), and off the main thread it does not. Handlers
+only read: counters (thread-safe), the pool's status (under its lock), immutable metadata.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+from typing import Any
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 
 
-def make_app() -> FastAPI:
-    app = FastAPI(title="stoker data server", version="1")
+class Field(BaseModel):
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+class Dataset(BaseModel):
+    name: str
+    format: str
+    num_samples: int
+    fields: list[Field]
+
+
+class Readiness(BaseModel):
+    ready: bool
+    workers: int
+    draining: bool
+
+
+class DatasetRates(BaseModel):
+    batches_per_s: float
+    samples_per_s: float
+    bytes_per_s: float
+    streams: int = 0
+    client_stalls: list[float] = []
+
+
+class Stats(BaseModel):
+    window_seconds: float
+    workers: int
+    queued_batches: int
+    building_batches: int
+    draining: bool
+    datasets: dict[str, DatasetRates]
+
+
+def make_app(service: Any = None) -> FastAPI:
+    """The app; `service` is the DataService (None: /healthz only, for tests of the shell)."""
+    app = FastAPI(title="stoker data server", version="1",
+                  description="Control plane of a stoker data server; batches travel over "
+                              "gRPC (stoker.v1.DataService).")
 
     @app.get("/healthz")
     def healthz() -> dict[str, str]:
-        """Alive: the process answers. (Readiness is /readyz, in a later version.)"""
+        """Alive: the process answers."""
         return {"status": "ok"}
+
+    if service is None:
+        return app
+
+    def datasets() -> dict[str, Dataset]:
+        return {name: Dataset(name=name, format=service.format_of(name),
+                              num_samples=meta.num_samples,
+                              fields=[Field(name=f, dtype=d, shape=list(s))
+                                      for f, d, s in meta.fields])
+                for name, meta in sorted(service.meta.items())}
+
+    @app.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
+    def readyz(response: Response) -> Readiness:
+        """Ready: at least one worker is up and the server is not draining."""
+        workers = service.pool_status()["workers"]
+        r = Readiness(ready=workers > 0 and not service.draining, workers=workers,
+                      draining=service.draining)
+        if not r.ready:
+            response.status_code = 503
+        return r
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+    def metrics() -> Response:
+        """Prometheus metrics, labelled by dataset."""
+        return Response(generate_latest(service.metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/datasets", response_model=list[Dataset])
+    def list_datasets() -> list[Dataset]:
+        """Every dataset this server serves."""
+        return list(datasets().values())
+
+    @app.get("/v1/datasets/{name}", response_model=Dataset, responses={404: {}})
+    def get_dataset(name: str) -> Dataset:
+        """One dataset: format, size, fields (per-sample dtype and shape)."""
+        found = datasets()
+        if name not in found:
+            raise HTTPException(404, f"no dataset {name!r}; this server serves "
+                                     f"{', '.join(found)}")
+        return found[name]
+
+    @app.get("/v1/stats", response_model=Stats)
+    def stats() -> Stats:
+        """Live throughput by dataset, open streams, the data stall clients report."""
+        live, pool = service.metrics.stats(), service.pool_status()
+        return Stats(window_seconds=live["window_seconds"], workers=pool["workers"],
+                     queued_batches=pool["queued"], building_batches=pool["building"],
+                     draining=service.draining,
+                     datasets={k: DatasetRates(**v) for k, v in live["datasets"].items()})
 
     return app
 
 
 class HttpServer:
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, service: Any = None) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -34,7 +136,7 @@ class HttpServer:
         # reports ready wait in the backlog instead of being refused.
         self._sock.listen(128)
         self.port: int = self._sock.getsockname()[1]
-        config = uvicorn.Config(make_app(), log_level="warning", lifespan="off")
+        config = uvicorn.Config(make_app(service), log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="stoker-http", daemon=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from . import _shm
 from ._batch import BuiltBatch
 from ._config import Config
 from ._frames import encode_error, encode_frames, encode_shm_frame
+from ._metrics import Metrics
 from ._sampling import (
     CoordinateError,
     Coordinates,
@@ -66,8 +68,11 @@ async def _write(context: grpc.aio.ServicerContext, frame: bytes) -> bool:
 
 
 class DataService:
-    def __init__(self, config: Config, pool: WorkerPool, meta: dict[str, DatasetMeta]) -> None:
+    def __init__(self, config: Config, pool: WorkerPool, meta: dict[str, DatasetMeta],
+                 metrics: Metrics | None = None) -> None:
         self._config = config
+        self.metrics = metrics or Metrics(pool.status)
+        self._streams = itertools.count()
         self._pool = pool
         self._meta = meta
         self._settings = config.server
@@ -75,6 +80,17 @@ class DataService:
         self._lookahead = self._settings.worker_count * DEPTH
         self.draining = False
         self.skipped: collections.Counter[str] = collections.Counter()
+
+    # -- read by the HTTP control plane (another thread) ------------------------------------
+    @property
+    def meta(self) -> dict[str, DatasetMeta]:
+        return self._meta
+
+    def format_of(self, dataset: str) -> str:
+        return self._config.datasets[dataset].format
+
+    def pool_status(self) -> dict[str, int]:
+        return self._pool.status()
 
     def handler(self) -> grpc.GenericRpcHandler:
         """Method handlers; StreamBatches sends frames this module has already serialized."""
@@ -141,7 +157,9 @@ class DataService:
         ready: asyncio.Queue[Any] = asyncio.Queue()
         jobs: set[asyncio.Task] = set()
         # shm: the client reads batches from shared memory; lent: those it has not released.
-        state: dict[str, Any] = {"outstanding": 0, "eof": False, "shm": False, "lent": {}}
+        state: dict[str, Any] = {"outstanding": 0, "eof": False, "shm": False, "lent": {},
+                                 "id": next(self._streams), "dataset": None}
+        metrics = self.metrics
         reader = asyncio.create_task(self._read_credits(requests, ready, jobs, state))
         try:
             while not (state["eof"] and state["outstanding"] == 0):
@@ -154,11 +172,14 @@ class DataService:
                 # the next credit as soon as it has the last frame.
                 state["outstanding"] -= 1
                 if isinstance(item, _Failed):
+                    metrics.errors.labels(state["dataset"], item.code.name.lower()).inc()
                     if not await _write(context, encode_error(
                             item.batch_index, item.epoch, item.code.value[0], item.message)):
                         return
                     continue
                 batch, batch_index, epoch = item
+                metrics.sent(state["dataset"], batch.tensors[-1].shape[0], batch.payload_bytes,
+                             state["shm"])
                 if state["shm"]:
                     state["lent"][batch.shm_name] = batch  # until the client releases it
                     if not await _write(context, encode_shm_frame(batch, batch_index, epoch)):
@@ -188,6 +209,9 @@ class DataService:
                     self._pool.release(item[0])
             for batch in state["lent"].values():  # the client may be reading one still
                 self._pool.release(batch, reuse=False)
+            if state["dataset"] is not None:
+                metrics.streams.labels(state["dataset"]).dec()
+            metrics.stream_ended(state["id"])
 
     async def _read_credits(self, requests: AsyncIterator[pb.StreamRequest], ready: asyncio.Queue,
                             jobs: set[asyncio.Task], state: dict[str, Any]) -> None:
@@ -203,6 +227,14 @@ class DataService:
                     state["shm"] = _shm.same_host(req.shm_probe.name, req.shm_probe.token)
                 if req.HasField("coordinates"):
                     coords, meta = self._coordinates(req.coordinates)
+                    if coords.dataset != state["dataset"]:  # counted under its dataset
+                        if state["dataset"] is not None:
+                            self.metrics.streams.labels(state["dataset"]).dec()
+                        self.metrics.streams.labels(coords.dataset).inc()
+                        state["dataset"] = coords.dataset
+                if req.HasField("report") and state["dataset"] is not None:
+                    self.metrics.client_report(state["id"], state["dataset"],
+                                               req.report.wait_seconds, req.report.loop_seconds)
                 if req.batch_indices and coords is None:
                     raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
                                  "coordinates: required in the first message of a stream")
@@ -266,4 +298,5 @@ class DataService:
             return
         if batch.skipped:
             self.skipped[coords.dataset] += batch.skipped
+        self.metrics.built(coords.dataset, batch.build_seconds, batch.skipped)
         ready.put_nowait((batch, index, coords.epoch))

@@ -239,6 +239,13 @@ class WorkerPool:
         if w is not None:
             self._wake_w.send_bytes(b"x")
 
+    def status(self) -> dict[str, int]:
+        """Workers ready, batches queued for a worker, batches handed to workers. Any thread."""
+        with self._lock:
+            return {"workers": sum(w.ready for w in self._workers) if not self._broken else 0,
+                    "queued": len(self._queue),
+                    "building": sum(len(w.tasks) for w in self._workers)}
+
     # -- submitting ------------------------------------------------------------------------
     def submit(self, dataset: str, indices: np.ndarray, ahead: np.ndarray = _NOTHING,
                key: EpochKey = _FIRST_EPOCH) -> concurrent.futures.Future[BuiltBatch]:

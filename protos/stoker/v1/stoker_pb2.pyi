@@ -79,16 +79,26 @@ class DescribeDatasetResponse(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., format: _Optional[str] = ..., num_samples: _Optional[int] = ..., samples_per_rank: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("coordinates", "batch_indices", "shm_probe", "released")
+    __slots__ = ("coordinates", "batch_indices", "shm_probe", "released", "report")
     COORDINATES_FIELD_NUMBER: _ClassVar[int]
     BATCH_INDICES_FIELD_NUMBER: _ClassVar[int]
     SHM_PROBE_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
     coordinates: Coordinates
     batch_indices: _containers.RepeatedScalarFieldContainer[int]
     shm_probe: SharedMemoryProbe
     released: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, coordinates: _Optional[_Union[Coordinates, _Mapping]] = ..., batch_indices: _Optional[_Iterable[int]] = ..., shm_probe: _Optional[_Union[SharedMemoryProbe, _Mapping]] = ..., released: _Optional[_Iterable[str]] = ...) -> None: ...
+    report: ClientReport
+    def __init__(self, coordinates: _Optional[_Union[Coordinates, _Mapping]] = ..., batch_indices: _Optional[_Iterable[int]] = ..., shm_probe: _Optional[_Union[SharedMemoryProbe, _Mapping]] = ..., released: _Optional[_Iterable[str]] = ..., report: _Optional[_Union[ClientReport, _Mapping]] = ...) -> None: ...
+
+class ClientReport(_message.Message):
+    __slots__ = ("wait_seconds", "loop_seconds")
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOOP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    wait_seconds: float
+    loop_seconds: float
+    def __init__(self, wait_seconds: _Optional[float] = ..., loop_seconds: _Optional[float] = ...) -> None: ...
 
 class SharedMemoryProbe(_message.Message):
     __slots__ = ("name", "token")

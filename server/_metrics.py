@@ -1,0 +1,135 @@
+"""What a server counts, for /metrics (Prometheus text format) and /v1/stats.
+
+One registry per server (not prometheus-client's global one), labelled by dataset. The
+front end's event loop updates the counters; the HTTP thread reads them (prometheus-client's
+metrics are thread-safe). Clients report their data stall (the share of their loop's time
+spent waiting for batches) in their streams: the mean and the worst over the streams that
+reported in the last minute are the autoscaling signal (docs/deployment.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REPORT_TTL = 60.0  # seconds a client's stall report counts after it was sent
+WINDOW = 10.0  # seconds over which /v1/stats computes live rates
+
+
+class Metrics:
+    def __init__(self, status: Callable[[], dict[str, int]]) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.batches = Counter("stoker_batches", "Batches sent", ["dataset", "transport"],
+                               registry=r)
+        self.samples = Counter("stoker_samples", "Samples sent", ["dataset"], registry=r)
+        self.bytes = Counter("stoker_payload_bytes", "Batch payload bytes sent (socket) or "
+                             "lent (shared memory)", ["dataset", "transport"], registry=r)
+        self.errors = Counter("stoker_batch_errors", "Batches answered with an error",
+                              ["dataset", "kind"], registry=r)
+        self.skipped = Counter("stoker_skipped_samples", "Bad samples replaced under "
+                               "on_error: skip", ["dataset"], registry=r)
+        self.build = Histogram("stoker_batch_build_seconds", "Worker time to build a batch",
+                               ["dataset"], registry=r,
+                               buckets=(.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 10))
+        self.busy = Counter("stoker_worker_busy_seconds", "Worker time spent building batches",
+                            registry=r)
+        self.streams = Gauge("stoker_active_streams", "Open batch streams", ["dataset"],
+                             registry=r)
+        self.stall = Gauge("stoker_client_data_stall", "Mean data stall the clients report "
+                           "(share of their loop time spent waiting for batches)",
+                           ["dataset"], registry=r)
+        self.stall_max = Gauge("stoker_client_data_stall_max", "Worst data stall a client "
+                               "reports", ["dataset"], registry=r)
+        self.reporting = Gauge("stoker_client_streams_reporting", "Streams whose client "
+                               "reported a stall in the last minute", ["dataset"], registry=r)
+        workers = Gauge("stoker_workers", "Worker processes ready", registry=r)
+        workers.set_function(lambda: status()["workers"])
+        queued = Gauge("stoker_queued_batches", "Batches waiting for a worker", registry=r)
+        queued.set_function(lambda: status()["queued"])
+        building = Gauge("stoker_building_batches", "Batches handed to workers", registry=r)
+        building.set_function(lambda: status()["building"])
+        self._lock = threading.Lock()
+        self._reports: dict[int, tuple[str, float, float]] = {}  # stream -> dataset, stall, t
+        self._recent: collections.deque[tuple[float, str, int, int]] = collections.deque()
+        self._started = time.monotonic()
+
+    # -- updates (the event loop) ------------------------------------------------------------
+    def sent(self, dataset: str, samples: int, nbytes: int, shm: bool) -> None:
+        transport = "shm" if shm else "socket"
+        self.batches.labels(dataset, transport).inc()
+        self.samples.labels(dataset).inc(samples)
+        self.bytes.labels(dataset, transport).inc(nbytes)
+        now = time.monotonic()
+        with self._lock:
+            self._recent.append((now, dataset, samples, nbytes))
+            while self._recent and self._recent[0][0] < now - WINDOW:
+                self._recent.popleft()
+
+    def built(self, dataset: str, seconds: float, skipped: int) -> None:
+        self.build.labels(dataset).observe(seconds)
+        self.busy.inc(seconds)
+        if skipped:
+            self.skipped.labels(dataset).inc(skipped)
+
+    def client_report(self, stream: int, dataset: str, wait_s: float, loop_s: float) -> None:
+        stall = min(max(wait_s / loop_s, 0.0), 1.0) if loop_s > 0 else 0.0
+        with self._lock:
+            self._reports[stream] = (dataset, stall, time.monotonic())
+        self._publish()
+
+    def stream_ended(self, stream: int) -> None:
+        with self._lock:
+            self._reports.pop(stream, None)
+        self._publish()
+
+    def _publish(self) -> None:
+        now = time.monotonic()
+        by_dataset: dict[str, list[float]] = collections.defaultdict(list)
+        with self._lock:
+            for key, (dataset, stall, t) in list(self._reports.items()):
+                if now - t > REPORT_TTL:
+                    del self._reports[key]
+                else:
+                    by_dataset[dataset].append(stall)
+            known = {labels[0] for labels in self._label_sets()}
+        for dataset in known | set(by_dataset):
+            stalls = by_dataset.get(dataset, [])
+            self.stall.labels(dataset).set(sum(stalls) / len(stalls) if stalls else 0.0)
+            self.stall_max.labels(dataset).set(max(stalls, default=0.0))
+            self.reporting.labels(dataset).set(len(stalls))
+
+    def _label_sets(self) -> list[tuple[str, ...]]:
+        return [tuple(s.labels.values()) for m in self.stall.collect() for s in m.samples]
+
+    # -- reads (the HTTP thread) -------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Live figures: rates over the last WINDOW seconds, by dataset."""
+        self._publish()
+        now = time.monotonic()
+        with self._lock:
+            recent = [x for x in self._recent if x[0] >= now - WINDOW]
+            reports = dict(self._reports)
+        span = min(WINDOW, now - self._started) or 1.0
+        out: dict[str, Any] = {}
+        for _, dataset, samples, nbytes in recent:
+            d = out.setdefault(dataset, {"batches_per_s": 0.0, "samples_per_s": 0.0,
+                                         "bytes_per_s": 0.0})
+            d["batches_per_s"] += 1 / span
+            d["samples_per_s"] += samples / span
+            d["bytes_per_s"] += nbytes / span
+        for dataset, stall, _ in reports.values():
+            d = out.setdefault(dataset, {"batches_per_s": 0.0, "samples_per_s": 0.0,
+                                         "bytes_per_s": 0.0})
+            d.setdefault("client_stalls", []).append(stall)
+        for metric in self.streams.collect():
+            for s in metric.samples:
+                dataset = s.labels["dataset"]
+                if s.value or dataset in out:
+                    out.setdefault(dataset, {"batches_per_s": 0.0, "samples_per_s": 0.0,
+                                             "bytes_per_s": 0.0})["streams"] = int(s.value)
+        return {"window_seconds": WINDOW, "datasets": out}
