@@ -15,6 +15,7 @@ import signal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from ._config import Config
 from ._http import HttpServer
@@ -60,6 +61,9 @@ async def serve(config: Config) -> None:
         server = grpc.aio.server(options=GRPC_OPTIONS)
         server.add_generic_rpc_handlers([service.handler()])
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        # Reflection: grpcurl and friends discover the services without the .proto file.
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
         address = grpc_address(settings.host, settings.port)
         try:
             port = server.add_insecure_port(address)

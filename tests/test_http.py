@@ -140,3 +140,17 @@ def test_readyz_turns_503_while_draining(start_server) -> None:
                 break
         assert status == (503, {"ready": False, "workers": 1, "draining": True})
         call.cancel()
+
+
+def test_grpc_reflection_lists_and_describes_the_services(server) -> None:
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    with grpc.insecure_channel(server.address) as channel:
+        db = ProtoReflectionDescriptorDatabase(channel)
+        assert {"stoker.v1.DataService", "grpc.health.v1.Health"} <= set(db.get_services())
+        service = DescriptorPool(db).FindServiceByName("stoker.v1.DataService")
+        assert {m.name for m in service.methods} == {"ListDatasets", "DescribeDataset",
+                                                    "StreamBatches"}
