@@ -41,8 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--log-level", default="INFO", type=str.upper,
                        choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default INFO")
     serve.set_defaults(func=_serve)
+    from ._inspect import add_commands
+
+    add_commands(sub)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+    logging.basicConfig(level=getattr(args, "log_level", "WARNING"), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)
 
