@@ -8,6 +8,7 @@
     GET /v1/datasets/{name}  one of them (404 naming the served ones)
     GET /v1/stats            live rates over the last seconds, streams, clients' data stall
     GET /openapi.json, /docs the OpenAPI document FastAPI generates from these
+    GET /                    a live page: throughput, streams, clients' stall (polls /v1/stats)
 
 uvicorn runs on its own thread with its own event loop: it must not install signal handlers
 (the server's lifecycle owns SIGTERM/SIGINT), and off the main thread it does not. Handlers
@@ -18,12 +19,16 @@ from __future__ import annotations
 
 import socket
 import threading
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, HTTPException, Response
+from fastapi.responses import HTMLResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
+
+PAGE = Path(__file__).parent / "static" / "index.html"
 
 
 class Field(BaseModel):
@@ -82,6 +87,11 @@ def make_app(service: Any = None) -> FastAPI:
                               fields=[Field(name=f, dtype=d, shape=list(s))
                                       for f, d, s in meta.fields])
                 for name, meta in sorted(service.meta.items())}
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    def page() -> HTMLResponse:
+        """The live page (static HTML; its script polls /v1/stats)."""
+        return HTMLResponse(PAGE.read_text())
 
     @app.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
     def readyz(response: Response) -> Readiness:

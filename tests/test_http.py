@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
+import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -154,3 +158,41 @@ def test_grpc_reflection_lists_and_describes_the_services(server) -> None:
         service = DescriptorPool(db).FindServiceByName("stoker.v1.DataService")
         assert {m.name for m in service.methods} == {"ListDatasets", "DescribeDataset",
                                                     "StreamBatches"}
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (.ci/run installs it)")
+def test_the_live_page_updates_itself_in_a_real_browser(server, tmp_path: Path) -> None:
+    # Traffic while the browser looks: a loader on a slow dataset, in a thread.
+    stop = threading.Event()
+
+    def stream() -> None:
+        with RemoteLoader(server.address, "slow", batch_size=2, output="numpy",
+                          timeout=60) as ld:
+            for _ in ld:
+                if stop.is_set():
+                    break
+
+    feeder = threading.Thread(target=stream, daemon=True)
+    feeder.start()
+    try:
+        args = [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu",
+                "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'profile'}",
+                "--virtual-time-budget=4000"]
+        dom = subprocess.run([*args, "--dump-dom", server.http_url + "/"], capture_output=True,
+                             text=True, timeout=60)
+        shot = tmp_path / "page.png"
+        subprocess.run([*args, f"--screenshot={shot}", "--window-size=800,420",
+                        server.http_url + "/"], capture_output=True, timeout=60, check=True)
+    finally:
+        stop.set()
+        feeder.join(timeout=30)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    updates = re.search(r'data-updates="(\d+)"', dom.stdout)
+    assert updates and int(updates.group(1)) >= 2  # the script polled /v1/stats, repeatedly
+    assert "2 workers" in dom.stdout
+    row = re.search(r'<tr data-dataset="slow"><td>slow</td><td>([\d.]+)</td>', dom.stdout)
+    assert row and float(row.group(1)) > 0  # live samples/s of the stream above
+    assert shot.stat().st_size > 5000  # a picture was drawn (looked at by hand, see the docs)
