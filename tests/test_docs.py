@@ -1,0 +1,76 @@
+"""The configuration reference (docs/configuration.md) names every key the config models
+accept, section by section: a key added to a model without its documentation fails here."""
+
+from __future__ import annotations
+
+import re
+import typing
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from stoker.server import _config as c
+
+pytestmark = pytest.mark.timeout(30)
+
+DOC = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+
+# model -> the heading of the section whose tables document its keys
+SECTIONS: dict[type[BaseModel], str] = {
+    c.ServerSettings: "### `server:`",
+    c.S3Settings: "### `s3:`",
+    c.CacheSettings: "### `cache:`",
+    c._Sourced: "### `datasets:`",
+    c.PythonDataset: "#### `format: python`",
+    c.ImageFolderDataset: "#### `format: image-folder`",
+    c.TarDataset: "#### `format: tar`",
+    c.TarField: "#### `format: tar`",
+    c.ParquetDataset: "#### `format: parquet`",
+    c.ParquetField: "#### `format: parquet`",
+    c.JsonlDataset: "#### `format: jsonl`",
+    c.JsonField: "#### `format: jsonl`",
+    c.TokensDataset: "#### `format: tokens`",
+    c.TextDataset: "#### `format: text`",
+    c.MemmapDataset: "#### `format: memmap`",
+}
+
+
+def section(heading: str) -> str:
+    start = DOC.index(heading)
+    level = heading.split(" ")[0]
+    nxt = re.compile(rf"^#{{2,{len(level)}}} ", re.M).search(DOC, start + len(heading))
+    return DOC[start: nxt.start() if nxt else len(DOC)]
+
+
+def documented(text: str) -> set[str]:
+    """Keys named in the first column of the section's tables: | `key` | or | `a`, `b` |"""
+    cells = re.findall(r"^\| ([^|]*) \|", text, re.M)
+    return {key for cell in cells for key in re.findall(r"`([a-z_0-9]+)`", cell)}
+
+
+@pytest.mark.parametrize("model", list(SECTIONS), ids=lambda m: m.__name__)
+def test_every_key_of_the_model_is_in_its_section(model: type[BaseModel]) -> None:
+    own = set(model.model_fields)
+    if model is not c._Sourced:  # keys every dataset shares have the common table
+        own -= documented(section(SECTIONS[c._Sourced])) & set(c._Sourced.model_fields)
+    missing = sorted(own - documented(section(SECTIONS[model])) - {"format"})
+    assert missing == [], f"{model.__name__}: not in {SECTIONS[model]!r}: {missing}"
+
+
+def test_every_transform_and_its_arguments_are_documented() -> None:
+    text = section("#### Transforms")
+    for name, step in c.TRANSFORMS.items():
+        assert f"| `{name}` |" in text, name
+        args = step.model_fields[name].annotation  # pydantic strips the Annotated
+        for arg in args.model_fields:
+            assert f"`{arg}`" in text, f"{name}.{arg}"
+
+
+def test_every_dataset_format_has_a_section() -> None:
+    union = typing.get_args(c.DatasetConfig)[0]
+    formats = {typing.get_args(m.model_fields["format"].annotation)[0]
+               for m in typing.get_args(union)}
+    assert len(formats) == 8
+    for f in formats:
+        assert f"#### `format: {f}`" in DOC, f
