@@ -151,3 +151,25 @@ def test_time_the_loop_spends_elsewhere_is_not_a_timeout(servers) -> None:
             if len(got) == 3:
                 time.sleep(compute)
     assert got == reference()
+
+
+def test_a_rolling_restart_of_both_servers_loses_and_repeats_nothing(servers) -> None:
+    """Each server in turn: SIGTERM (it drains: finishes what was asked, refuses new credits
+    in-band), wait for its exit, start a new one on the same port; the client carries on."""
+    procs = [servers(), servers()]
+    ports = [int(p.address.rsplit(":", 1)[1]) for p in procs]
+
+    def restart(i: int) -> None:
+        assert procs[i].stop() == 0, procs[i].stderr  # SIGTERM; a clean drain exits 0
+        procs[i] = servers(port=ports[i])
+
+    steps = {4: lambda: restart(0), 14: lambda: restart(1)}
+    got = []
+    with RemoteLoader([p.address for p in procs], "toy", **KW) as loader:
+        for k, batch in enumerate(loader):
+            got.append(batch["sample_index"].tolist())
+            if k in steps:
+                steps[k]()
+        stats = loader.stats()
+    assert got == reference()
+    assert all(s["batches"] > 0 for s in stats["servers"].values())
