@@ -1,0 +1,21 @@
+"""The examples train for real: each exits 0 only if its loss fell and its server stopped
+cleanly (the checks are in the examples themselves)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(240)
+def test_small_gpt_learns_from_packed_text(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "gpt.py"), "--steps", "100",
+                          "--log-every", "50"], capture_output=True, text=True, timeout=230,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "server exit 0" in out.stdout and "loss: first 20 steps" in out.stdout
