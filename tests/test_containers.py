@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
 import shlex
+import subprocess
+import sys
 import tomllib
 from dataclasses import dataclass
 from functools import cache
@@ -22,6 +25,8 @@ import yaml
 from packaging.specifiers import SpecifierSet  # a pytest dependency
 
 from stoker.server import load_config
+
+from s3_endpoint import moto_endpoint_fixture, s3_client, s3_env  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "docker-compose.yml"
@@ -158,8 +163,8 @@ def server_config_host_path() -> Path:
     raise AssertionError(f"the server service mounts nothing at {target}, where CMD reads it")
 
 
-def test_compose_names_the_three_services() -> None:
-    assert {"data", "server", "trainer"} <= set(compose()["services"])
+def test_compose_names_its_services() -> None:
+    assert {"minio", "data", "upload", "server", "trainer"} <= set(compose()["services"])
 
 
 def test_build_contexts_and_dockerfiles_exist() -> None:
@@ -170,7 +175,8 @@ def test_build_contexts_and_dockerfiles_exist() -> None:
         assert context.is_dir(), f"{name}: build.context {build['context']} is not a folder"
         dockerfile = context / build.get("dockerfile", "Dockerfile")
         assert dockerfile.is_file(), f"{name}: {dockerfile} does not exist"
-    assert dockerfile_of("server") == dockerfile_of("data") == SERVER_DOCKERFILE
+    assert dockerfile_of("server") == dockerfile_of("data") == dockerfile_of("upload") == (
+        SERVER_DOCKERFILE)
     assert dockerfile_of("trainer") == TRAINER_DOCKERFILE
 
 
@@ -238,43 +244,49 @@ def test_volume_mounted_host_paths_and_named_volumes_exist() -> None:
 
 
 def test_server_config_validates_with_the_servers_loader(tmp_path: Path) -> None:
-    """The mounted config passes `load_config`, with its dataset folders pointed at stand-ins
-    here (the real ones exist only inside the `shapes` volume)."""
+    """The mounted config passes `load_config` as it is (its data is in the object store)."""
     config_path = server_config_host_path()
     assert config_path == REPO / "docker" / "config.yaml"
-    raw = yaml.safe_load(server_config_text())
-    for name, dataset in raw["datasets"].items():
-        if "source" in dataset:
-            stand_in = tmp_path / name
-            (stand_in / "some_class").mkdir(parents=True)
-            dataset["source"] = str(stand_in)
-    rewritten = tmp_path / "config.yaml"
-    rewritten.write_text(yaml.safe_dump(raw))
-    config = load_config(rewritten, host="0.0.0.0")
+    config = load_config(config_path, host="0.0.0.0")
     assert list(config.datasets) == ["shapes"]
     shapes = config.datasets["shapes"]
     assert (shapes.format, shapes.size, shapes.layout) == ("image-folder", (32, 32), "chw")
 
 
-def test_the_data_service_writes_where_the_server_reads() -> None:
-    source = yaml.safe_load(server_config_text())["datasets"]["shapes"]["source"]
-    data = service("data")
+def test_data_reaches_the_server_through_the_object_store() -> None:
+    """data writes the dataset into a volume; upload sends that folder to the bucket and
+    prefix the server's config reads, at the store the config names, with the store's
+    credentials; each step waits for the one before."""
+    config = yaml.safe_load(server_config_text())
+    source = config["datasets"]["shapes"]["source"]
+    endpoint = config["s3"]["endpoint_url"]
+    data, upload, minio = service("data"), service("upload"), service("minio")
     assert data["entrypoint"] == ["python", "examples/shapes.py"]
-    assert data["command"][0] == source
+    folder = data["command"][0]
+    assert upload["entrypoint"] == ["python", "docker/upload.py"]
+    assert upload["command"] == [folder, source, "--endpoint", endpoint]
     copied = {s for i in instructions(SERVER_DOCKERFILE, "COPY") for s in copy_sources(i)}
-    assert "examples/shapes.py" in copied, "the data service runs shapes.py from the server image"
+    assert {"examples/shapes.py", "docker/upload.py"} <= copied
 
-    def mount_point(name: str, read_only: bool) -> str:
+    def mount(name: str) -> tuple[str, str, list[str]]:
         for volume in service(name)["volumes"]:
             src, target, *mode = volume.split(":")
-            if Path(source).is_relative_to(target):
-                assert (mode == ["ro"]) == read_only, f"{name}: {volume}"
-                return src
-        raise AssertionError(f"{name} mounts nothing that holds {source}")
+            if Path(folder).is_relative_to(target):
+                return src, target, mode
+        raise AssertionError(f"{name} mounts nothing that holds {folder}")
 
-    assert mount_point("data", read_only=False) == mount_point("server", read_only=True)
-    depends = service("server")["depends_on"]["data"]
-    assert depends["condition"] == "service_completed_successfully"
+    assert mount("data")[0] == mount("upload")[0] and mount("upload")[2] == ["ro"]
+    assert urlsplit(endpoint).hostname == "minio" and urlsplit(endpoint).port == 9000
+    env = minio["environment"]
+    for name in ("upload", "server"):
+        creds = service(name)["environment"]
+        assert creds["AWS_ACCESS_KEY_ID"] == env["MINIO_ROOT_USER"]
+        assert creds["AWS_SECRET_ACCESS_KEY"] == env["MINIO_ROOT_PASSWORD"]
+    assert upload["depends_on"] == {"data": {"condition": "service_completed_successfully"},
+                                    "minio": {"condition": "service_healthy"}}
+    assert service("server")["depends_on"]["upload"]["condition"] == (
+        "service_completed_successfully")
+    assert "healthcheck" in minio
 
 
 def test_ports_agree_across_config_expose_cmd_healthcheck_and_compose() -> None:
@@ -372,3 +384,21 @@ def test_dependencies_are_installed_before_the_sources_are_copied(dockerfile: Pa
                                       "server/__pycache__/a.pyc", "stoker.egg-info/PKG-INFO"])
 def test_dockerignore_keeps_local_and_bulky_paths_out(rel_path: str) -> None:
     assert dockerignored(rel_path)
+
+
+def test_the_upload_job_fills_a_real_s3_endpoint_once(moto_endpoint, tmp_path: Path) -> None:
+    folder = tmp_path / "shapes"
+    (folder / "circle").mkdir(parents=True)
+    for i in range(3):
+        (folder / "circle" / f"{i}.png").write_bytes(bytes([i]) * (10 + i))
+    cmd = [sys.executable, str(REPO / "docker" / "upload.py"), str(folder),
+           "s3://compose-demo/shapes", "--endpoint", moto_endpoint.url]
+    env = {**os.environ, **s3_env(moto_endpoint.url)}
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+    assert first.returncode == 0, first.stderr
+    assert "uploaded 3 files, 0 were there already" in first.stdout
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+    assert "uploaded 0 files, 3 were there already" in again.stdout
+    keys = [o["Key"] for o in s3_client(moto_endpoint.url).list_objects_v2(
+        Bucket="compose-demo")["Contents"]]
+    assert sorted(keys) == [f"shapes/circle/{i}.png" for i in range(3)]

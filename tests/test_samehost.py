@@ -5,6 +5,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,15 @@ def raw_stream(address: str, indices: list[int], shm_probe: Any = None,
             hold.wait(60)
 
     return channel, method(requests(), timeout=60)
+
+
+def open_streams(server: Any) -> float:
+    """stoker_active_streams of the noise dataset, from the server's /metrics."""
+    with urllib.request.urlopen(server.http_url + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith('stoker_active_streams{dataset="noise"}'):
+                return float(line.split()[-1])
+    return 0.0
 
 
 def epoch(address: str, **kw: Any) -> dict[str, np.ndarray]:
@@ -103,11 +113,12 @@ def test_segments_a_client_never_released_are_unlinked_when_its_stream_ends(
         assert all((Path("/dev/shm") / n).exists() for n in names), names
         call.cancel()
         hold.set()
-    # The stream's end is handled on the server's event loop and no event tells the test:
-    # poll /dev/shm, boundedly (as tests/test_lifecycle.py does).
+    # The stream's end runs on the server's event loop: it unlinks the segments, then counts
+    # the stream closed. Wait on that probe (/metrics), boundedly.
     deadline = time.monotonic() + 30
-    while any((Path("/dev/shm") / n).exists() for n in names) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    while open_streams(server) and time.monotonic() < deadline:
+        pass
+    assert open_streams(server) == 0
     assert not any((Path("/dev/shm") / n).exists() for n in names)
     # ...and the server goes on serving, over shared memory.
     assert len(epoch(server.address)["sample_index"]) == 12
