@@ -46,6 +46,8 @@ class BuiltBatch:
     tensors: tuple[TensorLayout, ...]
     skipped: int = 0  # samples replaced under on_error: skip
     build_seconds: float = 0.0  # the worker's time to build it
+    # The worker's disk cache since its previous batch: hits, misses, bytes fetched.
+    cache: tuple[int, int, int] = (0, 0, 0)
 
 
 def _as_array(value: Any) -> np.ndarray:

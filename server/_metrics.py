@@ -38,6 +38,12 @@ class Metrics:
                                buckets=(.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 10))
         self.busy = Counter("stoker_worker_busy_seconds", "Worker time spent building batches",
                             registry=r)
+        self.cache_hits = Counter("stoker_cache_hits", "Remote objects read from the disk "
+                                  "cache", registry=r)
+        self.cache_misses = Counter("stoker_cache_misses", "Remote objects fetched into the "
+                                    "disk cache", registry=r)
+        self.cache_bytes = Counter("stoker_cache_fetched_bytes", "Bytes fetched from remote "
+                                   "storage into the disk cache", registry=r)
         self.streams = Gauge("stoker_active_streams", "Open batch streams", ["dataset"],
                              registry=r)
         self.stall = Gauge("stoker_client_data_stall", "Mean data stall the clients report "
@@ -70,9 +76,14 @@ class Metrics:
             while self._recent and self._recent[0][0] < now - WINDOW:
                 self._recent.popleft()
 
-    def built(self, dataset: str, seconds: float, skipped: int) -> None:
+    def built(self, dataset: str, seconds: float, skipped: int,
+              cache: tuple[int, int, int] = (0, 0, 0)) -> None:
         self.build.labels(dataset).observe(seconds)
         self.busy.inc(seconds)
+        hits, misses, fetched = cache
+        self.cache_hits.inc(hits)
+        self.cache_misses.inc(misses)
+        self.cache_bytes.inc(fetched)
         if skipped:
             self.skipped.labels(dataset).inc(skipped)
 

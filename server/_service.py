@@ -298,5 +298,5 @@ class DataService:
             return
         if batch.skipped:
             self.skipped[coords.dataset] += batch.skipped
-        self.metrics.built(coords.dataset, batch.build_seconds, batch.skipped)
+        self.metrics.built(coords.dataset, batch.build_seconds, batch.skipped, batch.cache)
         ready.put_nowait((batch, index, coords.epoch))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -105,6 +106,7 @@ def _worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int)
             return
     conn.send(("ready", meta if probe else None))
     segments = _shm.SegmentPool(_shm.worker_prefix(os.getppid(), os.getpid()), KEEP_SEGMENTS)
+    reported = (0, 0, 0)  # the cache's counters as of the last batch sent
     while True:
         try:
             task = conn.recv()
@@ -127,7 +129,13 @@ def _worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int)
         _prefetch(ds, indices)
         _prefetch(ds, ahead)
         try:
-            conn.send(("done", task_id, build_batch(ds, indices, segments, key, skip)))
+            batch = build_batch(ds, indices, segments, key, skip)
+            if cache is not None:  # what the cache did since the last batch, for /metrics
+                now = (cache.hits, cache.misses, cache.bytes_fetched)
+                batch = dataclasses.replace(
+                    batch, cache=tuple(a - b for a, b in zip(now, reported, strict=True)))
+                reported = now
+            conn.send(("done", task_id, batch))
         except SampleError as e:
             conn.send(("error", task_id, "data_loss", f"dataset {dataset!r}: {e}"))
         except Exception as e:

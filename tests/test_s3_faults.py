@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -329,6 +330,14 @@ def test_two_caches_on_one_folder_download_an_object_once(
 
 # -- a data server reading s3:// through the faults ------------------------------------------
 
+def metrics_of(server: ServerProcess) -> dict[str, float]:
+    """The unlabelled samples of a server's /metrics."""
+    with urllib.request.urlopen(server.http_url + "/metrics", timeout=30) as r:
+        lines = r.read().decode().splitlines()
+    return {k: float(v) for k, _, v in (line.partition(" ") for line in lines)
+            if k and not k.startswith("#") and "{" not in k}
+
+
 def test_a_server_reads_an_image_folder_from_s3_through_faults(
         moto_endpoint: MotoServer, fault_proxy: FaultProxy, bucket: str,
         tmp_path: Path) -> None:
@@ -361,11 +370,17 @@ def test_a_server_reads_an_image_folder_from_s3_through_faults(
 
     with ServerProcess(config, workers=2, env={**server_env(), **s3_env()}) as server:
         remote = epoch(server, "remote")
+        cold = metrics_of(server)
         gets = sum(r.method == "GET" and r.key.endswith(".png") for r, _ in fault_proxy.seen)
         again = epoch(server, "remote")  # the second time, from the disk cache
         gets_again = sum(r.method == "GET" and r.key.endswith(".png")
                          for r, _ in fault_proxy.seen)
+        warm = metrics_of(server)
         expected = epoch(server, "local")
+    # /metrics: the first epoch filled the cache (27 objects), the second read from it.
+    assert cold["stoker_cache_misses_total"] >= 27 and cold["stoker_cache_fetched_bytes_total"] > 0
+    assert warm["stoker_cache_hits_total"] - cold["stoker_cache_hits_total"] >= 27
+    assert warm["stoker_cache_misses_total"] == cold["stoker_cache_misses_total"]
     assert server.proc is not None and server.proc.returncode == 0, server.stderr
     indices = np.concatenate([b["sample_index"] for b in remote])
     assert sorted(indices.tolist()) == list(range(27))  # none lost, none twice
