@@ -66,7 +66,17 @@ class Assembler:
                  release: Callable[[str], None] = lambda name: None) -> None:
         self._allocate = allocate
         self._release = release  # a same-host segment, once copied out
+        self._zstd: Any = None
         self._current: tuple[pb.BatchFrame, Any, np.ndarray, int] | None = None
+
+    def _decompress(self, kind: str, data: memoryview) -> bytes:
+        if kind != "zstd":
+            raise ValueError(f"frame compressed as {kind!r}, which this client cannot read")
+        if self._zstd is None:
+            import zstandard  # only streams that asked for compression get here
+
+            self._zstd = zstandard.ZstdDecompressor()
+        return self._zstd.decompress(data)
 
     def feed(self, raw: bytes) -> Assembled | pb.BatchFrame | None:
         """Take one frame; return the batch it completes, if any, or the frame itself when it
@@ -82,6 +92,8 @@ class Assembler:
                 self._release(head.shm_name)
             return Assembled(head.batch_index, head.epoch, owner, list(head.tensors),
                              head.payload_bytes, shared=True)
+        if head.compression:
+            data = memoryview(self._decompress(head.compression, data))
         if head.offset == 0:
             owner, view = self._allocate(head.payload_bytes)
             self._current = (head, owner, view, 0)

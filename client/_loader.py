@@ -66,7 +66,8 @@ class RemoteLoader:
                  timeout: float = 300.0,
                  normalize: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
                  normalize_dtype: str = "float32", shared_memory: bool = True,
-                 progress: bool = False, log_every: float | None = None) -> None:
+                 progress: bool = False, log_every: float | None = None,
+                 compression: str | None = None) -> None:
         if output not in ("torch", "numpy"):
             raise ValueError(f"output must be 'torch' or 'numpy', got {output!r}")
         if output == "numpy" and device is not None:
@@ -94,6 +95,15 @@ class RemoteLoader:
         if log_every is not None and log_every <= 0:
             raise ValueError(f"log_every must be > 0 seconds or None, got {log_every}")
         self._progress, self._log_every = progress, log_every
+        if compression not in (None, "zstd"):
+            raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
+        if compression == "zstd":
+            try:
+                import zstandard  # noqa: F401 -- fail here, not on a receive thread
+            except ImportError:
+                raise ImportError("compression='zstd' needs zstandard: pip install zstandard"
+                                  ) from None
+        self._compression = compression or ""
         self._feed = None
         if device is not None and str(device).partition(":")[0] != "cpu":
             from ._device import DeviceFeed
@@ -176,7 +186,8 @@ class RemoteLoader:
             self._epoch, self._next = self._epoch + 1, 0
         scheduler = Scheduler(self._servers, self.coordinates(), total, self._next,
                               self._prefetch, self._timeout, self._allocate, self._finish,
-                              samehost.probe() if self._shared_memory else None)
+                              samehost.probe() if self._shared_memory else None,
+                              self._compression)
         self._scheduler = scheduler
         progress = None
         if self._progress or self._log_every is not None:

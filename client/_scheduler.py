@@ -51,9 +51,10 @@ class Scheduler:
     def __init__(self, servers: ServerSet, coordinates: pb.Coordinates, total: int, start: int,
                  window: int, timeout: float, allocate: Callable[[int], tuple[Any, Any]],
                  finish: Callable[[Assembled], Any],
-                 shm_probe: pb.SharedMemoryProbe | None = None) -> None:
+                 shm_probe: pb.SharedMemoryProbe | None = None, compression: str = "") -> None:
         self._servers = servers
         self._shm_probe = shm_probe
+        self._compression = compression
         self._coords = coordinates
         self._total = total
         self._next = start
@@ -171,7 +172,7 @@ class Scheduler:
             server.state = "up"
             server.stream = BatchStream(server.channel, server.address, self._coords,
                                         self._allocate, self._finish, self._on_batch,
-                                        self._on_end, self._shm_probe)
+                                        self._on_end, self._shm_probe, self._compression)
         if not server.outstanding:
             server.last_progress = now  # patience runs from when it has work
         server.outstanding[index] = now

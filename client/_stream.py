@@ -33,10 +33,11 @@ class BatchStream:
     def __init__(self, channel: grpc.Channel, address: str, coordinates: pb.Coordinates,
                  allocate: Callable[[int], tuple[Any, Any]], finish: Callable[[Assembled], Any],
                  on_batch: OnBatch, on_end: OnEnd,
-                 shm_probe: pb.SharedMemoryProbe | None = None) -> None:
+                 shm_probe: pb.SharedMemoryProbe | None = None, compression: str = "") -> None:
         self.address = address
         self._requests: queue.SimpleQueue[pb.StreamRequest | None] = queue.SimpleQueue()
-        self._requests.put(pb.StreamRequest(coordinates=coordinates, shm_probe=shm_probe))
+        self._requests.put(pb.StreamRequest(coordinates=coordinates, shm_probe=shm_probe,
+                                            compression=compression))
         # No response deserializer: frames arrive as bytes and are split without a parse copy.
         method = channel.stream_stream(
             METHOD, request_serializer=pb.StreamRequest.SerializeToString)

@@ -33,14 +33,27 @@ def tensor_infos(batch: BuiltBatch) -> list[pb.TensorInfo]:
 def encode_frames(batch: BuiltBatch, payload: memoryview, batch_index: int, epoch: int,
                   frame_bytes: int) -> Iterator[bytes]:
     """Serialized BatchFrames covering `payload` in order; the first lists the tensors."""
+    for offset, chunk in frame_chunks(batch, payload, frame_bytes):
+        yield encode_frame(batch, chunk, offset, batch_index, epoch)
+
+
+def frame_chunks(batch: BuiltBatch, payload: memoryview, frame_bytes: int
+                 ) -> Iterator[tuple[int, memoryview | bytes]]:
+    """(offset, the payload bytes of the frame starting there), in order."""
     total = batch.payload_bytes
     for offset in range(0, max(total, 1), frame_bytes):
         # The segment may be larger than the batch (segments are reused): stop at total.
-        chunk = payload[offset : min(offset + frame_bytes, total)] if total else b""
-        head = pb.BatchFrame(batch_index=batch_index, epoch=epoch, offset=offset,
-                             payload_bytes=total,
-                             tensors=tensor_infos(batch) if offset == 0 else ())
-        yield b"".join((_DATA_TAG, _varint(len(chunk)), chunk, head.SerializeToString()))
+        yield offset, (payload[offset : min(offset + frame_bytes, total)] if total else b"")
+
+
+def encode_frame(batch: BuiltBatch, data: memoryview | bytes, offset: int, batch_index: int,
+                 epoch: int, compression: str = "") -> bytes:
+    """One BatchFrame: `data` (the payload from `offset`, compressed as `compression` says)
+    first, then the header fields."""
+    head = pb.BatchFrame(batch_index=batch_index, epoch=epoch, offset=offset,
+                         payload_bytes=batch.payload_bytes, compression=compression,
+                         tensors=tensor_infos(batch) if offset == 0 else ())
+    return b"".join((_DATA_TAG, _varint(len(data)), data, head.SerializeToString()))
 
 
 def encode_shm_frame(batch: BuiltBatch, batch_index: int, epoch: int) -> bytes:

@@ -82,3 +82,16 @@ def jitter(sample: dict, rng) -> dict:
 
 def not_a_dict(sample: dict, rng) -> list:
     return [sample]
+
+
+class Ramp:
+    """Compressible samples: sample i is a smooth uint16 ramp of `size` values, offset by i."""
+
+    def __init__(self, n: int = 24, size: int = 200_000) -> None:
+        self.n, self.size = n, size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        return {"ramp": (np.arange(self.size, dtype=np.uint16) // 64 + i).astype(np.uint16)}

@@ -79,18 +79,20 @@ class DescribeDatasetResponse(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., format: _Optional[str] = ..., num_samples: _Optional[int] = ..., samples_per_rank: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("coordinates", "batch_indices", "shm_probe", "released", "report")
+    __slots__ = ("coordinates", "batch_indices", "shm_probe", "released", "report", "compression")
     COORDINATES_FIELD_NUMBER: _ClassVar[int]
     BATCH_INDICES_FIELD_NUMBER: _ClassVar[int]
     SHM_PROBE_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     coordinates: Coordinates
     batch_indices: _containers.RepeatedScalarFieldContainer[int]
     shm_probe: SharedMemoryProbe
     released: _containers.RepeatedScalarFieldContainer[str]
     report: ClientReport
-    def __init__(self, coordinates: _Optional[_Union[Coordinates, _Mapping]] = ..., batch_indices: _Optional[_Iterable[int]] = ..., shm_probe: _Optional[_Union[SharedMemoryProbe, _Mapping]] = ..., released: _Optional[_Iterable[str]] = ..., report: _Optional[_Union[ClientReport, _Mapping]] = ...) -> None: ...
+    compression: str
+    def __init__(self, coordinates: _Optional[_Union[Coordinates, _Mapping]] = ..., batch_indices: _Optional[_Iterable[int]] = ..., shm_probe: _Optional[_Union[SharedMemoryProbe, _Mapping]] = ..., released: _Optional[_Iterable[str]] = ..., report: _Optional[_Union[ClientReport, _Mapping]] = ..., compression: _Optional[str] = ...) -> None: ...
 
 class ClientReport(_message.Message):
     __slots__ = ("wait_seconds", "loop_seconds")
@@ -123,7 +125,7 @@ class TensorInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class BatchFrame(_message.Message):
-    __slots__ = ("data", "batch_index", "epoch", "offset", "payload_bytes", "tensors", "error", "shm_name")
+    __slots__ = ("data", "batch_index", "epoch", "offset", "payload_bytes", "tensors", "error", "shm_name", "compression")
     DATA_FIELD_NUMBER: _ClassVar[int]
     BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +134,7 @@ class BatchFrame(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     batch_index: int
     epoch: int
@@ -140,7 +143,8 @@ class BatchFrame(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorInfo]
     error: BatchError
     shm_name: str
-    def __init__(self, data: _Optional[bytes] = ..., batch_index: _Optional[int] = ..., epoch: _Optional[int] = ..., offset: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., error: _Optional[_Union[BatchError, _Mapping]] = ..., shm_name: _Optional[str] = ...) -> None: ...
+    compression: str
+    def __init__(self, data: _Optional[bytes] = ..., batch_index: _Optional[int] = ..., epoch: _Optional[int] = ..., offset: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., error: _Optional[_Union[BatchError, _Mapping]] = ..., shm_name: _Optional[str] = ..., compression: _Optional[str] = ...) -> None: ...
 
 class BatchError(_message.Message):
     __slots__ = ("code", "message")
