@@ -6,10 +6,13 @@ Benchmarks run as scripts (`python benchmarks/NAME.py`), so this folder is on sy
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,3 +54,29 @@ def write_results(res: dict[str, Any], report: str, json_path: str | None, quiet
         if not quiet:
             print(f"results written to {json_path}")
     return 1 if res["check_problems"] or res["server_exit_code"] != 0 else 0
+
+
+def scenario_parser(doc: str) -> argparse.ArgumentParser:
+    """An argument parser with what every scenario takes: --json, --json-only, --quick."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    ap.add_argument("--json-only", action="store_true", help="print nothing but errors")
+    ap.add_argument("--quick", action="store_true", help="small settings")
+    return ap
+
+
+def settle(args: argparse.Namespace, quick: dict[str, Any], full: dict[str, Any]) -> None:
+    """Arguments left unset take the quick or the full setting."""
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
+def run_scenario(args: argparse.Namespace, run: Callable[[argparse.Namespace], dict[str, Any]],
+                 report: Callable[[dict[str, Any]], str]) -> int:
+    """Run, time, print the report, write the JSON; the exit code of write_results."""
+    t0 = time.perf_counter()
+    res = run(args)
+    res["total_s"] = time.perf_counter() - t0
+    return write_results(res, report(res) + f"\n\ntotal {res['total_s']:.0f} s", args.json,
+                         args.json_only)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _measure import machine_info, write_results
+from _measure import machine_info, run_scenario, scenario_parser, settle
 
 from stoker.client import RemoteLoader
 from stoker.server import ServerProcess, write_config
@@ -101,22 +101,17 @@ def report(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = scenario_parser(__doc__)
     ap.add_argument("--batches", type=int)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--warmup", type=int, help="batches before the first counted sample")
     ap.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--prefetch", type=int, default=16)
-    ap.add_argument("--json", metavar="PATH")
-    ap.add_argument("--json-only", action="store_true")
-    ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
-    if args.batches is None:
-        args.batches = 2_000 if args.quick else 20_000
+    settle(args, quick={"batches": 2_000}, full={"batches": 20_000})
     if args.warmup is None:
         args.warmup = args.batches // 20
-    res = run(args)
-    return write_results(res, report(res), args.json, args.json_only)
+    return run_scenario(args, run, report)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _measure import machine_info, summarise, write_results
+from _measure import machine_info, run_scenario, scenario_parser, summarise
 
 from stoker.client import RemoteLoader
 from stoker.server import Config, ServerProcess, write_config
@@ -280,25 +280,17 @@ def report(res: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small corpus, seq_len 512, 1 repeat")
+    ap = scenario_parser(__doc__)
     ap.add_argument("--documents", type=int, default=0)
     ap.add_argument("--seq-len", dest="seq_len", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=0)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--tokenizer", choices=["bpe", "byte"], default="bpe")
-    ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--json-only", action="store_true", help="print nothing")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    t0 = time.perf_counter()
-    res = run(args)
-    res["total_s"] = time.perf_counter() - t0
-    return write_results(res, report(res) + f"\n\ntotal wall time {res['total_s']:.1f} s",
-                         args.json, args.json_only)
+    return run_scenario(parse_args(argv), run, report)
 
 
 if __name__ == "__main__":

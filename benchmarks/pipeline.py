@@ -39,7 +39,7 @@ import PIL
 import simplejpeg
 import torch
 from _data import make_image_folder
-from _measure import machine_info, summarise, write_results
+from _measure import machine_info, run_scenario, scenario_parser, settle, summarise
 from loader_vs_dataloader import ROLES, time_epoch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
@@ -269,7 +269,7 @@ def report(res: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cores = len(os.sched_getaffinity(0))
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = scenario_parser(__doc__)
     ap.add_argument("--images", type=int)
     ap.add_argument("--batch-size", type=int)
     ap.add_argument("--repeats", type=int)
@@ -282,13 +282,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "as between machines")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data-dir", help="use (or fill) this folder of JPEGs")
-    ap.add_argument("--json", metavar="PATH")
-    ap.add_argument("--json-only", action="store_true")
-    ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
-    for key, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    settle(args, QUICK, FULL)
     if min(args.workers) < 0:
         ap.error("--workers values must be >= 0")
     if args.images // args.batch_size < 2:
@@ -297,12 +292,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    t0 = time.perf_counter()
-    res = run(args)
-    res["total_s"] = time.perf_counter() - t0
-    return write_results(res, report(res) + f"\n\ntotal {res['total_s']:.0f} s", args.json,
-                         args.json_only)
+    return run_scenario(parse_args(argv), run, report)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 from _data import make_image_folder
-from _measure import machine_info, summarise, write_results
+from _measure import machine_info, run_scenario, scenario_parser, settle, summarise
 
 from stoker.client import RemoteLoader
 from stoker.server import ServerProcess, write_config
@@ -99,18 +99,13 @@ def report(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = scenario_parser(__doc__)
     ap.add_argument("--images", type=int)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--repeats", type=int)
-    ap.add_argument("--json", metavar="PATH")
-    ap.add_argument("--json-only", action="store_true")
-    ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
-    args.images = args.images or (128 if args.quick else 1024)
-    args.repeats = args.repeats or (1 if args.quick else 3)
-    res = run(args)
-    return write_results(res, report(res), args.json, args.json_only)
+    settle(args, quick={"images": 128, "repeats": 1}, full={"images": 1024, "repeats": 3})
+    return run_scenario(args, run, report)
 
 
 if __name__ == "__main__":

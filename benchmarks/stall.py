@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _measure import machine_info, summarise, write_results
+from _measure import machine_info, run_scenario, scenario_parser, settle, summarise
 from _sim import Costly
 from torch.utils.data import DataLoader
 
@@ -133,7 +133,7 @@ def report(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = scenario_parser(__doc__)
     ap.add_argument("--compute-ms", type=float, default=30.0)
     ap.add_argument("--costs", type=float, nargs="+", help="data ms per batch to sweep")
     ap.add_argument("--batch-size", type=int, default=8)
@@ -141,20 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int)
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--prefetch", type=int, default=8)
-    ap.add_argument("--json", metavar="PATH")
-    ap.add_argument("--json-only", action="store_true")
-    ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
-    quick = {"costs": [10.0, 40.0], "steps": 30, "repeats": 1}
-    full = {"costs": [5.0, 10.0, 20.0, 40.0], "steps": 100, "repeats": 3}
-    for key, value in (quick if args.quick else full).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    t0 = time.perf_counter()
-    res = run(args)
-    res["total_s"] = time.perf_counter() - t0
-    return write_results(res, report(res) + f"\n\ntotal {res['total_s']:.0f} s", args.json,
-                         args.json_only)
+    settle(args, quick={"costs": [10.0, 40.0], "steps": 30, "repeats": 1},
+           full={"costs": [5.0, 10.0, 20.0, 40.0], "steps": 100, "repeats": 3})
+    return run_scenario(args, run, report)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 from _data import make_image_folder
-from _measure import machine_info, summarise, write_results
+from _measure import machine_info, run_scenario, scenario_parser, settle, summarise
 from torch.utils.data import DataLoader
 
 from stoker.client import RemoteLoader
@@ -95,19 +95,14 @@ def report(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = scenario_parser(__doc__)
     ap.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--images", type=int, default=128)
     ap.add_argument("--repeats", type=int)
-    ap.add_argument("--json", metavar="PATH")
-    ap.add_argument("--json-only", action="store_true")
-    ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
-    if args.repeats is None:
-        args.repeats = 1 if args.quick else 5
-    res = run(args)
-    return write_results(res, report(res), args.json, args.json_only)
+    settle(args, quick={"repeats": 1}, full={"repeats": 5})
+    return run_scenario(args, run, report)
 
 
 if __name__ == "__main__":
