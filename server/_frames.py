@@ -7,8 +7,6 @@ an ordinary BatchFrame to any protobuf parser.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from stoker.v1 import stoker_pb2 as pb
 
 from ._batch import BuiltBatch
@@ -28,22 +26,6 @@ def _varint(n: int) -> bytes:
 def tensor_infos(batch: BuiltBatch) -> list[pb.TensorInfo]:
     return [pb.TensorInfo(name=t.name, dtype=t.dtype, shape=t.shape, offset=t.offset,
                           nbytes=t.nbytes) for t in batch.tensors]
-
-
-def encode_frames(batch: BuiltBatch, payload: memoryview, batch_index: int, epoch: int,
-                  frame_bytes: int) -> Iterator[bytes]:
-    """Serialized BatchFrames covering `payload` in order; the first lists the tensors."""
-    for offset, chunk in frame_chunks(batch, payload, frame_bytes):
-        yield encode_frame(batch, chunk, offset, batch_index, epoch)
-
-
-def frame_chunks(batch: BuiltBatch, payload: memoryview, frame_bytes: int
-                 ) -> Iterator[tuple[int, memoryview | bytes]]:
-    """(offset, the payload bytes of the frame starting there), in order."""
-    total = batch.payload_bytes
-    for offset in range(0, max(total, 1), frame_bytes):
-        # The segment may be larger than the batch (segments are reused): stop at total.
-        yield offset, (payload[offset : min(offset + frame_bytes, total)] if total else b"")
 
 
 def encode_frame(batch: BuiltBatch, data: memoryview | bytes, offset: int, batch_index: int,

@@ -23,7 +23,7 @@ from stoker.v1 import stoker_pb2 as pb
 from . import _shm
 from ._batch import BuiltBatch
 from ._config import Config
-from ._frames import encode_error, encode_frame, encode_shm_frame, frame_chunks
+from ._frames import encode_error, encode_frame, encode_shm_frame
 from ._metrics import Metrics
 from ._sampling import (
     CoordinateError,
@@ -204,24 +204,9 @@ class DataService:
                         return
                     continue
                 try:
-                    segment = _shm.open_readonly(batch.shm_name)
-                    try:
-                        with memoryview(segment) as payload:
-                            for offset, chunk in frame_chunks(batch, payload,
-                                                              self._settings.frame_bytes):
-                                kind = ""
-                                if state["zstd"] is not None and len(chunk) >= MIN_COMPRESS:
-                                    # In a thread: zstd releases the GIL, the loop serves
-                                    # the other streams meanwhile.
-                                    chunk = await asyncio.to_thread(state["zstd"].compress,
-                                                                    chunk)
-                                    kind = "zstd"
-                                frame = encode_frame(batch, chunk, offset, batch_index, epoch,
-                                                     kind)
-                                if not await _write(context, frame):
-                                    return
-                    finally:
-                        segment.close()
+                    if not await self._send_frames(context, batch, batch_index, epoch,
+                                                   state["zstd"]):
+                        return
                 finally:
                     self._pool.release(batch)
         finally:
@@ -239,6 +224,35 @@ class DataService:
             if state["dataset"] is not None:
                 metrics.streams.labels(state["dataset"]).dec()
             metrics.stream_ended(state["id"])
+
+    async def _send_frames(self, context: grpc.aio.ServicerContext, batch: BuiltBatch,
+                           batch_index: int, epoch: int, zstd: Any) -> bool:
+        """Send `batch` as frames over the socket; False if the client went away.
+
+        Each frame's bytes are copied (or compressed from a copy) out of the segment before
+        anything is awaited, so no view of the segment outlives a step: the segment can be
+        closed, and handed back to its worker, whatever happens to the stream."""
+        segment = _shm.open_readonly(batch.shm_name)
+        try:
+            total, step = batch.payload_bytes, self._settings.frame_bytes
+            for offset in range(0, max(total, 1), step):
+                with memoryview(segment) as view:
+                    chunk = view[offset : min(offset + step, total)]
+                    if zstd is not None and len(chunk) >= MIN_COMPRESS:
+                        data, kind = bytes(chunk), "zstd"
+                    else:
+                        frame = encode_frame(batch, chunk, offset, batch_index, epoch)
+                        data, kind = None, ""
+                    chunk.release()
+                if data is not None:
+                    # In a thread: zstd releases the GIL; the loop serves other streams.
+                    frame = encode_frame(batch, await asyncio.to_thread(zstd.compress, data),
+                                         offset, batch_index, epoch, kind)
+                if not await _write(context, frame):
+                    return False
+            return True
+        finally:
+            segment.close()
 
     async def _read_credits(self, requests: AsyncIterator[pb.StreamRequest], ready: asyncio.Queue,
                             jobs: set[asyncio.Task], state: dict[str, Any]) -> None:
