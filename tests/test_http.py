@@ -71,6 +71,8 @@ def test_probes_datasets_and_the_openapi_document(server) -> None:
     assert status == 200
     assert {"/healthz", "/readyz", "/metrics", "/v1/datasets", "/v1/datasets/{name}",
             "/v1/stats"} <= set(doc["paths"])
+    status, viewer = get(server, "/docs")  # FastAPI's viewer of that document
+    assert status == 200 and "openapi.json" in viewer
 
 
 def test_metrics_count_what_flows(server) -> None:
