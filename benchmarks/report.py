@@ -98,12 +98,16 @@ def trainer_cpu(r: dict[str, Any], plots: Path) -> list[str]:
 
 
 def wire(r: dict[str, Any], plots: Path) -> list[str]:
-    rows, xs, ys = [], [], {"tcp": [], "stoker": [], "stoker_shm": [], "memcpy": []}
+    rows, xs = [], []
+    ys: dict[str, list[float]] = {"tcp": [], "stoker": [], "stoker_sock": [], "stoker_shm": [],
+                                  "memcpy": []}
     for s in r["sizes"]:
         sy = s["systems"]
         rows.append([f"{s['size'] / 2**20:g} MiB", f"{sy['tcp']['gb_per_s']['median']:.2f}",
                      f"{sy['stoker']['gb_per_s']['median']:.2f}",
                      f"{s['ratio_stoker_over_tcp']:.2f}",
+                     f"{sy['stoker_sock']['gb_per_s']['median']:.2f}"
+                     if "stoker_sock" in sy else "",
                      f"{sy['stoker_shm']['gb_per_s']['median']:.2f}"
                      if "stoker_shm" in sy else "",
                      f"{sy['memcpy']['gb_per_s']['median']:.1f}"])
@@ -121,11 +125,12 @@ def wire(r: dict[str, Any], plots: Path) -> list[str]:
     ax.set_ylabel("GB/s into client memory")
     ax.legend()
     ax.grid(alpha=0.3)
-    return ["Ready batches into client memory (numpy): stoker through gRPC on loopback, stoker "
-            "through shared memory (same host), a raw TCP stream between two Python processes, "
-            "and memcpy.", "",
-            *_table(["batch", "raw TCP GB/s", "stoker gRPC GB/s", "gRPC / TCP", "stoker shm GB/s",
-                     "memcpy GB/s"], rows), _save(fig, plots, "wire.png"), ""]
+    return ["Ready batches into client memory (numpy): stoker through gRPC on loopback, with "
+            "a data socket (payloads on TCP beside gRPC), through shared memory (same host), a "
+            "raw TCP stream between two Python processes, and memcpy.", "",
+            *_table(["batch", "raw TCP GB/s", "stoker gRPC GB/s", "gRPC / TCP",
+                     "stoker data socket GB/s", "stoker shm GB/s", "memcpy GB/s"], rows),
+            _save(fig, plots, "wire.png"), ""]
 
 
 def stall(r: dict[str, Any], plots: Path) -> list[str]:

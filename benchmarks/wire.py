@@ -11,6 +11,8 @@ Three ways to move the same bytes, batch by batch, on this machine:
   dataset (`Constant`, below) returns one preallocated array per sample, so building a batch
   costs only stoker's own collation into shared memory: what is timed is stoker's data path,
   from the worker's collate to a numpy array in this process.
+- stoker data socket: the same loader with data_socket=True: headers in gRPC frames, payloads
+  on a plain TCP connection beside them, sent from the workers' shared memory.
 - stoker shm: the same loader with its default same-host delivery: payloads read from the
   workers' shared memory, gRPC for control only (docs/protocol.md#same-host-delivery).
 - raw TCP: a sender process sock.sendall()s the same number of bytes per batch from a
@@ -46,8 +48,9 @@ from stoker.client import RemoteLoader
 from stoker.server import ServerProcess, write_config
 
 BENCHMARKS = Path(__file__).resolve().parent
-SYSTEMS = ("tcp", "stoker", "stoker_shm", "memcpy")
-LABELS = {"tcp": "raw TCP", "stoker": "stoker", "stoker_shm": "stoker shm", "memcpy": "memcpy"}
+SYSTEMS = ("tcp", "stoker", "stoker_sock", "stoker_shm", "memcpy")
+LABELS = {"tcp": "raw TCP", "stoker": "stoker", "stoker_sock": "stoker data socket",
+          "stoker_shm": "stoker shm", "memcpy": "memcpy"}
 GB = 1e9  # GB/s means 10^9 bytes per second throughout
 SIZES = "64K,1M,4M,16M,64M"
 # Cores kept busy by processes outside this run above which the output warns of noise.
@@ -385,16 +388,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             meter = Meter({"server": server.proc.pid})
             for p in plans:
-                loaders = {shm: RemoteLoader(
+                loaders = {name: RemoteLoader(
                     server.address, f"b{p['size']}", batch_size=p["batch_size"], shuffle=False,
-                    drop_last=True, output="numpy", prefetch=args.prefetch, shared_memory=shm)
-                    for shm in (False, True)}
-                loader = loaders[False]
+                    drop_last=True, output="numpy", prefetch=args.prefetch,
+                    shared_memory=name == "stoker_shm", data_socket=name == "stoker_sock")
+                    for name in ("stoker", "stoker_sock", "stoker_shm")}
                 repeats: dict[str, list[dict[str, Any]]] = {name: [] for name in SYSTEMS}
                 load0 = LoadMeter.mark()
                 try:
-                    if len(loader) != p["timed_batches"] + 1:
-                        raise SystemExit(f"server has {len(loader)} batches of {p['size']} "
+                    if len(loaders["stoker"]) != p["timed_batches"] + 1:
+                        raise SystemExit(f"server has {len(loaders['stoker'])} batches of "
+                                         f"{p['size']} "
                                          f"bytes, wanted {p['timed_batches'] + 1}")
                     for r in range(args.repeats):
                         # Rotate who goes first: a shared machine drifts.
@@ -403,10 +407,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         for position, name in enumerate(order):
                             if name == "tcp":
                                 m = run_tcp(p, ctx)
-                            elif name == "stoker":
-                                m = run_stoker(p, loader, r, meter)
-                            elif name == "stoker_shm":
-                                m = run_stoker(p, loaders[True], r, meter)
+                            elif name.startswith("stoker"):
+                                m = run_stoker(p, loaders[name], r, meter)
                             else:
                                 m = run_memcpy(p)
                             m.update(repeat=r, position=position)
@@ -450,6 +452,7 @@ def summarise_size(repeats: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return {"systems": systems,
             "ratio_stoker_over_tcp": med["stoker"] / med["tcp"],
             "ratio_stoker_shm_over_tcp": med["stoker_shm"] / med["tcp"],
+            "ratio_stoker_sock_over_tcp": med["stoker_sock"] / med["tcp"],
             "ratio_stoker_over_memcpy": med["stoker"] / med["memcpy"]}
 
 
@@ -488,10 +491,11 @@ def report(res: dict[str, Any]) -> str:
         f"{p['min_batches']} batches (+1 warm-up)",
         "",
         f"{'batch':>9}{'samples':>14}{'batches':>9}{'raw TCP':>10}{'stoker':>10}"
-        f"{'stoker/':>9}{'shm':>9}{'shm/':>7}{'memcpy':>10}   {'CPU s/GB, stoker':>18}"
-        f"   {'CPU s/GB, TCP':>15}",
+        f"{'stoker/':>9}{'socket':>9}{'sock/':>7}{'shm':>9}{'shm/':>7}{'memcpy':>10}"
+        f"   {'CPU s/GB, stoker':>18}   {'CPU s/GB, TCP':>15}",
         f"{'':>9}{'x bytes':>14}{'timed':>9}{'GB/s':>10}{'GB/s':>10}{'TCP':>9}{'GB/s':>9}"
-        f"{'TCP':>7}{'GB/s':>10}   {'client':>8}{'server':>10}   {'recv':>7}{'send':>8}",
+        f"{'TCP':>7}{'GB/s':>9}{'TCP':>7}{'GB/s':>10}   {'client':>8}{'server':>10}"
+        f"   {'recv':>7}{'send':>8}",
     ]
     for s in res["sizes"]:
         sy = s["systems"]
@@ -500,6 +504,8 @@ def report(res: dict[str, Any]) -> str:
             f"{human(s['size']):>9}{s['batch_size']:>5} x {human(s['sample_bytes']):>8}"
             f"{s['timed_batches']:>9}{tc['gb_per_s']['median']:>10.3f}"
             f"{st['gb_per_s']['median']:>10.3f}{s['ratio_stoker_over_tcp']:>9.3f}"
+            f"{sy['stoker_sock']['gb_per_s']['median']:>9.3f}"
+            f"{s['ratio_stoker_sock_over_tcp']:>7.2f}"
             f"{sy['stoker_shm']['gb_per_s']['median']:>9.3f}"
             f"{s['ratio_stoker_shm_over_tcp']:>7.2f}"
             f"{sy['memcpy']['gb_per_s']['median']:>10.2f}"
@@ -525,11 +531,11 @@ def report(res: dict[str, Any]) -> str:
     lines += ["", "GB/s, median; bars scaled to the fastest raw TCP figure:"]
     best = max(s["systems"]["tcp"]["gb_per_s"]["median"] for s in res["sizes"])
     for s in res["sizes"]:
-        for name in ("tcp", "stoker", "stoker_shm"):
+        for name in ("tcp", "stoker", "stoker_sock", "stoker_shm"):
             v = s["systems"][name]["gb_per_s"]["median"]
             label = human(s["size"]) if name == "tcp" else ""
             bar = "#" * min(60, max(1, round(40 * v / best)))
-            lines.append(f"  {label:>8} {LABELS[name]:<10} {bar:<40} {v:.3f}")
+            lines.append(f"  {label:>8} {LABELS[name]:<18} {bar:<40} {v:.3f}")
     lines += ["", "notes:"] + [f"  - {n}" for n in res["notes"]]
     lines.append("  - other load (cores kept busy by processes outside this run, per size): "
                  + ", ".join(f"{human(s['size'])} {s['other_cores_busy']:.2f}"

@@ -7,6 +7,9 @@ field order still decodes, through protobuf.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +19,9 @@ import numpy as np
 from stoker.v1 import stoker_pb2 as pb
 
 from ._samehost import read_segment
+
+log = logging.getLogger("stoker.client")
+CONNECT_TIMEOUT = 5.0  # seconds to reach a server's data socket
 
 _DATA_TAG = 0x0A
 
@@ -67,7 +73,30 @@ class Assembler:
         self._allocate = allocate
         self._release = release  # a same-host segment, once copied out
         self._zstd: Any = None
+        self.host = ""  # the server's host, for its data socket
+        self.sock: socket.socket | None = None  # the data socket, once connected
         self._current: tuple[pb.BatchFrame, Any, np.ndarray, int] | None = None
+
+    def _connect(self, offer: pb.DataSocket) -> None:
+        """Connect to the server's data socket and present the token. If that fails, the
+        server sends the payloads in frames after a few seconds: nothing else to do."""
+        try:
+            sock = socket.create_connection((self.host, offer.port), timeout=CONNECT_TIMEOUT)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(offer.token)
+            sock.settimeout(None)  # a stalled server is the scheduler's to judge (close())
+        except OSError as e:
+            log.warning("cannot connect to the data socket %s:%d (%s); batches come in "
+                        "frames", self.host, offer.port, e)
+            return
+        self.sock = sock
+
+    def close(self) -> None:
+        """Unblock a receive waiting on the data socket, and close it (any thread)."""
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+            self.sock.close()
 
     def _decompress(self, kind: str, data: memoryview) -> bytes:
         if kind != "zstd":
@@ -84,6 +113,17 @@ class Assembler:
         data, head = split_frame(raw)
         if head.HasField("error"):
             return head
+        if head.HasField("data_socket"):  # the stream's offer, before any batch
+            self._connect(head.data_socket)
+            return None
+        if head.via_socket:  # the payload follows on the data socket, in order
+            if self.sock is None:
+                raise ValueError(f"batch {head.batch_index} was sent on a data socket that "
+                                 "this client has not connected")
+            owner, view = self._allocate(head.payload_bytes)
+            _recv_exactly(self.sock, memoryview(view[: head.payload_bytes]).cast("B"))
+            return Assembled(head.batch_index, head.epoch, owner, list(head.tensors),
+                             head.payload_bytes, shared=True)
         if head.shm_name:  # same host: the whole payload is in the server's segment
             owner, view = self._allocate(head.payload_bytes)
             try:
@@ -113,6 +153,15 @@ class Assembler:
         self._current = None
         return Assembled(first.batch_index, first.epoch, owner, list(first.tensors),
                          first.payload_bytes)
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ValueError(f"the data socket closed after {got} of {len(view)} bytes")
+        got += n
 
 
 def numpy_views(payload: np.ndarray, tensors: list[pb.TensorInfo]) -> dict[str, np.ndarray]:

@@ -67,7 +67,7 @@ class RemoteLoader:
                  normalize: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
                  normalize_dtype: str = "float32", shared_memory: bool = True,
                  progress: bool = False, log_every: float | None = None,
-                 compression: str | None = None) -> None:
+                 compression: str | None = None, data_socket: bool = False) -> None:
         if output not in ("torch", "numpy"):
             raise ValueError(f"output must be 'torch' or 'numpy', got {output!r}")
         if output == "numpy" and device is not None:
@@ -104,6 +104,7 @@ class RemoteLoader:
                 raise ImportError("compression='zstd' needs zstandard: pip install zstandard"
                                   ) from None
         self._compression = compression or ""
+        self._data_socket = data_socket
         self._feed = None
         if device is not None and str(device).partition(":")[0] != "cpu":
             from ._device import DeviceFeed
@@ -187,7 +188,7 @@ class RemoteLoader:
         scheduler = Scheduler(self._servers, self.coordinates(), total, self._next,
                               self._prefetch, self._timeout, self._allocate, self._finish,
                               samehost.probe() if self._shared_memory else None,
-                              self._compression)
+                              self._compression, self._data_socket)
         self._scheduler = scheduler
         progress = None
         if self._progress or self._log_every is not None:

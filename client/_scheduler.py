@@ -51,10 +51,12 @@ class Scheduler:
     def __init__(self, servers: ServerSet, coordinates: pb.Coordinates, total: int, start: int,
                  window: int, timeout: float, allocate: Callable[[int], tuple[Any, Any]],
                  finish: Callable[[Assembled], Any],
-                 shm_probe: pb.SharedMemoryProbe | None = None, compression: str = "") -> None:
+                 shm_probe: pb.SharedMemoryProbe | None = None, compression: str = "",
+                 data_socket: bool = False) -> None:
         self._servers = servers
         self._shm_probe = shm_probe
         self._compression = compression
+        self._data_socket = data_socket
         self._coords = coordinates
         self._total = total
         self._next = start
@@ -172,7 +174,8 @@ class Scheduler:
             server.state = "up"
             server.stream = BatchStream(server.channel, server.address, self._coords,
                                         self._allocate, self._finish, self._on_batch,
-                                        self._on_end, self._shm_probe, self._compression)
+                                        self._on_end, self._shm_probe, self._compression,
+                                        self._data_socket)
         if not server.outstanding:
             server.last_progress = now  # patience runs from when it has work
         server.outstanding[index] = now

@@ -33,16 +33,18 @@ class BatchStream:
     def __init__(self, channel: grpc.Channel, address: str, coordinates: pb.Coordinates,
                  allocate: Callable[[int], tuple[Any, Any]], finish: Callable[[Assembled], Any],
                  on_batch: OnBatch, on_end: OnEnd,
-                 shm_probe: pb.SharedMemoryProbe | None = None, compression: str = "") -> None:
+                 shm_probe: pb.SharedMemoryProbe | None = None, compression: str = "",
+                 data_socket: bool = False) -> None:
         self.address = address
         self._requests: queue.SimpleQueue[pb.StreamRequest | None] = queue.SimpleQueue()
         self._requests.put(pb.StreamRequest(coordinates=coordinates, shm_probe=shm_probe,
-                                            compression=compression))
+                                            compression=compression, data_socket=data_socket))
         # No response deserializer: frames arrive as bytes and are split without a parse copy.
         method = channel.stream_stream(
             METHOD, request_serializer=pb.StreamRequest.SerializeToString)
         self._call = method(self._outgoing())
         self._assembler = Assembler(allocate, self._release)
+        self._assembler.host = address.rpartition(":")[0].strip("[]")
         self._finish = finish
         self._on_batch = on_batch
         self._on_end = on_end
@@ -70,6 +72,7 @@ class BatchStream:
         self._closed = True
         self._requests.put(None)
         self._call.cancel()
+        self._assembler.close()  # a receive blocked on the data socket returns
         if wait and threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
 
@@ -105,4 +108,5 @@ class BatchStream:
                 error = RemoteError.from_rpc(e, self.address)
         except Exception as e:  # a malformed frame: nothing after it can be trusted
             error = RemoteError(grpc.StatusCode.INTERNAL, f"bad frame: {e}", self.address)
+        self._assembler.close()
         self._on_end(self, None if self._closed else error)

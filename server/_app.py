@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ._config import Config
+from ._datasocket import DataSockets
 from ._http import HttpServer
 from ._service import SERVICE_NAME, DataService
 from ._workers import StartError, WorkerPool
@@ -71,9 +72,18 @@ async def serve(config: Config) -> None:
             raise StartError(f"cannot listen on {address} (gRPC): {e}") from None
         await server.start()
         try:
+            data_sockets = DataSockets(settings.host, settings.data_port)
+        except OSError as e:
+            await server.stop(None)
+            raise StartError(f"cannot listen on {grpc_address(settings.host, settings.data_port)}"
+                             f" (data socket): {e.strerror}") from None
+        data_sockets.start()
+        service.data_sockets = data_sockets
+        try:
             http = HttpServer(settings.host, settings.http_port, service)
         except OSError as e:
             await server.stop(None)
+            data_sockets.close()
             raise StartError(f"cannot listen on {grpc_address(settings.host, settings.http_port)}"
                              f" (HTTP): {e.strerror}") from None
         http.start()
@@ -84,6 +94,7 @@ async def serve(config: Config) -> None:
         # Not printed when a signal came during the start: that server is about to stop.
         if not stop.is_set():
             print(json.dumps({"event": "ready", "grpc_port": port, "http_port": http.port,
+                              "data_port": data_sockets.port,
                               "host": settings.host, "workers": settings.worker_count,
                               "datasets": sorted(meta)}), flush=True)
             log.info("serving %s on %s (gRPC), port %d (HTTP) with %d workers",
@@ -95,6 +106,7 @@ async def serve(config: Config) -> None:
         await health_servicer.enter_graceful_shutdown()
         service.draining = True  # credits from now on are answered UNAVAILABLE, in-band
         await server.stop(settings.grace_seconds)
+        data_sockets.close()
         http.stop()
     finally:
         await loop.run_in_executor(None, pool.close)

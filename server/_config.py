@@ -437,6 +437,9 @@ class ServerSettings(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(50051, ge=0, le=65535)
     http_port: int = Field(8080, ge=0, le=65535)
+    # TCP port for data sockets (clients that ask send payloads there, beside gRPC); 0: any
+    # free port (the stream tells the client which).
+    data_port: int = Field(0, ge=0, le=65535)
     workers: int | None = Field(None, ge=1, description="worker processes; default one per core")
     # Credits one stream may hold at once: with the batch size, this bounds server memory.
     max_credits: int = Field(64, ge=1, le=4096)

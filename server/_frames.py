@@ -45,6 +45,19 @@ def encode_shm_frame(batch: BuiltBatch, batch_index: int, epoch: int) -> bytes:
                          shm_name=batch.shm_name).SerializeToString()
 
 
+def encode_socket_frame(batch: BuiltBatch, batch_index: int, epoch: int) -> bytes:
+    """The one frame of a batch whose payload follows on the stream's data socket."""
+    return pb.BatchFrame(batch_index=batch_index, epoch=epoch, offset=0,
+                         payload_bytes=batch.payload_bytes, tensors=tensor_infos(batch),
+                         via_socket=True).SerializeToString()
+
+
+def encode_socket_offer(port: int, token: bytes) -> bytes:
+    """A stream's first frame when its client asked for a data socket."""
+    return pb.BatchFrame(batch_index=-1, data_socket=pb.DataSocket(port=port, token=token)
+                         ).SerializeToString()
+
+
 def encode_error(batch_index: int, epoch: int, code: int, message: str) -> bytes:
     """The one frame that answers a batch which could not be built."""
     return pb.BatchFrame(batch_index=batch_index, epoch=epoch,

@@ -23,7 +23,13 @@ from stoker.v1 import stoker_pb2 as pb
 from . import _shm
 from ._batch import BuiltBatch
 from ._config import Config
-from ._frames import encode_error, encode_frame, encode_shm_frame
+from ._frames import (
+    encode_error,
+    encode_frame,
+    encode_shm_frame,
+    encode_socket_frame,
+    encode_socket_offer,
+)
 from ._metrics import Metrics
 from ._sampling import (
     CoordinateError,
@@ -67,6 +73,9 @@ async def _write(context: grpc.aio.ServicerContext, frame: bytes) -> bool:
     return True
 
 
+# Seconds a stream waits for the data socket its client asked for before sending payloads in
+# frames instead (a firewall, a client that could not connect).
+SOCKET_WAIT = 5.0
 # Frames smaller than this go plain: compressing them saves nothing worth a thread hop.
 MIN_COMPRESS = 64 << 10
 
@@ -90,6 +99,7 @@ class DataService:
                  metrics: Metrics | None = None) -> None:
         self._config = config
         self.metrics = metrics or Metrics(pool.status)
+        self.data_sockets: Any = None  # a DataSockets, set by the app once it listens
         self._streams = itertools.count()
         self._pool = pool
         self._meta = meta
@@ -176,7 +186,8 @@ class DataService:
         jobs: set[asyncio.Task] = set()
         # shm: the client reads batches from shared memory; lent: those it has not released.
         state: dict[str, Any] = {"outstanding": 0, "eof": False, "shm": False, "lent": {},
-                                 "id": next(self._streams), "dataset": None, "zstd": None}
+                                 "id": next(self._streams), "dataset": None, "zstd": None,
+                                 "sock": None, "sock_wait": None, "token": b""}
         metrics = self.metrics
         reader = asyncio.create_task(self._read_credits(requests, ready, jobs, state))
         try:
@@ -186,6 +197,10 @@ class DataService:
                     continue  # a wake-up from the reader
                 if isinstance(item, _Abort):
                     await context.abort(item.code, str(item))
+                if isinstance(item, bytes):  # the data socket offer: not a batch
+                    if not await _write(context, item):
+                        return
+                    continue
                 # A credit counts as answered once its batch starts out: the client may send
                 # the next credit as soon as it has the last frame.
                 state["outstanding"] -= 1
@@ -198,6 +213,12 @@ class DataService:
                 batch, batch_index, epoch = item
                 metrics.sent(state["dataset"], batch.tensors[-1].shape[0], batch.payload_bytes,
                              state["shm"])
+                if state["sock_wait"] is not None or state["sock"] is not None:
+                    sent = await self._send_via_socket(context, state, batch, batch_index, epoch)
+                    if sent is not None:  # None: no socket came, frames carry it after all
+                        if not sent:
+                            return
+                        continue
                 if state["shm"]:
                     state["lent"][batch.shm_name] = batch  # until the client releases it
                     if not await _write(context, encode_shm_frame(batch, batch_index, epoch)):
@@ -221,9 +242,45 @@ class DataService:
                     self._pool.release(item[0])
             for batch in state["lent"].values():  # the client may be reading one still
                 self._pool.release(batch, reuse=False)
+            if state["token"] and self.data_sockets is not None:
+                self.data_sockets.forget(state["token"])
+            if state["sock"] is not None:
+                state["sock"].close()
             if state["dataset"] is not None:
                 metrics.streams.labels(state["dataset"]).dec()
             metrics.stream_ended(state["id"])
+
+    async def _send_via_socket(self, context: grpc.aio.ServicerContext, state: dict[str, Any],
+                               batch: BuiltBatch, batch_index: int, epoch: int) -> bool | None:
+        """The batch's header as a frame, its payload on the data socket, straight from shared
+        memory. True: sent; False: the client went away; None: its socket never came (the
+        stream goes on with payloads in frames)."""
+        if state["sock"] is None:
+            try:
+                async with asyncio.timeout(SOCKET_WAIT):
+                    state["sock"] = await state["sock_wait"]
+            except TimeoutError:
+                state["sock_wait"] = None
+                self.data_sockets.forget(state["token"])
+                log.warning("a client asked for a data socket and did not connect within "
+                            "%.0f s: its batches go in frames", SOCKET_WAIT)
+                return None
+            state["sock_wait"] = None
+        if not await _write(context, encode_socket_frame(batch, batch_index, epoch)):
+            return False
+        segment = _shm.open_readonly(batch.shm_name)
+        try:
+            with memoryview(segment) as view:
+                payload = view[: batch.payload_bytes]
+                try:
+                    await asyncio.get_running_loop().sock_sendall(state["sock"], payload)
+                except OSError:
+                    return False  # the client closed its socket: the stream ends too
+                finally:
+                    payload.release()
+        finally:
+            segment.close()
+        return True
 
     async def _send_frames(self, context: grpc.aio.ServicerContext, batch: BuiltBatch,
                            batch_index: int, epoch: int, zstd: Any) -> bool:
@@ -268,6 +325,11 @@ class DataService:
                     state["zstd"] = _compressor(req.compression)
                 if req.HasField("shm_probe") and coords is None and self._settings.shared_memory:
                     state["shm"] = _shm.same_host(req.shm_probe.name, req.shm_probe.token)
+                if (req.data_socket and coords is None and not state["shm"]
+                        and self.data_sockets is not None):
+                    state["token"], state["sock_wait"] = self.data_sockets.expect()
+                    ready.put_nowait(encode_socket_offer(self.data_sockets.port,
+                                                         state["token"]))
                 if req.HasField("coordinates"):
                     coords, meta = self._coordinates(req.coordinates)
                     if coords.dataset != state["dataset"]:  # counted under its dataset

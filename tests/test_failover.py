@@ -49,9 +49,11 @@ def reference(epoch: int = 0) -> list[list[int]]:
 
 
 def run(addresses: list[str], fault_at: int | None = None, fault=None,
-        victim: str | None = None, shared_memory: bool = True) -> list[list[int]]:
+        victim: str | None = None, shared_memory: bool = True,
+        data_socket: bool = False) -> list[list[int]]:
     got = []
-    with RemoteLoader(addresses, "toy", shared_memory=shared_memory, **KW) as loader:
+    with RemoteLoader(addresses, "toy", shared_memory=shared_memory, data_socket=data_socket,
+                      **KW) as loader:
         for k, batch in enumerate(loader):
             got.append(batch["sample_index"].tolist())
             if k == fault_at:
@@ -75,14 +77,17 @@ def test_any_number_of_servers_gives_the_same_sequence(servers, n: int) -> None:
 @pytest.mark.parametrize(("n", "sig", "shm"), [
     (2, signal.SIGKILL, True), (3, signal.SIGKILL, True), (2, signal.SIGTERM, True),
     (3, signal.SIGTERM, True), (2, signal.SIGSTOP, True), (3, signal.SIGSTOP, True),
-    # Through the socket, as between machines (the others read same-host shared memory).
-    (2, signal.SIGKILL, False), (3, signal.SIGSTOP, False)])
+    # Through the socket, as between machines (the others read same-host shared memory);
+    # "data": payloads on the data socket beside gRPC.
+    (2, signal.SIGKILL, False), (3, signal.SIGSTOP, False),
+    (2, signal.SIGKILL, "data"), (2, signal.SIGSTOP, "data")])
 def test_a_server_failing_mid_epoch_loses_and_repeats_nothing(servers, n: int, sig,
-                                                              shm: bool) -> None:
+                                                              shm: bool | str) -> None:
     procs = [servers() for _ in range(n)]
     victim = procs[0].proc
     got = run([p.address for p in procs], fault_at=5, fault=lambda: victim.send_signal(sig),
-              victim=procs[0].address, shared_memory=shm)
+              victim=procs[0].address, shared_memory=shm is True,
+              data_socket=shm == "data")
     assert got == reference()
 
 

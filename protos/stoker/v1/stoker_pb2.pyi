@@ -79,20 +79,30 @@ class DescribeDatasetResponse(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., format: _Optional[str] = ..., num_samples: _Optional[int] = ..., samples_per_rank: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("coordinates", "batch_indices", "shm_probe", "released", "report", "compression")
+    __slots__ = ("coordinates", "batch_indices", "shm_probe", "released", "report", "compression", "data_socket")
     COORDINATES_FIELD_NUMBER: _ClassVar[int]
     BATCH_INDICES_FIELD_NUMBER: _ClassVar[int]
     SHM_PROBE_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
     coordinates: Coordinates
     batch_indices: _containers.RepeatedScalarFieldContainer[int]
     shm_probe: SharedMemoryProbe
     released: _containers.RepeatedScalarFieldContainer[str]
     report: ClientReport
     compression: str
-    def __init__(self, coordinates: _Optional[_Union[Coordinates, _Mapping]] = ..., batch_indices: _Optional[_Iterable[int]] = ..., shm_probe: _Optional[_Union[SharedMemoryProbe, _Mapping]] = ..., released: _Optional[_Iterable[str]] = ..., report: _Optional[_Union[ClientReport, _Mapping]] = ..., compression: _Optional[str] = ...) -> None: ...
+    data_socket: bool
+    def __init__(self, coordinates: _Optional[_Union[Coordinates, _Mapping]] = ..., batch_indices: _Optional[_Iterable[int]] = ..., shm_probe: _Optional[_Union[SharedMemoryProbe, _Mapping]] = ..., released: _Optional[_Iterable[str]] = ..., report: _Optional[_Union[ClientReport, _Mapping]] = ..., compression: _Optional[str] = ..., data_socket: _Optional[bool] = ...) -> None: ...
+
+class DataSocket(_message.Message):
+    __slots__ = ("port", "token")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    token: bytes
+    def __init__(self, port: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class ClientReport(_message.Message):
     __slots__ = ("wait_seconds", "loop_seconds")
@@ -125,7 +135,7 @@ class TensorInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class BatchFrame(_message.Message):
-    __slots__ = ("data", "batch_index", "epoch", "offset", "payload_bytes", "tensors", "error", "shm_name", "compression")
+    __slots__ = ("data", "batch_index", "epoch", "offset", "payload_bytes", "tensors", "error", "shm_name", "compression", "data_socket", "via_socket")
     DATA_FIELD_NUMBER: _ClassVar[int]
     BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +145,8 @@ class BatchFrame(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    VIA_SOCKET_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     batch_index: int
     epoch: int
@@ -144,7 +156,9 @@ class BatchFrame(_message.Message):
     error: BatchError
     shm_name: str
     compression: str
-    def __init__(self, data: _Optional[bytes] = ..., batch_index: _Optional[int] = ..., epoch: _Optional[int] = ..., offset: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., error: _Optional[_Union[BatchError, _Mapping]] = ..., shm_name: _Optional[str] = ..., compression: _Optional[str] = ...) -> None: ...
+    data_socket: DataSocket
+    via_socket: bool
+    def __init__(self, data: _Optional[bytes] = ..., batch_index: _Optional[int] = ..., epoch: _Optional[int] = ..., offset: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., error: _Optional[_Union[BatchError, _Mapping]] = ..., shm_name: _Optional[str] = ..., compression: _Optional[str] = ..., data_socket: _Optional[_Union[DataSocket, _Mapping]] = ..., via_socket: _Optional[bool] = ...) -> None: ...
 
 class BatchError(_message.Message):
     __slots__ = ("code", "message")

@@ -1,0 +1,89 @@
+"""The data socket: batch payloads over a plain TCP connection beside the gRPC stream.
+
+gRPC's Python data path reaches a fraction of what a plain socket carries (docs/benchmarks.md,
+wire). A client may ask for a data socket in its stream's first message: the stream's first
+frame then names this server's data port and a random 16-byte token; the client connects,
+writes the token, and from then on each batch's frame carries only its header while the
+payload bytes follow on the socket, in the same order, sent straight from the worker's
+shared memory (`loop.sock_sendall`, no copy in Python). gRPC stays the control path:
+credits, errors, ordering, failover. A token is good for one connection, for one stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import socket
+
+log = logging.getLogger("stoker.server")
+
+TOKEN_BYTES = 16
+TOKEN_WAIT = 10.0  # seconds a new connection has to send its token
+
+
+class DataSockets:
+    """One listening socket per server; connections are matched to streams by token."""
+
+    def __init__(self, host: str, port: int) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((host, port))
+        self._listener.listen(128)
+        self._listener.setblocking(False)
+        self.port: int = self._listener.getsockname()[1]
+        self._pending: dict[bytes, asyncio.Future[socket.socket]] = {}
+        self._task: asyncio.Task | None = None
+        self._claims: set[asyncio.Task] = set()  # connections sending their token
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._accept())
+
+    def expect(self) -> tuple[bytes, asyncio.Future[socket.socket]]:
+        """A fresh token and the future its connection will resolve."""
+        token = secrets.token_bytes(TOKEN_BYTES)
+        fut: asyncio.Future[socket.socket] = asyncio.get_running_loop().create_future()
+        self._pending[token] = fut
+        return token, fut
+
+    def forget(self, token: bytes) -> None:
+        fut = self._pending.pop(token, None)
+        if fut is not None and not fut.done():
+            fut.cancel()
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self._listener)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = loop.create_task(self._claim(conn))
+            self._claims.add(task)
+            task.add_done_callback(self._claims.discard)
+
+    async def _claim(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        token = b""
+        try:
+            async with asyncio.timeout(TOKEN_WAIT):
+                while len(token) < TOKEN_BYTES:
+                    more = await loop.sock_recv(conn, TOKEN_BYTES - len(token))
+                    if not more:
+                        break
+                    token += more
+        except (TimeoutError, OSError):
+            pass
+        fut = self._pending.pop(token, None)
+        if fut is None or fut.done():
+            conn.close()  # a stranger, or too late: it learns nothing
+            return
+        fut.set_result(conn)
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for token in list(self._pending):
+            self.forget(token)
+        with contextlib.suppress(OSError):
+            self._listener.close()

@@ -1,0 +1,68 @@
+"""data_socket=True: payloads on a plain TCP connection beside the gRPC stream."""
+
+from __future__ import annotations
+
+import secrets
+import socket
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from stoker.client import RemoteLoader
+from stoker.v1 import stoker_pb2 as pb
+
+pytestmark = pytest.mark.timeout(120)
+
+NOISE = {"noise": {"format": "python", "factory": "toy_datasets:Noise",
+                   "options": {"n": 12, "shape": [64, 64]}}}
+
+
+@pytest.fixture(scope="module")
+def server(start_server_module):
+    return start_server_module(NOISE, workers=2)
+
+
+def epoch(server, **kw: Any) -> dict[str, np.ndarray]:
+    with RemoteLoader(server.address, "noise", batch_size=3, output="numpy", timeout=60,
+                      shared_memory=False, **kw) as loader:
+        batches = list(loader)
+    return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+
+
+def test_data_socket_batches_equal_frame_batches(server) -> None:
+    framed, socketed = epoch(server), epoch(server, data_socket=True)
+    for k in framed:
+        assert framed[k].dtype == socketed[k].dtype and np.array_equal(framed[k], socketed[k])
+
+
+def stream(server, indices: list[int]) -> tuple[grpc.Channel, Any]:
+    coords = pb.Coordinates(dataset="noise", seed=0, epoch=0, shuffle=False, rank=0,
+                            world_size=1, batch_size=3, drop_last=True)
+    channel = grpc.insecure_channel(server.address)
+    call = channel.stream_stream(
+        "/stoker.v1.DataService/StreamBatches",
+        request_serializer=pb.StreamRequest.SerializeToString,
+        response_deserializer=pb.BatchFrame.FromString)(iter([pb.StreamRequest(
+            coordinates=coords, batch_indices=indices, data_socket=True)]), timeout=60)
+    return channel, call
+
+
+def test_the_offer_comes_first_and_a_client_that_never_connects_gets_frames(server) -> None:
+    channel, call = stream(server, [0])
+    with channel:
+        offer = next(call)
+        assert offer.batch_index == -1 and offer.data_socket.port > 0
+        assert len(offer.data_socket.token) == 16
+        # Never connect: after a few seconds the server sends the payload in frames.
+        batch = next(call)
+    assert batch.batch_index == 0 and not batch.via_socket and len(batch.data) > 0
+
+
+def test_a_connection_with_a_wrong_token_is_dropped_and_learns_nothing(server) -> None:
+    port = server.ready["data_port"]
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(secrets.token_bytes(16))
+        assert sock.recv(1024) == b""  # closed by the server, nothing sent
+    assert len(epoch(server, data_socket=True)["sample_index"]) == 12  # still serving
