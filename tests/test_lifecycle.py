@@ -41,14 +41,15 @@ def test_healthz_answers_on_the_http_port(tmp_path: Path) -> None:
 
 
 def wait_for_segments(server: ServerProcess, timeout: float = 30.0) -> list[str]:
-    """Probe /dev/shm until a batch of `server` waits there (bounded). Not a readiness sleep:
-    no server event tells when a worker finished a batch the client has not read, and the
-    standard library has no file-system notification to wait on instead."""
+    """Probe the server's /metrics until it has built two batches (the client reads only the
+    first, so the second waits in shared memory), then list the segments. Bounded."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if found := segments(server):
+        with urllib.request.urlopen(f"{server.http_url}/metrics", timeout=10) as resp:
+            built = sum(float(line.split()[-1]) for line in resp.read().decode().splitlines()
+                        if line.startswith("stoker_batch_build_seconds_count"))
+        if built >= 2 and (found := segments(server)):
             return found
-        time.sleep(0.01)
     raise AssertionError("no batch ever waited in shared memory")
 
 
