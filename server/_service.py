@@ -216,6 +216,7 @@ class DataService:
                 if state["sock_wait"] is not None or state["sock"] is not None:
                     sent = await self._send_via_socket(context, state, batch, batch_index, epoch)
                     if sent is not None:  # None: no socket came, frames carry it after all
+                        self._pool.release(batch)  # on the wire (or nobody wants it)
                         if not sent:
                             return
                         continue

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import socket
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from stoker.client import RemoteLoader
+from stoker.server._workers import KEEP_SEGMENTS
 from stoker.v1 import stoker_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
@@ -66,3 +68,11 @@ def test_a_connection_with_a_wrong_token_is_dropped_and_learns_nothing(server) -
         sock.sendall(secrets.token_bytes(16))
         assert sock.recv(1024) == b""  # closed by the server, nothing sent
     assert len(epoch(server, data_socket=True)["sample_index"]) == 12  # still serving
+
+
+def test_segments_go_back_to_the_workers_after_the_socket_sends_them(server) -> None:
+    pid = server.proc.pid
+    for _ in range(3):  # 3 epochs x 4 batches: a leak would leave a segment per batch
+        epoch(server, data_socket=True)
+    held = list(Path("/dev/shm").glob(f"stoker_{pid}_*"))
+    assert len(held) <= 2 * KEEP_SEGMENTS  # the two workers' pools, nothing more
