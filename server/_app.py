@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import signal
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -45,6 +46,26 @@ GRPC_OPTIONS = [
 
 def grpc_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+HEALTH_EVERY = 1.0  # seconds between looks at the worker pool for gRPC health
+
+
+async def _watch_workers(pool: WorkerPool, health_servicer: Any) -> None:
+    """gRPC health follows the pool, as /readyz does: NOT_SERVING while no worker is up
+    (every replacement failed to start, or the dispatcher failed), SERVING again when one is."""
+    serving = True
+    while True:
+        await asyncio.sleep(HEALTH_EVERY)
+        up = pool.status()["workers"] > 0
+        if up != serving:
+            serving = up
+            status = (health_pb2.HealthCheckResponse.SERVING if up
+                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+            for name in ("", SERVICE_NAME):
+                await health_servicer.set(name, status)
+            log.log(logging.INFO if up else logging.ERROR, "workers %s: gRPC health %s",
+                    "up" if up else "all gone", "SERVING" if up else "NOT_SERVING")
 
 
 async def serve(config: Config) -> None:
@@ -100,7 +121,9 @@ async def serve(config: Config) -> None:
             log.info("serving %s on %s (gRPC), port %d (HTTP) with %d workers",
                      ", ".join(sorted(meta)), grpc_address(settings.host, port), http.port,
                      settings.worker_count)
+        watch = asyncio.create_task(_watch_workers(pool, health_servicer))
         await stop.wait()
+        watch.cancel()
 
         log.info("shutting down: draining streams for up to %.1fs", settings.grace_seconds)
         await health_servicer.enter_graceful_shutdown()

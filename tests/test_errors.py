@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import urllib.error
+import urllib.request
+
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stoker.client import RemoteError, RemoteLoader
 from stoker.server import ServerProcess
@@ -208,3 +212,19 @@ def test_workers_that_cannot_restart_fail_batches_instead_of_looping(start_serve
         assert info.value.code == grpc.StatusCode.INTERNAL
         assert "no worker process" in info.value.details
     assert opens.read_text().count("open") == 2  # the first worker and one replacement
+    # Nothing can serve: /readyz says so at once, gRPC health within a watch period (Watch
+    # streams each change: no polling).
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(server.http_url + "/readyz", timeout=10)
+    assert err.value.code == 503
+    with grpc.insecure_channel(server.address) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=""), timeout=30)
+        statuses = []
+        for reply in watch:
+            statuses.append(reply.status)
+            if reply.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                break
+        watch.cancel()
+    assert statuses[-1] == health_pb2.HealthCheckResponse.NOT_SERVING
+
