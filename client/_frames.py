@@ -80,12 +80,15 @@ class Assembler:
     def _connect(self, offer: pb.DataSocket) -> None:
         """Connect to the server's data socket and present the token. If that fails, the
         server sends the payloads in frames after a few seconds: nothing else to do."""
+        sock = None
         try:
             sock = socket.create_connection((self.host, offer.port), timeout=CONNECT_TIMEOUT)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(offer.token)
             sock.settimeout(None)  # a stalled server is the scheduler's to judge (close())
         except OSError as e:
+            if sock is not None:
+                sock.close()
             log.warning("cannot connect to the data socket %s:%d (%s); batches come in "
                         "frames", self.host, offer.port, e)
             return

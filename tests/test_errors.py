@@ -216,6 +216,7 @@ def test_workers_that_cannot_restart_fail_batches_instead_of_looping(start_serve
     # streams each change: no polling).
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(server.http_url + "/readyz", timeout=10)
+    err.value.close()  # it holds the connection
     assert err.value.code == 503
     with grpc.insecure_channel(server.address) as channel:
         watch = health_pb2_grpc.HealthStub(channel).Watch(

@@ -37,7 +37,8 @@ def get(server, path: str) -> tuple[int, Any]:
             status = r.status
             kind = r.headers.get("content-type", "")
     except urllib.error.HTTPError as e:
-        body, status, kind = e.read().decode(), e.code, e.headers.get("content-type", "")
+        with e:  # it holds the connection
+            body, status, kind = e.read().decode(), e.code, e.headers.get("content-type", "")
     return status, json.loads(body) if "json" in kind else body
 
 
