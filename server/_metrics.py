@@ -61,6 +61,7 @@ class Metrics:
         building.set_function(lambda: status()["building"])
         self._lock = threading.Lock()
         self._reports: dict[int, tuple[str, float, float]] = {}  # stream -> dataset, stall, t
+        self._stall_datasets: set[str] = set()  # datasets that ever had a stall reported
         self._recent: collections.deque[tuple[float, str, int, int]] = collections.deque()
         self._started = time.monotonic()
 
@@ -107,15 +108,14 @@ class Metrics:
                     del self._reports[key]
                 else:
                     by_dataset[dataset].append(stall)
-            known = {labels[0] for labels in self._label_sets()}
-        for dataset in known | set(by_dataset):
+            # A dataset that stopped reporting goes back to 0, not stays at its last value.
+            self._stall_datasets |= set(by_dataset)
+            known = set(self._stall_datasets)
+        for dataset in known:
             stalls = by_dataset.get(dataset, [])
             self.stall.labels(dataset).set(sum(stalls) / len(stalls) if stalls else 0.0)
             self.stall_max.labels(dataset).set(max(stalls, default=0.0))
             self.reporting.labels(dataset).set(len(stalls))
-
-    def _label_sets(self) -> list[tuple[str, ...]]:
-        return [tuple(s.labels.values()) for m in self.stall.collect() for s in m.samples]
 
     # -- reads (the HTTP thread) -------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -126,21 +126,17 @@ class Metrics:
             recent = [x for x in self._recent if x[0] >= now - WINDOW]
             reports = dict(self._reports)
         span = min(WINDOW, now - self._started) or 1.0
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = collections.defaultdict(
+            lambda: {"batches_per_s": 0.0, "samples_per_s": 0.0, "bytes_per_s": 0.0})
         for _, dataset, samples, nbytes in recent:
-            d = out.setdefault(dataset, {"batches_per_s": 0.0, "samples_per_s": 0.0,
-                                         "bytes_per_s": 0.0})
+            d = out[dataset]
             d["batches_per_s"] += 1 / span
             d["samples_per_s"] += samples / span
             d["bytes_per_s"] += nbytes / span
         for dataset, stall, _ in reports.values():
-            d = out.setdefault(dataset, {"batches_per_s": 0.0, "samples_per_s": 0.0,
-                                         "bytes_per_s": 0.0})
-            d.setdefault("client_stalls", []).append(stall)
+            out[dataset].setdefault("client_stalls", []).append(stall)
         for metric in self.streams.collect():
             for s in metric.samples:
-                dataset = s.labels["dataset"]
-                if s.value or dataset in out:
-                    out.setdefault(dataset, {"batches_per_s": 0.0, "samples_per_s": 0.0,
-                                             "bytes_per_s": 0.0})["streams"] = int(s.value)
-        return {"window_seconds": WINDOW, "datasets": out}
+                if s.value or s.labels["dataset"] in out:
+                    out[s.labels["dataset"]]["streams"] = int(s.value)
+        return {"window_seconds": WINDOW, "datasets": dict(out)}

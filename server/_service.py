@@ -7,7 +7,6 @@ the worker processes; this module only validates, schedules and sends.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import itertools
 import logging
@@ -107,7 +106,6 @@ class DataService:
         # Hints reach one round of the workers' queues ahead of the batch being asked for.
         self._lookahead = self._settings.worker_count * DEPTH
         self.draining = False
-        self.skipped: collections.Counter[str] = collections.Counter()
 
     # -- read by the HTTP control plane (another thread) ------------------------------------
     @property
@@ -402,7 +400,5 @@ class DataService:
             ready.put_nowait(_Failed(index, coords.epoch, _FAILURE_CODE[e.kind],
                                      f"batch {index}: {e}"))
             return
-        if batch.skipped:
-            self.skipped[coords.dataset] += batch.skipped
         self.metrics.built(coords.dataset, batch.build_seconds, batch.skipped, batch.cache)
         ready.put_nowait((batch, index, coords.epoch))

@@ -234,8 +234,3 @@ def image_pipeline(cfg: Any) -> ImagePipeline:
     from ._config import transform_steps
 
     return ImagePipeline(transform_steps(cfg.transforms), cfg.layout)
-
-
-def decode_image(data: bytes, size: Sequence[int], layout: str) -> np.ndarray:
-    """JPEG/PNG bytes -> uint8 RGB resized to size (height, width), CHW or HWC."""
-    return resize_pipeline(size, layout)(data, np.random.default_rng(0))
