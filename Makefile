@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test lint bench proto clean
+.PHONY: install demo test lint bench proto reliability clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ lint: install
 ## bench: every benchmark scenario; writes results/*.json and docs/benchmarks.md
 bench: install
 	$(PY) -m benchmarks
+
+## reliability: the fault, load and bad-input tests; writes docs/reliability.md from their ledger
+reliability: install
+	$(PY) -m pytest -q --reliability-json results/reliability.json
+	$(PY) tests/reliability.py results/reliability.json > docs/reliability.md
 
 ## proto: regenerate protos/stoker/v1/*_pb2*.py after editing the .proto
 proto: install

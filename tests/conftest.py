@@ -17,6 +17,9 @@ from stoker.server import ServerProcess, write_config
 
 TESTS = Path(__file__).resolve().parent
 
+# The reliability ledger (fixture `ledger`, option --reliability-json): tests/reliability.py
+pytest_plugins = ["reliability"]
+
 
 def server_env(*extra_paths: Path) -> dict[str, str]:
     paths = [str(p) for p in (*extra_paths, TESTS)]
