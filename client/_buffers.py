@@ -1,4 +1,5 @@
-"""A pool of reusable host buffers whose reuse waits for the copy that last read them.
+"""Reusable host buffers: pinned ones whose reuse waits for the device copy that last read
+them (BufferPool), and plain ones reused once no batch refers to them (HostBuffers).
 
 Pinned (page-locked) host memory is slow to allocate and scarce, so the device path allocates
 a few buffers once and recycles them. A buffer is handed back with the event of the copy that
@@ -10,9 +11,12 @@ Threading: acquire() and release() may be called from different threads.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
+
+import numpy as np
 
 T = TypeVar("T")
 
@@ -84,3 +88,67 @@ def _round_up(n: int) -> int:
     """Next power of two: batches of varying size then reuse a few buffer sizes."""
     return 1 << max(n - 1, 0).bit_length()
 
+
+
+def _refs_when_free() -> int:
+    """sys.getrefcount of a buffer, read as HostBuffers.acquire reads it, when only the pool
+    holds it (measured, not assumed: the count differs between Python versions)."""
+    bufs = [np.empty(1, np.uint8)]
+    return sys.getrefcount(bufs[0])
+
+
+class HostBuffers:
+    """Plain host buffers for batches handed out as numpy arrays or CPU tensors, each reused
+    once nothing else refers to it.
+
+    A batch's arrays are numpy views of one buffer (torch.from_numpy keeps the view, and so
+    the buffer, alive), so a buffer whose only reference is the pool's holds no batch anyone
+    can reach: reusing it overwrites nothing. A batch the caller keeps (a list of batches, a
+    tensor saved for later) keeps its buffer out of the pool for as long as it lives.
+
+    Why: a fresh buffer costs a page fault per 4 KiB and the kernel's zeroing on first write.
+    glibc serves allocations over 32 MiB with a fresh mmap every time, so every large batch
+    paid that (the wire benchmark's client CPU per GB roughly tripled at 64 MiB batches).
+
+    At most `max_buffers` are kept; when all are in use a fresh, unpooled buffer is made.
+    Threading: acquire() may be called from several receive threads.
+    """
+
+    def __init__(self, max_buffers: int) -> None:
+        self._max = max_buffers
+        self._bufs: list[np.ndarray] = []
+        self._lock = threading.Lock()
+        self.allocations = 0
+
+    def acquire(self, nbytes: int) -> np.ndarray:
+        """A uint8 buffer of at least `nbytes` (its start is what the batch uses)."""
+        with self._lock:
+            best = small = None
+            for i in range(len(self._bufs)):
+                # No local name for the buffer: it would be one more reference.
+                if sys.getrefcount(self._bufs[i]) != _FREE_REFS:
+                    continue
+                size = self._bufs[i].nbytes
+                if size >= nbytes:
+                    if best is None or size < self._bufs[best].nbytes:
+                        best = i
+                elif small is None:
+                    small = i
+            if best is not None:
+                return self._bufs[best]
+            self.allocations += 1
+            fresh = np.empty(-(-nbytes // _ROUND) * _ROUND, np.uint8)
+            if small is not None:  # a free buffer too small for this batch: replace it
+                self._bufs[small] = fresh
+            elif len(self._bufs) < self._max:
+                self._bufs.append(fresh)
+            return fresh
+
+    def clear(self) -> None:
+        """Drop the pool's references (batches still held by the caller stay valid)."""
+        with self._lock:
+            self._bufs.clear()
+
+
+_ROUND = 64 << 10  # sizes grow in these steps, so batches of one shape settle on one size
+_FREE_REFS = _refs_when_free()

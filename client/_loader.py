@@ -19,6 +19,7 @@ from stoker.v1 import stoker_pb2 as pb
 from stoker.v1 import stoker_pb2_grpc as pb_grpc
 
 from . import _samehost as samehost
+from ._buffers import HostBuffers
 from ._errors import RemoteError
 from ._frames import Assembled, numpy_views
 from ._normalize import Normalizer
@@ -112,6 +113,8 @@ class RemoteLoader:
             # prefetch batches can wait in pinned buffers, plus one being filled and one
             # whose copy to the device is still running.
             self._feed = DeviceFeed(device, max_buffers=prefetch + 2, normalize=self._normalize)
+        # Batches in flight, plus the one the caller holds and the one it just let go.
+        self._host = HostBuffers(max_buffers=prefetch + 2)
         self._describe: pb.DescribeDatasetResponse | None = None
         self._scheduler: Scheduler | None = None
         self._stats = {"batches": 0, "bytes": 0, "wait_seconds": 0.0, "loop_seconds": 0.0,
@@ -229,7 +232,7 @@ class RemoteLoader:
     def _allocate(self, nbytes: int) -> tuple[Any, np.ndarray]:
         if self._feed is not None:
             return self._feed.allocate(nbytes)
-        buf = np.empty(nbytes, np.uint8)
+        buf = self._host.acquire(nbytes)
         return buf, buf
 
     def _finish(self, batch: Assembled) -> Any:
@@ -250,7 +253,8 @@ class RemoteLoader:
         the loop's time it waited for data); batches/s since the loader was made; failovers
         (times a server's batches were asked of another because it failed or stalled);
         hedges (times the awaited batch was also asked of a second server); each server's
-        state and figures; with a CUDA device, how many pinned buffers were allocated."""
+        state and figures; how many host buffers were allocated (pinned ones with a CUDA device):
+        batches reuse buffers that nothing refers to any more."""
         live = self._scheduler
         now = time.perf_counter()
         elapsed = now - self._started
@@ -267,12 +271,15 @@ class RemoteLoader:
                  "servers": {a: s.stats() for a, s in self._servers.servers.items()}}
         if self._feed is not None:
             stats["pinned_allocations"] = self._feed.pool.allocations
+        else:
+            stats["host_allocations"] = self._host.allocations
         return stats
 
     def close(self) -> None:
         if self._scheduler is not None:
             self._scheduler.close()
         self._servers.close()
+        self._host.clear()
 
     def __enter__(self) -> RemoteLoader:
         return self

@@ -101,6 +101,7 @@ class DataService:
         self.data_sockets: Any = None  # a DataSockets, set by the app once it listens
         self._streams = itertools.count()
         self._pool = pool
+        self._mappings = _shm.ReadMappings()  # of the workers' segments, kept between batches
         self._meta = meta
         self._settings = config.server
         # Hints reach one round of the workers' queues ahead of the batch being asked for.
@@ -267,18 +268,15 @@ class DataService:
             state["sock_wait"] = None
         if not await _write(context, encode_socket_frame(batch, batch_index, epoch)):
             return False
-        segment = _shm.open_readonly(batch.shm_name)
-        try:
-            with memoryview(segment) as view:
-                payload = view[: batch.payload_bytes]
-                try:
-                    await asyncio.get_running_loop().sock_sendall(state["sock"], payload)
-                except OSError:
-                    return False  # the client closed its socket: the stream ends too
-                finally:
-                    payload.release()
-        finally:
-            segment.close()
+        segment = self._mappings.get(batch.shm_name, batch.payload_bytes)
+        with memoryview(segment) as view:
+            payload = view[: batch.payload_bytes]
+            try:
+                await asyncio.get_running_loop().sock_sendall(state["sock"], payload)
+            except OSError:
+                return False  # the client closed its socket: the stream ends too
+            finally:
+                payload.release()
         return True
 
     async def _send_frames(self, context: grpc.aio.ServicerContext, batch: BuiltBatch,
@@ -287,28 +285,25 @@ class DataService:
 
         Each frame's bytes are copied (or compressed from a copy) out of the segment before
         anything is awaited, so no view of the segment outlives a step: the segment can be
-        closed, and handed back to its worker, whatever happens to the stream."""
-        segment = _shm.open_readonly(batch.shm_name)
-        try:
-            total, step = batch.payload_bytes, self._settings.frame_bytes
-            for offset in range(0, max(total, 1), step):
-                with memoryview(segment) as view:
-                    chunk = view[offset : min(offset + step, total)]
-                    if zstd is not None and len(chunk) >= MIN_COMPRESS:
-                        data, kind = bytes(chunk), "zstd"
-                    else:
-                        frame = encode_frame(batch, chunk, offset, batch_index, epoch)
-                        data, kind = None, ""
-                    chunk.release()
-                if data is not None:
-                    # In a thread: zstd releases the GIL; the loop serves other streams.
-                    frame = encode_frame(batch, await asyncio.to_thread(zstd.compress, data),
-                                         offset, batch_index, epoch, kind)
-                if not await _write(context, frame):
-                    return False
-            return True
-        finally:
-            segment.close()
+        handed back to its worker, and its mapping closed, whatever happens to the stream."""
+        segment = self._mappings.get(batch.shm_name, batch.payload_bytes)
+        total, step = batch.payload_bytes, self._settings.frame_bytes
+        for offset in range(0, max(total, 1), step):
+            with memoryview(segment) as view:
+                chunk = view[offset : min(offset + step, total)]
+                if zstd is not None and len(chunk) >= MIN_COMPRESS:
+                    data, kind = bytes(chunk), "zstd"
+                else:
+                    frame = encode_frame(batch, chunk, offset, batch_index, epoch)
+                    data, kind = None, ""
+                chunk.release()
+            if data is not None:
+                # In a thread: zstd releases the GIL; the loop serves other streams.
+                frame = encode_frame(batch, await asyncio.to_thread(zstd.compress, data),
+                                     offset, batch_index, epoch, kind)
+            if not await _write(context, frame):
+                return False
+        return True
 
     async def _read_credits(self, requests: AsyncIterator[pb.StreamRequest], ready: asyncio.Queue,
                             jobs: set[asyncio.Task], state: dict[str, Any]) -> None:

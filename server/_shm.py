@@ -38,12 +38,52 @@ def create(name: str, size: int) -> mmap.mmap:
         os.close(fd)
 
 
-def open_readonly(name: str) -> mmap.mmap:
-    fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600)
-    try:
-        return mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
-    finally:
+class ReadMappings:
+    """Read-only mappings of the workers' segments, kept from batch to batch.
+
+    Mapping a segment afresh costs a page-table fault per 4 KiB page the first time each is
+    read (measured: 12 ms instead of 8 ms to read 64 MiB); workers reuse their segments, so
+    the front end keeps its mappings too. A mapping goes once its segment is unlinked (the
+    worker dropped it, or was replaced): an unlinked segment's memory lives on for as long as
+    anyone maps it, so each get() closes the mappings whose segments have no link left.
+    A segment that grew is mapped again. Used from the event loop's thread only.
+    """
+
+    def __init__(self) -> None:
+        self._maps: dict[str, tuple[int, mmap.mmap]] = {}  # name -> (fd, mapping)
+
+    def get(self, name: str, size: int) -> mmap.mmap:
+        """A read-only mapping of at least the first `size` bytes of segment `name`."""
+        self._drop_unlinked()
+        held = self._maps.get(name)
+        if held is not None and len(held[1]) >= size:
+            return held[1]
+        if held is not None:
+            self._close(name)
+        fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600)
+        try:
+            mm = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._maps[name] = (fd, mm)
+        return mm
+
+    def _drop_unlinked(self) -> None:
+        for name in [n for n, (fd, _) in self._maps.items() if os.fstat(fd).st_nlink == 0]:
+            self._close(name)
+
+    def _close(self, name: str) -> None:
+        fd, mm = self._maps.pop(name)
         os.close(fd)
+        try:
+            mm.close()
+        except BufferError:  # a view is still out (a send being torn down): the GC closes it
+            pass
+
+    def close(self) -> None:
+        for name in list(self._maps):
+            self._close(name)
 
 
 def unlink(name: str) -> None:
