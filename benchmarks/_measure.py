@@ -16,6 +16,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# How stoker batches reached the trainer in a pipeline run (its --transport).
+TRANSPORT_LABELS = {"shm": "shared memory (same host)", "grpc": "gRPC frames",
+                    "socket": "the data socket (TCP beside gRPC)"}
+
+
+def transport_of(parameters: dict) -> str:
+    """A run's transport; runs from before --transport had --socket (gRPC) or nothing (shm)."""
+    return parameters.get("transport") or ("grpc" if parameters.get("socket") else "shm")
+
 
 def machine_info(**versions: str) -> dict[str, Any]:
     """Machine facts for the JSON, plus the versions the caller names (numpy=..., ...)."""

@@ -39,7 +39,14 @@ import PIL
 import simplejpeg
 import torch
 from _data import make_image_folder
-from _measure import machine_info, run_scenario, scenario_parser, settle, summarise
+from _measure import (
+    TRANSPORT_LABELS,
+    machine_info,
+    run_scenario,
+    scenario_parser,
+    settle,
+    summarise,
+)
 from loader_vs_dataloader import ROLES, time_epoch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
@@ -54,6 +61,10 @@ TRANSFORMS = [{"random_resized_crop": {"size": 224}}, {"horizontal_flip": {"p": 
 FULL = {"images": 1024, "batch_size": 32, "repeats": 3}
 QUICK = {"images": 192, "batch_size": 16, "repeats": 1}
 SYSTEMS = ("dataloader", "stateful", "stoker", "stoker_uint8")
+# --transport: the RemoteLoader arguments for each way batches can reach the trainer.
+TRANSPORTS = {"shm": {"shared_memory": True}, "grpc": {"shared_memory": False},
+              "socket": {"shared_memory": False, "data_socket": True}}
+
 LABELS = {"dataloader": "torch DataLoader", "stateful": "torchdata StatefulDataLoader",
           "stoker": "stoker RemoteLoader", "stoker_uint8": "stoker, uint8 + client normalize"}
 
@@ -154,11 +165,11 @@ def measure_w(args: argparse.Namespace, data_dir: Path, cfg_dir: Path, w: int
                                        persistent_workers=True, generator=g),
         "stoker": RemoteLoader(server.address, "imgs", batch_size=args.batch_size,
                                seed=args.seed, shuffle=True, drop_last=True,
-                               prefetch=args.prefetch, shared_memory=not args.socket),
+                               prefetch=args.prefetch, **TRANSPORTS[args.transport]),
         "stoker_uint8": RemoteLoader(server.address, "imgs_uint8", batch_size=args.batch_size,
                                      seed=args.seed, shuffle=True, drop_last=True,
                                      prefetch=args.prefetch, normalize={"image": (MEAN, STD)},
-                                     shared_memory=not args.socket)}
+                                     **TRANSPORTS[args.transport])}
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in SYSTEMS}
     problems: list[str] = []
     firsts: dict[str, Any] = {}
@@ -237,7 +248,7 @@ def report(res: dict[str, Any]) -> str:
              f"{res['data']['mean_jpeg_bytes'] / 1024:.0f} KiB) -> random resized crop 224 -> "
              "flip -> normalize -> float32 CHW",
              f"loaders   batch {p['batch_size']}, {p['repeats']} repeats per system, medians; "
-             f"stoker batches via {'gRPC (--socket)' if p['socket'] else 'shared memory'}",
+             f"stoker batches via {TRANSPORT_LABELS[p['transport']]}",
              "", f"{'W':>3}  {'system':<34}{'images/s':>10}{'[min, max]':>18}"
              f"{'vs DataLoader':>15}{'CPU ms/batch':>14}"]
     for s in res["sweep"]:
@@ -277,9 +288,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the W values to sweep (default 1..cores; 0: DataLoader alone, "
                          "loading in the training process)")
     ap.add_argument("--prefetch", type=int, default=8, help="RemoteLoader batches in flight")
-    ap.add_argument("--socket", action="store_true",
-                    help="stoker batches through gRPC even on one host (shared_memory=False), "
-                         "as between machines")
+    ap.add_argument("--transport", choices=sorted(TRANSPORTS), default="shm",
+                    help="how stoker batches reach this process: shm (same-host shared memory, "
+                         "the default on one host), grpc (frames, as between machines without "
+                         "the data socket), socket (data_socket=True, as between machines)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data-dir", help="use (or fill) this folder of JPEGs")
     args = ap.parse_args(argv)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+from _measure import TRANSPORT_LABELS, transport_of
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
@@ -70,7 +71,7 @@ def pipeline(r: dict[str, Any], plots: Path) -> list[str]:
     p = r["parameters"]
     return [f"{r['data']['images']} JPEGs ~375x500 → random resized crop 224 → flip → normalize "
             f"→ float32 CHW, batch {p['batch_size']}, {p['repeats']} repeats per system; "
-            f"stoker batches via {'gRPC' if p.get('socket') else 'shared memory (same host)'}.",
+            f"stoker batches via {TRANSPORT_LABELS[transport_of(p)]}.",
             "", *_table(["W", "system", "images/s median [min, max]", "vs DataLoader",
                          "CPU ms/batch, all processes"], rows),
             _save(fig, plots, "pipeline.png"), ""]
