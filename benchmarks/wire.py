@@ -467,7 +467,8 @@ NOTES = [
     "(getrusage, all threads); server: `stoker serve` and its workers (/proc, 10 ms ticks); "
     "for raw TCP the same columns are the receiver (this process) and the sender process.",
     "stoker's data path here: worker collates samples into shared memory -> front end frames "
-    "it and gRPC sends it -> client receive thread assembles frames into a new numpy buffer.",
+    "it and gRPC sends it -> client receive thread assembles frames into a numpy buffer (reused "
+    "once the loop drops the batch).",
     "The stoker server (front end + workers), this client, and the TCP sender share this "
     "machine's cores, so every copy competes with the transfer it serves; over a network the "
     "server's copies would run on another machine.",
