@@ -87,6 +87,9 @@ class _Sourced(_Strict):
     shuffle: Literal["global", "block"] = "global"
     shuffle_window: int = Field(4, ge=1)
     transform: str | None = UserTransform
+    # Local sources: a symlink under the root that leads outside it is refused (the dataset
+    # does not open) unless the operator says so here. `..` never leads out.
+    follow_symlinks_outside_root: bool = False
 
     @field_validator("source")
     @classmethod
