@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import json
+import os
 import ssl
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -354,3 +357,39 @@ def test_a_symlink_out_of_the_data_folder_is_refused_at_open(start_server, tmp_p
         assert len(next(iter(loader))["label"]) == 2
     ledger.record("security", "symlink from the data folder to a file outside it", tried=1,
                   detail="the dataset does not open, the error names the link")
+
+
+def test_the_cli_speaks_tls_and_sends_the_token(tls_server, pki) -> None:
+    def datasets(*extra: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "stoker.server", "datasets",
+                               tls_server.address, "--tls-ca", str(pki["ca"]), *extra],
+                              capture_output=True, text=True, timeout=60,
+                              env={**os.environ, **env})
+
+    out = datasets(env={"STOKER_TOKEN": TOKEN})
+    assert out.returncode == 0 and out.stdout.splitlines()[1].split()[0] == "noise", out.stderr
+    assert datasets("--token-file", str(pki["token_file"]), env={}).returncode == 0
+    out = datasets(env={})
+    assert out.returncode == 1 and "UNAUTHENTICATED" in out.stderr
+    assert "noise" not in out.stderr
+
+
+@pytest.mark.parametrize("case", ["short token", "bad certificate"])
+def test_a_bad_token_or_certificate_stops_the_start_naming_the_file(tmp_path, pki,
+                                                                     case) -> None:
+    server: dict[str, Any] = {}
+    if case == "short token":
+        (tmp_path / "token").write_text("short\n")
+        server["auth_token_file"] = str(tmp_path / "token")
+    else:
+        (tmp_path / "junk.pem").write_text("not a certificate\n")
+        server["tls"] = {"cert_file": str(tmp_path / "junk.pem"),
+                         "key_file": str(pki["server"].key)}
+    config = write_config(tmp_path / "c.yaml", {"server": server, "datasets": NOISE})
+    out = subprocess.run([sys.executable, "-m", "stoker.server", "serve", "--config",
+                          str(config), "--port", "0", "--http-port", "0"],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, **server_env()})
+    assert out.returncode == 1 and out.stdout == "", out.stderr
+    named = str(tmp_path / ("token" if case == "short token" else "junk.pem"))
+    assert named in out.stderr and "short\n" not in out.stderr, out.stderr
