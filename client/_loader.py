@@ -20,6 +20,8 @@ from stoker.v1 import stoker_pb2_grpc as pb_grpc
 
 from . import _samehost as samehost
 from ._buffers import HostBuffers
+from ._channel import ChannelMaker
+from ._channel import hint as tls_hint
 from ._errors import RemoteError
 from ._frames import Assembled, numpy_views
 from ._normalize import Normalizer
@@ -68,7 +70,8 @@ class RemoteLoader:
                  normalize: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
                  normalize_dtype: str = "float32", shared_memory: bool = True,
                  progress: bool = False, log_every: float | None = None,
-                 compression: str | None = None, data_socket: bool = False) -> None:
+                 compression: str | None = None, data_socket: bool = False,
+                 tls: bool | Mapping[str, Any] = False, token: str | None = None) -> None:
         if output not in ("torch", "numpy"):
             raise ValueError(f"output must be 'torch' or 'numpy', got {output!r}")
         if output == "numpy" and device is not None:
@@ -82,7 +85,12 @@ class RemoteLoader:
             default_rank, default_world = _default_rank_world()
             rank = default_rank if rank is None else rank
             world_size = default_world if world_size is None else world_size
-        self._servers = ServerSet(address)
+        channels = ChannelMaker(tls, token)
+        if data_socket and channels.tls:
+            raise ValueError("data_socket=True sends payloads over plain TCP; with tls, "
+                             "batches travel in gRPC frames (leave data_socket False)")
+        self._tls = channels.tls
+        self._servers = ServerSet(address, channels)
         self.address = self._servers.describe()
         self.dataset = dataset
         self._coords = dict(dataset=dataset, seed=seed, shuffle=shuffle, rank=rank,
@@ -151,9 +159,10 @@ class RemoteLoader:
                             raise err from None
                         errors[server.address] = str(err)
                 if time.monotonic() + pause > deadline:
+                    said = "; ".join(errors.values())
                     raise RemoteError(grpc.StatusCode.UNAVAILABLE,
                                       f"no server answered within {self._timeout:g}s: "
-                                      + "; ".join(errors.values()), self.address)
+                                      + said + tls_hint(self._tls, said), self.address)
                 time.sleep(pause)  # every server refused: back off before the next round
                 pause = min(pause * 2, 2.0)
                 self._servers.refresh(time.monotonic())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,8 +102,13 @@ class ServerSet:
     """The current servers; re-resolves a dns target now and then. Not thread-safe: the
     scheduler calls it under its lock."""
 
-    def __init__(self, address: str | Sequence[str]) -> None:
+    def __init__(self, address: str | Sequence[str],
+                 channel: Callable[[str, list[tuple[str, Any]]], grpc.Channel] | None = None
+                 ) -> None:
+        """`channel(address, options)` makes a server's channel (TLS, token: _channel.py);
+        default: plain TCP."""
         self._fixed, self._dns = parse_addresses(address)
+        self._channel = channel or (lambda a, o: grpc.insecure_channel(a, options=o))
         self.servers: dict[str, Server] = {}
         self._resolved_at = -RESOLVE_EVERY
         self.refresh(time.monotonic())
@@ -125,7 +130,7 @@ class ServerSet:
         for address in wanted:
             server = self.servers.get(address)
             if server is None:
-                channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                channel = self._channel(address, CHANNEL_OPTIONS)
                 self.servers[address] = Server(address, channel, last_progress=now)
             elif server.state == "gone":
                 server.state = "up"

@@ -18,6 +18,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from . import _tls
+from ._auth import TokenInterceptor, read_token
 from ._config import Config
 from ._datasocket import DataSockets
 from ._http import HttpServer
@@ -26,11 +28,11 @@ from ._workers import StartError, WorkerPool
 
 log = logging.getLogger("stoker.server")
 
-# Frames are at most MAX_FRAME_BYTES; requests are small. Keepalive pings let a server notice
+# Frames are at most MAX_FRAME_BYTES; requests are small (their limit, max_request_bytes,
+# comes from the config: grpc.max_receive_message_length). Keepalive pings let a server notice
 # a vanished client (and free what its stream held) without waiting for TCP to time out.
 # No SO_REUSEPORT: a second server on a taken port must fail, not share it silently.
 GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", 4 << 20),
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
@@ -75,12 +77,19 @@ async def serve(config: Config) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # first: a signal during start stops cleanly
         loop.add_signal_handler(sig, stop.set)
+    # Secrets and certificates first: a bad one fails the start before any worker runs.
+    token = read_token(settings)
+    if settings.tls is not None:
+        _tls.check(settings.tls)
     pool = WorkerPool(config, settings.worker_count)
     try:
         meta = await loop.run_in_executor(None, pool.start)
         service = DataService(config, pool, meta)
         health_servicer = health.aio.HealthServicer()
-        server = grpc.aio.server(options=GRPC_OPTIONS)
+        server = grpc.aio.server(
+            options=[*GRPC_OPTIONS, ("grpc.max_receive_message_length",
+                                     int(settings.max_request_bytes))],
+            interceptors=[TokenInterceptor(token)] if token is not None else None)
         server.add_generic_rpc_handlers([service.handler()])
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         # Reflection: grpcurl and friends discover the services without the .proto file.
@@ -88,23 +97,33 @@ async def serve(config: Config) -> None:
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
         address = grpc_address(settings.host, settings.port)
         try:
-            port = server.add_insecure_port(address)
+            if settings.tls is None:
+                port = server.add_insecure_port(address)
+            else:
+                port = server.add_secure_port(address, _tls.grpc_credentials(settings.tls))
         except RuntimeError as e:
             raise StartError(f"cannot listen on {address} (gRPC): {e}") from None
         await server.start()
-        try:
-            data_sockets = DataSockets(settings.host, settings.data_port)
-        except OSError as e:
-            await server.stop(None)
-            raise StartError(f"cannot listen on {grpc_address(settings.host, settings.data_port)}"
-                             f" (data socket): {e.strerror}") from None
-        data_sockets.start()
+        # The data socket is plain TCP: under TLS it is not offered (clients that ask for one
+        # get their payloads in gRPC frames, encrypted like the rest).
+        data_sockets = None
+        if settings.tls is None:
+            try:
+                data_sockets = DataSockets(settings.host, settings.data_port)
+            except OSError as e:
+                await server.stop(None)
+                raise StartError(f"cannot listen on "
+                                 f"{grpc_address(settings.host, settings.data_port)}"
+                                 f" (data socket): {e.strerror}") from None
+            data_sockets.start()
         service.data_sockets = data_sockets
         try:
-            http = HttpServer(settings.host, settings.http_port, service)
+            http = HttpServer(settings.host, settings.http_port, service, token=token,
+                              tls=settings.tls)
         except OSError as e:
             await server.stop(None)
-            data_sockets.close()
+            if data_sockets is not None:
+                data_sockets.close()
             raise StartError(f"cannot listen on {grpc_address(settings.host, settings.http_port)}"
                              f" (HTTP): {e.strerror}") from None
         http.start()
@@ -115,7 +134,8 @@ async def serve(config: Config) -> None:
         # Not printed when a signal came during the start: that server is about to stop.
         if not stop.is_set():
             print(json.dumps({"event": "ready", "grpc_port": port, "http_port": http.port,
-                              "data_port": data_sockets.port,
+                              "data_port": data_sockets.port if data_sockets else None,
+                              "tls": settings.tls is not None, "auth": token is not None,
                               "host": settings.host, "workers": settings.worker_count,
                               "datasets": sorted(meta)}), flush=True)
             log.info("serving %s on %s (gRPC), port %d (HTTP) with %d workers",
@@ -129,7 +149,8 @@ async def serve(config: Config) -> None:
         await health_servicer.enter_graceful_shutdown()
         service.draining = True  # credits from now on are answered UNAVAILABLE, in-band
         await server.stop(settings.grace_seconds)
-        data_sockets.close()
+        if data_sockets is not None:
+            data_sockets.close()
         http.stop()
     finally:
         await loop.run_in_executor(None, pool.close)

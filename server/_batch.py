@@ -28,6 +28,10 @@ class SampleError(Exception):
     """A sample could not be read or collated; the message names the sample and the cause."""
 
 
+class BatchTooLarge(Exception):
+    """A batch over the server's max_batch_bytes; the message names the limit and its value."""
+
+
 @dataclass(frozen=True)
 class TensorLayout:
     name: str
@@ -149,11 +153,14 @@ def _check_like(s: dict[str, np.ndarray], idx: int, layout: list[TensorLayout],
 
 
 def build_batch(dataset: Any, indices: np.ndarray, segments: _shm.SegmentPool,
-                key: EpochKey = _FIRST_EPOCH, skip: bool = False) -> BuiltBatch:
+                key: EpochKey = _FIRST_EPOCH, skip: bool = False,
+                max_bytes: int | None = None) -> BuiltBatch:
     """Compute the batch of `indices` into a segment of `segments`, lent to the caller.
 
     Collated in one pass: the first sample fixes the layout, the segment is created, and each
-    sample is written into its row as soon as it exists; no list of samples is kept."""
+    sample is written into its row as soon as it exists; no list of samples is kept.
+    A batch whose payload would exceed `max_bytes` raises BatchTooLarge before any memory
+    is taken for it."""
     started = time.perf_counter()
     delivered = np.array(indices, dtype=np.int64)
     skipped = 0
@@ -167,7 +174,12 @@ def build_batch(dataset: Any, indices: np.ndarray, segments: _shm.SegmentPool,
             if segment is None:
                 first_index = j
                 layout = plan_layout(s, len(indices), j)
-                name, segment = segments.acquire(layout[-1].offset + layout[-1].nbytes)
+                size = layout[-1].offset + layout[-1].nbytes
+                if max_bytes is not None and size > max_bytes:
+                    raise BatchTooLarge(f"a batch of {len(indices)} samples takes {size} bytes,"
+                                        f" over this server's max_batch_bytes ({max_bytes}): "
+                                        "ask for smaller batches")
+                name, segment = segments.acquire(size)
                 views = {t.name: np.ndarray(t.shape, np.dtype(t.dtype).newbyteorder("<"),
                                             segment, t.offset) for t in layout}
             else:

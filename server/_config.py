@@ -87,6 +87,9 @@ class _Sourced(_Strict):
     shuffle: Literal["global", "block"] = "global"
     shuffle_window: int = Field(4, ge=1)
     transform: str | None = UserTransform
+    # Local sources: a symlink under the root that leads outside it is refused (the dataset
+    # does not open) unless the operator says so here. `..` never leads out.
+    follow_symlinks_outside_root: bool = False
 
     @field_validator("source")
     @classmethod
@@ -433,6 +436,26 @@ DatasetConfig = Annotated[
     Field(discriminator="format")]
 
 
+def _readable_file(v: Path) -> Path:
+    if not v.is_file():
+        raise ValueError(f"not a file: {v}")
+    return v
+
+
+ReadableFile = Annotated[Path, AfterValidator(_readable_file)]
+
+
+class TlsSettings(_Strict):
+    """TLS on the gRPC and HTTP ports (PEM files, read at start; relative paths are relative
+    to the config file). With `client_ca_file`, clients must present a certificate it signed
+    (mutual TLS), on both ports."""
+
+    cert_file: ReadableFile = Field(description="the server's certificate chain (PEM)")
+    key_file: ReadableFile = Field(description="its private key (PEM)")
+    client_ca_file: ReadableFile | None = Field(
+        None, description="CA certificates (PEM) for client certificates; set: mutual TLS")
+
+
 class ServerSettings(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(50051, ge=0, le=65535)
@@ -450,6 +473,24 @@ class ServerSettings(_Strict):
     # Clients on this host (same user) read batches straight from shared memory: no copy
     # through gRPC. false: every batch goes over the socket.
     shared_memory: bool = True
+    tls: TlsSettings | None = None
+    # The bearer token every call must carry; from a file or an environment variable, never
+    # from this file (configs get committed, printed and mounted where secrets should not be).
+    auth_token_file: ReadableFile | None = None
+    auth_token_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    # Limits a client cannot talk its way past; each refusal names the limit and its value.
+    max_streams_per_client: int = Field(64, ge=1, le=65536)
+    max_batch_bytes: ByteSize = Field(ByteSize(2 << 30), ge=1 << 10)
+    max_request_bytes: ByteSize = Field(ByteSize(1 << 20), ge=4 << 10, le=64 << 20)
+
+    @model_validator(mode="after")
+    def _one_token_source(self) -> ServerSettings:
+        if self.auth_token_file is not None and self.auth_token_env is not None:
+            raise ValueError("give auth_token_file or auth_token_env, not both")
+        if self.auth_token_env is not None and not os.environ.get(self.auth_token_env):
+            raise ValueError(f"auth_token_env: environment variable {self.auth_token_env} "
+                             "is not set (or empty)")
+        return self
 
     @property
     def worker_count(self) -> int:
@@ -471,8 +512,8 @@ class Config(_Strict):
 
 
 def _resolve_sources(raw: Any, base: Path) -> Any:
-    """Relative `source:` paths (and text datasets' `tokenizer:` files) are relative to the
-    config file, not the working directory."""
+    """Relative `source:` paths (and text datasets' `tokenizer:` files, the cache folder, TLS
+    and token files) are relative to the config file, not the working directory."""
     datasets = raw.get("datasets") if isinstance(raw, dict) else None
     if isinstance(datasets, dict):
         for ds in datasets.values():
@@ -484,6 +525,15 @@ def _resolve_sources(raw: Any, base: Path) -> Any:
                     and isinstance(ds.get("tokenizer"), str) and ds["tokenizer"] != "byte"):
                 tok = Path(ds["tokenizer"]).expanduser()  # a local file, like a local source
                 ds["tokenizer"] = str(tok if tok.is_absolute() else base / tok)
+    server = raw.get("server")
+    tls = server.get("tls") if isinstance(server, dict) else None
+    files = [(server, "auth_token_file")] if isinstance(server, dict) else []
+    if isinstance(tls, dict):
+        files += [(tls, k) for k in ("cert_file", "key_file", "client_ca_file")]
+    for owner, key in files:
+        if isinstance(owner.get(key), str):
+            f = Path(owner[key]).expanduser()
+            owner[key] = str(f if f.is_absolute() else base / f)
     cache = raw.get("cache")
     if isinstance(cache, dict) and isinstance(cache.get("dir"), str):
         d = Path(cache["dir"]).expanduser()

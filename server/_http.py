@@ -10,6 +10,9 @@
     GET /openapi.json, /docs the OpenAPI document FastAPI generates from these
     GET /                    a live page: throughput, streams, clients' stall (polls /v1/stats)
 
+With a bearer token configured (_auth.py) every path but /healthz and /readyz answers 401
+without it, and says nothing else. With `tls`, the port speaks HTTPS only (_tls.py).
+
 uvicorn runs on its own thread with its own event loop: it must not install signal handlers
 (the server's lifecycle owns SIGTERM/SIGINT), and off the main thread it does not. Handlers
 only read: counters (thread-safe), the pool's status (under its lock), immutable metadata.
@@ -23,10 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, HTTPException, Response
-from fastapi.responses import HTMLResponse
+from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
+
+from ._auth import EXEMPT_HTTP_PATHS, REFUSAL, bearer_ok
+from ._tls import uvicorn_options
 
 PAGE = Path(__file__).parent / "static" / "index.html"
 
@@ -67,11 +73,21 @@ class Stats(BaseModel):
     datasets: dict[str, DatasetRates]
 
 
-def make_app(service: Any = None) -> FastAPI:
-    """The app; `service` is the DataService (None: /healthz only, for tests of the shell)."""
+def make_app(service: Any = None, token: bytes | None = None) -> FastAPI:
+    """The app; `service` is the DataService (None: /healthz only, for tests of the shell);
+    `token`: the bearer token every request but the probes must carry (None: no auth)."""
     app = FastAPI(title="stoker data server", version="1",
                   description="Control plane of a stoker data server; batches travel over "
                               "gRPC (stoker.v1.DataService).")
+
+    if token is not None:
+        @app.middleware("http")
+        async def require_token(request: Request, call_next: Any) -> Response:
+            if request.url.path in EXEMPT_HTTP_PATHS or bearer_ok(
+                    request.headers.get("authorization"), token):
+                return await call_next(request)
+            return JSONResponse({"detail": REFUSAL}, status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
 
     @app.get("/healthz")
     def healthz() -> dict[str, str]:
@@ -137,7 +153,8 @@ def make_app(service: Any = None) -> FastAPI:
 
 
 class HttpServer:
-    def __init__(self, host: str, port: int, service: Any = None) -> None:
+    def __init__(self, host: str, port: int, service: Any = None, *,
+                 token: bytes | None = None, tls: Any = None) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -146,7 +163,8 @@ class HttpServer:
         # reports ready wait in the backlog instead of being refused.
         self._sock.listen(128)
         self.port: int = self._sock.getsockname()[1]
-        config = uvicorn.Config(make_app(service), log_level="warning", lifespan="off")
+        config = uvicorn.Config(make_app(service, token), log_level="warning", lifespan="off",
+                                **uvicorn_options(tls))
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="stoker-http", daemon=True)

@@ -14,11 +14,18 @@ import numpy as np
 def datasets(args: argparse.Namespace) -> int:
     import grpc
 
+    from stoker.client._channel import ChannelMaker
     from stoker.v1 import stoker_pb2 as pb
     from stoker.v1 import stoker_pb2_grpc as pb_grpc
 
     try:
-        with grpc.insecure_channel(args.address) as channel:
+        tls, token = _security(args)
+        channel = ChannelMaker(tls, token)(args.address, [])
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    try:
+        with channel:
             reply = pb_grpc.DataServiceStub(channel).ListDatasets(pb.ListDatasetsRequest(),
                                                                   timeout=args.timeout)
     except grpc.RpcError as e:
@@ -60,13 +67,14 @@ def inspect(args: argparse.Namespace) -> int:
     from stoker.client import RemoteError, RemoteLoader
 
     try:
+        tls, token = _security(args)
         with RemoteLoader(args.address, args.dataset, batch_size=args.batch_size, seed=args.seed,
                           shuffle=not args.no_shuffle, drop_last=False, output="numpy",
-                          timeout=args.timeout) as loader:
+                          timeout=args.timeout, tls=tls, token=token) as loader:
             info = loader.describe()
             loader.set_epoch(args.epoch)
             batch: dict[str, Any] = next(iter(loader))
-    except RemoteError as e:
+    except (RemoteError, ValueError) as e:
         print(e, file=sys.stderr)
         return 1
     print(f"{info.dataset}: format {info.format}, {info.num_samples} samples, "
@@ -91,10 +99,37 @@ def inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _security(args: argparse.Namespace) -> tuple[Any, str | None]:
+    """RemoteLoader's `tls` and `token` from the command line (the token from a file, else
+    $STOKER_TOKEN: never an argument, which other users of the machine can read in ps)."""
+    token = None
+    if args.token_file is not None:
+        try:
+            token = args.token_file.read_text().strip()
+        except OSError as e:
+            raise ValueError(f"--token-file {args.token_file}: {e.strerror}") from None
+    files = {"ca": args.tls_ca, "cert": args.tls_cert, "key": args.tls_key,
+             "server_name": args.tls_server_name}
+    files = {k: str(v) for k, v in files.items() if v is not None}
+    return (files or args.tls), token
+
+
+def _add_security(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--token-file", type=Path, metavar="FILE",
+                        help="the bearer token (default: $STOKER_TOKEN)")
+    parser.add_argument("--tls", action="store_true", help="TLS, checked against system roots")
+    parser.add_argument("--tls-ca", type=Path, metavar="PEM", help="TLS, checked against this CA")
+    parser.add_argument("--tls-cert", type=Path, metavar="PEM", help="client certificate (mTLS)")
+    parser.add_argument("--tls-key", type=Path, metavar="PEM", help="its private key")
+    parser.add_argument("--tls-server-name", metavar="NAME",
+                        help="the name the server's certificate must carry")
+
+
 def add_commands(sub: Any) -> None:
     ds = sub.add_parser("datasets", help="list what a running server serves")
     ds.add_argument("address", help="host:port of a data server")
     ds.add_argument("--timeout", type=float, default=10.0)
+    _add_security(ds)
     ds.set_defaults(func=datasets)
     ins = sub.add_parser("inspect", help="fields and a summary of one batch of a dataset")
     ins.add_argument("address", help="host:port (or dns:///name:port) of data servers")
@@ -106,4 +141,5 @@ def add_commands(sub: Any) -> None:
     ins.add_argument("--grid", type=Path, metavar="FILE.png",
                      help="save the batch's images as one picture")
     ins.add_argument("--timeout", type=float, default=30.0)
+    _add_security(ins)
     ins.set_defaults(func=inspect)

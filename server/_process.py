@@ -46,7 +46,8 @@ class ServerProcess:
 
     @property
     def http_url(self) -> str:
-        return f"http://{self._host}:{self.ready['http_port']}"
+        scheme = "https" if self.ready.get("tls") else "http"
+        return f"{scheme}://{self._host}:{self.ready['http_port']}"
 
     @property
     def _host(self) -> str:

@@ -7,6 +7,7 @@ the worker processes; this module only validates, schedules and sends.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -42,7 +43,14 @@ from ._workers import DEPTH, BatchFailed, DatasetMeta, WorkerPool
 log = logging.getLogger("stoker.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DataService"].full_name
-_FAILURE_CODE = {"data_loss": grpc.StatusCode.DATA_LOSS, "internal": grpc.StatusCode.INTERNAL}
+_FAILURE_CODE = {"data_loss": grpc.StatusCode.DATA_LOSS, "internal": grpc.StatusCode.INTERNAL,
+                 "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+def client_of(peer: str) -> str:
+    """The client's address without its port: `ipv4:10.0.0.5:41234` -> `ipv4:10.0.0.5`."""
+    host, sep, port = peer.rpartition(":")
+    return host if sep and port.isdigit() else peer
 
 
 class _Abort(Exception):
@@ -107,6 +115,7 @@ class DataService:
         # Hints reach one round of the workers' queues ahead of the batch being asked for.
         self._lookahead = self._settings.worker_count * DEPTH
         self.draining = False
+        self._streams_of: collections.Counter[str] = collections.Counter()  # client -> open
 
     # -- read by the HTTP control plane (another thread) ------------------------------------
     @property
@@ -174,6 +183,24 @@ class DataService:
     # -- the batch stream ------------------------------------------------------------------
     async def StreamBatches(self, requests: AsyncIterator[pb.StreamRequest],
                             context: grpc.aio.ServicerContext) -> None:
+        """A batch stream, if its client (peer address, port aside) has fewer than
+        max_streams_per_client open: a client that opens streams without end would hold
+        memory and a share of the workers each."""
+        client, limit = client_of(context.peer()), self._settings.max_streams_per_client
+        if self._streams_of[client] >= limit:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"streams: this client has {self._streams_of[client]} open, "
+                                f"this server allows max_streams_per_client={limit}")
+        self._streams_of[client] += 1
+        try:
+            await self._stream(requests, context)
+        finally:
+            self._streams_of[client] -= 1
+            if not self._streams_of[client]:
+                del self._streams_of[client]
+
+    async def _stream(self, requests: AsyncIterator[pb.StreamRequest],
+                      context: grpc.aio.ServicerContext) -> None:
         """Answer every credited batch index once, in the order batches become ready.
 
         Ends when the client half-closes and every credit is answered. Batches that are built
@@ -341,7 +368,7 @@ class DataService:
                 if n > self._settings.max_credits:
                     raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                  f"batch_indices: {n} credits outstanding, this server allows "
-                                 f"{self._settings.max_credits} per stream")
+                                 f"max_credits={self._settings.max_credits} per stream")
                 for index in req.batch_indices:
                     assert coords is not None and meta is not None
                     try:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from . import _shm
-from ._batch import BuiltBatch, SampleError, build_batch, probe_fields
+from ._batch import BatchTooLarge, BuiltBatch, SampleError, build_batch, probe_fields
 from ._sampling import EpochKey, Ordering
 
 log = logging.getLogger("stoker.server")
@@ -46,7 +46,8 @@ class StartError(RuntimeError):
 
 
 class BatchFailed(Exception):
-    """A batch could not be built; `kind` is 'data_loss' or 'internal'."""
+    """A batch could not be built; `kind` is 'data_loss', 'resource_exhausted' (over
+    max_batch_bytes) or 'internal'."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
@@ -129,7 +130,8 @@ def _worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int)
         _prefetch(ds, indices)
         _prefetch(ds, ahead)
         try:
-            batch = build_batch(ds, indices, segments, key, skip)
+            batch = build_batch(ds, indices, segments, key, skip,
+                                int(config.server.max_batch_bytes))
             if cache is not None:  # what the cache did since the last batch, for /metrics
                 now = (cache.hits, cache.misses, cache.bytes_fetched)
                 batch = dataclasses.replace(
@@ -138,6 +140,8 @@ def _worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int)
             conn.send(("done", task_id, batch))
         except SampleError as e:
             conn.send(("error", task_id, "data_loss", f"dataset {dataset!r}: {e}"))
+        except BatchTooLarge as e:
+            conn.send(("error", task_id, "resource_exhausted", f"dataset {dataset!r}: {e}"))
         except Exception as e:
             conn.send(("error", task_id, "internal", f"{type(e).__name__}: {e}"))
 

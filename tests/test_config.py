@@ -40,6 +40,14 @@ def write(tmp_path: Path, text: str = "datasets: {a: {format: python, factory: "
      ["datasets.a.image-folder.source:", "not a directory"]),
     ("datasets: {a: {format: image-folder, source: ., size: [0, 4]}}",
      ["datasets.a.image-folder.size:", ">= 1"]),
+    ("server: {tls: {cert_file: bad.yaml}}\ndatasets: {a: {format: python, factory: 'm:f'}}",
+     ["server.tls.key_file:", "Field required"]),
+    ("server: {tls: {cert_file: none.pem, key_file: bad.yaml}}\n"
+     "datasets: {a: {format: python, factory: 'm:f'}}",
+     ["server.tls.cert_file:", "not a file"]),
+    ("server: {auth_token_env: STOKER_TEST_NO_SUCH_VARIABLE}\n"
+     "datasets: {a: {format: python, factory: 'm:f'}}",
+     ["server:", "environment variable STOKER_TEST_NO_SUCH_VARIABLE is not set"]),
     ("datasets: [a, b", ["not valid YAML"]),
     ("- just\n- a list", ["expected a mapping"]),
 ])

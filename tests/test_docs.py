@@ -19,6 +19,7 @@ DOC = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_t
 # model -> the heading of the section whose tables document its keys
 SECTIONS: dict[type[BaseModel], str] = {
     c.ServerSettings: "### `server:`",
+    c.TlsSettings: "### `server:`",
     c.S3Settings: "### `s3:`",
     c.CacheSettings: "### `cache:`",
     c._Sourced: "### `datasets:`",

@@ -44,7 +44,8 @@ def open_dataset(name: str, config: Any, cache: Any = None) -> MapDataset:
     else:
         root, pattern = split_source(cfg.source)
         storage: Storage = open_storage(root, config.s3_for(name), cache,
-                                        int(config.cache.prefetch_bytes))
+                                        int(config.cache.prefetch_bytes),
+                                        cfg.follow_symlinks_outside_root)
         module, cls = _READERS[cfg.format]
         reader = getattr(importlib.import_module(f".{module}", __name__), cls)
         # text keeps its tokenized corpus in the cache folder, shared by the workers.

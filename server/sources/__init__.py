@@ -98,10 +98,11 @@ def glob_regex(pattern: str) -> re.Pattern[str]:
     return re.compile("".join(out) + r"\Z")
 
 
-def open_storage(root: str, s3: Any = None, cache: Any = None,
-                 prefetch_bytes: int = 0) -> Storage:
+def open_storage(root: str, s3: Any = None, cache: Any = None, prefetch_bytes: int = 0,
+                 follow_symlinks_outside_root: bool = False) -> Storage:
     """The storage for `root` (no glob characters): `s3://...` needs the `s3` settings and a
-    `cache` (a DiskCache, see cache.py); anything else is a local directory."""
+    `cache` (a DiskCache, see cache.py); anything else is a local directory, whose symlinks
+    may lead outside it only with `follow_symlinks_outside_root`."""
     if root.startswith("s3://"):
         from .s3 import S3Storage
 
@@ -110,4 +111,4 @@ def open_storage(root: str, s3: Any = None, cache: Any = None,
         raise StorageError(f"{root}: unsupported URL scheme (local paths and s3:// are)")
     from .local import LocalStorage
 
-    return LocalStorage(Path(root))
+    return LocalStorage(Path(root), follow_symlinks_outside_root)

@@ -10,17 +10,24 @@ from . import ObjectInfo, StorageError, glob_regex
 
 
 class LocalStorage:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, follow_symlinks_outside_root: bool = False) -> None:
         self.root = Path(root).resolve()
+        self._follow = follow_symlinks_outside_root
         if not self.root.is_dir():
             raise StorageError(f"{root}: not a directory")
         self.url = str(self.root)
 
     def _path(self, key: str) -> Path:
-        # Resolved and checked, so that neither `..` nor a symlink leads outside the root.
-        path = (self.root / key).resolve()
-        if not path.is_relative_to(self.root):
+        # Resolved and checked, so that neither `..` nor a symlink leads outside the root
+        # (symlinks may, where the operator set follow_symlinks_outside_root; `..` never).
+        lexical = Path(os.path.normpath(self.root / key))
+        if not lexical.is_relative_to(self.root):
             raise StorageError(f"{self.root / key}: outside the dataset root {self.root}")
+        path = (self.root / key).resolve()
+        if not self._follow and not path.is_relative_to(self.root):
+            raise StorageError(f"{self.root / key}: a symlink to {path}, outside the dataset "
+                               f"root {self.root} (set follow_symlinks_outside_root: true "
+                               "on the dataset to allow it)")
         return path
 
     def list(self, pattern: str | None = None) -> list[ObjectInfo]:
