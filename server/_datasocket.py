@@ -21,6 +21,9 @@ log = logging.getLogger("stoker.server")
 
 TOKEN_BYTES = 16
 TOKEN_WAIT = 10.0  # seconds a new connection has to send its token
+# Connections still owing their token, at most: more are closed at once, so strangers that
+# connect and say nothing cannot pile up sockets (each would be held TOKEN_WAIT seconds).
+MAX_CLAIMS = 256
 
 
 class DataSockets:
@@ -57,6 +60,11 @@ class DataSockets:
         loop = asyncio.get_running_loop()
         while True:
             conn, _ = await loop.sock_accept(self._listener)
+            if len(self._claims) >= MAX_CLAIMS:
+                log.warning("data socket: %d connections have not sent a token yet; "
+                            "closing a new one", len(self._claims))
+                conn.close()
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             task = loop.create_task(self._claim(conn))
             self._claims.add(task)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from stoker.client import RemoteLoader
+from stoker.server._datasocket import MAX_CLAIMS, TOKEN_WAIT
 from stoker.server._workers import KEEP_SEGMENTS
 from stoker.v1 import stoker_pb2 as pb
 
@@ -68,6 +69,26 @@ def test_a_connection_with_a_wrong_token_is_dropped_and_learns_nothing(server) -
         sock.sendall(secrets.token_bytes(16))
         assert sock.recv(1024) == b""  # closed by the server, nothing sent
     assert len(epoch(server, data_socket=True)["sample_index"]) == 12  # still serving
+
+
+def test_silent_connections_beyond_the_cap_are_closed_and_serving_goes_on(server,
+                                                                         ledger) -> None:
+    port = server.ready["data_port"]
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=30)
+              for _ in range(MAX_CLAIMS)]
+    try:
+        # Over the cap: closed at once, not held for the TOKEN_WAIT a claim gets.
+        with socket.create_connection(("127.0.0.1", port), timeout=TOKEN_WAIT / 2) as extra:
+            assert extra.recv(1) == b""
+    finally:
+        for sock in silent:
+            sock.close()
+    got = epoch(server, data_socket=True)["sample_index"]  # still serving
+    lost, dup = ledger.compare(got.tolist(), range(12))
+    ledger.record("security", "data socket: connections that never send a token, past the cap",
+                  tried=MAX_CLAIMS + 1, lost=lost, duplicated=dup,
+                  detail="the one past the cap closed at once; served on")
+    assert lost == dup == 0
 
 
 def test_segments_go_back_to_the_workers_after_the_socket_sends_them(server) -> None:
