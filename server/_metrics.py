@@ -91,7 +91,7 @@ class Metrics:
 
     def client_report(self, stream: int, dataset: str, wait_s: float, loop_s: float) -> None:
         if not (math.isfinite(wait_s) and math.isfinite(loop_s)):
-            return  # NaN would reach /v1/stats, which JSON cannot carry (a 500 there)
+            return  # NaN: a NaN gauge, and null in /v1/stats where its schema says number
         stall = min(max(wait_s / loop_s, 0.0), 1.0) if loop_s > 0 else 0.0
         with self._lock:
             self._reports[stream] = (dataset, stall, time.monotonic())
