@@ -285,6 +285,27 @@ def test_garbage_bytes_as_requests(server, channel, ledger) -> None:
                   "(all three methods)", tried=sum(outcomes.values()), detail=summary(outcomes))
 
 
+def test_a_request_over_the_size_limit(server, channel, ledger) -> None:
+    """Past the server's 4 MiB receive limit: RESOURCE_EXHAUSTED from gRPC itself, and the
+    server goes on (the last test checks it still serves exactly)."""
+    huge = [pb.StreamRequest(coordinates=pb.Coordinates(dataset="toy", world_size=1,
+                                                        batch_size=4),
+                             released=["x" * 1000] * 5000)]  # about 5 MB
+    with pytest.raises(grpc.RpcError) as info:
+        run_stream(channel, huge)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+    many = [pb.StreamRequest(coordinates=pb.Coordinates(dataset="toy", world_size=1,
+                                                        batch_size=4),
+                             batch_indices=[0] * 400_000)]  # under 4 MiB, 400k credits
+    with pytest.raises(grpc.RpcError) as info:
+        run_stream(channel, many)
+    assert check_status(info.value) == "RESOURCE_EXHAUSTED"
+    assert info.value.details().startswith("batch_indices: 400000 credits")
+    ledger.record("bad requests", "a 5 MB request; 400,000 credits in one message", tried=2,
+                  detail="RESOURCE_EXHAUSTED")
+
+
+
 def test_still_serves_exactly_after_the_fuzzing(server, baseline, ledger) -> None:
     # Module order: runs after the fuzz tests above (pytest keeps file order).
     got = sample_indices(server)
