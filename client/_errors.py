@@ -21,3 +21,9 @@ class RemoteError(RuntimeError):
         code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
         details = err.details() if hasattr(err, "details") else str(err)
         return cls(code, details or "", address)
+
+
+class ProtocolError(ValueError):
+    """A server sent something the protocol does not allow (a frame that does not parse, out
+    of order, or whose header does not add up): nothing after it on that stream can be
+    trusted. The message says which batch and what was wrong."""

@@ -15,36 +15,86 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from stoker.v1 import stoker_pb2 as pb
 
+from ._errors import ProtocolError
 from ._samehost import read_segment
 
 log = logging.getLogger("stoker.client")
 CONNECT_TIMEOUT = 5.0  # seconds to reach a server's data socket
+# No batch is this large: a header claiming more is corrupt, and is refused before anything
+# is allocated for it.
+MAX_PAYLOAD_BYTES = 1 << 36
+_MAX_DIMS = 32  # numpy's limit is 64; no dataset field comes near
+_KINDS = "biufc"  # bool, integers, floats, complex: what a server may send
 
 _DATA_TAG = 0x0A
 
 
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:
     result = shift = 0
-    while True:
+    while shift < 64:
+        if pos >= len(buf):
+            raise ProtocolError("a frame ends inside its data length")
         b = buf[pos]
         pos += 1
         result |= (b & 0x7F) << shift
         if not b & 0x80:
             return result, pos
         shift += 7
+    raise ProtocolError("a frame's data length is longer than 10 bytes")
 
 
 def split_frame(raw: bytes) -> tuple[memoryview, pb.BatchFrame]:
-    """(payload chunk, header fields) of one serialized BatchFrame."""
-    if raw and raw[0] == _DATA_TAG:
-        n, pos = _varint(raw, 1)
-        view = memoryview(raw)
-        return view[pos : pos + n], pb.BatchFrame.FromString(view[pos + n :].tobytes())
-    frame = pb.BatchFrame.FromString(raw)
+    """(payload chunk, header fields) of one serialized BatchFrame; ProtocolError if it is
+    not one."""
+    try:
+        if raw and raw[0] == _DATA_TAG:
+            n, pos = _varint(raw, 1)
+            if pos + n > len(raw):
+                raise ProtocolError(f"a frame's data claims {n} bytes, {len(raw) - pos} follow")
+            view = memoryview(raw)
+            return view[pos : pos + n], pb.BatchFrame.FromString(view[pos + n :].tobytes())
+        frame = pb.BatchFrame.FromString(raw)
+    except DecodeError as e:
+        raise ProtocolError(f"a frame that is not a BatchFrame: {e}") from None
     return memoryview(frame.data), frame
+
+
+def check_header(head: pb.BatchFrame) -> None:
+    """The header of a batch's first (or only) frame adds up: every tensor a numeric numpy
+    dtype whose shape gives its nbytes, at a 64-byte aligned offset after the one before, and
+    the last ending at payload_bytes, which is at most MAX_PAYLOAD_BYTES."""
+    where = f"batch {head.batch_index}"
+    if not 0 <= head.payload_bytes <= MAX_PAYLOAD_BYTES:
+        raise ProtocolError(f"{where}: payload_bytes {head.payload_bytes} is not in "
+                            f"[0, {MAX_PAYLOAD_BYTES}]")
+    end = 0
+    for t in head.tensors:
+        name = f"{where}: tensor {t.name[:100]!r}"
+        try:
+            dtype = np.dtype(t.dtype)
+        except (TypeError, ValueError, SyntaxError):
+            dtype = None
+        if dtype is None or dtype.kind not in _KINDS or dtype.fields or dtype.subdtype:
+            raise ProtocolError(f"{name}: dtype {t.dtype[:100]!r} is not a numeric numpy dtype")
+        if len(t.shape) > _MAX_DIMS or any(d < 0 for d in t.shape):
+            raise ProtocolError(f"{name}: shape {list(t.shape)[:_MAX_DIMS + 1]} is not a shape")
+        nbytes = dtype.itemsize
+        for d in t.shape:
+            nbytes *= d  # Python ints: no overflow
+        if nbytes != t.nbytes:
+            raise ProtocolError(f"{name}: {t.dtype}{list(t.shape)} is {nbytes} bytes, the "
+                                f"header says {t.nbytes}")
+        if t.offset < end or t.offset % 64:
+            raise ProtocolError(f"{name}: offset {t.offset} is not 64-byte aligned at or "
+                                f"after byte {end}")
+        end = t.offset + t.nbytes
+    if head.tensors and end != head.payload_bytes:
+        raise ProtocolError(f"{where}: its tensors end at byte {end}, payload_bytes is "
+                            f"{head.payload_bytes}")
 
 
 @dataclass
@@ -101,28 +151,39 @@ class Assembler:
                 self.sock.shutdown(socket.SHUT_RDWR)
             self.sock.close()
 
-    def _decompress(self, kind: str, data: memoryview) -> bytes:
+    def _decompress(self, kind: str, data: memoryview, limit: int) -> bytes:
+        """`data` decompressed: at most `limit` bytes (what the batch still lacks)."""
         if kind != "zstd":
-            raise ValueError(f"frame compressed as {kind!r}, which this client cannot read")
-        if self._zstd is None:
-            import zstandard  # only streams that asked for compression get here
+            raise ProtocolError(f"frame compressed as {kind[:100]!r}, which this client "
+                                "cannot read")
+        import zstandard  # only streams that asked for compression get here
 
+        if self._zstd is None:
             self._zstd = zstandard.ZstdDecompressor()
-        return self._zstd.decompress(data)
+        try:
+            size = zstandard.frame_content_size(data)
+            if size > limit:  # checked before the decompressor allocates it
+                raise ProtocolError(f"a zstd frame of {size} bytes where {limit} remain")
+            return self._zstd.decompress(data, max_output_size=limit)
+        except zstandard.ZstdError as e:
+            raise ProtocolError(f"a zstd frame that does not decompress: {e}") from None
 
     def feed(self, raw: bytes) -> Assembled | pb.BatchFrame | None:
         """Take one frame; return the batch it completes, if any, or the frame itself when it
-        answers its batch with an error."""
+        answers its batch with an error. ProtocolError for a frame the protocol does not
+        allow."""
         data, head = split_frame(raw)
         if head.HasField("error"):
             return head
         if head.HasField("data_socket"):  # the stream's offer, before any batch
             self._connect(head.data_socket)
             return None
+        if head.via_socket or head.shm_name or head.offset == 0:
+            check_header(head)  # before allocating what it claims
         if head.via_socket:  # the payload follows on the data socket, in order
             if self.sock is None:
-                raise ValueError(f"batch {head.batch_index} was sent on a data socket that "
-                                 "this client has not connected")
+                raise ProtocolError(f"batch {head.batch_index} was sent on a data socket that "
+                                    "this client has not connected")
             owner, view = self._allocate(head.payload_bytes)
             _recv_exactly(self.sock, memoryview(view[: head.payload_bytes]).cast("B"))
             return Assembled(head.batch_index, head.epoch, owner, list(head.tensors),
@@ -131,23 +192,32 @@ class Assembler:
             owner, view = self._allocate(head.payload_bytes)
             try:
                 read_segment(head.shm_name, view[: head.payload_bytes])
+            except (OSError, EOFError, ValueError) as e:
+                raise ProtocolError(f"batch {head.batch_index}: cannot read shared-memory "
+                                    f"segment {head.shm_name[:100]!r}: {e}") from None
             finally:
                 self._release(head.shm_name)
             return Assembled(head.batch_index, head.epoch, owner, list(head.tensors),
                              head.payload_bytes, shared=True)
-        if head.compression:
-            data = memoryview(self._decompress(head.compression, data))
         if head.offset == 0:
+            if self._current is not None:
+                raise ProtocolError(f"batch {head.batch_index} began before batch "
+                                    f"{self._current[0].batch_index} was complete")
             owner, view = self._allocate(head.payload_bytes)
             self._current = (head, owner, view, 0)
         if self._current is None or self._current[0].batch_index != head.batch_index:
-            raise ValueError(f"frame of batch {head.batch_index} at offset {head.offset} arrived "
-                             "without its first frame")
+            raise ProtocolError(f"frame of batch {head.batch_index} at offset {head.offset} "
+                                "arrived without its first frame")
         first, owner, view, filled = self._current
-        if head.offset != filled or filled + len(data) > first.payload_bytes:
-            raise ValueError(f"batch {head.batch_index}: frame at offset {head.offset} of "
-                             f"{len(data)} bytes does not follow byte {filled} of "
-                             f"{first.payload_bytes}")
+        if head.offset != filled:
+            raise ProtocolError(f"batch {head.batch_index}: frame at offset {head.offset} does "
+                                f"not follow byte {filled} of {first.payload_bytes}")
+        if head.compression:
+            data = memoryview(self._decompress(head.compression, data,
+                                               first.payload_bytes - filled))
+        if filled + len(data) > first.payload_bytes:
+            raise ProtocolError(f"batch {head.batch_index}: frame at offset {head.offset} of "
+                                f"{len(data)} bytes runs past byte {first.payload_bytes}")
         view[filled : filled + len(data)] = np.frombuffer(data, np.uint8)
         filled += len(data)
         if filled < first.payload_bytes:
@@ -163,7 +233,7 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
     while got < len(view):
         n = sock.recv_into(view[got:])
         if n == 0:
-            raise ValueError(f"the data socket closed after {got} of {len(view)} bytes")
+            raise ProtocolError(f"the data socket closed after {got} of {len(view)} bytes")
         got += n
 
 

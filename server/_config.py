@@ -230,7 +230,9 @@ TRANSFORMS = {"resize": ResizeStep, "center_crop": CenterCropStep,
 def _transform_name(v: Any) -> str | None:
     if isinstance(v, dict):
         return next(iter(v)) if len(v) == 1 and next(iter(v)) in TRANSFORMS else None
-    return next(iter(type(v).model_fields), None)
+    if isinstance(v, BaseModel):  # a validated step
+        return next(iter(type(v).model_fields), None)
+    return None  # `- resize` (a bare name), a number...: the error names the step
 
 
 TransformStep = Annotated[
@@ -299,7 +301,7 @@ def _check_text(is_text: bool, max_bytes: int | None) -> None:
 
 class JsonField(_Strict):
     path: str | None = Field(None, description="dotted key in the record; default: field name")
-    dtype: NumberDtype | Literal["utf8"] = "float32"
+    dtype: Literal[NumberDtype, "utf8"] = "float32"  # one Literal: one error line, not two
     shape: tuple[int, ...] = ()
     # utf8: the text's bytes as uint8[max_bytes], zero-padded, and `<name>_length` (int64).
     max_bytes: int | None = Field(None, ge=1)
@@ -548,14 +550,18 @@ def load_config(path: str | os.PathLike[str], **overrides: Any) -> Config:
         raw = yaml.safe_load(path.read_text())
     except OSError as e:
         raise ConfigError(f"config error in {path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config error in {path}: not UTF-8 text: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config error in {path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config error in {path}: expected a mapping with `datasets:` at the top")
     raw = _resolve_sources(raw, path.resolve().parent)
-    server = dict(raw.get("server") or {})
-    server.update({k: v for k, v in overrides.items() if v is not None})
-    raw["server"] = server
+    server = raw.get("server")
+    if server is None:
+        server = {}
+    if isinstance(server, dict):  # anything else: validation names `server` below
+        raw["server"] = {**server, **{k: v for k, v in overrides.items() if v is not None}}
     try:
         return Config.model_validate(raw)
     except ValidationError as e:

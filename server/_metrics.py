@@ -10,6 +10,7 @@ reported in the last minute are the autoscaling signal (docs/deployment.md).
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -89,6 +90,8 @@ class Metrics:
             self.skipped.labels(dataset).inc(skipped)
 
     def client_report(self, stream: int, dataset: str, wait_s: float, loop_s: float) -> None:
+        if not (math.isfinite(wait_s) and math.isfinite(loop_s)):
+            return  # NaN: a NaN gauge, and null in /v1/stats where its schema says number
         stall = min(max(wait_s / loop_s, 0.0), 1.0) if loop_s > 0 else 0.0
         with self._lock:
             self._reports[stream] = (dataset, stall, time.monotonic())

@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from stoker.v1 import stoker_pb2 as pb
 
@@ -101,6 +102,31 @@ def _compressor(name: str) -> Any:
     return zstandard.ZstdCompressor(level=1)
 
 
+def _shorten(name: str, limit: int = 100) -> str:
+    """`name` quoted for a status message, cut to `limit` characters: gRPC refuses a status
+    whose details pass 16 KiB (the client got UNKNOWN "Stream removed" instead)."""
+    return repr(name) if len(name) <= limit else f"{name[:limit]!r}... ({len(name)} characters)"
+
+
+def _parse(message: Any, raw: bytes) -> Any:
+    try:
+        return message.FromString(raw)
+    except DecodeError as e:
+        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                     f"request: not a valid {message.DESCRIPTOR.full_name}: {e}") from None
+
+
+def _parsed(method: Any, message: Any) -> Any:
+    """A unary method taking the request's bytes, parsed into `message`."""
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            request = _parse(message, raw)
+        except _Abort as e:
+            await context.abort(e.code, str(e))
+        return await method(request, context)
+    return handle
+
+
 class DataService:
     def __init__(self, config: Config, pool: WorkerPool, meta: dict[str, DatasetMeta],
                  metrics: Metrics | None = None) -> None:
@@ -130,16 +156,26 @@ class DataService:
 
     def handler(self) -> grpc.GenericRpcHandler:
         """Method handlers; StreamBatches sends frames this module has already serialized."""
+        # Requests arrive as bytes and are parsed here: a request that is not protobuf then
+        # gets INVALID_ARGUMENT, where grpc's own deserializer answers UNKNOWN or INTERNAL.
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
             "ListDatasets": grpc.unary_unary_rpc_method_handler(
-                self.ListDatasets, pb.ListDatasetsRequest.FromString,
+                _parsed(self.ListDatasets, pb.ListDatasetsRequest), None,
                 pb.ListDatasetsResponse.SerializeToString),
             "DescribeDataset": grpc.unary_unary_rpc_method_handler(
-                self.DescribeDataset, pb.DescribeDatasetRequest.FromString,
+                _parsed(self.DescribeDataset, pb.DescribeDatasetRequest), None,
                 pb.DescribeDatasetResponse.SerializeToString),
             "StreamBatches": grpc.stream_stream_rpc_method_handler(
-                self.StreamBatches, pb.StreamRequest.FromString, bytes),
+                self._stream_batches, None, bytes),
         })
+
+    async def _stream_batches(self, requests: AsyncIterator[bytes],
+                              context: grpc.aio.ServicerContext) -> None:
+        async def parsed() -> AsyncIterator[pb.StreamRequest]:
+            async for raw in requests:
+                yield _parse(pb.StreamRequest, raw)
+
+        await self.StreamBatches(parsed(), context)
 
     # -- unary methods ---------------------------------------------------------------------
     async def ListDatasets(self, request: pb.ListDatasetsRequest,
@@ -171,7 +207,7 @@ class DataService:
         if meta is None:
             served = ", ".join(sorted(self._meta)) or "(none)"
             raise _Abort(grpc.StatusCode.NOT_FOUND,
-                         f"dataset {c.dataset!r} is not served here; datasets: {served}")
+                         f"dataset {_shorten(c.dataset)} is not served here; datasets: {served}")
         coords = Coordinates(c.dataset, c.seed, c.epoch, c.shuffle, c.rank, c.world_size,
                              c.batch_size, c.drop_last)
         try:
@@ -347,7 +383,7 @@ class DataService:
                 if req.HasField("shm_probe") and coords is None and self._settings.shared_memory:
                     state["shm"] = _shm.same_host(req.shm_probe.name, req.shm_probe.token)
                 if (req.data_socket and coords is None and not state["shm"]
-                        and self.data_sockets is not None):
+                        and not state["token"] and self.data_sockets is not None):
                     state["token"], state["sock_wait"] = self.data_sockets.expect()
                     ready.put_nowait(encode_socket_offer(self.data_sockets.port,
                                                          state["token"]))
