@@ -96,6 +96,8 @@ class _Sourced(_Strict):
     def _local_root_exists(cls, v: str) -> str:
         from .sources import split_source
 
+        if not v.strip():  # not "the config's folder": an empty value is a mistake
+            raise ValueError("empty: give a folder, a glob or an s3:// URL")
         root, _ = split_source(v)
         if "://" not in root and not Path(root).is_dir():
             raise ValueError(f"not a directory: {root}")
@@ -520,7 +522,7 @@ def _resolve_sources(raw: Any, base: Path) -> Any:
     if isinstance(datasets, dict):
         for ds in datasets.values():
             if (isinstance(ds, dict) and isinstance(ds.get("source"), str)
-                    and "://" not in ds["source"]):
+                    and ds["source"].strip() and "://" not in ds["source"]):
                 src = Path(ds["source"]).expanduser()
                 ds["source"] = str(src if src.is_absolute() else base / src)
             if (isinstance(ds, dict) and ds.get("format") == "text"

@@ -189,6 +189,8 @@ BAD_CONFIGS = [
     # storage-backed formats
     ("source nonexistent", (FILE % ("jsonl", "fields: {x: {}}")).replace("src", "nowhere"),
      ["datasets.a.jsonl.source:", "not a directory"]),
+    ("source empty", (FILE % ("jsonl", "fields: {x: {}}")).replace("src", "''"),
+     ["datasets.a.jsonl.source:", "empty"]),
     ("source a number", (FILE % ("jsonl", "fields: {x: {}}")).replace("src", "5"),
      ["datasets.a.jsonl.source:", "valid string"]),
     ("shuffle bad", FILE % ("jsonl", "fields: {x: {}}, shuffle: random"),
