@@ -190,6 +190,8 @@ BAD_CONFIGS = [
     ("source nonexistent", (FILE % ("jsonl", "fields: {x: {}}")).replace("src", "nowhere"),
      ["datasets.a.jsonl.source:", "not a directory"]),
     ("source empty", (FILE % ("jsonl", "fields: {x: {}}")).replace("src", "''"),
+     ["datasets.a.jsonl.source:", "at least 1 character"]),
+    ("source blank", (FILE % ("jsonl", "fields: {x: {}}")).replace("src", "' '"),
      ["datasets.a.jsonl.source:", "empty"]),
     ("source a number", (FILE % ("jsonl", "fields: {x: {}}")).replace("src", "5"),
      ["datasets.a.jsonl.source:", "valid string"]),
