@@ -28,6 +28,9 @@ ROOT = HERE.parent
 SCENARIOS: dict[str, tuple[str, list[str], list[str]]] = {
     "pipeline": ("pipeline.py", ["--workers", "0", "1", "2"],
                  ["--quick", "--workers", "0", "1", "2"]),
+    # The same pipeline with batches on the data socket, as between machines (W >= 1 only).
+    "pipeline_socket": ("pipeline.py", ["--transport", "socket"],
+                        ["--quick", "--transport", "socket"]),
     "wire": ("wire.py", [], ["--quick", "--sizes", "64K,1M,16M"]),
     "stall": ("stall.py", [], ["--quick"]),
     "startup": ("startup.py", [], ["--quick"]),
@@ -44,6 +47,8 @@ def run_scenario(name: str, quick: bool, results: Path, cores: int) -> float:
     if name == "pipeline":  # W over 0..cores
         args = [a for a in args if not a.isdigit() and a != "--workers"]
         args += ["--workers", *map(str, range(cores + 1))]
+    elif name == "pipeline_socket":
+        args += ["--workers", *map(str, range(1, cores + 1))]
     out = results / f"{name}.json"
     cmd = [sys.executable, str(HERE / script), *args, "--json", str(out)]
     print(f"== {name}: {' '.join(cmd[1:])}", flush=True)

@@ -43,6 +43,12 @@ def _save(fig: Any, plots: Path, name: str) -> str:
     return f"![{name}]({plots.name}/{name})"
 
 
+def _plot_name(stem: str, parameters: dict[str, Any]) -> str:
+    """pipeline.png for the default (shared memory) run, pipeline-socket.png for another."""
+    transport = transport_of(parameters)
+    return f"{stem}.png" if transport == "shm" else f"{stem}-{transport}.png"
+
+
 def pipeline(r: dict[str, Any], plots: Path) -> list[str]:
     labels = {"dataloader": "torch DataLoader", "stateful": "torchdata StatefulDataLoader",
               "stoker": "stoker", "stoker_uint8": "stoker, uint8 + client normalize"}
@@ -74,7 +80,7 @@ def pipeline(r: dict[str, Any], plots: Path) -> list[str]:
             f"stoker batches via {TRANSPORT_LABELS[transport_of(p)]}.",
             "", *_table(["W", "system", "images/s median [min, max]", "vs DataLoader",
                          "CPU ms/batch, all processes"], rows),
-            _save(fig, plots, "pipeline.png"), ""]
+            _save(fig, plots, _plot_name("pipeline", p)), ""]
 
 
 def trainer_cpu(r: dict[str, Any], plots: Path) -> list[str]:
@@ -95,7 +101,8 @@ def trainer_cpu(r: dict[str, Any], plots: Path) -> list[str]:
             "client, against DataLoader's main process plus its W workers (all on the training "
             "node).", "",
             *_table(["W", "stoker system", "client ms/batch", "DataLoader node ms/batch",
-                     "share"], rows), _save(fig, plots, "trainer-cpu.png"), ""]
+                     "share"], rows),
+            _save(fig, plots, _plot_name("trainer-cpu", r["parameters"])), ""]
 
 
 def wire(r: dict[str, Any], plots: Path) -> list[str]:
@@ -250,6 +257,8 @@ def packing(r: dict[str, Any], plots: Path) -> list[str]:
 SECTIONS: list[tuple[str, str, Section]] = [
     ("pipeline", "Image pipeline: stoker vs DataLoader", pipeline),
     ("pipeline", "Training-node CPU", trainer_cpu),
+    ("pipeline_socket", "Image pipeline through the data socket", pipeline),
+    ("pipeline_socket", "Training-node CPU through the data socket", trainer_cpu),
     ("wire", "Wire: bytes/s into client memory", wire),
     ("stall", "Stall: simulated training", stall),
     ("startup", "Start-up", startup),
