@@ -43,3 +43,33 @@ def test_segments_are_reused_grown_bounded_and_discarded() -> None:
     finally:
         assert _shm.remove_prefixed(prefix, set()) >= 1
     assert names(prefix) == set()
+
+
+def test_the_front_ends_mappings_are_kept_remapped_when_grown_and_dropped_when_unlinked() -> None:
+    prefix = _shm.worker_prefix(os.getpid(), 999998)
+    pool = _shm.SegmentPool(prefix, keep=1)
+    maps = _shm.ReadMappings()
+    try:
+        a, mem = pool.acquire(100)
+        mem[:3] = b"abc"
+        first = maps.get(a, 100)
+        assert first[:3] == b"abc" and maps.get(a, 100) is first  # kept, not mapped again
+        mem[:3] = b"xyz"
+        assert first[:3] == b"xyz"  # shared: what the worker writes next is what is read
+        pool.give_back(a)
+        grown, _ = pool.acquire(10 * _shm.ROUND)  # the worker grows its segment
+        assert grown == a
+        again = maps.get(a, 10 * _shm.ROUND)
+        assert again is not first and len(again) >= 10 * _shm.ROUND and first.closed
+        b, _ = pool.acquire(10)
+        maps.get(b, 10)
+        pool.give_back(b)
+        pool.give_back(a)  # keep=1: the smaller, b, is unlinked
+        assert pool.acquire(10)[0] == a
+        c, _ = pool.acquire(10)  # a new segment: mapping it sweeps the unlinked b
+        maps.get(c, 10)
+        assert b not in maps._maps and a in maps._maps and c in maps._maps
+    finally:
+        maps.close()
+        _shm.remove_prefixed(prefix, set())
+    assert names(prefix) == set()
