@@ -569,7 +569,9 @@ def load_config(path: str | os.PathLike[str], **overrides: Any) -> Config:
     except ValidationError as e:
         lines = [f"config error in {path}:"]
         for err in e.errors():
-            loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            # A tagged union repeats its tag (transforms.0.resize.resize.size): say it once.
+            parts = [str(p) for i, p in enumerate(err["loc"]) if i == 0 or p != err["loc"][i - 1]]
+            loc = ".".join(parts) or "(top level)"
             got = repr(err.get("input"))
             got = got if len(got) <= 80 else got[:77] + "..."
             lines.append(f"  {loc}: {err['msg']} (got {got})")
