@@ -1,0 +1,212 @@
+"""A broken network between RemoteLoader and its servers (tests/tcp_proxy.py in the path).
+
+Faults land mid-epoch on one of two servers or on the only one. A temporary fault costs
+nothing: the sequence equals the failure-free one element for element. A permanent one is an
+error naming the address within the client's retry window (`timeout`, set small here).
+
+Payloads go through the proxy: shared_memory=False (on one host the client would otherwise
+read batches from /dev/shm, beside the path under test). With data_socket=True only the gRPC
+control path crosses the proxy: the client learns the data socket's *port* from the stream's
+first frame and dials the host it reached gRPC on at that port, which is the server's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from stoker.client import RemoteError, RemoteLoader
+from stoker.server import ServerProcess
+
+from conftest import StartServer
+from tcp_proxy import TcpProxy
+
+pytestmark = pytest.mark.timeout(60)
+
+N, BS, SEED = 40, 2, 11
+DATASETS = {"toy": {"format": "python", "factory": "toy_datasets:toy",
+                    "options": {"n": N, "delay": 0.01}}}
+KW: dict[str, Any] = dict(batch_size=BS, seed=SEED, shuffle=True, output="numpy", prefetch=4,
+                          timeout=20, shared_memory=False)
+HEAL_AFTER = 1.0  # seconds a temporary fault lasts
+REFERENCE = np.random.default_rng([SEED, 0]).permutation(N).tolist()
+
+
+@pytest.fixture(scope="module")
+def two(start_server_module: StartServer) -> list[ServerProcess]:
+    return [start_server_module(DATASETS, server={"grace_seconds": 1}) for _ in range(2)]
+
+
+@pytest.fixture
+def proxies(two: list[ServerProcess]) -> Iterator[list[TcpProxy]]:
+    made = [TcpProxy(s.address).start() for s in two]
+    yield made
+    for p in made:
+        p.close()
+
+
+def heal_later(proxy: TcpProxy, after: float = HEAL_AFTER) -> threading.Thread:
+    """Set the proxy back to "pass" `after` seconds from now, on a thread."""
+    stop = threading.Event()
+    t = threading.Thread(target=lambda: stop.wait(after) or proxy.set("pass"), daemon=True)
+    t.start()
+    return t
+
+
+def epoch(addresses: list[str], at: int, fault: Callable[[], Any], **kw: Any
+          ) -> tuple[list[int], dict[str, Any]]:
+    got: list[int] = []
+    with RemoteLoader(addresses, "toy", **{**KW, **kw}) as loader:
+        for k, batch in enumerate(loader):
+            got += batch["sample_index"].tolist()
+            if k == at:
+                fault()
+        stats = loader.stats()
+    return got, stats
+
+
+FAULTS = {"drop": dict(), "stall": dict(), "truncate": dict(limit=1500),
+          "delay": dict(seconds=0.05)}
+
+
+@pytest.mark.parametrize("mode", list(FAULTS))
+@pytest.mark.parametrize("where", ["one of 2", "the only server"])
+def test_a_temporary_fault_loses_and_repeats_nothing(proxies, ledger, mode: str,
+                                                     where: str) -> None:
+    victim = proxies[0]
+    targets = [p.address for p in proxies] if where == "one of 2" else [victim.address]
+    healer: list[threading.Thread] = []
+
+    def fault() -> None:
+        victim.set(mode, **FAULTS[mode])
+        healer.append(heal_later(victim))
+
+    started = time.monotonic()
+    got, stats = epoch(targets, at=3, fault=fault)
+    healer[0].join(10)
+    lost, dup = ledger.compare(got, REFERENCE)
+    ledger.record("network", f"{mode} for {HEAL_AFTER:g} s, mid-epoch, on {where}", lost=lost,
+                  duplicated=dup, detail=f"recovered; epoch in {time.monotonic() - started:.1f}"
+                  f" s, {stats['failovers']} failovers, {stats['hedges']} hedges")
+    assert lost == dup == 0
+    assert got == REFERENCE
+    if mode == "drop":
+        assert victim.refused > 0 or victim.accepted > 1  # the client did reconnect
+
+
+@pytest.mark.parametrize("mode", ["drop", "stall", "truncate"])
+def test_a_permanent_fault_on_one_of_two_is_carried_by_the_other(proxies, ledger,
+                                                                 mode: str) -> None:
+    victim = proxies[0]
+    got, stats = epoch([p.address for p in proxies], at=3,
+                       fault=lambda: victim.set(mode, **FAULTS[mode]))
+    lost, dup = ledger.compare(got, REFERENCE)
+    ledger.record("network", f"{mode} for good, mid-epoch, on one of 2", lost=lost,
+                  duplicated=dup, detail=f"the other server finished the epoch; server state "
+                  f"{stats['servers'][victim.address]['state']}")
+    assert lost == dup == 0 and got == REFERENCE
+    assert stats["servers"][proxies[1].address]["batches"] > 0
+
+
+@pytest.mark.parametrize("mode", ["drop", "stall", "truncate"])
+def test_a_permanent_fault_on_the_only_server_is_an_error_naming_it(proxies, ledger,
+                                                                    mode: str) -> None:
+    victim = proxies[0]
+    window = 3.0
+    got: list[int] = []
+    with RemoteLoader(victim.address, "toy", **{**KW, "timeout": window}) as loader:
+        it = iter(loader)
+        got += next(it)["sample_index"].tolist()
+        # truncate: 20 bytes a connection is less than the server's HTTP/2 settings frame.
+        victim.set(mode, **{**FAULTS[mode], "limit": 20} if mode == "truncate" else {})
+        started = time.monotonic()
+        with pytest.raises(RemoteError) as info:
+            for batch in it:
+                got += batch["sample_index"].tolist()
+    took = time.monotonic() - started
+    # What arrived is a prefix of the failure-free epoch: nothing out of order, nothing twice.
+    lost, dup = ledger.compare(got, REFERENCE[: len(got)])
+    ledger.record("network", f"{mode} for good, mid-epoch, on the only server", lost=lost,
+                  duplicated=dup, detail=f"clear error after {took:.1f} s (timeout "
+                  f"{window:g} s): {info.value.code.name} naming the address")
+    assert lost == dup == 0
+    assert victim.address in str(info.value)
+    assert took < window + 10
+
+
+def test_connections_cut_short_for_good_still_make_progress(proxies, ledger) -> None:
+    """Every connection, old and new, carries 1500 bytes each way and is then closed: each
+    reconnection delivers a batch or two, and the epoch completes, exactly."""
+    victim = proxies[0]
+    got, _ = epoch([victim.address], at=2, fault=lambda: victim.set("truncate", limit=1500))
+    lost, dup = ledger.compare(got, REFERENCE)
+    ledger.record("network", "every connection cut after 1500 bytes, for good, on the only "
+                  "server", lost=lost, duplicated=dup,
+                  detail=f"completed through {victim.truncated} cut connections")
+    assert lost == dup == 0 and got == REFERENCE
+    assert victim.truncated > 1
+
+
+def test_a_data_socket_stream_survives_a_dropped_control_path(proxies, ledger) -> None:
+    victim = proxies[0]
+    heal: list[threading.Thread] = []
+
+    def fault() -> None:
+        victim.set("drop")
+        heal.append(heal_later(victim))
+
+    got, _ = epoch([p.address for p in proxies], at=3, fault=fault, data_socket=True)
+    heal[0].join(10)
+    lost, dup = ledger.compare(got, REFERENCE)
+    ledger.record("network", "drop the gRPC path of a data-socket stream, on one of 2",
+                  lost=lost, duplicated=dup,
+                  detail="recovered (the data socket itself bypasses the proxy)")
+    assert lost == dup == 0 and got == REFERENCE
+
+
+def test_the_proxy_passes_and_breaks_plain_tcp() -> None:
+    """The proxy itself: pass, truncate, drop (refuse), on a tiny echo server."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        def echo() -> None:
+            while True:
+                try:
+                    conn, _ = server.accept()
+                except OSError:
+                    return
+                with conn:
+                    while data := conn.recv(1 << 16):
+                        conn.sendall(data)
+
+        t = threading.Thread(target=echo, daemon=True)
+        t.start()
+        with TcpProxy(server.getsockname()).start() as proxy:
+            with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as c:
+                c.sendall(b"hello")
+                assert c.recv(5) == b"hello"
+            proxy.set("truncate", limit=4)
+            with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as c:
+                c.sendall(b"ab")  # within the limit each way: echoed
+                assert c.recv(2) == b"ab"
+                c.sendall(b"cdef")  # past it: "cd" goes on, then the connection is closed
+                with contextlib.suppress(ConnectionResetError):
+                    while c.recv(16):
+                        pass
+                assert proxy.truncated == 1
+            proxy.set("drop")
+            with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as c:
+                with pytest.raises(OSError):
+                    c.sendall(b"x")
+                    if not c.recv(1):
+                        raise ConnectionResetError("closed")
+            assert proxy.refused == 1
+        server.shutdown(socket.SHUT_RDWR)  # wakes accept()
+        t.join(5)
+        assert not t.is_alive()
