@@ -105,9 +105,11 @@ class _Connection:
 
 
 class TcpProxy:
-    """Forwards 127.0.0.1:PORT to `target` (host, port) in the mode set by set()."""
+    """Forwards host:port (port 0: a free one) to `target` (host, port) in the mode set by
+    set()."""
 
-    def __init__(self, target: tuple[str, int] | str, host: str = "127.0.0.1") -> None:
+    def __init__(self, target: tuple[str, int] | str, host: str = "127.0.0.1",
+                 port: int = 0) -> None:
         if isinstance(target, str):
             h, _, p = target.rpartition(":")
             target = (h.strip("[]"), int(p))
@@ -123,7 +125,7 @@ class TcpProxy:
         self.truncated = 0  # connections cut under "truncate"
         self.forwarded = [0, 0]  # bytes client->server, server->client
         self._conns: set[_Connection] = set()
-        self._listener = socket.create_server((host, 0))
+        self._listener = socket.create_server((host, port))
         self.port: int = self._listener.getsockname()[1]
         self.address = f"{host}:{self.port}"
         self._thread = threading.Thread(target=self._accept, daemon=True, name="tcp-proxy")

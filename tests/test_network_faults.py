@@ -13,8 +13,10 @@ first frame and dials the host it reached gRPC on at that port, which is the ser
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -210,3 +212,61 @@ def test_the_proxy_passes_and_breaks_plain_tcp() -> None:
         server.shutdown(socket.SHUT_RDWR)  # wakes accept()
         t.join(5)
         assert not t.is_alive()
+
+
+def stream_count(server: ServerProcess) -> int:
+    with urllib.request.urlopen(server.http_url + "/v1/stats", timeout=10) as r:
+        return sum(d["streams"] for d in json.load(r)["datasets"].values())
+
+
+def wait_for_no_streams(servers: list[ServerProcess], timeout: float = 20.0) -> None:
+    """Bounded poll of the servers' /v1/stats until no stream is open."""
+    deadline = time.monotonic() + timeout
+    while any(stream_count(s) for s in servers):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"streams left open: {[stream_count(s) for s in servers]}")
+        threading.Event().wait(0.05)
+
+
+@pytest.fixture
+def data_proxies(two: list[ServerProcess]) -> Iterator[list[tuple[TcpProxy, TcpProxy]]]:
+    """(gRPC proxy, data socket proxy) per server, both on 127.0.0.2. The client dials the
+    data port on the host it reached gRPC on, so 127.0.0.2:<the server's data port> (free:
+    the server listens on 127.0.0.1) puts the data socket behind a proxy too."""
+    made = []
+    for s in two:
+        grpc_proxy = TcpProxy(s.address, host="127.0.0.2").start()
+        data_port = s.ready["data_port"]
+        data_proxy = TcpProxy(("127.0.0.1", data_port), host="127.0.0.2",
+                              port=data_port).start()
+        made.append((grpc_proxy, data_proxy))
+    yield made
+    for pair in made:
+        for p in pair:
+            p.close()
+
+
+@pytest.mark.parametrize(("mode", "kw"), [("truncate", {"limit": 300}), ("stall", {}),
+                                          ("drop", {})])
+@pytest.mark.parametrize("where", ["one of 2", "the only server"])
+def test_a_broken_data_socket_loses_and_repeats_nothing(two, data_proxies, ledger, mode: str,
+                                                        kw: dict[str, Any],
+                                                        where: str) -> None:
+    victim = data_proxies[0][1]
+    n = 2 if where == "one of 2" else 1
+    heal: list[threading.Thread] = []
+
+    def fault() -> None:
+        victim.set(mode, **kw)
+        heal.append(heal_later(victim))
+
+    got, stats = epoch([g.address for g, _ in data_proxies[:n]], at=3, fault=fault,
+                       data_socket=True)
+    heal[0].join(10)
+    wait_for_no_streams(two)  # and the servers let go of every stream the client dropped
+    lost, dup = ledger.compare(got, REFERENCE)
+    ledger.record("network", f"{mode} the data socket for {HEAL_AFTER:g} s, mid-epoch, on "
+                  f"{where}", lost=lost, duplicated=dup,
+                  detail=f"recovered; {stats['failovers']} failovers; no stream left open")
+    assert lost == dup == 0 and got == REFERENCE
+    assert victim.forwarded[1] > 0 or victim.truncated  # payloads did cross this proxy
