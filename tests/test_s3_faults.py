@@ -3,6 +3,7 @@ reading through both. Faults are scheduled, not random: every run injects the sa
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import urllib.request
@@ -556,3 +557,45 @@ def test_a_tcp_path_to_s3_broken_for_good_is_data_loss_naming_the_object(
     assert "after 2 attempts" in info.value.details
     ledger.record("network", "the server's TCP path to S3 reset for good",
                   detail=f"DATA_LOSS naming the object's s3:// URL after {took:.1f} s")
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 512 KiB tmpfs, for a cache folder on a disk that fills up (root only: mount)."""
+    import subprocess
+
+    where = tmp_path / "small-disk"
+    where.mkdir()
+    if os.geteuid() != 0 or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(where)],
+            capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def test_a_full_cache_disk_does_not_stop_serving(moto_endpoint: MotoServer, bucket: str,
+                                                 tmp_path: Path, small_disk: Path,
+                                                 ledger) -> None:
+    objects = _noise_pngs(tmp_path / "pics", 40, 110)  # 1.4 MiB: more than the disk holds
+    put_objects(s3_client(moto_endpoint.url), bucket, objects)
+    config = write_config(tmp_path / "config.yaml", {
+        "s3": {"endpoint_url": moto_endpoint.url, "region": "us-east-1"},
+        # The bound is above the disk's size: the disk fills before the cache evicts.
+        "cache": {"dir": str(small_disk), "max_bytes": "64MiB", "prefetch_bytes": 0},
+        "datasets": {
+            "remote": {"format": "image-folder", "source": f"s3://{bucket}/pics", "size": 4},
+            "local": {"format": "image-folder", "source": str(tmp_path / "pics"), "size": 4}}})
+
+    def epoch(server: ServerProcess, name: str) -> list[int]:
+        with RemoteLoader(server.address, name, batch_size=4, seed=3, output="numpy",
+                          timeout=60) as loader:
+            return [int(i) for b in loader for i in b["sample_index"]]
+
+    with ServerProcess(config, workers=2, env={**server_env(), **s3_env()}) as server:
+        got, want = epoch(server, "remote"), epoch(server, "local")
+    lost, dup = ledger.compare(got, want)
+    ledger.record("storage", "the S3 disk cache's disk full (512 KiB tmpfs, 1.4 MiB of data)",
+                  lost=lost, duplicated=dup, detail="served: objects that do not fit are "
+                  "read past the cache")
+    assert lost == dup == 0 and got == want
