@@ -201,6 +201,25 @@ def test_a_rolling_restart_of_both_servers_loses_and_repeats_nothing(servers, le
     assert all(s["batches"] > 0 for s in stats["servers"].values())
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_the_only_server_restarted_mid_epoch_loses_and_repeats_nothing(servers, ledger,
+                                                                      sig) -> None:
+    """One server, stopped (drained, or killed) and started again on its port mid-epoch:
+    the client waits through the gap, within its timeout, and carries on."""
+    procs = [servers()]
+    port = int(procs[0].address.rsplit(":", 1)[1])
+
+    def restart() -> None:
+        code = procs[0].stop(sig)
+        assert code == (0 if sig == signal.SIGTERM else -signal.SIGKILL), procs[0].stderr
+        procs[0] = servers(port=port)
+
+    got = run([procs[0].address], fault_at=5, fault=restart)
+    record(ledger, f"restart the only server mid-epoch ({signal.Signals(sig).name}, same "
+                   "port)", got)
+    assert got == reference()
+
+
 @pytest.mark.parametrize("during_restart", [False, True])
 def test_a_frozen_server_that_thaws_is_used_again(servers, ledger, during_restart: bool) -> None:
     """SIGSTOP one of two mid-epoch, SIGCONT it later: what it held is asked of the other
