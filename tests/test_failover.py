@@ -6,6 +6,7 @@ Every test compares the sample_index sequence element for element with a failure
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -217,6 +218,22 @@ def test_the_only_server_restarted_mid_epoch_loses_and_repeats_nothing(servers, 
     got = run([procs[0].address], fault_at=5, fault=restart)
     record(ledger, f"restart the only server mid-epoch ({signal.Signals(sig).name}, same "
                    "port)", got)
+    assert got == reference()
+
+
+def test_the_only_server_frozen_then_thawed_loses_and_repeats_nothing(servers, ledger) -> None:
+    """SIGSTOP the only server mid-epoch, SIGCONT it 1.5 s later (past the client's stall
+    patience, within its timeout): the client waits, then takes the epoch up where it was."""
+    server = servers()
+    thawed = threading.Event()
+
+    def freeze() -> None:
+        server.proc.send_signal(signal.SIGSTOP)
+        threading.Thread(target=lambda: thawed.wait(1.5) or server.proc.send_signal(
+            signal.SIGCONT), daemon=True).start()
+
+    got = run([server.address], fault_at=5, fault=freeze)
+    record(ledger, "SIGSTOP the only server, SIGCONT it 1.5 s later", got)
     assert got == reference()
 
 
