@@ -274,3 +274,29 @@ def test_a_broken_data_socket_loses_and_repeats_nothing(two, data_proxies, ledge
                   detail=f"recovered; {stats['failovers']} failovers; no stream left open")
     assert lost == dup == 0 and got == REFERENCE
     assert victim.forwarded[1] > 0 or victim.truncated  # payloads did cross this proxy
+
+
+def test_a_stream_cut_on_its_data_socket_is_ended_at_the_server_at_once(two, data_proxies,
+                                                                       ledger) -> None:
+    """One credit at a time, so a cut lands on the stream's last answered batch: the server
+    has nothing more to send and would not notice the broken socket. The client ends the
+    call itself (it used to leave it open until the loader closed: one server stream, and
+    one client thread, per cut)."""
+    grpc_proxy, data_proxy = data_proxies[0]
+    got: list[int] = []
+    with RemoteLoader(grpc_proxy.address, "toy", **{**KW, "prefetch": 1,
+                                                    "data_socket": True}) as loader:
+        for k, batch in enumerate(loader):
+            got += batch["sample_index"].tolist()
+            if k == 3:
+                data_proxy.set("truncate", limit=300)
+                heal_later(data_proxy)
+        cuts = data_proxy.truncated
+        wait_for_no_streams(two[:1], timeout=10)  # with the loader still open
+    lost, dup = ledger.compare(got, REFERENCE)
+    ledger.record("network", "data socket cut mid-payload, one credit at a time, the only "
+                  "server", lost=lost, duplicated=dup,
+                  detail=f"{cuts} cut streams, each ended at the server while the loader "
+                         "lived")
+    assert lost == dup == 0 and got == REFERENCE
+    assert cuts > 0
