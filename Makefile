@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test lint bench proto reliability clean
+.PHONY: install demo test lint bench proto reliability soak clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ bench: install
 reliability: install
 	$(PY) -m pytest -q --reliability-json results/reliability.json
 	$(PY) tests/reliability.py results/reliability.json > docs/reliability.md
+
+## soak: clients stream for MINUTES (default 30) from 2 servers killed and restarted in turn
+soak: install
+	$(PY) tests/soak.py --minutes $(or $(MINUTES),30) --out results/soak.json
 
 ## proto: regenerate protos/stoker/v1/*_pb2*.py after editing the .proto
 proto: install

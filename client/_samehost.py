@@ -35,9 +35,29 @@ def probe() -> pb.SharedMemoryProbe | None:
         return _probe[1]
 
 
+def _sweep_probes() -> None:
+    """Remove the probes of client processes that are gone: one killed (SIGKILL, OOM) never
+    ran its atexit, and nothing else would ever remove its file."""
+    try:
+        names = os.listdir(_DEV_SHM)
+    except OSError:
+        return
+    for name in names:
+        pid = name.removeprefix("stoker_client_").partition("_")[0]
+        if not name.startswith("stoker_client_") or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            _unlink(os.path.join(_DEV_SHM, name))  # another user's files: EPERM, kept
+        except OSError:
+            pass  # alive, owned by another user
+
+
 def _make_probe() -> pb.SharedMemoryProbe | None:
     if not os.path.isdir(_DEV_SHM):
         return None
+    _sweep_probes()
     token = secrets.token_bytes(16)
     name = f"stoker_client_{os.getpid()}_{secrets.token_hex(16)}"
     path = os.path.join(_DEV_SHM, name)

@@ -108,5 +108,9 @@ class BatchStream:
                 error = RemoteError.from_rpc(e, self.address)
         except Exception as e:  # a malformed frame: nothing after it can be trusted
             error = RemoteError(grpc.StatusCode.INTERNAL, f"bad frame: {e}", self.address)
+            # The call itself is still open: end it, or the server keeps the stream (and
+            # this process a thread feeding it requests) until the channel closes.
+            self._requests.put(None)
+            self._call.cancel()
         self._assembler.close()
         self._on_end(self, None if self._closed else error)

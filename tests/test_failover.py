@@ -6,6 +6,7 @@ Every test compares the sample_index sequence element for element with a failure
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +41,17 @@ def servers(tmp_path: Path) -> Iterator[list[ServerProcess]]:
         if proc.proc is not None and proc.proc.poll() is None:
             proc.proc.send_signal(signal.SIGCONT)
         proc.stop()
+
+
+def flat(batches: list[list[int]]) -> list[int]:
+    return [i for b in batches for i in b]
+
+
+def record(ledger, case: str, got: list[list[int]], detail: str = "") -> None:
+    """One ledger row for a fault, compared with the failure-free epoch."""
+    lost, dup = ledger.compare(flat(got), flat(reference()))
+    ledger.record("servers", case, lost=lost, duplicated=dup, detail=detail)
+    assert lost == dup == 0
 
 
 def reference(epoch: int = 0) -> list[list[int]]:
@@ -81,17 +93,19 @@ def test_any_number_of_servers_gives_the_same_sequence(servers, n: int) -> None:
     # "data": payloads on the data socket beside gRPC.
     (2, signal.SIGKILL, False), (3, signal.SIGSTOP, False),
     (2, signal.SIGKILL, "data"), (2, signal.SIGSTOP, "data")])
-def test_a_server_failing_mid_epoch_loses_and_repeats_nothing(servers, n: int, sig,
+def test_a_server_failing_mid_epoch_loses_and_repeats_nothing(servers, ledger, n: int, sig,
                                                               shm: bool | str) -> None:
     procs = [servers() for _ in range(n)]
     victim = procs[0].proc
     got = run([p.address for p in procs], fault_at=5, fault=lambda: victim.send_signal(sig),
               victim=procs[0].address, shared_memory=shm is True,
               data_socket=shm == "data")
+    path = {True: "shared memory", False: "gRPC frames", "data": "data socket"}[shm]
+    record(ledger, f"{signal.Signals(sig).name} one of {n} mid-epoch ({path})", got)
     assert got == reference()
 
 
-def test_all_servers_down_then_one_back_completes_the_epoch(servers) -> None:
+def test_all_servers_down_then_one_back_completes_the_epoch(servers, ledger) -> None:
     a, b = servers(), servers()
     port = a.ready["grpc_port"]
 
@@ -101,7 +115,9 @@ def test_all_servers_down_then_one_back_completes_the_epoch(servers) -> None:
             p.proc.wait()
         servers(port=port)  # restarted on the same address, within the retry window
 
-    assert run([a.address, b.address], fault_at=8, fault=outage) == reference()
+    got = run([a.address, b.address], fault_at=8, fault=outage)
+    record(ledger, "kill -9 both of 2, restart one on its port", got)
+    assert got == reference()
 
 
 def test_resume_with_a_different_number_of_servers(servers) -> None:
@@ -119,17 +135,22 @@ def test_resume_with_a_different_number_of_servers(servers) -> None:
     assert first + rest == reference()
 
 
-def test_all_servers_gone_for_good_is_an_error_naming_them(servers) -> None:
+def test_all_servers_gone_for_good_is_an_error_naming_them(servers, ledger) -> None:
     a = servers()
     address = a.address
+    got = []
     with RemoteLoader(address, "toy", **{**KW, "timeout": 3}) as loader:
         it = iter(loader)
-        next(it)
+        got.append(next(it)["sample_index"].tolist())
         a.proc.kill()
         a.proc.wait()
         with pytest.raises(Exception) as info:
-            for _ in it:
-                pass
+            for batch in it:
+                got.append(batch["sample_index"].tolist())
+    lost, dup = ledger.compare(flat(got), flat(reference()[: len(got)]))
+    ledger.record("servers", "kill -9 the only server, for good", lost=lost, duplicated=dup,
+                  detail="clear error naming the address and its last error")
+    assert lost == dup == 0
     assert address in str(info.value) and "last error" in str(info.value)
 
 
@@ -158,7 +179,7 @@ def test_time_the_loop_spends_elsewhere_is_not_a_timeout(servers) -> None:
     assert got == reference()
 
 
-def test_a_rolling_restart_of_both_servers_loses_and_repeats_nothing(servers) -> None:
+def test_a_rolling_restart_of_both_servers_loses_and_repeats_nothing(servers, ledger) -> None:
     """Each server in turn: SIGTERM (it drains: finishes what was asked, refuses new credits
     in-band), wait for its exit, start a new one on the same port; the client carries on."""
     procs = [servers(), servers()]
@@ -176,5 +197,77 @@ def test_a_rolling_restart_of_both_servers_loses_and_repeats_nothing(servers) ->
             if k in steps:
                 steps[k]()
         stats = loader.stats()
+    record(ledger, "rolling restart of 2 (SIGTERM, restart on the same port, in turn)", got)
     assert got == reference()
     assert all(s["batches"] > 0 for s in stats["servers"].values())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_the_only_server_restarted_mid_epoch_loses_and_repeats_nothing(servers, ledger,
+                                                                      sig) -> None:
+    """One server, stopped (drained, or killed) and started again on its port mid-epoch:
+    the client waits through the gap, within its timeout, and carries on."""
+    procs = [servers()]
+    port = int(procs[0].address.rsplit(":", 1)[1])
+
+    def restart() -> None:
+        code = procs[0].stop(sig)
+        assert code == (0 if sig == signal.SIGTERM else -signal.SIGKILL), procs[0].stderr
+        procs[0] = servers(port=port)
+
+    got = run([procs[0].address], fault_at=5, fault=restart)
+    record(ledger, f"restart the only server mid-epoch ({signal.Signals(sig).name}, same "
+                   "port)", got)
+    assert got == reference()
+
+
+def test_the_only_server_frozen_then_thawed_loses_and_repeats_nothing(servers, ledger) -> None:
+    """SIGSTOP the only server mid-epoch, SIGCONT it 1.5 s later (past the client's stall
+    patience, within its timeout): the client waits, then takes the epoch up where it was."""
+    server = servers()
+    thawed = threading.Event()
+
+    def freeze() -> None:
+        server.proc.send_signal(signal.SIGSTOP)
+        threading.Thread(target=lambda: thawed.wait(1.5) or server.proc.send_signal(
+            signal.SIGCONT), daemon=True).start()
+
+    got = run([server.address], fault_at=5, fault=freeze)
+    record(ledger, "SIGSTOP the only server, SIGCONT it 1.5 s later", got)
+    assert got == reference()
+
+
+@pytest.mark.parametrize("during_restart", [False, True])
+def test_a_frozen_server_that_thaws_is_used_again(servers, ledger, during_restart: bool) -> None:
+    """SIGSTOP one of two mid-epoch, SIGCONT it later: what it held is asked of the other
+    meanwhile, it comes back up and takes credits again, and nothing arrives twice. With
+    `during_restart`, the other server is restarted (SIGTERM, same port) while one is frozen."""
+    procs = [servers(), servers()]
+    frozen, other = procs[0], procs[1]
+    port = int(other.address.rsplit(":", 1)[1])
+    seen: dict[str, int] = {}
+
+    def restart_other() -> None:
+        assert procs[1].stop() == 0, procs[1].stderr
+        procs[1] = servers(port=port)
+
+    steps = {3: lambda: frozen.proc.send_signal(signal.SIGSTOP),
+             10: lambda: frozen.proc.send_signal(signal.SIGCONT)}
+    if during_restart:
+        steps[6] = restart_other
+    got = []
+    with RemoteLoader([p.address for p in procs], "toy", **KW) as loader:
+        for k, batch in enumerate(loader):
+            got.append(batch["sample_index"].tolist())
+            if k in steps:
+                steps[k]()
+            if k == 10:
+                seen = {a: s["batches"] for a, s in loader.stats()["servers"].items()}
+        stats = loader.stats()
+    after = stats["servers"][frozen.address]
+    case = "SIGSTOP one of 2, SIGCONT it later"
+    record(ledger, case + (" while the other restarts" if during_restart else ""), got,
+           detail=f"thawed server delivered {after['batches'] - seen[frozen.address]} batches "
+                  f"after SIGCONT; {stats['failovers']} failovers, {stats['hedges']} hedges")
+    assert got == reference()
+    assert after["state"] == "up" and after["batches"] > seen[frozen.address]

@@ -3,6 +3,7 @@ reading through both. Faults are scheduled, not random: every run injects the sa
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import urllib.request
@@ -10,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import botocore.exceptions as bx
+import grpc
 import numpy as np
 import pytest
 from PIL import Image
 
-from stoker.client import RemoteLoader
+from stoker.client import RemoteError, RemoteLoader
 from stoker.server import ServerProcess, write_config
 from stoker.server._config import S3Settings
 
@@ -234,7 +236,7 @@ def test_a_large_object_is_read_in_ranges_and_cached(
 
 
 def test_a_missing_object_or_bucket_is_an_error_naming_the_url(
-        fault_proxy: FaultProxy, bucket: str, open_s3) -> None:
+        fault_proxy: FaultProxy, bucket: str, open_s3, ledger) -> None:
     from stoker.server.sources import StorageError
 
     store = open_s3(f"s3://{bucket}/p", _settings(fault_proxy.url))
@@ -247,13 +249,15 @@ def test_a_missing_object_or_bucket_is_an_error_naming_the_url(
     with pytest.raises(StorageError) as info:
         gone.list()
     assert "s3://no-such-bucket-here/p" in str(info.value)
+    ledger.record("storage", "S3 object or bucket missing", tried=4,
+                  detail="StorageError naming the s3:// URL (read, info, range, list)")
 
 
 @pytest.mark.parametrize("fault", [THROTTLE, ERROR, DROP, TRUNCATE, slow(5)],
                          ids=["throttle", "error", "drop", "truncate", "slow"])
 def test_reads_get_the_right_bytes_through_faults(
         moto_endpoint: MotoServer, fault_proxy: FaultProxy, bucket: str, open_s3,
-        fault: Fault) -> None:
+        fault: Fault, ledger) -> None:
     big, small = payload(3 * MiB + 5, seed=3), payload(5000, seed=4)
     put_objects(s3_client(moto_endpoint.url), bucket, {"p/big.bin": big, "p/a.bin": small})
     # Every request (list, head, each range GET) fails on its first attempt.
@@ -266,12 +270,15 @@ def test_reads_get_the_right_bytes_through_faults(
     # list 1; big.bin 4 ranges; a.bin 1; the range 1: each fails once, then succeeds.
     assert fault_proxy.faults == {fault.kind: 1 + 4 + 1 + 1}, fault_proxy.seen
     assert fault_proxy.requests == 2 * fault_proxy.faults[fault.kind]
+    ledger.record("storage", f"S3 {fault.kind} on the first attempt of every request",
+                  tried=fault_proxy.faults[fault.kind],
+                  detail="retried: list, ranged and whole reads return the right bytes")
 
 
 @pytest.mark.parametrize("fault", [ERROR, DROP, slow(5)], ids=["error", "drop", "slow"])
 def test_a_permanent_failure_is_a_clear_error_in_bounded_time(
         moto_endpoint: MotoServer, fault_proxy: FaultProxy, bucket: str, open_s3,
-        fault: Fault) -> None:
+        fault: Fault, ledger) -> None:
     from stoker.server.sources import StorageError
 
     put_objects(s3_client(moto_endpoint.url), bucket, {"p/a.bin": b"abc"})
@@ -287,6 +294,9 @@ def test_a_permanent_failure_is_a_clear_error_in_bounded_time(
     assert f"s3://{bucket}/p/a.bin" in str(info.value)
     # max_attempts is the number of requests, as in AWS's own config (not 3 x 3, not 3 + 1).
     assert fault_proxy.requests == 3, fault_proxy.seen
+    ledger.record("storage", f"S3 {fault.kind} on every request (permanent)",
+                  detail=f"StorageError naming the URL after max_attempts (3) requests, "
+                         f"{time.monotonic() - started:.1f} s")
 
 
 def test_prefetch_fills_the_cache_without_blocking_and_fetches_once(
@@ -340,7 +350,7 @@ def metrics_of(server: ServerProcess) -> dict[str, float]:
 
 def test_a_server_reads_an_image_folder_from_s3_through_faults(
         moto_endpoint: MotoServer, fault_proxy: FaultProxy, bucket: str,
-        tmp_path: Path) -> None:
+        tmp_path: Path, ledger) -> None:
     pytest.importorskip("stoker.server.sources.s3")
     local = tmp_path / "pics"
     rng = np.random.default_rng(7)
@@ -383,6 +393,12 @@ def test_a_server_reads_an_image_folder_from_s3_through_faults(
     assert warm["stoker_cache_misses_total"] == cold["stoker_cache_misses_total"]
     assert server.proc is not None and server.proc.returncode == 0, server.stderr
     indices = np.concatenate([b["sample_index"] for b in remote])
+    lost, dup = ledger.compare(indices.tolist(), np.concatenate(
+        [b["sample_index"] for b in expected]).tolist())
+    ledger.record("storage", "a server reading S3 while 35% of requests are throttled, 500, "
+                  "reset or truncated once", tried=sum(fault_proxy.faults.values()), lost=lost,
+                  duplicated=dup, detail="the epoch equals the local copy's, byte for byte")
+    assert lost == dup == 0
     assert sorted(indices.tolist()) == list(range(27))  # none lost, none twice
     assert len(remote) == len(expected)
     for got, want in zip(remote, expected, strict=True):
@@ -394,3 +410,192 @@ def test_a_server_reads_an_image_folder_from_s3_through_faults(
     assert fault_proxy.faults["throttle"] and fault_proxy.faults["drop"], fault_proxy.faults
     assert sum(fault_proxy.faults.values()) >= 5
     assert gets_again == gets  # the second run read no object again
+
+
+# -- a server's disk cache under a small bound, and a broken TCP path to the endpoint ----------
+
+def _noise_pngs(local: Path, n: int, side: int) -> dict[str, bytes]:
+    """n random-noise PNGs (incompressible: about side*side*3 bytes each) in one class."""
+    rng = np.random.default_rng(n)
+    (local / "a").mkdir(parents=True)
+    objects = {}
+    for i in range(n):
+        path = local / "a" / f"{i:03d}.png"
+        Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(path)
+        objects[f"pics/a/{i:03d}.png"] = path.read_bytes()
+    return objects
+
+
+def _cache_bytes(root: Path) -> int:
+    """Bytes of finished entries (temp files being written and locks not counted)."""
+    total = 0
+    for f in root.glob("*/*"):
+        if f.parent.name != ".locks" and not f.name.startswith(".tmp-"):
+            try:
+                total += f.stat().st_size
+            except FileNotFoundError:  # evicted meanwhile
+                pass
+    return total
+
+
+def test_a_small_disk_cache_stays_within_its_bound_and_serving_goes_on(
+        moto_endpoint: MotoServer, bucket: str, tmp_path: Path, ledger) -> None:
+    objects = _noise_pngs(tmp_path / "pics", 40, 110)  # about 36 KiB each, 1.4 MiB in all
+    put_objects(s3_client(moto_endpoint.url), bucket, objects)
+    limit, workers = MiB, 2
+    config = write_config(tmp_path / "config.yaml", {
+        "s3": {"endpoint_url": moto_endpoint.url, "region": "us-east-1"},
+        "cache": {"dir": str(tmp_path / "cache"), "max_bytes": limit},
+        "datasets": {
+            "remote": {"format": "image-folder", "source": f"s3://{bucket}/pics", "size": 4},
+            "local": {"format": "image-folder", "source": str(tmp_path / "pics"), "size": 4}}})
+    # Each worker evicts after adding 1/16 of the limit: over by at most that and one object
+    # per worker, between evictions.
+    bound = limit + workers * (limit // 16 + max(map(len, objects.values())))
+    peak, done = [0], threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.02):
+            peak[0] = max(peak[0], _cache_bytes(tmp_path / "cache"))
+
+    def epoch(server: ServerProcess, name: str, e: int) -> list[int]:
+        with RemoteLoader(server.address, name, batch_size=4, seed=3, output="numpy",
+                          timeout=60) as loader:
+            loader.set_epoch(e)
+            return [int(i) for b in loader for i in b["sample_index"]]
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        with ServerProcess(config, workers=workers, env={**server_env(), **s3_env()}) as server:
+            got = epoch(server, "remote", 0) + epoch(server, "remote", 1)
+            want = epoch(server, "local", 0) + epoch(server, "local", 1)
+            stats = metrics_of(server)
+    finally:
+        done.set()
+        watcher.join(10)
+    lost, dup = ledger.compare(got, want)
+    ledger.record("storage", "S3 disk cache bound (1 MiB) smaller than the dataset (1.4 MiB)",
+                  lost=lost, duplicated=dup,
+                  detail=f"two epochs served; cache peak {peak[0] >> 10} KiB, bound "
+                         f"{bound >> 10} KiB; {stats['stoker_cache_misses_total']:.0f} misses")
+    assert lost == dup == 0 and got == want
+    assert 0 < peak[0] <= bound and _cache_bytes(tmp_path / "cache") <= bound
+    # The second epoch had to fetch again what was evicted: the bound was really in force.
+    assert stats["stoker_cache_misses_total"] > len(objects)
+
+
+@pytest.mark.parametrize(("mode", "kw"), [("drop", {}), ("stall", {}),
+                                          ("truncate", {"limit": 3000})])
+def test_a_broken_tcp_path_to_s3_mid_epoch_costs_nothing(
+        moto_endpoint: MotoServer, bucket: str, tmp_path: Path, ledger, mode: str,
+        kw: dict[str, Any]) -> None:
+    from tcp_proxy import TcpProxy
+
+    objects = _noise_pngs(tmp_path / "pics", 32, 40)
+    put_objects(s3_client(moto_endpoint.url), bucket, objects)
+    with TcpProxy(moto_endpoint.url.removeprefix("http://")) as proxy:
+        config = write_config(tmp_path / "config.yaml", {
+            "s3": {"endpoint_url": f"http://{proxy.address}", "region": "us-east-1",
+                   "max_attempts": 8, "connect_timeout": 1, "read_timeout": 2},
+            # No prefetch: every object is fetched when its batch is built, during the fault.
+            "cache": {"dir": str(tmp_path / "cache"), "prefetch_bytes": 0},
+            "datasets": {
+                "remote": {"format": "image-folder", "source": f"s3://{bucket}/pics",
+                           "size": 4},
+                "local": {"format": "image-folder", "source": str(tmp_path / "pics"),
+                          "size": 4}}})
+        heal = threading.Event()
+
+        def fault() -> None:
+            proxy.set(mode, **kw)
+            threading.Thread(target=lambda: heal.wait(1.0) or proxy.set("pass"),
+                             daemon=True).start()
+
+        with ServerProcess(config, workers=2, env={**server_env(), **s3_env()}) as server:
+            got: list[int] = []
+            with RemoteLoader(server.address, "remote", batch_size=2, seed=4, output="numpy",
+                              timeout=60) as loader:
+                for k, batch in enumerate(loader):
+                    got += batch["sample_index"].tolist()
+                    if k == 1:
+                        fault()
+            with RemoteLoader(server.address, "local", batch_size=2, seed=4, output="numpy",
+                              timeout=60) as loader:
+                want = [int(i) for b in loader for i in b["sample_index"]]
+    lost, dup = ledger.compare(got, want)
+    ledger.record("network", f"{mode} the server's TCP path to S3 for 1 s, mid-epoch",
+                  lost=lost, duplicated=dup,
+                  detail=f"botocore retried; {proxy.refused} connections refused, "
+                         f"{proxy.truncated} cut")
+    assert lost == dup == 0 and got == want
+
+
+def test_a_tcp_path_to_s3_broken_for_good_is_data_loss_naming_the_object(
+        moto_endpoint: MotoServer, bucket: str, tmp_path: Path, ledger) -> None:
+    from tcp_proxy import TcpProxy
+
+    put_objects(s3_client(moto_endpoint.url), bucket, _noise_pngs(tmp_path / "pics", 8, 16))
+    with TcpProxy(moto_endpoint.url.removeprefix("http://")) as proxy:
+        config = write_config(tmp_path / "config.yaml", {
+            "s3": {"endpoint_url": f"http://{proxy.address}", "region": "us-east-1",
+                   "max_attempts": 2, "connect_timeout": 0.5, "read_timeout": 0.5},
+            "cache": {"dir": str(tmp_path / "cache"), "prefetch_bytes": 0},
+            "datasets": {"remote": {"format": "image-folder", "source": f"s3://{bucket}/pics",
+                                    "size": 4}}})
+        with ServerProcess(config, workers=1, env={**server_env(), **s3_env()}) as server:
+            proxy.set("drop")
+            started = time.monotonic()
+            with pytest.raises(RemoteError) as info:
+                with RemoteLoader(server.address, "remote", batch_size=2, shuffle=False,
+                                  output="numpy", timeout=30) as loader:
+                    list(loader)
+            took = time.monotonic() - started
+    assert info.value.code == grpc.StatusCode.DATA_LOSS
+    # Sample 0 was read at start (to describe the fields), and is cached: a later one fails.
+    assert f"s3://{bucket}/pics/a/00" in info.value.details, info.value.details
+    assert "after 2 attempts" in info.value.details
+    ledger.record("network", "the server's TCP path to S3 reset for good",
+                  detail=f"DATA_LOSS naming the object's s3:// URL after {took:.1f} s")
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 512 KiB tmpfs, for a cache folder on a disk that fills up (root only: mount)."""
+    import subprocess
+
+    where = tmp_path / "small-disk"
+    where.mkdir()
+    if os.geteuid() != 0 or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(where)],
+            capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def test_a_full_cache_disk_does_not_stop_serving(moto_endpoint: MotoServer, bucket: str,
+                                                 tmp_path: Path, small_disk: Path,
+                                                 ledger) -> None:
+    objects = _noise_pngs(tmp_path / "pics", 40, 110)  # 1.4 MiB: more than the disk holds
+    put_objects(s3_client(moto_endpoint.url), bucket, objects)
+    config = write_config(tmp_path / "config.yaml", {
+        "s3": {"endpoint_url": moto_endpoint.url, "region": "us-east-1"},
+        # The bound is above the disk's size: the disk fills before the cache evicts.
+        "cache": {"dir": str(small_disk), "max_bytes": "64MiB", "prefetch_bytes": 0},
+        "datasets": {
+            "remote": {"format": "image-folder", "source": f"s3://{bucket}/pics", "size": 4},
+            "local": {"format": "image-folder", "source": str(tmp_path / "pics"), "size": 4}}})
+
+    def epoch(server: ServerProcess, name: str) -> list[int]:
+        with RemoteLoader(server.address, name, batch_size=4, seed=3, output="numpy",
+                          timeout=60) as loader:
+            return [int(i) for b in loader for i in b["sample_index"]]
+
+    with ServerProcess(config, workers=2, env={**server_env(), **s3_env()}) as server:
+        got, want = epoch(server, "remote"), epoch(server, "local")
+    lost, dup = ledger.compare(got, want)
+    ledger.record("storage", "the S3 disk cache's disk full (512 KiB tmpfs, 1.4 MiB of data)",
+                  lost=lost, duplicated=dup, detail="served: objects that do not fit are "
+                  "read past the cache")
+    assert lost == dup == 0 and got == want

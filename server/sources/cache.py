@@ -14,10 +14,12 @@ is a new entry, and a stale one ages out. Constraints it keeps:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import logging
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -37,6 +39,7 @@ class DiskCache:
         self._added = 0
         self._lock = threading.Lock()
         self.hits = self.misses = self.bytes_fetched = 0
+        self._warned_full = False
         self._remove_stale_temps()
 
     def entry(self, url: str, version: str) -> Path:
@@ -78,15 +81,37 @@ class DiskCache:
         return path
 
     def read(self, url: str, version: str, fetch: Callable[[int], None]) -> bytes:
-        """The object's bytes, through the cache."""
+        """The object's bytes, through the cache; past it when the cache's disk is full."""
         for _ in range(3):
-            path = self.get(url, version, fetch)
+            try:
+                path = self.get(url, version, fetch)
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                return self._read_past(url, fetch, e)
             try:
                 return path.read_bytes()
             except FileNotFoundError:  # evicted between get() and the read: fetch again
                 continue
         raise OSError(f"{url}: evicted from the disk cache as soon as fetched; "
                       f"cache.max_bytes ({self.max_bytes}) is too small for the working set")
+
+    def _read_past(self, url: str, fetch: Callable[[int], None], error: OSError) -> bytes:
+        """Fetch into memory, keeping nothing: a full disk (shared with others, or smaller
+        than max_bytes) makes the cache useless, not the data unreadable."""
+        if not self._warned_full:
+            self._warned_full = True
+            log.warning("disk cache %s: %s; objects that do not fit are read without caching",
+                        self.root, error.strerror)
+        fd = os.memfd_create("stoker-fetch") if hasattr(os, "memfd_create") else None
+        with open(fd, "w+b") if fd is not None else tempfile.TemporaryFile() as f:
+            fetch(f.fileno())
+            f.seek(0)
+            data = f.read()
+        with self._lock:
+            self.misses += 1
+            self.bytes_fetched += len(data)
+        return data
 
     def evict(self) -> None:
         """Delete least recently used entries until the cache is under 90% of its limit."""

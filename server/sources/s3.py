@@ -179,14 +179,14 @@ class S3Storage:
         """Write the object into `fd`: one GET, or parallel ranges for a large object."""
         step = int(self.settings.range_bytes)
         if size <= step:
-            os.pwrite(fd, self._retrying(key, lambda: self._get(key, None, size)), 0)
+            _pwrite_all(fd, self._retrying(key, lambda: self._get(key, None, size)), 0)
             return
 
         def part(start: int) -> None:
             n = min(step, size - start)
             data = self._retrying(key, lambda: self._get(
                 key, f"bytes={start}-{start + n - 1}", n))
-            os.pwrite(fd, data, start)
+            _pwrite_all(fd, data, start)
 
         # Not self._pool: a prefetch running there must not wait on its own pool's slots.
         with concurrent.futures.ThreadPoolExecutor(self.settings.range_concurrency) as parts:
@@ -222,3 +222,12 @@ def _describe(e: bx.ClientError) -> str:
     err = e.response.get("Error", {})
     status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     return f"{err.get('Code', 'error')} (HTTP {status}): {err.get('Message', '')}".rstrip(": ")
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    """pwrite until every byte is written: on a disk that is filling up a write can be short
+    (the next one raises ENOSPC), and a short one unchecked leaves a truncated cache entry."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
