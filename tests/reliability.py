@@ -11,7 +11,8 @@ per thing it tried:
 
 Rows are kept only for tests that passed; a failed test's rows show as FAILED. With
 `pytest --reliability-json PATH` the rows are written to PATH at the end of the run, and
-`python tests/reliability.py PATH > docs/reliability.md` turns them into the page
+`python tests/reliability.py PATH docs/soak.json > docs/reliability.md` turns them, and
+the last soak run, into the page
 (`make reliability` does both). The page is therefore never typed by hand.
 """
 
@@ -27,6 +28,7 @@ from typing import Any
 
 import pytest
 
+TITLES = {"http": "HTTP API", "config": "Configs", "security": "Security"}
 AREAS = ["servers", "network", "storage", "corrupt input", "clients", "load", "bad requests",
          "http", "config", "security"]
 
@@ -98,8 +100,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     Path(path).write_text(json.dumps(rows, indent=1) + "\n")
 
 
-def render(rows: list[dict[str, Any]]) -> str:
-    """The markdown page for docs/reliability.md."""
+def render(rows: list[dict[str, Any]], soak: dict[str, Any] | None = None) -> str:
+    """The markdown page for docs/reliability.md; `soak`: the last soak run's JSON, if any."""
     order = {a: i for i, a in enumerate(AREAS)}
     rows = sorted(rows, key=lambda r: (order[r["area"]], r["test"]))
     lost = sum(r["lost"] for r in rows)
@@ -124,7 +126,7 @@ def render(rows: list[dict[str, Any]]) -> str:
         mine = [r for r in rows if r["area"] == area]
         if not mine:
             continue
-        out += [f"## {area.capitalize()}", "",
+        out += [f"## {TITLES.get(area, area.capitalize())}", "",
                 "| Fault or input | Tried | Lost | Duplicated | Outcome | Test |",
                 "| --- | ---: | ---: | ---: | --- | --- |"]
         for r in mine:
@@ -134,15 +136,37 @@ def render(rows: list[dict[str, Any]]) -> str:
             out.append(f"| {r['case']} | {r['tried']} | {r['lost']} | {r['duplicated']} | "
                        f"{outcome} | {name} |")
         out.append("")
+    if soak is not None:
+        out += _soak(soak)
     return "\n".join(out)
 
 
+def _soak(r: dict[str, Any]) -> list[str]:
+    """The soak section: `make soak` (tests/soak.py) is outside the default test run."""
+    wait = r.get("wait_ms", {})
+    return [
+        "## Soak", "",
+        f"The last soak run (`tests/soak.py`, `make soak MINUTES=30`; its JSON is "
+        f"docs/soak.json): {r['minutes']:g} minutes, {r['clients']} clients on "
+        f"{r['servers']} servers of {r['workers_per_server']} workers, one server killed and "
+        f"restarted every {r['fault_every_s']:g} s ({r['faults_injected']} faults).", "",
+        "| epochs | samples checked | lost | duplicated | client errors | batches/s | "
+        "wait p50 / p99 ms | server RssAnon first → last quarter | /dev/shm after stop | ok |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- | --- |",
+        f"| {r['epochs']} | {r['samples_checked']} | {r['lost']} | {r['duplicated']} | "
+        f"{len(r['client_errors'])} | {r['batches_per_s']:g} | "
+        f"{wait.get('p50', '?')} / {wait.get('p99', '?')} | "
+        f"{r['rss_anon_mib_first_quarter']} → {r['rss_anon_mib_last_quarter']} MiB | "
+        f"{len(r['shm_left_after_stop'])} left | {r['ok']} |", ""]
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python tests/reliability.py RESULTS.json > docs/reliability.md",
+    if len(argv) not in (1, 2):
+        print("usage: python tests/reliability.py RESULTS.json [SOAK.json] > docs/reliability.md",
               file=sys.stderr)
         return 2
-    print(render(json.loads(Path(argv[0]).read_text())), end="")
+    soak = json.loads(Path(argv[1]).read_text()) if len(argv) == 2 else None
+    print(render(json.loads(Path(argv[0]).read_text()), soak), end="")
     return 0
 
 

@@ -28,3 +28,16 @@ def test_rows_render_by_area_and_failed_rows_show() -> None:
 def test_an_unknown_area_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown ledger area"):
         Ledger("t").record("weather", "rain")
+
+
+def test_the_soak_section_shows_the_last_run() -> None:
+    soak = {"minutes": 30.0, "clients": 8, "servers": 2, "workers_per_server": 2,
+            "fault_every_s": 30.0, "faults_injected": 59, "epochs": 2000,
+            "samples_checked": 4_000_000, "lost": 0, "duplicated": 0, "client_errors": [],
+            "batches_per_s": 150.0, "wait_ms": {"p50": 0.1, "p99": 4.0},
+            "rss_anon_mib_first_quarter": 96.3, "rss_anon_mib_last_quarter": 96.5,
+            "shm_left_after_stop": [], "ok": True}
+    page = render([], soak)
+    assert "## Soak" in page and "30 minutes" in page and "(59 faults)" in page
+    assert ("| 2000 | 4000000 | 0 | 0 | 0 | 150 | 0.1 / 4.0 | 96.3 → 96.5 MiB | 0 left | True |"
+            in page)
