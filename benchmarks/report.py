@@ -116,8 +116,10 @@ def wire(r: dict[str, Any], plots: Path) -> list[str]:
                      f"{s['ratio_stoker_over_tcp']:.2f}",
                      f"{sy['stoker_sock']['gb_per_s']['median']:.2f}"
                      if "stoker_sock" in sy else "",
+                     f"{s['ratio_stoker_sock_over_tcp']:.2f}" if "stoker_sock" in sy else "",
                      f"{sy['stoker_shm']['gb_per_s']['median']:.2f}"
                      if "stoker_shm" in sy else "",
+                     f"{s['ratio_stoker_shm_over_tcp']:.2f}" if "stoker_shm" in sy else "",
                      f"{sy['memcpy']['gb_per_s']['median']:.1f}"])
         xs.append(s["size"])
         for k in ys:
@@ -137,7 +139,8 @@ def wire(r: dict[str, Any], plots: Path) -> list[str]:
             "a data socket (payloads on TCP beside gRPC), through shared memory (same host), a "
             "raw TCP stream between two Python processes, and memcpy.", "",
             *_table(["batch", "raw TCP GB/s", "stoker gRPC GB/s", "gRPC / TCP",
-                     "stoker data socket GB/s", "stoker shm GB/s", "memcpy GB/s"], rows),
+                     "stoker data socket GB/s", "socket / TCP", "stoker shm GB/s",
+                     "shm / TCP", "memcpy GB/s"], rows),
             _save(fig, plots, "wire.png"), ""]
 
 
