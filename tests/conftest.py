@@ -44,6 +44,24 @@ TOY_DATASETS: dict[str, Any] = {
 StartServer = Callable[..., ServerProcess]
 
 
+def rss_anon(pid: int) -> int:
+    """RssAnon of `pid` and its child processes (a server's workers), in bytes; 0 if gone."""
+    pids = [pid]
+    try:
+        pids += [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        pass
+    total = 0
+    for p in pids:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("RssAnon:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
 def _starter(tmp_path: Path) -> Iterator[StartServer]:
     started: list[ServerProcess] = []
 

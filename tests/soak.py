@@ -37,30 +37,11 @@ sys.path.insert(0, str(TESTS))
 from stoker.client import RemoteLoader  # noqa: E402
 from stoker.server import ServerProcess, write_config  # noqa: E402
 
-from conftest import server_env  # noqa: E402
+from conftest import rss_anon, server_env  # noqa: E402
 
 N, BS, DIM = 2048, 16, 1024  # Toy samples: 4 KiB of float32 and 2 KiB of uint8 each
 DATASETS = {"toy": {"format": "python", "factory": "toy_datasets:toy",
                     "options": {"n": N, "dim": DIM}}}
-
-
-def rss_anon(pid: int) -> int:
-    """RssAnon of `pid` and its child processes, in bytes (0 if it is gone)."""
-    pids = [pid]
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    try:
-        pids += [int(p) for p in children.read_text().split()]
-    except OSError:
-        pass
-    total = 0
-    for p in pids:
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("RssAnon:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            pass
-    return total
 
 
 def expected(seed: int, epoch: int) -> list[int]:

@@ -19,7 +19,7 @@ import pytest
 
 from stoker.server import ServerProcess
 
-from conftest import StartServer
+from conftest import StartServer, rss_anon
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -68,21 +68,7 @@ def segments(server: ServerProcess) -> list[Path]:
     return list(SHM.glob(f"stoker_{server.proc.pid}_*"))
 
 
-def rss_anon_kib(pid: int) -> int:
-    """RssAnon of `pid` and its children (the worker processes), in KiB."""
-    pids = [pid]
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    if children.exists():
-        pids += [int(p) for p in children.read_text().split()]
-    total = 0
-    for p in pids:
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("RssAnon:"):
-                    total += int(line.split()[1])
-        except FileNotFoundError:
-            pass
-    return total
+
 
 
 def start_child(address: str, path: str) -> subprocess.Popen:
@@ -104,11 +90,11 @@ def test_a_killed_client_gives_back_what_it_held(start_server: StartServer, ledg
                                                  path: str) -> None:
     server = start_server({"big": BIG}, workers=WORKERS, server={"grace_seconds": 1})
     assert server.proc is not None
-    baseline = rss_anon_kib(server.proc.pid)
+    baseline = rss_anon(server.proc.pid) // 1024
     child = start_child(server.address, path)
     try:
         assert streams(server) == 1
-        held = rss_anon_kib(server.proc.pid)
+        held = rss_anon(server.proc.pid) // 1024
         child.send_signal(signal.SIGKILL)
         child.wait(30)
     finally:
@@ -123,7 +109,7 @@ def test_a_killed_client_gives_back_what_it_held(start_server: StartServer, ledg
     # What it held went back to the workers' pools: at most their keep of free segments.
     left = segments(server)
     assert len(left) <= WORKERS * KEEP_SEGMENTS, left
-    released = rss_anon_kib(server.proc.pid)
+    released = rss_anon(server.proc.pid) // 1024
     # The client's probe segment is its own to remove (atexit), which SIGKILL skipped: the
     # next client process on this host sweeps probes of processes that are gone.
     probes = list(SHM.glob(f"stoker_client_{child.pid}_*"))

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from stoker.client import RemoteLoader
 from stoker.client._errors import ProtocolError
 from stoker.client._frames import MAX_PAYLOAD_BYTES, Assembled, Assembler, numpy_views
+from stoker.server._frames import _varint
 from stoker.v1 import stoker_pb2 as pb
 
 pytestmark = pytest.mark.timeout(180)
@@ -34,13 +35,7 @@ BAD_DTYPES = ["object", "O", "V8", "i4,i4", "<U3", "S5", "datetime64[s]", "", "ð
 LIMIT = 1 << 20  # the largest batch generated here; a header asking for more is corrupt
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
+
 
 
 @st.composite

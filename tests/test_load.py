@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from stoker.client import RemoteLoader
 
-from conftest import StartServer
+from conftest import StartServer, rss_anon
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,23 +27,6 @@ N, SHAPE = 120, (128, 128)  # float32 64 KiB samples (Noise: n < 128)
 BATCH_BYTES = BS * (int(np.prod(SHAPE)) * 4 + 3 + 2 + 8)  # big, odd, half, sample_index
 PER_STREAM_OVERHEAD = 512 << 10  # bytes: gRPC call and asyncio bookkeeping, generous
 SLACK = 48 << 20  # allocator arenas, import-time growth on first use
-
-
-def rss_anon(pid: int) -> int:
-    """RssAnon of `pid` and its child processes, in bytes."""
-    pids = [pid]
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    if children.exists():
-        pids += [int(p) for p in children.read_text().split()]
-    total = 0
-    for p in pids:
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("RssAnon:"):
-                    total += int(line.split()[1]) * 1024
-        except FileNotFoundError:
-            pass
-    return total
 
 
 def expected(seed: int) -> list[int]:
