@@ -21,6 +21,7 @@ from pydantic import (
     Field,
     Tag,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -31,6 +32,27 @@ MAX_FRAME_BYTES = 32 << 20
 
 class ConfigError(Exception):
     """A config that cannot be served; the message names the file and the field path."""
+
+
+# -- local paths: relative to the config file --------------------------------------------------
+def _relative_to_config(v: Any, info: ValidationInfo) -> Any:
+    """A local path as the config file means it: `~` expanded, then absolute, or relative to
+    the file's folder (`base` in the validation context), not to the working directory.
+
+    Without a `base` (a config built in code, not read from a file) the value is kept as
+    given; so is anything but a string or path, for the field's own checks to name."""
+    base = (info.context or {}).get("base")
+    if base is None or not isinstance(v, str | os.PathLike):
+        return v
+    path = Path(v).expanduser()
+    return str(path if path.is_absolute() else Path(base) / path)
+
+
+# The marker of every local path field: a path field typed without it would be read relative
+# to the working directory. It goes last in an Annotated so that it runs first: the field's
+# other checks see the resolved path, and their errors show it.
+RelativeToConfig = BeforeValidator(_relative_to_config)
+ConfigPath = Annotated[Path, RelativeToConfig]
 
 
 class _Strict(BaseModel):
@@ -60,7 +82,7 @@ class S3Settings(_Strict):
 class CacheSettings(_Strict):
     """The disk cache for remote objects: shared by a server's workers, kept across restarts."""
 
-    dir: Path = Field(default_factory=lambda: Path(
+    dir: ConfigPath = Field(default_factory=lambda: Path(
         os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "stoker")
     max_bytes: ByteSize = Field(ByteSize(20 << 30), ge=1 << 20, description="e.g. 50GiB")
     # Objects each worker fetches ahead of the batches that need them (the epoch's order is
@@ -74,10 +96,33 @@ UserTransform = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$",
                       description='"module:callable", importable on the server')
 
 
+def _local_root_exists(v: str) -> str:
+    from .sources import split_source
+
+    if not v.strip():  # not "the config's folder": an empty value is a mistake
+        raise ValueError("empty: give a folder, a glob or an s3:// URL")
+    root, _ = split_source(v)
+    if "://" not in root and not Path(root).is_dir():
+        raise ValueError(f"not a directory: {root}")
+    return v
+
+
+def _path_unless_url(v: Any, info: ValidationInfo) -> Any:
+    # A blank source stays blank, to be refused, not read as the config's folder.
+    if isinstance(v, str) and ("://" in v or not v.strip()):
+        return v
+    return _relative_to_config(v, info)
+
+
+# A local path (relative to the config file) or an s3:// URL; either may end in a glob.
+Source = Annotated[str, AfterValidator(_local_root_exists), BeforeValidator(_path_unless_url)]
+
+
 class _Sourced(_Strict):
     """Fields every dataset read from storage has."""
 
-    source: str = Field(min_length=1, description="a path or s3://bucket/prefix, may hold a glob")
+    source: Source = Field(min_length=1,
+                           description="a path or s3://bucket/prefix, may hold a glob")
     s3: S3Settings | None = Field(None, description="overrides the top-level s3: block")
     # raise: the batch fails with DATA_LOSS naming the sample and where it came from.
     # skip: the sample is replaced by another, the same one on every server; counted, logged.
@@ -90,18 +135,6 @@ class _Sourced(_Strict):
     # Local sources: a symlink under the root that leads outside it is refused (the dataset
     # does not open) unless the operator says so here. `..` never leads out.
     follow_symlinks_outside_root: bool = False
-
-    @field_validator("source")
-    @classmethod
-    def _local_root_exists(cls, v: str) -> str:
-        from .sources import split_source
-
-        if not v.strip():  # not "the config's folder": an empty value is a mistake
-            raise ValueError("empty: give a folder, a glob or an s3:// URL")
-        root, _ = split_source(v)
-        if "://" not in root and not Path(root).is_dir():
-            raise ValueError(f"not a directory: {root}")
-        return v
 
 
 class PythonDataset(_Strict):
@@ -387,6 +420,26 @@ class ParquetDataset(_Sourced):
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
+def _tokenizer_file(v: str) -> str:
+    if v == "byte":
+        return v
+    path = Path(v).expanduser()  # already done when read from a file; not when built in code
+    if path.suffix not in (".json", ".tiktoken"):
+        raise ValueError(f"expected 'byte', a Hugging Face tokenizer file (*.json) or a "
+                         f"tiktoken BPE file (*.tiktoken), got {v!r}")
+    if not path.is_file():
+        raise ValueError(f"tokenizer file not found: {path}")
+    return str(path)
+
+
+def _path_unless_byte(v: Any, info: ValidationInfo) -> Any:
+    return v if v == "byte" else _relative_to_config(v, info)
+
+
+# "byte" (a name), or a tokenizer file: a local path like a local source.
+Tokenizer = Annotated[str, AfterValidator(_tokenizer_file), BeforeValidator(_path_unless_byte)]
+
+
 class TextDataset(_Sourced):
     """Documents (a string field of .jsonl records or a string column of .parquet files),
     tokenized once at open and packed into rows of seq_len tokens: the documents of an epoch
@@ -395,7 +448,7 @@ class TextDataset(_Sourced):
     format: Literal["text"]
     field: str = Field("text", min_length=1,
                        description="jsonl: a dotted path in each record; parquet: a column")
-    tokenizer: str = Field("byte", min_length=1,
+    tokenizer: Tokenizer = Field("byte", min_length=1,
                            description='"byte", a tokenizer.json (Hugging Face tokenizers) or '
                                        "a *.tiktoken BPE ranks file")
     tiktoken_pattern: str | None = Field(None, description="*.tiktoken only; default cl100k's")
@@ -408,19 +461,6 @@ class TextDataset(_Sourced):
     # split: a document longer than seq_len (BOS/EOS included) runs on across rows; drop: left out.
     long_documents: Literal["split", "drop"] = "split"
     shuffle: Literal["global"] = "global"  # rows have no shards
-
-    @field_validator("tokenizer")
-    @classmethod
-    def _tokenizer_file(cls, v: str) -> str:
-        if v == "byte":
-            return v
-        path = Path(v).expanduser()
-        if path.suffix not in (".json", ".tiktoken"):
-            raise ValueError(f"expected 'byte', a Hugging Face tokenizer file (*.json) or a "
-                             f"tiktoken BPE file (*.tiktoken), got {v!r}")
-        if not path.is_file():
-            raise ValueError(f"tokenizer file not found: {path}")
-        return str(path)
 
     @model_validator(mode="after")
     def _special_ids(self) -> TextDataset:
@@ -446,7 +486,7 @@ def _readable_file(v: Path) -> Path:
     return v
 
 
-ReadableFile = Annotated[Path, AfterValidator(_readable_file)]
+ReadableFile = Annotated[Path, AfterValidator(_readable_file), RelativeToConfig]
 
 
 class TlsSettings(_Strict):
@@ -515,36 +555,6 @@ class Config(_Strict):
         return self.s3.model_copy(update=own.model_dump(exclude_unset=True))
 
 
-def _resolve_sources(raw: Any, base: Path) -> Any:
-    """Relative `source:` paths (and text datasets' `tokenizer:` files, the cache folder, TLS
-    and token files) are relative to the config file, not the working directory."""
-    datasets = raw.get("datasets") if isinstance(raw, dict) else None
-    if isinstance(datasets, dict):
-        for ds in datasets.values():
-            if (isinstance(ds, dict) and isinstance(ds.get("source"), str)
-                    and ds["source"].strip() and "://" not in ds["source"]):
-                src = Path(ds["source"]).expanduser()
-                ds["source"] = str(src if src.is_absolute() else base / src)
-            if (isinstance(ds, dict) and ds.get("format") == "text"
-                    and isinstance(ds.get("tokenizer"), str) and ds["tokenizer"] != "byte"):
-                tok = Path(ds["tokenizer"]).expanduser()  # a local file, like a local source
-                ds["tokenizer"] = str(tok if tok.is_absolute() else base / tok)
-    server = raw.get("server")
-    tls = server.get("tls") if isinstance(server, dict) else None
-    files = [(server, "auth_token_file")] if isinstance(server, dict) else []
-    if isinstance(tls, dict):
-        files += [(tls, k) for k in ("cert_file", "key_file", "client_ca_file")]
-    for owner, key in files:
-        if isinstance(owner.get(key), str):
-            f = Path(owner[key]).expanduser()
-            owner[key] = str(f if f.is_absolute() else base / f)
-    cache = raw.get("cache")
-    if isinstance(cache, dict) and isinstance(cache.get("dir"), str):
-        d = Path(cache["dir"]).expanduser()
-        cache["dir"] = str(d if d.is_absolute() else base / d)
-    return raw
-
-
 def load_config(path: str | os.PathLike[str], **overrides: Any) -> Config:
     """Read and validate a config file; `overrides` (not None) replace `server:` settings."""
     path = Path(path)
@@ -558,14 +568,13 @@ def load_config(path: str | os.PathLike[str], **overrides: Any) -> Config:
         raise ConfigError(f"config error in {path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config error in {path}: expected a mapping with `datasets:` at the top")
-    raw = _resolve_sources(raw, path.resolve().parent)
     server = raw.get("server")
     if server is None:
         server = {}
     if isinstance(server, dict):  # anything else: validation names `server` below
         raw["server"] = {**server, **{k: v for k, v in overrides.items() if v is not None}}
     try:
-        return Config.model_validate(raw)
+        return Config.model_validate(raw, context={"base": path.resolve().parent})
     except ValidationError as e:
         lines = [f"config error in {path}:"]
         for err in e.errors():

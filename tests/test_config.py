@@ -305,3 +305,87 @@ def test_every_kind_of_bad_config(tmp_path: Path, ledger, case: str, text: str |
     ledger.record("config", case, tried=1,
                   detail=("exit code 2: " if case in CLI_CASES else "ConfigError: ")
                   + expected[0])
+
+
+# -- local paths: relative to the config file, whatever field holds them ----------------------
+def test_a_path_field_of_any_model_is_relative_to_the_config_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new path field needs only the path type: no resolver names it."""
+    from pydantic import BaseModel
+
+    from stoker.server._config import ConfigPath
+
+    class Keys(BaseModel):
+        key: ConfigPath
+        extra: list[ConfigPath] = []
+
+    class Settings(BaseModel):
+        keys: Keys | None = None
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    raw = {"keys": {"key": "keys/a.pem", "extra": ["/etc/b.pem", "~/c.pem", "../d.pem"]}}
+    got = Settings.model_validate(raw, context={"base": tmp_path / "conf"})
+    assert got.keys is not None
+    assert got.keys.key == tmp_path / "conf" / "keys" / "a.pem"
+    assert got.keys.extra == [Path("/etc/b.pem"), tmp_path / "home" / "c.pem",
+                              tmp_path / "conf" / ".." / "d.pem"]
+    # built in code, with no config file to be relative to: taken as given
+    assert Settings.model_validate(raw).keys == Keys(key=Path("keys/a.pem"), extra=[
+        Path("/etc/b.pem"), Path("~/c.pem"), Path("../d.pem")])
+
+
+def test_every_path_in_a_config_file_is_relative_to_its_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stoker.server._config import TextDataset, load_config
+
+    conf, home = tmp_path / "conf", tmp_path / "home"
+    for folder in (conf / "data", conf / "keys", home / "shards"):
+        folder.mkdir(parents=True)
+    for name in ("tok.json", "keys/cert.pem", "keys/key.pem", "keys/ca.pem", "keys/token"):
+        (conf / name).write_text("x")
+    config = conf / "c.yaml"
+    config.write_text(
+        "server:\n  auth_token_file: keys/token\n"
+        "  tls: {cert_file: keys/cert.pem, key_file: ./keys/key.pem, client_ca_file: keys/ca.pem}\n"
+        "cache: {dir: cache}\n"
+        "datasets:\n"
+        "  text: {format: text, source: 'data/*.jsonl', seq_len: 8, tokenizer: tok.json}\n"
+        "  home: {format: tokens, source: ~/shards, seq_len: 8}\n"
+        "  remote: {format: tar, source: 's3://bucket/p/*.tar', fields: {x: {ext: cls, "
+        "decode: int}}}\n")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)  # not the config's folder
+    cfg = load_config("conf/c.yaml")
+    assert cfg.server.auth_token_file == conf / "keys" / "token"
+    assert cfg.server.tls is not None
+    assert (cfg.server.tls.cert_file, cfg.server.tls.key_file, cfg.server.tls.client_ca_file) \
+        == (conf / "keys" / "cert.pem", conf / "keys" / "key.pem", conf / "keys" / "ca.pem")
+    assert cfg.cache.dir == conf / "cache"
+    text = cfg.datasets["text"]
+    assert isinstance(text, TextDataset)
+    assert (text.source, text.tokenizer) == (f"{conf}/data/*.jsonl", str(conf / "tok.json"))
+    assert cfg.datasets["home"].source == str(home / "shards")
+    assert cfg.datasets["remote"].source == "s3://bucket/p/*.tar"
+
+
+def test_every_path_field_of_the_config_is_relative_to_the_config_file() -> None:
+    """A field typed `Path` without the path type would be read from the working directory."""
+    import typing
+
+    from pydantic import BaseModel
+
+    from stoker.server._config import Config, RelativeToConfig
+
+    def unmarked(annotation: object, metadata: list[object]) -> list[str]:
+        if typing.get_origin(annotation) is typing.Annotated:
+            inner, *more = typing.get_args(annotation)
+            return unmarked(inner, [*metadata, *more])
+        if annotation is Path:
+            return [] if any(m is RelativeToConfig for m in metadata) else ["Path"]
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            return [f"{annotation.__name__}.{name}: {problem}"
+                    for name, field in annotation.model_fields.items()
+                    for problem in unmarked(field.annotation, field.metadata)]
+        return [p for arg in typing.get_args(annotation) for p in unmarked(arg, [])]
+
+    assert unmarked(Config, []) == []

@@ -52,7 +52,6 @@ share of documents that cross a row boundary, in file order) are logged at open.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import json
@@ -70,7 +69,7 @@ import numpy as np
 
 from .._sampling import EpochKey
 from ..sources import ObjectInfo, Storage
-from ..sources.cache import LOCKS, TMP
+from ..sources.cache import LOCKS, TMP, file_lock
 from .tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("stoker.server")
@@ -222,16 +221,6 @@ def _open_cached(base: str) -> _Corpus | None:
     return _Corpus(tokens, offsets, sources, meta, True)
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
 # -- the dataset -----------------------------------------------------------------------------
 class Text:
     """Thread-safe: rows are built from read-only arrays; plans are cached whole."""
@@ -332,7 +321,7 @@ class Text:
             found = _open_cached(str(folder / digest))
             if found is not None:
                 return found
-            with _locked(folder.parent / LOCKS / f"text-{digest}"):
+            with file_lock(folder.parent / LOCKS / f"text-{digest}"):
                 found = _open_cached(str(folder / digest))  # built while we waited
                 if found is not None:
                     return found

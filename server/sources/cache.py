@@ -31,6 +31,26 @@ LOCKS = ".locks"
 TMP = ".tmp-"
 
 
+@contextlib.contextmanager
+def file_lock(path: Path, *, wait: bool = True) -> Iterator[bool]:
+    """Hold an exclusive fcntl lock on `path` (created if missing) for the block; yields
+    whether it is held: always with `wait`, False without it when another holder has it.
+
+    The lock belongs to this open of the file (flock, not POSIX record locks), so it excludes
+    other processes and other threads of this one alike, and it is released when the block
+    ends or the process dies."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)  # releases the lock
+
+
 class DiskCache:
     def __init__(self, root: Path, max_bytes: int) -> None:
         self.root = Path(root)
@@ -52,7 +72,8 @@ class DiskCache:
         path = self.entry(url, version)
         if self._touch(path):
             return path
-        with self._entry_lock(path.name):
+        # One lock file per 256th of the key space: few files, rare false sharing.
+        with file_lock(self.root / LOCKS / path.name[:2]):
             if self._touch(path):  # another process fetched it while we waited
                 return path
             path.parent.mkdir(exist_ok=True)
@@ -115,7 +136,7 @@ class DiskCache:
 
     def evict(self) -> None:
         """Delete least recently used entries until the cache is under 90% of its limit."""
-        with self._evict_lock() as mine:
+        with file_lock(self.root / LOCKS / "evict", wait=False) as mine:
             if not mine:
                 return  # another process is evicting
             entries, total = [], 0
@@ -152,29 +173,6 @@ class DiskCache:
         with self._lock:
             self.hits += 1
         return True
-
-    @contextlib.contextmanager
-    def _entry_lock(self, name: str) -> Iterator[None]:
-        fd = os.open(self.root / LOCKS / name[:2], os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            # One lock file per 256th of the key space: few files, rare false sharing.
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # releases the lock
-
-    @contextlib.contextmanager
-    def _evict_lock(self) -> Iterator[bool]:
-        fd = os.open(self.root / LOCKS / "evict", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                yield False
-                return
-            yield True
-        finally:
-            os.close(fd)
 
     def _remove_stale_temps(self) -> None:
         """Temp files of fetches that died with their process (older than an hour)."""
