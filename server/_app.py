@@ -1,18 +1,29 @@
-"""The server process's lifecycle: start in order, serve, shut down in steps.
+"""The server's lifecycle, as four steps: start, serve, drain, stop.
 
-start:    worker processes (they open the datasets) -> gRPC port -> HTTP port -> "ready" line
-shutdown: (on SIGTERM or SIGINT) health NOT_SERVING -> new credits answered UNAVAILABLE
-          in-band (clients ask other servers) -> stop accepting streams, let the batches in
-          flight finish within the grace period -> stop HTTP -> stop workers (shm freed)
+start:  signal handlers -> worker processes (they open the datasets) -> data-socket listener
+        -> gRPC port -> HTTP port -> health SERVING -> "ready" line
+serve:  until SIGTERM or SIGINT; gRPC health follows the worker pool meanwhile
+drain:  health NOT_SERVING -> new credits answered UNAVAILABLE in-band (clients ask other
+        servers) -> stop accepting streams, let the batches in flight finish within the grace
+        period
+stop:   what started, in reverse: HTTP -> gRPC (health NOT_SERVING first) -> data-socket
+        listener -> workers (shm freed) -> signal handlers
+
+Each part's stop goes on one AsyncExitStack as soon as its start succeeds, so a start that
+fails at any step, and a serve() task that its embedding program cancels, undo exactly what
+had started; a cancelled serve() stops at once, without the drain.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -23,8 +34,11 @@ from ._auth import TokenInterceptor, read_token
 from ._config import Config
 from ._datasocket import DataSockets
 from ._http import HttpServer
+from ._listen import address
 from ._service import SERVICE_NAME, DataService
-from ._workers import StartError, WorkerPool
+from ._workers import DatasetMeta, StartError, WorkerPool
+
+__all__ = ["Started", "drain", "serve", "start"]
 
 log = logging.getLogger("stoker.server")
 
@@ -44,10 +58,6 @@ GRPC_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.so_reuseport", 0),
 ]
-
-
-def grpc_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 HEALTH_EVERY = 1.0  # seconds between looks at the worker pool for gRPC health
@@ -70,89 +80,181 @@ async def _watch_workers(pool: WorkerPool, health_servicer: Any) -> None:
                     "up" if up else "all gone", "SERVING" if up else "NOT_SERVING")
 
 
+@dataclass(frozen=True)
+class Started:
+    """What start() brought up (each part's stop is on the exit stack already)."""
+
+    pool: WorkerPool
+    service: DataService
+    grpc_server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    grpc_port: int
+    http_port: int
+    data_port: int | None  # None: no data socket (under TLS)
+    auth: bool  # calls must carry the bearer token
+
+
 async def serve(config: Config) -> None:
-    """Run until SIGTERM or SIGINT, then shut down gracefully. Raises StartError."""
-    settings = config.server
-    loop = asyncio.get_running_loop()
+    """Run until SIGTERM or SIGINT, then shut down gracefully. Raises StartError.
+
+    Embedded, as a task in a program's own loop: cancelling the task stops the server at once
+    (streams are cut, no drain) and leaves no port, thread, worker, segment or signal handler."""
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):  # first: a signal during start stops cleanly
-        loop.add_signal_handler(sig, stop.set)
+    async with contextlib.AsyncExitStack() as stack:
+        started = await start(config, stack, stop.set)
+        # Not announced when a signal came during the start: that server is about to stop.
+        if not stop.is_set():
+            _announce(config, started)
+        await _serve_until(stop, started)
+        await drain(started, config.server.grace_seconds)
+    log.info("stopped")
+    print(json.dumps({"event": "stopped"}), flush=True)
+
+
+async def start(config: Config, stack: contextlib.AsyncExitStack,
+                on_signal: Callable[[], None]) -> Started:
+    """Start every part in order, pushing each one's stop on `stack` once it runs.
+    Raises StartError naming the part that could not start."""
+    settings = config.server
+    _on_signals(stack, on_signal)  # first: a signal during the start stops cleanly
     # Secrets and certificates first: a bad one fails the start before any worker runs.
     token = read_token(settings)
     if settings.tls is not None:
         _tls.check(settings.tls)
     pool = WorkerPool(config, settings.worker_count)
+    meta = await _start_workers(stack, pool)
+    service = DataService(config, pool, meta)
+    # The data socket is plain TCP: under TLS it is not offered (clients that ask for one get
+    # their payloads in gRPC frames, encrypted like the rest). It listens before gRPC does:
+    # the first stream may ask for it, and streams end before it closes.
+    if settings.tls is None:
+        service.data_sockets = _listening(
+            "data socket", settings.host, settings.data_port,
+            lambda: DataSockets(settings.host, settings.data_port))
+        service.data_sockets.start()
+        stack.callback(service.data_sockets.close)
+    grpc_server, health_servicer, grpc_port = await _start_grpc(stack, config, service, token)
+    http = _listening("HTTP", settings.host, settings.http_port,
+                      lambda: HttpServer(settings.host, settings.http_port, service, token=token,
+                                         tls=settings.tls))
+    http.start()
+    stack.callback(http.stop)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return Started(pool, service, grpc_server, health_servicer, grpc_port, http.port,
+                   service.data_sockets.port if service.data_sockets else None,
+                   auth=token is not None)
+
+
+def _announce(config: Config, started: Started) -> None:
+    """One machine-readable line: tests and scripts wait on it instead of sleeping."""
+    settings, meta = config.server, started.service.meta
+    print(json.dumps({"event": "ready", "grpc_port": started.grpc_port,
+                      "http_port": started.http_port, "data_port": started.data_port,
+                      "tls": settings.tls is not None, "auth": started.auth,
+                      "host": settings.host, "workers": settings.worker_count,
+                      "datasets": sorted(meta)}), flush=True)
+    log.info("serving %s on %s (gRPC), port %d (HTTP) with %d workers",
+             ", ".join(sorted(meta)), address(settings.host, started.grpc_port),
+             started.http_port, settings.worker_count)
+
+
+async def _serve_until(stop: asyncio.Event, started: Started) -> None:
+    """Serve until `stop` is set; gRPC health follows the worker pool meanwhile."""
+    watch = asyncio.create_task(_watch_workers(started.pool, started.health))
     try:
-        meta = await loop.run_in_executor(None, pool.start)
-        service = DataService(config, pool, meta)
-        health_servicer = health.aio.HealthServicer()
-        server = grpc.aio.server(
-            options=[*GRPC_OPTIONS, ("grpc.max_receive_message_length",
-                                     int(settings.max_request_bytes))],
-            interceptors=[TokenInterceptor(token)] if token is not None else None)
-        server.add_generic_rpc_handlers([service.handler()])
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        # Reflection: grpcurl and friends discover the services without the .proto file.
-        reflection.enable_server_reflection(
-            [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-        address = grpc_address(settings.host, settings.port)
-        try:
-            if settings.tls is None:
-                port = server.add_insecure_port(address)
-            else:
-                port = server.add_secure_port(address, _tls.grpc_credentials(settings.tls))
-        except RuntimeError as e:
-            raise StartError(f"cannot listen on {address} (gRPC): {e}") from None
-        await server.start()
-        # The data socket is plain TCP: under TLS it is not offered (clients that ask for one
-        # get their payloads in gRPC frames, encrypted like the rest).
-        data_sockets = None
-        if settings.tls is None:
-            try:
-                data_sockets = DataSockets(settings.host, settings.data_port)
-            except OSError as e:
-                await server.stop(None)
-                raise StartError(f"cannot listen on "
-                                 f"{grpc_address(settings.host, settings.data_port)}"
-                                 f" (data socket): {e.strerror}") from None
-            data_sockets.start()
-        service.data_sockets = data_sockets
-        try:
-            http = HttpServer(settings.host, settings.http_port, service, token=token,
-                              tls=settings.tls)
-        except OSError as e:
-            await server.stop(None)
-            if data_sockets is not None:
-                data_sockets.close()
-            raise StartError(f"cannot listen on {grpc_address(settings.host, settings.http_port)}"
-                             f" (HTTP): {e.strerror}") from None
-        http.start()
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-
-        # One machine-readable line: tests and scripts wait on it instead of sleeping.
-        # Not printed when a signal came during the start: that server is about to stop.
-        if not stop.is_set():
-            print(json.dumps({"event": "ready", "grpc_port": port, "http_port": http.port,
-                              "data_port": data_sockets.port if data_sockets else None,
-                              "tls": settings.tls is not None, "auth": token is not None,
-                              "host": settings.host, "workers": settings.worker_count,
-                              "datasets": sorted(meta)}), flush=True)
-            log.info("serving %s on %s (gRPC), port %d (HTTP) with %d workers",
-                     ", ".join(sorted(meta)), grpc_address(settings.host, port), http.port,
-                     settings.worker_count)
-        watch = asyncio.create_task(_watch_workers(pool, health_servicer))
         await stop.wait()
-        watch.cancel()
-
-        log.info("shutting down: draining streams for up to %.1fs", settings.grace_seconds)
-        await health_servicer.enter_graceful_shutdown()
-        service.draining = True  # credits from now on are answered UNAVAILABLE, in-band
-        await server.stop(settings.grace_seconds)
-        if data_sockets is not None:
-            data_sockets.close()
-        http.stop()
     finally:
+        watch.cancel()
+        await asyncio.wait([watch])
+
+
+async def drain(started: Started, grace: float) -> None:
+    """Stop taking work and let the batches in flight finish, for at most `grace` seconds."""
+    log.info("shutting down: draining streams for up to %.1fs", grace)
+    await started.health.enter_graceful_shutdown()
+    started.service.draining = True  # credits from now on are answered UNAVAILABLE, in-band
+    await started.grpc_server.stop(grace)
+
+
+# -- each part's start, and its stop pushed on the stack --------------------------------------
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _on_signals(stack: contextlib.AsyncExitStack, on_signal: Callable[[], None]) -> None:
+    """SIGTERM and SIGINT call `on_signal` until the stack closes; then the handlers the
+    program had before are back (asyncio.run's own SIGINT handler among them). Only on the
+    main thread, as asyncio's signal handlers are."""
+    loop = asyncio.get_running_loop()
+    for sig in SIGNALS:
+        before = signal.getsignal(sig)
+        loop.add_signal_handler(sig, on_signal)
+        stack.callback(_restore_signal, loop, sig, before)
+
+
+def _restore_signal(loop: asyncio.AbstractEventLoop, sig: signal.Signals, before: Any) -> None:
+    loop.remove_signal_handler(sig)
+    if before is not None:  # None: set outside Python, nothing to put back
+        signal.signal(sig, before)
+
+
+async def _start_workers(stack: contextlib.AsyncExitStack,
+                         pool: WorkerPool) -> dict[str, DatasetMeta]:
+    """Start the pool's workers (blocking: on a thread); what each dataset holds."""
+    loop = asyncio.get_running_loop()
+    starting = loop.run_in_executor(None, pool.start)
+
+    async def close() -> None:
+        # start() and close() both walk the pool's workers: a start cut short by a
+        # cancellation runs to its end on its thread before close() stops what it started.
+        await asyncio.wait([starting])
         await loop.run_in_executor(None, pool.close)
-    log.info("stopped")
-    print(json.dumps({"event": "stopped"}), flush=True)
+
+    stack.push_async_callback(close)  # before start() ends: it stops those that did start
+    return await asyncio.shield(starting)
+
+
+async def _start_grpc(stack: contextlib.AsyncExitStack, config: Config, service: DataService,
+                      token: bytes | None) -> tuple[grpc.aio.Server, Any, int]:
+    """The gRPC server, listening: (server, its health servicer, its port)."""
+    settings = config.server
+    health_servicer = health.aio.HealthServicer()
+    server = grpc.aio.server(
+        options=[*GRPC_OPTIONS, ("grpc.max_receive_message_length",
+                                 int(settings.max_request_bytes))],
+        interceptors=[TokenInterceptor(token)] if token is not None else None)
+    server.add_generic_rpc_handlers([service.handler()])
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    # Reflection: grpcurl and friends discover the services without the .proto file.
+    reflection.enable_server_reflection(
+        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    where = address(settings.host, settings.port)
+    try:
+        if settings.tls is None:
+            port = server.add_insecure_port(where)
+        else:
+            port = server.add_secure_port(where, _tls.grpc_credentials(settings.tls))
+    except RuntimeError as e:
+        raise StartError(f"cannot listen on {where} (gRPC): {e}") from None
+    await server.start()
+    stack.push_async_callback(_stop_grpc, server, health_servicer)
+    return server, health_servicer, port
+
+
+async def _stop_grpc(server: grpc.aio.Server, health_servicer: Any) -> None:
+    """Health says NOT_SERVING before the port closes; streams still open are cut (after
+    drain() there are none, and this stop finds the server stopped already)."""
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(None)
+
+
+_T = TypeVar("_T")
+
+
+def _listening(what: str, host: str, port: int, make: Callable[[], _T]) -> _T:
+    """make() a part that listens on (host, port); a port it cannot take is a StartError."""
+    try:
+        return make()
+    except OSError as e:
+        raise StartError(f"cannot listen on {address(host, port)} ({what}): "
+                         f"{e.strerror}") from None

@@ -17,6 +17,8 @@ import logging
 import secrets
 import socket
 
+from ._listen import listen
+
 log = logging.getLogger("stoker.server")
 
 TOKEN_BYTES = 16
@@ -30,11 +32,7 @@ class DataSockets:
     """One listening socket per server; connections are matched to streams by token."""
 
     def __init__(self, host: str, port: int) -> None:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind((host, port))
-        self._listener.listen(128)
+        self._listener = listen(host, port)
         self._listener.setblocking(False)
         self.port: int = self._listener.getsockname()[1]
         self._pending: dict[bytes, asyncio.Future[socket.socket]] = {}

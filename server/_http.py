@@ -20,7 +20,6 @@ only read: counters (thread-safe), the pool's status (under its lock), immutable
 
 from __future__ import annotations
 
-import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
 from ._auth import EXEMPT_HTTP_PATHS, REFUSAL, bearer_ok
+from ._listen import listen
 from ._tls import uvicorn_options
 
 PAGE = Path(__file__).parent / "static" / "index.html"
@@ -155,13 +155,8 @@ def make_app(service: Any = None, token: bytes | None = None) -> FastAPI:
 class HttpServer:
     def __init__(self, host: str, port: int, service: Any = None, *,
                  token: bytes | None = None, tls: Any = None) -> None:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        # Listening now, before uvicorn's thread runs: connections made as soon as the server
-        # reports ready wait in the backlog instead of being refused.
-        self._sock.listen(128)
+        # Listening now, before uvicorn's thread runs (_listen.py says why).
+        self._sock = listen(host, port)
         self.port: int = self._sock.getsockname()[1]
         config = uvicorn.Config(make_app(service, token), log_level="warning", lifespan="off",
                                 **uvicorn_options(tls))
