@@ -6,8 +6,6 @@ thread per stream assembles batches, so at most `prefetch` batches wait in host 
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -24,24 +22,11 @@ from ._channel import ChannelMaker
 from ._channel import hint as tls_hint
 from ._errors import RemoteError
 from ._frames import Assembled, numpy_views
-from ._normalize import Normalizer
+from ._options import LoaderOptions, default_rank_world
 from ._progress import Progress
 from ._scheduler import FATAL, Scheduler
 from ._servers import ServerSet
-
-
-def _default_rank_world() -> tuple[int, int]:
-    """torch.distributed when initialised, else RANK/WORLD_SIZE, else (0, 1).
-
-    torch is consulted only if the process already imported it: numpy users stay torch-free.
-    """
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
+from ._stream import StreamSpec
 
 # The loop's data stall goes to the servers (for their metrics) this often, the first time
 # after REPORT_FIRST seconds of iterating.
@@ -72,57 +57,31 @@ class RemoteLoader:
                  progress: bool = False, log_every: float | None = None,
                  compression: str | None = None, data_socket: bool = False,
                  tls: bool | Mapping[str, Any] = False, token: str | None = None) -> None:
-        if output not in ("torch", "numpy"):
-            raise ValueError(f"output must be 'torch' or 'numpy', got {output!r}")
-        if output == "numpy" and device is not None:
-            raise ValueError("output='numpy' yields host arrays; device must be None")
-        if prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
-        self._normalize = Normalizer(normalize, normalize_dtype) if normalize else None
-        if self._normalize is not None and output == "numpy" and normalize_dtype == "bfloat16":
-            raise ValueError("normalize_dtype='bfloat16' needs output='torch' (numpy has none)")
-        if rank is None or world_size is None:
-            default_rank, default_world = _default_rank_world()
-            rank = default_rank if rank is None else rank
-            world_size = default_world if world_size is None else world_size
-        channels = ChannelMaker(tls, token)
-        if data_socket and channels.tls:
-            raise ValueError("data_socket=True sends payloads over plain TCP; with tls, "
-                             "batches travel in gRPC frames (leave data_socket False)")
-        self._tls = channels.tls
-        self._servers = ServerSet(address, channels)
+        rank, world_size = default_rank_world(rank, world_size)
+        self._options = o = LoaderOptions(
+            dataset, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank,
+            world_size=world_size, device=device, output=output, prefetch=prefetch,
+            timeout=timeout, normalize=normalize, normalize_dtype=normalize_dtype,
+            shared_memory=shared_memory, progress=progress, log_every=log_every,
+            compression=compression, data_socket=data_socket,
+            channels=ChannelMaker(tls, token))
+        self._normalize = o.normalizer()
+        self._servers = ServerSet(address, o.channels)
         self.address = self._servers.describe()
         self.dataset = dataset
-        self._coords = dict(dataset=dataset, seed=seed, shuffle=shuffle, rank=rank,
-                            world_size=world_size, batch_size=batch_size, drop_last=drop_last)
+        self._coords = o.coordinates
         self._epoch = 0
         self._next = 0
-        self._output = output
-        self._prefetch = prefetch
-        self._timeout = timeout
-        self._shared_memory = shared_memory
-        if log_every is not None and log_every <= 0:
-            raise ValueError(f"log_every must be > 0 seconds or None, got {log_every}")
-        self._progress, self._log_every = progress, log_every
-        if compression not in (None, "zstd"):
-            raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
-        if compression == "zstd":
-            try:
-                import zstandard  # noqa: F401 -- fail here, not on a receive thread
-            except ImportError:
-                raise ImportError("compression='zstd' needs zstandard: pip install zstandard"
-                                  ) from None
-        self._compression = compression or ""
-        self._data_socket = data_socket
         self._feed = None
-        if device is not None and str(device).partition(":")[0] != "cpu":
+        if o.on_device:
             from ._device import DeviceFeed
 
             # prefetch batches can wait in pinned buffers, plus one being filled and one
             # whose copy to the device is still running.
-            self._feed = DeviceFeed(device, max_buffers=prefetch + 2, normalize=self._normalize)
+            self._feed = DeviceFeed(o.device, max_buffers=o.prefetch + 2,
+                                    normalize=self._normalize)
         # Batches in flight, plus the one the caller holds and the one it just let go.
-        self._host = HostBuffers(max_buffers=prefetch + 2)
+        self._host = HostBuffers(max_buffers=o.prefetch + 2)
         self._describe: pb.DescribeDatasetResponse | None = None
         self._scheduler: Scheduler | None = None
         self._stats = {"batches": 0, "bytes": 0, "wait_seconds": 0.0, "loop_seconds": 0.0,
@@ -143,7 +102,8 @@ class RemoteLoader:
 
         Any server will do: they are tried in turn, with backoff, for up to `timeout` s."""
         if self._describe is None:
-            deadline = time.monotonic() + self._timeout
+            timeout = self._options.timeout
+            deadline = time.monotonic() + timeout
             errors: dict[str, str] = {}
             pause = 0.05
             while True:
@@ -151,7 +111,7 @@ class RemoteLoader:
                     try:
                         self._describe = pb_grpc.DataServiceStub(server.channel).DescribeDataset(
                             pb.DescribeDatasetRequest(coordinates=self.coordinates()),
-                            timeout=min(10.0, self._timeout))
+                            timeout=min(10.0, timeout))
                         return self._describe
                     except grpc.RpcError as e:
                         err = RemoteError.from_rpc(e, server.address)
@@ -161,8 +121,9 @@ class RemoteLoader:
                 if time.monotonic() + pause > deadline:
                     said = "; ".join(errors.values())
                     raise RemoteError(grpc.StatusCode.UNAVAILABLE,
-                                      f"no server answered within {self._timeout:g}s: "
-                                      + said + tls_hint(self._tls, said), self.address)
+                                      f"no server answered within {timeout:g}s: "
+                                      + said + tls_hint(self._options.channels.tls, said),
+                                      self.address)
                 time.sleep(pause)  # every server refused: back off before the next round
                 pause = min(pause * 2, 2.0)
                 self._servers.refresh(time.monotonic())
@@ -197,14 +158,16 @@ class RemoteLoader:
             self._normalize.validate(self.describe().fields)  # here, not on a receive thread
         if self._next and self._next >= total:  # finished (saved on an epoch's last batch)
             self._epoch, self._next = self._epoch + 1, 0
-        scheduler = Scheduler(self._servers, self.coordinates(), total, self._next,
-                              self._prefetch, self._timeout, self._allocate, self._finish,
-                              samehost.probe() if self._shared_memory else None,
-                              self._compression, self._data_socket)
+        o = self._options
+        spec = StreamSpec(self.coordinates(), self._allocate, self._finish,
+                          shm_probe=samehost.probe() if o.shared_memory else None,
+                          compression=o.compression or "", data_socket=o.data_socket)
+        scheduler = Scheduler(self._servers, spec, total=total, start=self._next,
+                              window=o.prefetch, timeout=o.timeout)
         self._scheduler = scheduler
         progress = None
-        if self._progress or self._log_every is not None:
-            progress = Progress(bar=self._progress, log_every=self._log_every, total=total,
+        if o.progress or o.log_every is not None:
+            progress = Progress(bar=o.progress, log_every=o.log_every, total=total,
                                 start=self._next, label=f"{self.dataset} epoch {self._epoch}")
         self._loop_started = time.perf_counter()
         next_report = self._loop_started + REPORT_FIRST
@@ -248,7 +211,7 @@ class RemoteLoader:
         if self._feed is not None:
             return self._feed.to_device(batch.buffer, batch.tensors)
         arrays = numpy_views(batch.buffer, batch.tensors)
-        if self._output == "numpy":
+        if self._options.output == "numpy":
             return self._normalize.numpy(arrays) if self._normalize else arrays
         import torch
 

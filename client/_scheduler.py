@@ -16,8 +16,10 @@ asked of any server, any number of times, and the first answer wins. So:
 Errors that any server would repeat are raised: stream errors with a FATAL code, and in-band
 batch errors other than UNAVAILABLE and (up to BATCH_RETRIES times) INTERNAL, e.g. DATA_LOSS.
 
-Threading: take() and close() run on the loop's thread; receive threads call _on_batch and
-_on_end. All state is guarded by one condition variable.
+Threading: take(), poll() and close() run on the loop's thread; receive threads call
+_on_batch and _on_end. All state, the servers' included, is guarded by one condition variable.
+Every decision reads the injected clock (time.monotonic by default), so a test can drive the
+timing with a fake clock and fake streams (tests/test_scheduler.py).
 """
 
 from __future__ import annotations
@@ -29,12 +31,9 @@ from typing import Any
 
 import grpc
 
-from stoker.v1 import stoker_pb2 as pb
-
 from ._errors import RemoteError
-from ._frames import Assembled
-from ._servers import BACKOFF_FIRST, Server, ServerSet
-from ._stream import BatchStream
+from ._servers import Server, ServerSet, ServerState
+from ._stream import BatchStream, StreamFactory, StreamSpec
 
 # Codes every server would answer the same way: retrying elsewhere cannot help.
 FATAL = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
@@ -44,26 +43,26 @@ FATAL = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
 BATCH_RETRIES = 2  # an INTERNAL batch error (a worker died) is tried this many more times
 TICK = 0.1  # while the loop waits: how often to look for stalls, hedges, retries
 HEDGE_MIN, STALL_MIN = 0.5, 2.0  # seconds
-DRAIN_RETRY = 1.0  # seconds before a server that drained is tried again
 
 
 class Scheduler:
-    def __init__(self, servers: ServerSet, coordinates: pb.Coordinates, total: int, start: int,
-                 window: int, timeout: float, allocate: Callable[[int], tuple[Any, Any]],
-                 finish: Callable[[Assembled], Any],
-                 shm_probe: pb.SharedMemoryProbe | None = None, compression: str = "",
-                 data_socket: bool = False) -> None:
+    """Batches [start, total) of one epoch, each asked of the servers with `spec`, at most
+    `window` indices ahead of the loop; `timeout` s without progress is an error.
+
+    `stream_factory` opens a stream to a server (BatchStream, or a test's fake); `clock` is
+    the time every decision reads (seconds, monotonic)."""
+
+    def __init__(self, servers: ServerSet, spec: StreamSpec, *, total: int, start: int,
+                 window: int, timeout: float, stream_factory: StreamFactory = BatchStream,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._servers = servers
-        self._shm_probe = shm_probe
-        self._compression = compression
-        self._data_socket = data_socket
-        self._coords = coordinates
+        self._spec = spec
         self._total = total
         self._next = start
         self._window = window
         self._timeout = timeout
-        self._allocate = allocate
-        self._finish = finish
+        self._open_stream = stream_factory
+        self._clock = clock
         self._cond = threading.Condition()
         self._ready: dict[int, Any] = {}
         self._holders: dict[int, set[Server]] = {}  # index -> servers asked for it
@@ -71,12 +70,12 @@ class Scheduler:
         self._retries: dict[int, int] = {}
         self._fatal: RemoteError | None = None
         self._closed = False
-        self._progress = time.monotonic()
+        self._progress = clock()
         self.failovers = 0
         self.hedges = 0
         self.bytes_received = 0
         with self._cond:
-            self._assign(time.monotonic())
+            self._assign(clock())
 
     # -- the loop's side -------------------------------------------------------------------
     def report(self, wait_seconds: float, loop_seconds: float) -> None:
@@ -97,22 +96,32 @@ class Scheduler:
         """Batch `index` (the next one), waiting while servers fail and come back for up to
         `timeout` seconds without progress."""
         with self._cond:
-            started = time.monotonic()
-            while index not in self._ready:
-                if self._fatal is not None:
-                    raise self._fatal
-                now = time.monotonic()
-                # Time the loop spent elsewhere (evaluation, a checkpoint) does not count.
-                if now - max(self._progress, started) > self._timeout:
-                    raise self._no_server(index)
-                self._maintain(now, index)
+            started = self._clock()
+            while not self.poll(index, started):
                 self._cond.wait(TICK)
             item = self._ready.pop(index)
             self._next = index + 1
-            self._assign(time.monotonic())
+            self._assign(self._clock())
         if isinstance(item, RemoteError):
             raise item
         return item
+
+    def poll(self, index: int, waiting_since: float) -> bool:
+        """One look while the loop waits for batch `index` (take() calls it every TICK; a
+        test calls it after moving its clock): True once the batch is ready; else raise a
+        fatal error, or UNAVAILABLE after `timeout` s without progress, or look for stalls,
+        hedges and retries."""
+        with self._cond:
+            if index in self._ready:
+                return True
+            if self._fatal is not None:
+                raise self._fatal
+            now = self._clock()
+            # Time the loop spent elsewhere (evaluation, a checkpoint) does not count.
+            if now - max(self._progress, waiting_since) > self._timeout:
+                raise self._no_server(index)
+            self._maintain(now, index)
+            return False
 
     def close(self) -> None:
         with self._cond:
@@ -125,7 +134,7 @@ class Scheduler:
             stream.close()  # its receive thread reports on_end, which counts its bytes
 
     def _no_server(self, index: int) -> RemoteError:
-        detail = "; ".join(f"{s.address}: {s.state}, last error: {s.last_error or 'none'}"
+        detail = "; ".join(f"{s.address}: {s.state.value}, last error: {s.last_error or 'none'}"
                            for s in self._servers.servers.values())
         return RemoteError(grpc.StatusCode.UNAVAILABLE,
                            f"no server delivered batch {index} within {self._timeout:g}s of the "
@@ -135,10 +144,10 @@ class Scheduler:
     def _maintain(self, now: float, waiting_for: int) -> None:
         self._servers.refresh(now)
         for s in self._servers.servers.values():
-            if s.outstanding and s.state == "up":
+            if s.outstanding and s.up:
                 patience = max(STALL_MIN, 10 * (s.latency or 0.0))
                 if now - s.last_progress > patience:
-                    s.state = "stalled"  # ask others for what it holds
+                    s.mark_stalled()  # ask others for what it holds
                     self.failovers += 1
         self._assign(now)
         # Hedge the batch the loop is waiting for.
@@ -160,7 +169,7 @@ class Scheduler:
             if index in self._ready:
                 continue
             holders = self._holders.get(index)
-            if holders and any(s.state == "up" for s in holders):
+            if holders and any(s.up for s in holders):
                 continue
             self._credit(index, now, exclude=holders or set())
 
@@ -171,11 +180,8 @@ class Scheduler:
             return False
         server = min(candidates, key=lambda s: (len(s.outstanding), s.latency or 0.0))
         if server.stream is None:
-            server.state = "up"
-            server.stream = BatchStream(server.channel, server.address, self._coords,
-                                        self._allocate, self._finish, self._on_batch,
-                                        self._on_end, self._shm_probe, self._compression,
-                                        self._data_socket)
+            server.mark_up(self._open_stream(server.channel, server.address, self._spec,
+                                             self._on_batch, self._on_end))
         if not server.outstanding:
             server.last_progress = now  # patience runs from when it has work
         server.outstanding[index] = now
@@ -193,21 +199,13 @@ class Scheduler:
             server = self._server_of(stream)
             if server is None or self._closed:
                 return  # a stream we already gave up on
-            now = time.monotonic()
-            asked = server.outstanding.pop(index, None)
-            if asked is not None:
-                server.record_latency(now - asked)
-            server.last_progress = now
-            server.backoff = BACKOFF_FIRST
-            if server.state == "stalled":
-                server.state = "up"
+            now = self._clock()
+            server.mark_delivered(index, now)
             if isinstance(item, RemoteError) and item.code == grpc.StatusCode.UNAVAILABLE:
-                server.state = "draining"  # it refuses new credits: send none
-            if server.state == "draining" and not server.outstanding:
-                # Done with what it took: let go, so its shutdown need not wait for us, and
-                # try it again later (it may be restarting).
-                server.stream, server.state = None, "down"
-                server.retry_at, server.last_error = now + DRAIN_RETRY, "draining"
+                server.mark_draining()  # it refuses new credits: send none
+            if server.state is ServerState.DRAINING and not server.outstanding:
+                # Done with what it took: let go, so its shutdown need not wait for us.
+                server.mark_drained(now)
                 stream.close(wait=False)
             if index < self._next or index in self._ready:
                 return  # a duplicate: another server answered first
@@ -237,13 +235,13 @@ class Scheduler:
                 self._fatal = error
                 self._cond.notify_all()
                 return
-            now = time.monotonic()
+            now = self._clock()
             for index in server.outstanding:
                 self._holders.get(index, set()).discard(server)
             if server.outstanding:
                 self.failovers += 1
             server.outstanding.clear()
-            server.failed(error, now)
+            server.mark_down(error, now)
             self._assign(now)
             self._cond.notify_all()
 

@@ -7,6 +7,7 @@ every RESOLVE_EVERY seconds, so servers added later are used and removed ones dr
 
 from __future__ import annotations
 
+import enum
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -18,7 +19,8 @@ import grpc
 from ._stream import BatchStream
 
 RESOLVE_EVERY = 15.0
-BACKOFF_FIRST, BACKOFF_MAX = 0.05, 2.0
+BACKOFF_FIRST, BACKOFF_MAX = 0.05, 2.0  # seconds before a failed server is tried again
+DRAIN_RETRY = 1.0  # seconds before a server that drained is tried again
 
 # Servers send frames of at most 32 MiB (server config limit); leave room for the header.
 # Keepalive pings notice a server that stopped answering (frozen, or its host gone) even
@@ -36,15 +38,26 @@ CHANNEL_OPTIONS = [
 ]
 
 
+class ServerState(enum.Enum):
+    """A server as the scheduler sees it; the value is what stats() and errors show."""
+
+    UP = "up"  # takes credits
+    DOWN = "down"  # its stream failed or it drained: no credits until retry_at
+    DRAINING = "draining"  # refused a credit in-band: no new credits, finishes what it holds
+    STALLED = "stalled"  # held credits without delivering: no new ones until it delivers
+    GONE = "gone"  # its dns name no longer lists it: no new credits
+
+
 @dataclass(eq=False)
 class Server:
-    """One server. Fields are guarded by the scheduler's lock."""
+    """One server. Fields are guarded by the scheduler's lock; call the mark_* transitions
+    under it too."""
 
     address: str
     channel: grpc.Channel
     stream: BatchStream | None = None
     outstanding: dict[int, float] = field(default_factory=dict)  # batch index -> credited at
-    state: str = "up"  # up | down (until retry_at) | draining | stalled | gone
+    state: ServerState = ServerState.UP
     retry_at: float = 0.0
     backoff: float = BACKOFF_FIRST
     last_error: str = ""
@@ -53,21 +66,61 @@ class Server:
     batches: int = 0
     errors: int = 0
 
+    @property
+    def up(self) -> bool:
+        return self.state is ServerState.UP
+
     def usable(self, now: float) -> bool:
-        return self.state == "up" or (self.state == "down" and now >= self.retry_at)
+        return self.up or (self.state is ServerState.DOWN and now >= self.retry_at)
 
     def record_latency(self, seconds: float) -> None:
         self.latency = seconds if self.latency is None else 0.8 * self.latency + 0.2 * seconds
 
-    def failed(self, error: Any, now: float) -> None:
-        self.state, self.stream = "down", None
+    # -- transitions -----------------------------------------------------------------------
+    def mark_up(self, stream: BatchStream) -> None:
+        """A new stream is open to it (it was usable: up, or down and due for a retry)."""
+        self.state, self.stream = ServerState.UP, stream
+
+    def mark_stalled(self) -> None:
+        self.state = ServerState.STALLED
+
+    def mark_delivered(self, index: int, now: float) -> None:
+        """Its stream answered `index` (a batch or an in-band error): it is alive."""
+        asked = self.outstanding.pop(index, None)
+        if asked is not None:
+            self.record_latency(now - asked)
+        self.last_progress = now
+        self.backoff = BACKOFF_FIRST
+        if self.state is ServerState.STALLED:
+            self.state = ServerState.UP
+
+    def mark_draining(self) -> None:
+        self.state = ServerState.DRAINING
+
+    def mark_drained(self, now: float) -> None:
+        """Done with what it took while draining: let go (the caller closes the stream) and
+        try it again after DRAIN_RETRY (it may be restarting)."""
+        self.stream, self.state = None, ServerState.DOWN
+        self.retry_at, self.last_error = now + DRAIN_RETRY, "draining"
+
+    def mark_down(self, error: Any, now: float) -> None:
+        """Its stream failed: try it again after the backoff, which doubles each time."""
+        self.state, self.stream = ServerState.DOWN, None
         self.last_error = str(error)
         self.errors += 1
         self.retry_at = now + self.backoff
         self.backoff = min(self.backoff * 2, BACKOFF_MAX)
 
+    def mark_gone(self) -> None:
+        self.state = ServerState.GONE
+
+    def mark_back(self) -> None:
+        """Its dns name lists it again."""
+        if self.state is ServerState.GONE:
+            self.state = ServerState.UP
+
     def stats(self) -> dict[str, Any]:
-        return {"state": self.state, "batches": self.batches, "errors": self.errors,
+        return {"state": self.state.value, "batches": self.batches, "errors": self.errors,
                 "latency_seconds": self.latency, "outstanding": len(self.outstanding),
                 "last_error": self.last_error}
 
@@ -132,11 +185,11 @@ class ServerSet:
             if server is None:
                 channel = self._channel(address, CHANNEL_OPTIONS)
                 self.servers[address] = Server(address, channel, last_progress=now)
-            elif server.state == "gone":
-                server.state = "up"
+            else:
+                server.mark_back()
         for address, server in self.servers.items():
-            if address not in wanted and server.state != "gone":
-                server.state = "gone"  # no new credits; what it holds still counts
+            if address not in wanted:
+                server.mark_gone()  # no new credits; what it holds still counts
 
     def close(self) -> None:
         for server in self.servers.values():

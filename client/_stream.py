@@ -11,6 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -27,25 +28,41 @@ _STATUS = {code.value[0]: code for code in grpc.StatusCode}
 OnBatch = Callable[["BatchStream", int, Any], None]
 # on_end(stream, RemoteError | None)
 OnEnd = Callable[["BatchStream", "RemoteError | None"], None]
+# A stream's maker (BatchStream itself, or a test's fake): (channel, address, spec, on_batch,
+# on_end) -> a started stream with address, bytes_received, credit, report and close.
+StreamFactory = Callable[[grpc.Channel, str, "StreamSpec", OnBatch, OnEnd], "BatchStream"]
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """What every stream of one pass over an epoch asks for, and what it does with a batch."""
+
+    coordinates: pb.Coordinates
+    allocate: Callable[[int], tuple[Any, Any]]  # nbytes -> (buffer, a numpy view of it)
+    finish: Callable[[Assembled], Any]  # an assembled batch -> what the loop is given
+    shm_probe: pb.SharedMemoryProbe | None = None  # None: no shared memory
+    compression: str = ""  # "" or "zstd"
+    data_socket: bool = False
+
+    def opening(self) -> pb.StreamRequest:
+        """The stream's first request."""
+        return pb.StreamRequest(coordinates=self.coordinates, shm_probe=self.shm_probe,
+                                compression=self.compression, data_socket=self.data_socket)
 
 
 class BatchStream:
-    def __init__(self, channel: grpc.Channel, address: str, coordinates: pb.Coordinates,
-                 allocate: Callable[[int], tuple[Any, Any]], finish: Callable[[Assembled], Any],
-                 on_batch: OnBatch, on_end: OnEnd,
-                 shm_probe: pb.SharedMemoryProbe | None = None, compression: str = "",
-                 data_socket: bool = False) -> None:
+    def __init__(self, channel: grpc.Channel, address: str, spec: StreamSpec,
+                 on_batch: OnBatch, on_end: OnEnd) -> None:
         self.address = address
         self._requests: queue.SimpleQueue[pb.StreamRequest | None] = queue.SimpleQueue()
-        self._requests.put(pb.StreamRequest(coordinates=coordinates, shm_probe=shm_probe,
-                                            compression=compression, data_socket=data_socket))
+        self._requests.put(spec.opening())
         # No response deserializer: frames arrive as bytes and are split without a parse copy.
         method = channel.stream_stream(
             METHOD, request_serializer=pb.StreamRequest.SerializeToString)
         self._call = method(self._outgoing())
-        self._assembler = Assembler(allocate, self._release)
+        self._assembler = Assembler(spec.allocate, self._release)
         self._assembler.host = address.rpartition(":")[0].strip("[]")
-        self._finish = finish
+        self._finish = spec.finish
         self._on_batch = on_batch
         self._on_end = on_end
         self._closed = False

@@ -1,0 +1,107 @@
+"""What a RemoteLoader was asked for, checked once: `LoaderOptions`.
+
+The loader builds one from its keyword arguments (the public names, documented in
+docs/client.md) and reads it from then on; each pass over an epoch turns it into the
+`StreamSpec` every stream opens with.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._channel import ChannelMaker
+from ._normalize import Normalizer
+
+__all__ = ["LoaderOptions", "default_rank_world"]
+
+
+def default_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """`rank` and `world_size` where given; else from torch.distributed when initialised,
+    else RANK/WORLD_SIZE, else (0, 1).
+
+    torch is consulted only if the process already imported it: numpy users stay torch-free.
+    """
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.distributed.is_available() \
+            and torch.distributed.is_initialized():
+        found = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    else:
+        found = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return (found[0] if rank is None else rank,
+            found[1] if world_size is None else world_size)
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """A loader's settings under their public names (docs/client.md says what each means),
+    with rank and world_size resolved and tls/token made into `channels`. Construction
+    raises ValueError (ImportError for a missing zstandard) naming what is wrong."""
+
+    dataset: str
+    batch_size: int
+    seed: int = 0
+    shuffle: bool = True
+    drop_last: bool = True
+    rank: int = 0
+    world_size: int = 1
+    device: Any = None
+    output: str = "torch"
+    prefetch: int = 8
+    timeout: float = 300.0
+    normalize: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None
+    normalize_dtype: str = "float32"
+    shared_memory: bool = True
+    progress: bool = False
+    log_every: float | None = None
+    compression: str | None = None
+    data_socket: bool = False
+    channels: ChannelMaker = field(default_factory=ChannelMaker)
+
+    def __post_init__(self) -> None:
+        if self.output not in ("torch", "numpy"):
+            raise ValueError(f"output must be 'torch' or 'numpy', got {self.output!r}")
+        if self.output == "numpy" and self.device is not None:
+            raise ValueError("output='numpy' yields host arrays; device must be None")
+        if self.prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
+        if self.normalize:
+            self.normalizer()  # its checks, here rather than at the first batch
+            if self.output == "numpy" and self.normalize_dtype == "bfloat16":
+                raise ValueError("normalize_dtype='bfloat16' needs output='torch' "
+                                 "(numpy has none)")
+        if self.data_socket and self.channels.tls:
+            raise ValueError("data_socket=True sends payloads over plain TCP; with tls, "
+                             "batches travel in gRPC frames (leave data_socket False)")
+        if self.log_every is not None and self.log_every <= 0:
+            raise ValueError(f"log_every must be > 0 seconds or None, got {self.log_every}")
+        if self.compression not in (None, "zstd"):
+            raise ValueError(f"compression must be None or 'zstd', got {self.compression!r}")
+        if self.compression == "zstd":
+            try:
+                import zstandard  # noqa: F401 -- fail here, not on a receive thread
+            except ImportError:
+                raise ImportError("compression='zstd' needs zstandard: pip install zstandard"
+                                  ) from None
+
+    def normalizer(self) -> Normalizer | None:
+        """A new Normalizer for `normalize` (it learns the channel axes from the dataset's
+        fields, so each loader keeps its own), or None without one."""
+        return Normalizer(self.normalize, self.normalize_dtype) if self.normalize else None
+
+    @property
+    def coordinates(self) -> dict[str, Any]:
+        """The coordinates but the epoch: a pb.Coordinates' fields, and state_dict()'s."""
+        return dict(dataset=self.dataset, seed=self.seed, shuffle=self.shuffle, rank=self.rank,
+                    world_size=self.world_size, batch_size=self.batch_size,
+                    drop_last=self.drop_last)
+
+    @property
+    def on_device(self) -> bool:
+        """Batches go to a device (through pinned buffers) rather than stay on the host."""
+        return self.device is not None and str(self.device).partition(":")[0] != "cpu"
