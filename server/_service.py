@@ -1,7 +1,10 @@
 """The gRPC front end: the DataService methods, on grpc.aio.
 
+This module holds the handler table, the unary methods, the coordinate checks and the
+per-client stream limit; one StreamSession (server/_session.py) serves each batch stream.
+
 Threading contract: every method runs on the server's one asyncio loop. Batch work happens in
-the worker processes; this module only validates, schedules and sends.
+the worker processes; the front end only validates, schedules and sends.
 """
 
 from __future__ import annotations

@@ -48,14 +48,6 @@ FAILURE_CODE = {"data_loss": grpc.StatusCode.DATA_LOSS, "internal": grpc.StatusC
                 "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
-class Abort(Exception):
-    """A request refused with a gRPC status: the call ends with it."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 # -- the ready queue's items ------------------------------------------------------------------
 @dataclass(frozen=True)
 class Built:
@@ -97,6 +89,14 @@ class Finished:
 
 
 Ready = Built | Failed | Offer | Refused | Finished
+
+
+class Abort(Exception):
+    """A request refused with a gRPC status: the call ends with it."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class StreamSession:
