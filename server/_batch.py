@@ -48,6 +48,7 @@ class BuiltBatch:
     shm_name: str
     payload_bytes: int
     tensors: tuple[TensorLayout, ...]
+    num_samples: int  # rows of every tensor: the batch's sample count, for metrics
     skipped: int = 0  # samples replaced under on_error: skip
     build_seconds: float = 0.0  # the worker's time to build it
     # The worker's disk cache since its previous batch: hits, misses, bytes fetched.
@@ -195,8 +196,8 @@ def build_batch(dataset: Any, indices: np.ndarray, segments: _shm.SegmentPool,
             segments.discard(name)
         raise
     views.clear()  # the pool may resize the map later: no view of it may outlive the batch
-    return BuiltBatch(name, layout[-1].offset + layout[-1].nbytes, tuple(layout), skipped,
-                      time.perf_counter() - started)
+    return BuiltBatch(name, layout[-1].offset + layout[-1].nbytes, tuple(layout), len(indices),
+                      skipped, time.perf_counter() - started)
 
 
 def probe_fields(dataset: Any) -> list[tuple[str, str, tuple[int, ...]]]:

@@ -1,0 +1,296 @@
+"""One StreamBatches call, from its first message to its last frame.
+
+Two coroutines serve a stream. `read_credits` reads the client's messages: the handshake (up
+to the first with coordinates), then credits, releases and reports; it starts one build per
+credit. `run` sends what becomes ready, in the order it does, by the transport the handshake
+chose (server/transports). They talk through the ready queue, whose items are the small
+dataclasses below, and share two fields: `outstanding` (credits not yet answered: the reader
+counts up, the sender down) and `transport` (set once by the reader, before any credit).
+
+Threading contract: everything here runs on the server's one asyncio loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+import numpy as np
+
+from stoker.v1 import stoker_pb2 as pb
+
+from . import _shm
+from ._batch import BuiltBatch
+from ._frames import encode_error
+from ._sampling import (
+    CoordinateError,
+    Coordinates,
+    EpochKey,
+    batch_samples,
+    batches_per_epoch,
+)
+from ._workers import BatchFailed, DatasetMeta
+from .transports import Handshake, Transport, choose, write
+from .transports.datasocket import SocketOffer
+
+if TYPE_CHECKING:
+    from ._service import DataService
+
+log = logging.getLogger("stoker.server")
+
+# BatchFailed.kind -> the status its batch is answered with (keyed by the kinds' strings).
+FAILURE_CODE = {"data_loss": grpc.StatusCode.DATA_LOSS, "internal": grpc.StatusCode.INTERNAL,
+                "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+# -- the ready queue's items ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Built:
+    """A batch ready to send."""
+
+    batch: BuiltBatch
+    batch_index: int
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A batch that could not be built: answered in-band, the stream goes on."""
+
+    batch_index: int
+    epoch: int
+    code: grpc.StatusCode
+    message: str
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A frame that answers no credit: the data socket's offer."""
+
+    frame: bytes
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The reader refused a request: the call ends with this status."""
+
+    code: grpc.StatusCode
+    message: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The client half-closed: the stream ends once every credit is answered."""
+
+
+Ready = Built | Failed | Offer | Refused | Finished
+
+
+class Abort(Exception):
+    """A request refused with a gRPC status: the call ends with it."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class StreamSession:
+    """One batch stream. Made per StreamBatches call by the DataService, whose pool, metrics,
+    settings, mappings and state (`draining`, `data_sockets`) it reads; `run` serves it, and
+    `close` (always awaited after `run`) frees what it held."""
+
+    def __init__(self, service: DataService, context: grpc.aio.ServicerContext,
+                 stream_id: int) -> None:
+        self._service = service
+        self._context = context
+        self.id = stream_id
+        self._ready: asyncio.Queue[Ready] = asyncio.Queue()
+        self._reader: asyncio.Task | None = None
+        self._jobs: set[asyncio.Task] = set()  # builds under way
+        self.outstanding = 0  # credits not answered yet
+        self.transport: Transport | None = None  # chosen with the first coordinates
+        self.dataset: str | None = None  # the stream is counted under it in metrics
+        self._offer: SocketOffer | None = None  # the data socket offered, at most once
+
+    # -- the sender ------------------------------------------------------------------------
+    async def run(self, requests: AsyncIterator[pb.StreamRequest]) -> None:
+        """Answer every credited batch index once, in the order batches become ready.
+
+        Ends when the client half-closes and every credit is answered, or when the client
+        goes away. Writes go through context.write, not a generator: a write that fails
+        because the client went away then ends the call quietly instead of logging a
+        traceback."""
+        self._reader = asyncio.create_task(self.read_credits(requests))
+        context, metrics = self._context, self._service.metrics
+        finished = False
+        while not (finished and self.outstanding == 0):
+            match await self._ready.get():
+                case Built(batch, batch_index, epoch):
+                    # A credit counts as answered once its batch starts out: the client may
+                    # send the next credit as soon as it has the last frame.
+                    self.outstanding -= 1
+                    transport = self.transport
+                    assert transport is not None and self.dataset is not None
+                    metrics.sent(self.dataset, batch.num_samples, batch.payload_bytes,
+                                 transport.lends)
+                    if not await transport.send(context, batch, batch_index, epoch):
+                        return
+                case Failed(batch_index, epoch, code, message):
+                    self.outstanding -= 1
+                    metrics.errors.labels(self.dataset, code.name.lower()).inc()
+                    if not await write(context, encode_error(batch_index, epoch,
+                                                             code.value[0], message)):
+                        return
+                case Offer(frame):
+                    if not await write(context, frame):
+                        return
+                case Refused(code, message):
+                    await context.abort(code, message)
+                case Finished():
+                    finished = True
+
+    async def close(self) -> None:
+        """Free what the stream still holds, in steps."""
+        # 1. Stop reading credits and building; a build that completes now is released by
+        #    _build itself.
+        tasks = [t for t in (self._reader, *self._jobs) if t is not None]
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*tasks, return_exceptions=True)
+        # 2. Batches built but not sent.
+        pool = self._service.pool
+        while not self._ready.empty():
+            match self._ready.get_nowait():
+                case Built(batch):
+                    pool.release(batch)
+        # 3. What the transport still lends (shared memory: unlinked, not reused).
+        if self.transport is not None:
+            self.transport.close()
+        # 4. The data socket: its token forgotten, its connection closed.
+        if self._offer is not None:
+            self._offer.close()
+        # 5. Metrics.
+        metrics = self._service.metrics
+        if self.dataset is not None:
+            metrics.streams.labels(self.dataset).dec()
+        metrics.stream_ended(self.id)
+
+    # -- the reader ------------------------------------------------------------------------
+    async def read_credits(self, requests: AsyncIterator[pb.StreamRequest]) -> None:
+        """Read the client's messages until it half-closes; a refused request ends the
+        stream (through the sender, the one that writes)."""
+        service, metrics = self._service, self._service.metrics
+        asked = Handshake()
+        coords: Coordinates | None = None
+        meta: DatasetMeta | None = None
+        try:
+            async for req in requests:
+                if self.transport is not None:
+                    for name in req.released:
+                        self.transport.returned(name)
+                if coords is None:
+                    self._handshake(req, asked)
+                if req.HasField("coordinates"):
+                    coords, meta = service.coordinates(req.coordinates)
+                    if self.transport is None:  # the handshake is over
+                        self.transport = choose(asked, service.pool, service.mappings,
+                                                service.settings.frame_bytes)
+                    if coords.dataset != self.dataset:  # counted under its dataset
+                        if self.dataset is not None:
+                            metrics.streams.labels(self.dataset).dec()
+                        metrics.streams.labels(coords.dataset).inc()
+                        self.dataset = coords.dataset
+                if req.HasField("report") and self.dataset is not None:
+                    metrics.client_report(self.id, self.dataset, req.report.wait_seconds,
+                                          req.report.loop_seconds)
+                if req.batch_indices:
+                    if coords is None or meta is None:
+                        raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    "coordinates: required in the first message of a stream")
+                    await self._credit(coords, meta, req.batch_indices)
+        except Abort as e:
+            self._ready.put_nowait(Refused(e.code, str(e)))
+            return
+        except Exception as e:  # a bug here must end the stream, not leave it waiting
+            log.exception("stream reader failed")
+            self._ready.put_nowait(Refused(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"))
+            return
+        self._ready.put_nowait(Finished())
+
+    def _handshake(self, req: pb.StreamRequest, asked: Handshake) -> None:
+        """What a message before the coordinates asks of the stream's transport."""
+        service = self._service
+        if req.compression:
+            if req.compression != "zstd":
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"compression: {req.compression!r} is not offered; "
+                            "this server offers 'zstd'")
+            asked.zstd = True
+        if req.HasField("shm_probe") and service.settings.shared_memory:
+            asked.same_host = _shm.same_host(req.shm_probe.name, req.shm_probe.token)
+        if (req.data_socket and not asked.same_host and self._offer is None
+                and service.data_sockets is not None):
+            self._offer = asked.offer = SocketOffer(service.data_sockets)
+            self._ready.put_nowait(Offer(self._offer.frame))
+
+    async def _credit(self, coords: Coordinates, meta: DatasetMeta,
+                      batch_indices: list[int]) -> None:
+        """Start building each credited batch (or, draining, answer it UNAVAILABLE)."""
+        n = self.outstanding + len(batch_indices)
+        limit = self._service.settings.max_credits
+        if n > limit:
+            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"batch_indices: {n} credits outstanding, this server allows "
+                        f"max_credits={limit} per stream")
+        for index in batch_indices:
+            try:
+                # In a thread: a new epoch's permutation of a large dataset takes a while,
+                # and every other stream shares this event loop.
+                indices, ahead = await asyncio.to_thread(self._samples, meta, coords, index)
+            except CoordinateError as e:
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            self.outstanding += 1
+            if self._service.draining:  # finish what was asked before, take nothing new
+                self._ready.put_nowait(Failed(index, coords.epoch, grpc.StatusCode.UNAVAILABLE,
+                                              f"batch {index}: server draining, ask another"))
+                continue
+            job = asyncio.create_task(self._build(coords, index, indices, ahead))
+            self._jobs.add(job)
+            job.add_done_callback(self._jobs.discard)
+
+    def _samples(self, meta: DatasetMeta, coords: Coordinates, index: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """Batch `index`'s samples, and those of the batch `lookahead` further on, which the
+        workers fetch from storage ahead of time."""
+        indices = batch_samples(meta.ordering, coords, index)
+        later = index + self._service.lookahead
+        if later < batches_per_epoch(meta.num_samples, coords):
+            return indices, batch_samples(meta.ordering, coords, later)
+        return indices, indices[:0]
+
+    async def _build(self, coords: Coordinates, index: int, indices: np.ndarray,
+                     ahead: np.ndarray) -> None:
+        pool = self._service.pool
+        try:
+            fut = pool.submit(coords.dataset, indices, ahead,
+                              EpochKey(coords.seed, coords.epoch, coords.shuffle))
+            try:
+                batch: BuiltBatch = await asyncio.wrap_future(fut)
+            except asyncio.CancelledError:
+                # Built just as the stream went away: nobody else will free it.
+                if not fut.cancel() and fut.exception() is None:
+                    pool.release(fut.result())
+                raise
+        except BatchFailed as e:
+            self._ready.put_nowait(Failed(index, coords.epoch, FAILURE_CODE[e.kind],
+                                          f"batch {index}: {e}"))
+            return
+        self._service.metrics.built(coords.dataset, batch.build_seconds, batch.skipped,
+                                    batch.cache)
+        self._ready.put_nowait(Built(batch, index, coords.epoch))

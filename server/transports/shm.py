@@ -1,0 +1,43 @@
+"""Shared memory: a client on the same host maps the worker's segment itself.
+
+The stream sends one header frame per batch, naming the segment; the segment is lent to the
+client until it names it in `StreamRequest.released`. Same host is proven by the stream's
+shm probe (a segment the client made, with a token only a reader of it knows; see _shm).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import grpc
+
+from .._frames import encode_shm_frame
+from . import Transport, write
+
+if TYPE_CHECKING:
+    from .._batch import BuiltBatch
+    from .._workers import WorkerPool
+
+
+class ShmTransport(Transport):
+    lends = True
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self._pool = pool
+        self._lent: dict[str, BuiltBatch] = {}  # by segment name: not yet released
+
+    async def send(self, context: grpc.aio.ServicerContext, batch: BuiltBatch,
+                   batch_index: int, epoch: int) -> bool:
+        self._lent[batch.shm_name] = batch  # until the client releases it, or the stream ends
+        return await write(context, encode_shm_frame(batch, batch_index, epoch))
+
+    def returned(self, shm_name: str) -> None:
+        batch = self._lent.pop(shm_name, None)
+        if batch is not None:
+            self._pool.release(batch)
+
+    def close(self) -> None:
+        """Lent segments are unlinked, not reused: the client may be reading one still."""
+        for batch in self._lent.values():
+            self._pool.release(batch, reuse=False)
+        self._lent.clear()
