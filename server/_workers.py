@@ -5,11 +5,13 @@ Each worker opens every configured dataset itself (see _worker_main.py); the fro
 imports user code. Tasks and results travel as small messages (_messages.py) over one pipe per
 worker; batch payloads travel in shared memory (see _batch.py), never through the pipe.
 
-Threading contract: submit(), release() and status() may be called from any thread. One
-dispatcher thread owns the pipes and is the only one that changes the worker list: it hands
-tasks to idle workers (at most DEPTH each, so a slow batch never holds up the queue for long),
-resolves futures, and replaces workers that die. WorkerPool._lock guards what those threads
-share (see WorkerPool); no pipe is read, and no process started or joined, while holding it.
+Threading contract: submit(), release() and status() may be called from any thread; start()
+and close() from the owner's, before the dispatcher thread starts and after it stops. In
+between, the dispatcher owns the pipes and is the only thread that changes the worker list:
+it hands tasks to idle workers (at most DEPTH each, so a slow batch never holds up the queue
+for long), resolves futures, and replaces workers that die. WorkerPool._lock guards what those
+threads share (see WorkerPool); no pipe is read, and no process started or joined, while
+holding it.
 """
 
 from __future__ import annotations

@@ -156,7 +156,7 @@ class OpenMaps(Generic[T]):
 
 
 class _Field:
-    """One field's files: keys, first row of each (plus the total), and the row layout."""
+    """One field's files: keys, headers, and which file holds each row."""
 
     def __init__(self, name: str, storage: Storage, pattern: str) -> None:
         infos = storage.list(pattern)
