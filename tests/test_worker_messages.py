@@ -14,9 +14,9 @@ from stoker.server._batch import BuiltBatch, TensorLayout
 from stoker.server._sampling import EpochKey, Ordering
 
 INDICES = np.arange(1024, dtype=np.int64)
-BATCH = BuiltBatch("stoker_1_2_3", 8192, (TensorLayout("x", "float32", (1024, 2), 0, 8192),
-                                          TensorLayout("sample_index", "int64", (1024,), 8192,
-                                                       8192)))
+BATCH = BuiltBatch(shm_name="stoker_1_2_3", payload_bytes=16384, num_samples=1024,
+                   tensors=(TensorLayout("x", "float32", (1024, 2), 0, 8192),
+                            TensorLayout("sample_index", "int64", (1024,), 8192, 8192)))
 MESSAGES = [
     msg.Task(7, "train", INDICES, INDICES[:8], EpochKey(3, 2, True)),
     msg.GiveBack(["stoker_1_2_3"]), msg.Discard(["stoker_1_2_4"]), msg.Stop(),
