@@ -11,12 +11,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import _shm
-from ._sampling import EpochKey
+from ._sampling import FIRST_EPOCH, EpochKey
+
+if TYPE_CHECKING:
+    from .formats import DatasetParts
 
 log = logging.getLogger("stoker.server")
 
@@ -73,7 +76,6 @@ def _as_array(value: Any) -> np.ndarray:
 # on_error: skip tries at most this many replacements for one bad sample.
 MAX_REPLACEMENTS = 16
 _logged: set[int] = set()  # bad samples this process has logged (each once)
-_FIRST_EPOCH = EpochKey()
 
 
 def replacement(index: int, attempt: int, num_samples: int) -> int:
@@ -81,15 +83,14 @@ def replacement(index: int, attempt: int, num_samples: int) -> int:
     return int(np.random.default_rng([index, attempt]).integers(num_samples))
 
 
-def fetch_sample(dataset: Any, i: int, key: EpochKey = _FIRST_EPOCH) -> dict[str, np.ndarray]:
+def fetch_sample(dataset: DatasetParts, i: int, key: EpochKey = FIRST_EPOCH
+                 ) -> dict[str, np.ndarray]:
     """Sample i as a dict of numpy arrays. A dataset with `sample(i, key)` gets the epoch's
     key (augmentation, packing); a plain map-style one is indexed."""
     try:
-        sample = getattr(dataset, "sample", None)
-        raw = sample(i, key) if sample is not None else dataset[i]
+        raw = dataset.read(i, key)
     except Exception as e:  # the user's code: any failure is this sample's failure
-        where = getattr(dataset, "source_of", None)
-        place = where(i) if where else ""
+        place = dataset.source_of(i) if dataset.source_of else ""
         # Formats' own errors often name the place already: say it once.
         src = f" ({place})" if place and place not in str(e) else ""
         raise SampleError(f"sample {i}{src}: {type(e).__name__}: {e}") from e
@@ -101,7 +102,7 @@ def fetch_sample(dataset: Any, i: int, key: EpochKey = _FIRST_EPOCH) -> dict[str
         raise SampleError(f"sample {i}: {e}") from None
 
 
-def fetch_or_replace(dataset: Any, i: int, key: EpochKey, skip: bool
+def fetch_or_replace(dataset: DatasetParts, i: int, key: EpochKey, skip: bool
                      ) -> tuple[dict[str, np.ndarray], int]:
     """Sample i, or under `skip` the replacement that stands in for it; returns the sample and
     the index actually delivered."""
@@ -115,7 +116,7 @@ def fetch_or_replace(dataset: Any, i: int, key: EpochKey, skip: bool
         if i not in _logged:
             _logged.add(i)
             log.warning("skipping %s", error)
-        j = replacement(i, attempt, len(dataset))
+        j = replacement(i, attempt, len(dataset.dataset))
         try:
             return fetch_sample(dataset, j, key), j
         except SampleError as e:
@@ -153,8 +154,8 @@ def _check_like(s: dict[str, np.ndarray], idx: int, layout: list[TensorLayout],
                 f"{first_index} has {t.dtype}{list(t.shape[1:])}; a batch needs equal shapes")
 
 
-def build_batch(dataset: Any, indices: np.ndarray, segments: _shm.SegmentPool,
-                key: EpochKey = _FIRST_EPOCH, skip: bool = False,
+def build_batch(dataset: DatasetParts, indices: np.ndarray, segments: _shm.SegmentPool,
+                key: EpochKey = FIRST_EPOCH, skip: bool = False,
                 max_bytes: int | None = None) -> BuiltBatch:
     """Compute the batch of `indices` into a segment of `segments`, lent to the caller.
 
@@ -200,9 +201,9 @@ def build_batch(dataset: Any, indices: np.ndarray, segments: _shm.SegmentPool,
                       skipped, time.perf_counter() - started)
 
 
-def probe_fields(dataset: Any) -> list[tuple[str, str, tuple[int, ...]]]:
+def probe_fields(dataset: DatasetParts) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, dtype, per-sample shape) of every output field, from sample 0."""
-    if len(dataset) == 0:
+    if len(dataset.dataset) == 0:
         return [(SAMPLE_INDEX, "int64", ())]
     layout = plan_layout(fetch_sample(dataset, 0), 1, 0)
     return [(t.name, t.dtype, t.shape[1:]) for t in layout]

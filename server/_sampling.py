@@ -61,6 +61,10 @@ class EpochKey:
         return np.random.default_rng([self.seed, self.epoch, index, stream])
 
 
+# Seed 0, epoch 0, unshuffled: the key of a plain `dataset[i]`, and the default where none is given.
+FIRST_EPOCH = EpochKey()
+
+
 class Ordering:
     """How one dataset's samples are ordered in an epoch.
 

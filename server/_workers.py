@@ -1,26 +1,27 @@
 """A pool of worker processes that build batches into shared memory.
 
 Workers are spawned (not forked): the front end runs gRPC threads, which do not survive fork.
-Each worker opens every configured dataset itself; the front end never imports user code.
-Tasks and results travel as small messages over one pipe per worker; batch payloads travel in
-shared memory (see _batch.py), never through the pipe.
+Each worker opens every configured dataset itself (see _worker_main.py); the front end never
+imports user code. Tasks and results travel as small messages (_messages.py) over one pipe per
+worker; batch payloads travel in shared memory (see _batch.py), never through the pipe.
 
-Threading contract: submit() may be called from any thread. One dispatcher thread owns the
-pipes: it hands tasks to idle workers (at most DEPTH each, so a slow batch never holds up the
-queue for long), resolves futures, and replaces workers that die.
+Threading contract: submit(), release() and status() may be called from any thread; start()
+and close() from the owner's, before the dispatcher thread starts and after it stops. In
+between, the dispatcher owns the pipes and is the only thread that changes the worker list:
+it hands tasks to idle workers (at most DEPTH each, so a slow batch never holds up the queue
+for long), resolves futures, and replaces workers that die. WorkerPool._lock guards what those
+threads share (see WorkerPool); no pipe is read, and no process started or joined, while
+holding it.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
-import dataclasses
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
-import signal
-import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,16 +29,30 @@ from typing import Any
 import numpy as np
 
 from . import _shm
-from ._batch import BatchTooLarge, BuiltBatch, SampleError, build_batch, probe_fields
-from ._sampling import EpochKey, Ordering
+from ._batch import BuiltBatch
+from ._messages import (
+    DEPTH,
+    KEEP_SEGMENTS,
+    BuildFailed,
+    Built,
+    DatasetMeta,
+    Discard,
+    FailureKind,
+    FromWorker,
+    GiveBack,
+    Opened,
+    OpenFailed,
+    Stop,
+    Task,
+    ToWorker,
+)
+from ._sampling import FIRST_EPOCH, EpochKey
+from ._worker_main import worker_main
+
+__all__ = ["DEPTH", "KEEP_SEGMENTS", "BatchFailed", "DatasetMeta", "FailureKind", "StartError",
+           "WorkerPool"]
 
 log = logging.getLogger("stoker.server")
-
-# Tasks queued inside one worker: two lets a worker start the next batch without a round trip.
-DEPTH = 2
-# Free segments a worker keeps for reuse (see _shm.SegmentPool): enough for the batches it
-# has queued plus those on their way out.
-KEEP_SEGMENTS = DEPTH + 2
 
 
 class StartError(RuntimeError):
@@ -46,132 +61,51 @@ class StartError(RuntimeError):
 
 
 class BatchFailed(Exception):
-    """A batch could not be built; `kind` is 'data_loss', 'resource_exhausted' (over
-    max_batch_bytes) or 'internal'."""
+    """A batch could not be built; `kind` says why (the front end maps it to a gRPC status)."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: FailureKind, message: str) -> None:
         super().__init__(message)
         self.kind = kind
 
 
 @dataclass(frozen=True)
-class DatasetMeta:
-    num_samples: int
-    fields: list[tuple[str, str, tuple[int, ...]]]
-    ordering: Ordering
-
-
-def _describe(ds: Any, cfg: Any) -> DatasetMeta:
-    ordering = Ordering(len(ds), getattr(ds, "shard_starts", None),
-                        getattr(cfg, "shuffle", "global") == "block",
-                        getattr(cfg, "shuffle_window", 1))
-    return DatasetMeta(len(ds), probe_fields(ds), ordering)
-
-
-def _prefetch(ds: Any, indices: np.ndarray) -> None:
-    """Ask the dataset's storage to fetch what these samples read (a hint, never fails)."""
-    objects_of = getattr(ds, "objects_of", None)
-    storage = getattr(ds, "storage", None)
-    if objects_of is None or storage is None or len(indices) == 0:
-        return
-    try:
-        storage.prefetch(objects_of(indices))
-    except Exception as e:  # the read itself will fail, and say why
-        log.debug("prefetch hint failed: %s", e)
-
-
-def _worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int) -> None:
-    # The parent owns shutdown and closes our pipe when it is time (or dies, and the pipe ends).
-    # Ctrl-C, or a SIGTERM sent to the whole process group, must not kill us mid-batch first.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # Spawned: nothing of the server's logging setup came along. Same level, same stream.
-    logging.basicConfig(level=log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s[worker]: %(message)s")
-    from .formats import open_dataset
-
-    cache = None
-    if any(str(getattr(c, "source", "")).startswith("s3://") for c in config.datasets.values()):
-        from .sources.cache import DiskCache
-
-        cache = DiskCache(config.cache.dir, int(config.cache.max_bytes))
-    datasets: dict[str, Any] = {}
-    meta: dict[str, DatasetMeta] = {}
-    for name in config.datasets:
-        try:
-            datasets[name] = ds = open_dataset(name, config, cache)
-            if probe:
-                meta[name] = _describe(ds, config.datasets[name])
-        except Exception as e:
-            conn.send(("failed", f"dataset {name!r}: {type(e).__name__}: {e}"))
-            return
-    conn.send(("ready", meta if probe else None))
-    segments = _shm.SegmentPool(_shm.worker_prefix(os.getppid(), os.getpid()), KEEP_SEGMENTS)
-    reported = (0, 0, 0)  # the cache's counters as of the last batch sent
-    while True:
-        try:
-            task = conn.recv()
-        except (EOFError, OSError):
-            return
-        if task is None:
-            return
-        if task[0] == "free":  # the front end has sent these batches: reuse their memory
-            for name in task[1]:
-                segments.give_back(name)
-            continue
-        if task[0] == "drop":  # a client may still read these: never write them again
-            for name in task[1]:
-                segments.discard(name)
-            continue
-        task_id, dataset, indices, ahead, key = task
-        ds, skip = datasets[dataset], config.datasets[dataset].on_error == "skip"
-        # This batch's objects in parallel, then those of a batch further on: a store's
-        # first-byte latency is paid ahead of time, not once per sample in turn.
-        _prefetch(ds, indices)
-        _prefetch(ds, ahead)
-        try:
-            batch = build_batch(ds, indices, segments, key, skip,
-                                int(config.server.max_batch_bytes))
-            if cache is not None:  # what the cache did since the last batch, for /metrics
-                now = (cache.hits, cache.misses, cache.bytes_fetched)
-                batch = dataclasses.replace(
-                    batch, cache=tuple(a - b for a, b in zip(now, reported, strict=True)))
-                reported = now
-            conn.send(("done", task_id, batch))
-        except SampleError as e:
-            conn.send(("error", task_id, "data_loss", f"dataset {dataset!r}: {e}"))
-        except BatchTooLarge as e:
-            conn.send(("error", task_id, "resource_exhausted", f"dataset {dataset!r}: {e}"))
-        except Exception as e:
-            conn.send(("error", task_id, "internal", f"{type(e).__name__}: {e}"))
+class _Job:
+    task: Task  # what the worker is sent
+    future: concurrent.futures.Future[BuiltBatch]  # who waits for the batch
 
 
 @dataclass
 class _Worker:
+    """One worker process and the pool's bookkeeping of it; the fields after `conn` are
+    guarded by WorkerPool._lock."""
+
     process: Any
     conn: mpc.Connection
     ready: bool = False
     # Segments the front end has finished with, to send back on the next dispatcher round.
     freed: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)  # unlinked: the worker forgets them
-    # Tasks sent to this worker, oldest first: the first is the one it is building.
-    tasks: dict[int, tuple[str, np.ndarray, np.ndarray, EpochKey,
-                           concurrent.futures.Future[BuiltBatch]]] = field(default_factory=dict)
+    # Tasks sent to this worker by id, oldest first: the first is the one it is building.
+    jobs: dict[int, _Job] = field(default_factory=dict)
 
 
-_Task = tuple[int, str, np.ndarray, np.ndarray, EpochKey, concurrent.futures.Future]
-_FIRST_EPOCH = EpochKey()
 _NOTHING = np.zeros(0, np.int64)
 
 
 class WorkerPool:
+    """Worker processes and the queue of batches waiting for one.
+
+    _lock guards the queue, the worker list and each worker's bookkeeping (see _Worker),
+    _by_pid, _lent, _next_id and the flags; the dispatcher thread, the only one that changes
+    the worker list, may read the list without it."""
+
     def __init__(self, config: Any, processes: int) -> None:
         self._config = config
         self._n = processes
         self._ctx = mp.get_context("spawn")
-        self._workers: list[_Worker] = []
-        self._queue: collections.deque[_Task] = collections.deque()
         self._lock = threading.Lock()
+        self._workers: list[_Worker] = []
+        self._queue: collections.deque[_Job] = collections.deque()
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
         self._next_id = 0
         self._closing = False
@@ -190,19 +124,26 @@ class WorkerPool:
         if orphans:
             log.warning("removed %d shared-memory segments left by servers that died", orphans)
         for i in range(self._n):
-            self._workers.append(self._spawn(probe=i == 0))
-        for i, w in enumerate(self._workers):
+            w = self._spawn(probe=i == 0)
+            with self._lock:
+                self._workers.append(w)
+        for w in list(self._workers):
             try:
-                kind, payload = w.conn.recv()
+                message = w.conn.recv()
             except EOFError:
                 w.process.join()
                 raise StartError(f"worker process exited with code "
                                        f"{w.process.exitcode} while starting") from None
-            if kind == "failed":
-                raise StartError(payload)
-            w.ready = True
-            if i == 0:
-                self.meta = payload
+            match message:
+                case OpenFailed(reason):
+                    raise StartError(reason)
+                case Opened(meta):
+                    with self._lock:
+                        w.ready = True
+                    if meta is not None:  # the probing worker: the first
+                        self.meta = meta
+                case _:
+                    raise StartError(f"a starting worker sent {message!r}")
         self._thread = threading.Thread(target=self._dispatch, name="stoker-dispatch", daemon=True)
         self._thread.start()
         return self.meta
@@ -214,23 +155,23 @@ class WorkerPool:
         self._wake_w.send_bytes(b"x")
         if self._thread:
             self._thread.join(timeout=30)
-        workers = list(self._workers)
+        with self._lock:
+            workers = list(self._workers)
         for w in workers:
-            try:
-                w.conn.send(None)
-            except OSError:
-                pass
+            _send(w, Stop())
         for w in workers:
             w.process.join(timeout=10)
             if w.process.is_alive():
                 w.process.kill()
                 w.process.join()
             self._drain(w)
-            self._fail_all([fut for *_, fut in w.tasks.values()], "server shutting down")
+            with self._lock:
+                jobs = list(w.jobs.values())
+            self._fail_all(jobs, "server shutting down")
             w.conn.close()
         with self._lock:
-            for *_, fut in self._queue:
-                fut.cancel()
+            for job in self._queue:
+                job.future.cancel()
             self._queue.clear()
         # Whatever a stream or a worker still held: nothing of ours outlives the server.
         _shm.sweep(os.getpid())
@@ -256,30 +197,31 @@ class WorkerPool:
         with self._lock:
             return {"workers": sum(w.ready for w in self._workers) if not self._broken else 0,
                     "queued": len(self._queue),
-                    "building": sum(len(w.tasks) for w in self._workers)}
+                    "building": sum(len(w.jobs) for w in self._workers)}
 
     # -- submitting ------------------------------------------------------------------------
     def submit(self, dataset: str, indices: np.ndarray, ahead: np.ndarray = _NOTHING,
-               key: EpochKey = _FIRST_EPOCH) -> concurrent.futures.Future[BuiltBatch]:
+               key: EpochKey = FIRST_EPOCH) -> concurrent.futures.Future[BuiltBatch]:
         """Build the batch of `indices` for the epoch `key`; `ahead`: samples a later batch
         will need (a hint)."""
         fut: concurrent.futures.Future[BuiltBatch] = concurrent.futures.Future()
         with self._lock:
             if self._closing:
-                raise BatchFailed("internal", "server shutting down")
+                raise BatchFailed(FailureKind.INTERNAL, "server shutting down")
             if not self._workers:
-                raise BatchFailed("internal", "no worker process is running")
+                raise BatchFailed(FailureKind.INTERNAL, "no worker process is running")
             if self._broken:
-                raise BatchFailed("internal", "the server's worker dispatcher failed (see its log)")
+                raise BatchFailed(FailureKind.INTERNAL,
+                                  "the server's worker dispatcher failed (see its log)")
             self._next_id += 1
-            self._queue.append((self._next_id, dataset, indices, ahead, key, fut))
+            self._queue.append(_Job(Task(self._next_id, dataset, indices, ahead, key), fut))
         self._wake_w.send_bytes(b"x")
         return fut
 
     # -- the dispatcher thread -------------------------------------------------------------
     def _spawn(self, probe: bool) -> _Worker:
         parent, child = self._ctx.Pipe()
-        p = self._ctx.Process(target=_worker_main,
+        p = self._ctx.Process(target=worker_main,
                               args=(self._config, child, probe, log.getEffectiveLevel()),
                               name="stoker-worker", daemon=True)
         p.start()
@@ -296,11 +238,11 @@ class WorkerPool:
             log.exception("the worker dispatcher failed; this server can build no batch")
             with self._lock:
                 self._broken = True
-                queued = [fut for *_, fut in self._queue]
+                jobs = list(self._queue)
                 self._queue.clear()
-            for w in self._workers:
-                queued += [task[-1] for task in w.tasks.values()]
-            self._fail_all(queued, "the server's worker dispatcher failed (see its log)")
+                for w in self._workers:
+                    jobs += w.jobs.values()
+            self._fail_all(jobs, "the server's worker dispatcher failed (see its log)")
 
     def _dispatch_loop(self) -> None:
         while True:
@@ -324,7 +266,8 @@ class WorkerPool:
                     with self._lock:
                         if self._closing:
                             return
-                    if w.ready:
+                        started = w.ready
+                    if started:
                         self._replace(w)
                     else:  # died while starting: replacing it again would loop forever
                         log.error("a replacement worker exited with code %s while starting; "
@@ -335,27 +278,27 @@ class WorkerPool:
         with self._lock:
             for w in self._workers:
                 if w.freed:
-                    _send(w, ("free", w.freed))
+                    _send(w, GiveBack(w.freed))
                     w.freed = []
                 if w.dropped:
-                    _send(w, ("drop", w.dropped))
+                    _send(w, Discard(w.dropped))
                     w.dropped = []
-            for w in sorted(self._workers, key=lambda w: len(w.tasks)):
-                while w.ready and len(w.tasks) < DEPTH and self._queue:
-                    task_id, dataset, indices, ahead, key, fut = self._queue.popleft()
-                    if fut.cancelled():
+            for w in sorted(self._workers, key=lambda w: len(w.jobs)):
+                while w.ready and len(w.jobs) < DEPTH and self._queue:
+                    job = self._queue.popleft()
+                    if job.future.cancelled():
                         continue
                     # Recorded first: if the worker is dead, _replace deals with the task.
-                    w.tasks[task_id] = (dataset, indices, ahead, key, fut)
-                    if not _send(w, (task_id, dataset, indices, ahead, key)):
+                    w.jobs[job.task.task_id] = job
+                    if not _send(w, job.task):
                         break
 
     def _receive(self, w: _Worker) -> None:
         try:
-            msg = w.conn.recv()
+            message = w.conn.recv()
         except (EOFError, OSError):
             return  # the sentinel reports the death
-        self._settle(w, msg)
+        self._settle(w, message)
 
     def _drain(self, w: _Worker) -> None:
         try:
@@ -364,25 +307,31 @@ class WorkerPool:
         except (EOFError, OSError):
             pass
 
-    def _settle(self, w: _Worker, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "ready":
-            w.ready = True
-            return
-        if kind == "failed":
-            if not self._closing:
-                log.error("a replacement worker failed to start, the pool shrinks: %s", msg[1])
-                self._remove(w)
-            return
-        task = w.tasks.pop(msg[1], None)
-        fut = task[-1] if task else None
-        if kind == "done":
-            with self._lock:
-                self._lent.add(msg[2].shm_name)
-            if fut is None or not _resolve(fut, msg[2]):
-                self.release(msg[2])  # nobody waits for it any more
-        elif fut is not None:
-            _reject(fut, BatchFailed(msg[2], msg[3]))
+    def _settle(self, w: _Worker, message: FromWorker) -> None:
+        match message:
+            case Opened():
+                with self._lock:
+                    w.ready = True
+            case OpenFailed(reason):
+                with self._lock:
+                    closing = self._closing
+                if not closing:
+                    log.error("a replacement worker failed to start, the pool shrinks: %s",
+                              reason)
+                    self._remove(w)
+            case Built(task_id, batch):
+                with self._lock:
+                    job = w.jobs.pop(task_id, None)
+                    self._lent.add(batch.shm_name)
+                if job is None or not _resolve(job.future, batch):
+                    self.release(batch)  # nobody waits for it any more
+            case BuildFailed(task_id, kind, reason):
+                with self._lock:
+                    job = w.jobs.pop(task_id, None)
+                if job is not None:
+                    _reject(job.future, BatchFailed(kind, reason))
+            case _:
+                raise TypeError(f"a worker sent {message!r}")
 
     def _replace(self, w: _Worker) -> None:
         """A worker died: fail the batch it was building, give its queued ones to others,
@@ -390,17 +339,18 @@ class WorkerPool:
         self._drain(w)
         code = w.process.exitcode
         log.error("worker pid %s died (exit code %s); starting another", w.process.pid, code)
-        tasks = list(w.tasks.items())
-        w.tasks.clear()
-        if tasks:
-            _reject(tasks[0][1][-1], BatchFailed(
-                "internal", f"worker process died (exit code {code}) while building it"))
         with self._lock:
-            for task_id, task in reversed(tasks[1:]):
-                self._queue.appendleft((task_id, *task))
+            jobs = list(w.jobs.values())
+            w.jobs.clear()
+            self._queue.extendleft(reversed(jobs[1:]))
+        if jobs:
+            _reject(jobs[0].future, BatchFailed(
+                FailureKind.INTERNAL, f"worker process died (exit code {code}) while building it"))
         w.conn.close()
         self._forget(w)
-        self._workers[self._workers.index(w)] = self._spawn(probe=False)
+        new = self._spawn(probe=False)
+        with self._lock:
+            self._workers[self._workers.index(w)] = new
 
     def _forget(self, w: _Worker) -> None:
         """A worker is gone: unlink its idle segments; those the front end still holds are
@@ -411,23 +361,25 @@ class WorkerPool:
         _shm.remove_prefixed(_shm.worker_prefix(os.getpid(), w.process.pid), keep)
 
     def _remove(self, w: _Worker) -> None:
-        self._workers.remove(w)
+        with self._lock:
+            self._workers.remove(w)
+            last = not self._workers
         w.conn.close()
         w.process.join(timeout=10)
         self._forget(w)
-        if not self._workers:
+        if last:
             with self._lock:
-                queued = [fut for *_, fut in self._queue]
+                jobs = list(self._queue)
                 self._queue.clear()
-            self._fail_all(queued, "no worker process could be started")
+            self._fail_all(jobs, "no worker process could be started")
 
     @staticmethod
-    def _fail_all(futures: list[concurrent.futures.Future], message: str) -> None:
-        for fut in futures:
-            _reject(fut, BatchFailed("internal", message))
+    def _fail_all(jobs: list[_Job], message: str) -> None:
+        for job in jobs:
+            _reject(job.future, BatchFailed(FailureKind.INTERNAL, message))
 
 
-def _send(w: _Worker, message: Any) -> bool:
+def _send(w: _Worker, message: ToWorker) -> bool:
     """Send to a worker; False if its pipe is broken: it died, and its sentinel will say so
     on the dispatcher's next wait (where _replace handles its tasks)."""
     try:
@@ -451,4 +403,3 @@ def _resolve(fut: concurrent.futures.Future[BuiltBatch], batch: BuiltBatch) -> b
     except concurrent.futures.InvalidStateError:
         return False
     return True
-

@@ -1,29 +1,21 @@
 """Dataset formats: each turns a `format:` block of the config into a map-style dataset.
 
-A format object has:
-- `__len__()` and `__getitem__(i) -> dict[str, numpy array | numpy scalar]`;
-- optionally `sample(i, key) -> dict`, which the server calls instead of `__getitem__` with
-  the batch's EpochKey (seed, epoch, shuffle): for augmentation (`key.rng(i)`) and packing;
-- `source_of(i) -> str`: where sample i comes from, for error messages (file or object URL,
-  and the line, tar member or row inside it);
-- optionally `shard_starts`: an int64 array, ascending, starting at 0, of the first sample of
-  each shard (file, tar shard, row group), which `shuffle: block` permutes;
-- optionally `objects_of(indices) -> list[str]`: the storage keys those samples read, which the
-  server fetches ahead of time (see sources/prefetch.py).
-Formats read bytes only through a `Storage` (see sources/), never by opening paths themselves.
+What a dataset must have (`Dataset`: `__len__`, `__getitem__`) and what it may have (the
+optional parts: `sample`, `source_of`, `shard_starts`, `objects_of`, `storage`) is written
+once, in _contract.py; the server looks the optional parts up once per dataset, into a
+`DatasetParts`. Formats read bytes only through a `Storage` (see sources/), never by opening
+paths themselves; those with shards number their samples through one `ShardIndex`.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Protocol
+from typing import Any
 
 from ..sources import Storage, open_storage, split_source
+from ._contract import OPTIONAL, Dataset, DatasetParts
 
-
-class MapDataset(Protocol):
-    def __len__(self) -> int: ...
-    def __getitem__(self, index: int) -> dict[str, Any]: ...
+__all__ = ["OPTIONAL", "Dataset", "DatasetParts", "open_dataset"]
 
 
 # format -> (module, class): imported on use, so a server imports only the codecs it serves.
@@ -33,7 +25,7 @@ _READERS = {"image-folder": ("image_folder", "ImageFolder"), "jsonl": ("jsonl", 
             "text": ("text", "Text")}
 
 
-def open_dataset(name: str, config: Any, cache: Any = None) -> MapDataset:
+def open_dataset(name: str, config: Any, cache: Any = None) -> Dataset:
     """Open dataset `name` of a validated Config (in the calling process). `cache` is the
     process's DiskCache (needed for s3:// sources)."""
     cfg = config.datasets[name]

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..sources import Storage
+from ._shards import ShardIndex
 from .memmap import OpenMaps
 
 DEFAULT_PATTERN = "**/*.jsonl"  # a source that names a directory
@@ -154,25 +155,18 @@ class Jsonl:
         # Fixed-width numpy arrays, not lists: nothing for copy-on-write to touch.
         self.keys = np.array([o.key for o in infos])
         self.offsets = np.concatenate(offsets)
-        self.file_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        self.length = int(self.file_starts[-1])
+        self.files = ShardIndex(counts)
+        self.length = self.files.length
         if self.length == 0:
             raise ValueError(f"{storage.url}: no records in {len(infos)} file(s)")
-        self.shard_starts = self.file_starts[:-1][np.array(counts) > 0]
+        self.shard_starts = self.files.shard_starts
         self._maps: OpenMaps[mmap.mmap | None] = OpenMaps(storage, lambda _, p: _map(p))
-
-    def _locate(self, index: int) -> int:
-        if not 0 <= index < self.length:
-            raise IndexError(f"sample {index} not in [0, {self.length})")
-        # side="right": a file with no records is never chosen, the next one starting there is.
-        return int(np.searchsorted(self.file_starts, index, side="right")) - 1
 
     def __len__(self) -> int:
         return self.length
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        f = self._locate(index)
-        key = str(self.keys[f])
+        key = str(self.keys[self.files.locate(index)[0]])
         mm = self._maps.get(key)
         start = int(self.offsets[index])
         if mm is None or start >= len(mm):
@@ -198,8 +192,7 @@ class Jsonl:
 
     def source_of(self, index: int) -> str:
         """`FILE line N` (1-based) of sample `index`."""
-        f = self._locate(index)
-        key = str(self.keys[f])
+        key = str(self.keys[self.files.locate(index)[0]])
         mm = self._maps.get(key)
         start = int(self.offsets[index])
         line = 1
@@ -213,5 +206,4 @@ class Jsonl:
         return f"{self.storage.where(key)} line {line}"
 
     def objects_of(self, indices: np.ndarray) -> list[str]:
-        files = np.unique(np.searchsorted(self.file_starts, indices, side="right") - 1)
-        return self.keys[files].tolist()
+        return self.keys[self.files.shards_of(indices)].tolist()

@@ -35,6 +35,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from ..sources import Storage
+from ._shards import ShardIndex
 
 MAGIC = b"STKRARR1"
 ALIGN = 64
@@ -155,7 +156,7 @@ class OpenMaps(Generic[T]):
 
 
 class _Field:
-    """One field's files: keys, first row of each (plus the total), and the row layout."""
+    """One field's files: keys, headers, and which file holds each row."""
 
     def __init__(self, name: str, storage: Storage, pattern: str) -> None:
         infos = storage.list(pattern)
@@ -185,16 +186,7 @@ class _Field:
             self.headers.append(h)
         # Fixed-width numpy arrays, not lists of str: nothing for copy-on-write to touch.
         self.keys = np.array([o.key for o in infos])
-        rows = np.array([h.shape[0] for h in self.headers], dtype=np.int64)
-        self.starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
-
-    @property
-    def rows(self) -> int:
-        return int(self.starts[-1])
-
-    def file_of(self, index: int | np.ndarray) -> Any:
-        # side="right": a file with no rows is never chosen, the next one starting there is.
-        return np.searchsorted(self.starts, index, side="right") - 1
+        self.files = ShardIndex([h.shape[0] for h in self.headers])
 
 
 class Memmap:
@@ -206,15 +198,13 @@ class Memmap:
                              "its own glob under it")
         self.storage = storage
         self.fields = {name: _Field(name, storage, glob) for name, glob in cfg.fields.items()}
-        lengths = {name: f.rows for name, f in self.fields.items()}
+        lengths = {name: f.files.length for name, f in self.fields.items()}
         if len(set(lengths.values())) > 1:
             raise ValueError(f"{storage.url}: fields have different lengths: {lengths}")
         self.length = next(iter(lengths.values()))
         if self.length == 0:
             raise ValueError(f"{storage.url}: no rows in any file")
-        first = next(iter(self.fields.values()))
-        starts = np.unique(first.starts[:-1])
-        self.shard_starts = starts[starts < self.length]  # files with no rows are no shard
+        self.shard_starts = next(iter(self.fields.values())).files.shard_starts
         self._maps: OpenMaps[np.ndarray] = OpenMaps(storage, self._open)
         self._header = {str(k): h for f in self.fields.values()
                         for k, h in zip(f.keys, f.headers, strict=True)}
@@ -236,20 +226,19 @@ class Memmap:
             raise IndexError(f"sample {index} not in [0, {self.length})")
         out = {}
         for name, f in self.fields.items():
-            k = f.file_of(index)
-            rows = self._maps.get(str(f.keys[k]))
-            out[name] = np.array(rows[index - f.starts[k]])
+            k, row = f.files.locate(index)
+            out[name] = np.array(self._maps.get(str(f.keys[k]))[row])
         return out
 
     def source_of(self, index: int) -> str:
         parts = []
         for f in self.fields.values():
-            k = f.file_of(index)
-            parts.append(f"{self.storage.where(str(f.keys[k]))} row {index - f.starts[k]}")
+            k, row = f.files.locate(index)
+            parts.append(f"{self.storage.where(str(f.keys[k]))} row {row}")
         return ", ".join(dict.fromkeys(parts))
 
     def objects_of(self, indices: np.ndarray) -> list[str]:
         keys: dict[str, None] = {}
         for f in self.fields.values():
-            keys.update(dict.fromkeys(f.keys[np.unique(f.file_of(indices))].tolist()))
+            keys.update(dict.fromkeys(f.keys[f.files.shards_of(indices)].tolist()))
         return list(keys)

@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..sources import Storage
+from ._shards import ShardIndex
 from .memmap import OpenMaps
 
 DEFAULT_PATTERN = "**/*.parquet"  # a source that names a directory: every .parquet under it
@@ -109,12 +110,11 @@ class Parquet:
         self.keys = np.array([o.key for o in infos])
         self.group_file = np.array(group_file, dtype=np.int64)
         self.group_index = np.array(group_index, dtype=np.int64)
-        rows = np.array(group_rows, dtype=np.int64)
-        self.starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
-        self.length = int(self.starts[-1])
+        self.groups = ShardIndex(group_rows)
+        self.length = self.groups.length
         if self.length == 0:
             raise ValueError(f"{storage.url}: no rows in {len(infos)} files")
-        self.shard_starts = self.starts[:-1][rows > 0]
+        self.shard_starts = self.groups.shard_starts
         self._files: OpenMaps[pq.ParquetFile] = OpenMaps(
             storage, lambda key, path: pq.ParquetFile(path), limit=16)
         self._decoded: tuple[int, dict[str, _Column] | str] = (-1, {})
@@ -132,13 +132,6 @@ class Parquet:
         if dtype is None and first[0] != t:
             raise ValueError(f"{where}: field {name!r}: column {col!r} is {t}, but {first[0]} "
                              f"in {first[1]}; set the field's dtype")
-
-    def _locate(self, index: int) -> tuple[int, int]:
-        if not 0 <= index < self.length:
-            raise IndexError(f"sample {index} not in [0, {self.length})")
-        # side="right": an empty row group is never chosen, the next one starting there is.
-        g = int(np.searchsorted(self.starts, index, side="right")) - 1
-        return g, index - int(self.starts[g])
 
     def _decode(self, g: int) -> dict[str, _Column] | str:
         """Row group g's fields as numpy, or why it cannot be decoded."""
@@ -169,7 +162,7 @@ class Parquet:
         return self.length
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        g, row = self._locate(index)
+        g, row = self.groups.locate(index)
         cached_g, decoded = self._decoded
         if cached_g != g:
             decoded = self._decode(g)
@@ -187,10 +180,10 @@ class Parquet:
         return out
 
     def source_of(self, index: int) -> str:
-        g, row = self._locate(index)
+        g, row = self.groups.locate(index)
         key = str(self.keys[self.group_file[g]])
         return f"{self.storage.where(key)} row group {int(self.group_index[g])} row {row}"
 
     def objects_of(self, indices: np.ndarray) -> list[str]:
-        groups = np.searchsorted(self.starts, indices, side="right") - 1
+        groups = self.groups.shards_of(indices)
         return self.keys[np.unique(self.group_file[groups])].tolist()

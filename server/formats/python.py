@@ -6,7 +6,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .._sampling import EpochKey
+from .._sampling import FIRST_EPOCH, EpochKey
+from ._contract import DatasetParts
 
 
 def load_callable(spec: str, what: str) -> Any:
@@ -43,22 +44,22 @@ class WithTransform:
         self.dataset = dataset
         self.spec = spec
         self.fn = load_callable(spec, "transform")
+        self._read = DatasetParts.of(dataset).read  # the format's sample(i, key), or [i]
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def sample(self, index: int, key: EpochKey) -> Any:
-        inner = getattr(self.dataset, "sample", None)
-        raw = inner(index, key) if inner is not None else self.dataset[index]
-        out = self.fn(raw, key.rng(index, stream=1))
+        out = self.fn(self._read(index, key), key.rng(index, stream=1))
         if not isinstance(out, dict):
             raise TypeError(f"transform {self.spec!r} returned {type(out).__name__}, "
                             "expected a dict of fields")
         return out
 
     def __getitem__(self, index: int) -> Any:
-        return self.sample(index, EpochKey())
+        return self.sample(index, FIRST_EPOCH)
 
     def __getattr__(self, name: str) -> Any:
-        # source_of, objects_of, storage, shard_starts: the format's own, where it has them.
+        # The optional parts but `sample` (source_of, objects_of, ...; see DatasetParts): the
+        # format's own, where it has them.
         return getattr(self.__dict__["dataset"], name)

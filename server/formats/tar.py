@@ -26,6 +26,7 @@ import numpy as np
 from .._sampling import EpochKey
 from ..images import image_pipeline
 from ..sources import Storage
+from ._shards import ShardIndex
 from .memmap import OpenMaps
 
 DEFAULT_PATTERN = "**/*.tar"  # a source that names a directory: every .tar file under it
@@ -107,18 +108,17 @@ class Tar:
             offsets.append(shard_offsets)
             sizes.append(shard_sizes)
             counts.append(len(shard_keys))
-        self.length = len(keys)
+        self.shards = ShardIndex(counts)
+        self.length = self.shards.length
         if self.length == 0:
             raise ValueError(f"{storage.url}: no samples (members named KEY.EXT) in "
                              f"{len(infos)} shards")
         # Fixed-width numpy arrays, not lists of str: nothing for copy-on-write to touch.
-        self.shards = np.array([o.key for o in infos])
+        self.shard_keys = np.array([o.key for o in infos])
         self.keys = np.array([k.encode("utf-8") for k in keys])  # bytes: 1 byte a character
         self.offsets = np.concatenate(offsets)  # [samples, fields] int64
         self.sizes = np.concatenate(sizes)  # [samples, fields] int64, -1: no such member
-        counts_arr = np.array(counts, dtype=np.int64)
-        self.starts = np.concatenate([[0], np.cumsum(counts_arr)]).astype(np.int64)
-        self.shard_starts = self.starts[:-1][counts_arr > 0]
+        self.shard_starts = self.shards.shard_starts
         self._fds: OpenMaps[_Fd] = OpenMaps(storage, lambda key, path: _Fd(path))
 
     def _index(self, key: str, exts: dict[str, int]
@@ -168,12 +168,6 @@ class Tar:
         table = np.array(rows, dtype=np.int64).reshape(len(rows), nf, 2)
         return list(samples), table[:, :, 0], table[:, :, 1]
 
-    def _locate(self, index: int) -> int:
-        if not 0 <= index < self.length:
-            raise IndexError(f"sample {index} not in [0, {self.length})")
-        # side="right": a shard with no samples is never chosen, the next one starting there is.
-        return int(np.searchsorted(self.starts, index, side="right")) - 1
-
     def __len__(self) -> int:
         return self.length
 
@@ -181,7 +175,7 @@ class Tar:
         return self.sample(index, EpochKey())
 
     def sample(self, index: int, key: EpochKey) -> dict[str, Any]:
-        shard = str(self.shards[self._locate(index)])
+        shard = str(self.shard_keys[self.shards.locate(index)[0]])
         rng = key.rng(index)  # shared by the image fields, in field order
         key = self.keys[index].decode("utf-8")
         out: dict[str, Any] = {}
@@ -218,9 +212,8 @@ class Tar:
         return b"".join(parts)
 
     def source_of(self, index: int) -> str:
-        shard = str(self.shards[self._locate(index)])
+        shard = str(self.shard_keys[self.shards.locate(index)[0]])
         return f"{self.storage.where(shard)} member {self.keys[index].decode('utf-8')}.*"
 
     def objects_of(self, indices: np.ndarray) -> list[str]:
-        shards = np.unique(np.searchsorted(self.starts, indices, side="right") - 1)
-        return self.shards[shards].tolist()
+        return self.shard_keys[self.shards.shards_of(indices)].tolist()

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..sources import Storage
+from ._shards import ShardIndex
 from .memmap import OpenMaps
 
 DEFAULT_PATTERN = "**/*.bin"  # a source that names a directory: every .bin file under it
@@ -47,12 +48,12 @@ class Tokens:
         self.keys = np.array([o.key for o in infos])
         self.tokens = np.array(tokens, dtype=np.int64)
         windows = np.maximum(0, (self.tokens - 1) // self.seq_len)
-        self.starts = np.concatenate([[0], np.cumsum(windows)]).astype(np.int64)
-        self.length = int(self.starts[-1])
+        self.files = ShardIndex(windows)
+        self.length = self.files.length
         if self.length == 0:
             raise ValueError(f"{storage.url}: no file holds seq_len + 1 = {self.seq_len + 1} "
                              "tokens")
-        self.shard_starts = self.starts[:-1][windows > 0]
+        self.shard_starts = self.files.shard_starts
         self._maps: OpenMaps[np.memmap] = OpenMaps(storage, self._open)
         self._index = {str(k): i for i, k in enumerate(self.keys)}
 
@@ -61,11 +62,8 @@ class Tokens:
         return np.memmap(path, self.dtype, "r", self.header_bytes, (n,))
 
     def _locate(self, index: int) -> tuple[int, int]:
-        if not 0 <= index < self.length:
-            raise IndexError(f"sample {index} not in [0, {self.length})")
-        # side="right": a file with no windows is never chosen, the next one starting there is.
-        f = int(np.searchsorted(self.starts, index, side="right")) - 1
-        return f, (index - int(self.starts[f])) * self.seq_len
+        f, window = self.files.locate(index)
+        return f, window * self.seq_len
 
     def __len__(self) -> int:
         return self.length
@@ -82,5 +80,4 @@ class Tokens:
         return f"{self.storage.where(str(self.keys[f]))} tokens {first}..{first + self.seq_len}"
 
     def objects_of(self, indices: np.ndarray) -> list[str]:
-        files = np.unique(np.searchsorted(self.starts, indices, side="right") - 1)
-        return self.keys[files].tolist()
+        return self.keys[self.files.shards_of(indices)].tolist()

@@ -1,0 +1,107 @@
+"""What the worker pool (front end) and a worker process say to each other over their pipe.
+
+Each message is a small frozen dataclass, pickled by the pipe; receivers tell them apart with
+`match`. They stay small: a batch's payload travels in shared memory (see _batch.py), and a
+`Built` carries only its segment's name and layout.
+
+    pool -> worker:  Task | GiveBack | Discard | Stop
+    worker -> pool:  Opened | OpenFailed (once, at start), then Built | BuildFailed per Task
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._batch import BuiltBatch
+from ._sampling import EpochKey, Ordering
+
+# Tasks a worker holds at once (the pool sends no more): two lets it start the next batch
+# without a round trip, and a slow batch never holds up the queue for long.
+DEPTH = 2
+# Free segments a worker keeps for reuse (see _shm.SegmentPool): enough for the batches it
+# has queued plus those on their way out.
+KEEP_SEGMENTS = DEPTH + 2
+
+
+class FailureKind(enum.StrEnum):
+    """Why a batch could not be built; the front end maps each to a gRPC status."""
+
+    DATA_LOSS = "data_loss"  # a sample cannot be read or collated
+    RESOURCE_EXHAUSTED = "resource_exhausted"  # over the server's max_batch_bytes
+    INTERNAL = "internal"  # a bug, a dead worker, a server shutting down
+
+
+@dataclass(frozen=True)
+class DatasetMeta:
+    """What worker 0 learns of a dataset when it opens it (DescribeDataset, orderings)."""
+
+    num_samples: int
+    fields: list[tuple[str, str, tuple[int, ...]]]
+    ordering: Ordering
+
+
+# -- pool -> worker ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Task:
+    """Build the batch of `indices` of `dataset` for epoch `key`; `ahead`: the samples of a
+    later batch, whose objects to prefetch (a hint)."""
+
+    task_id: int
+    dataset: str
+    indices: np.ndarray
+    ahead: np.ndarray
+    key: EpochKey
+
+
+@dataclass(frozen=True)
+class GiveBack:
+    """The front end has sent these batches: the worker may write new ones into them."""
+
+    segments: list[str]
+
+
+@dataclass(frozen=True)
+class Discard:
+    """A client may still read these batches: the worker forgets them, never writes them."""
+
+    segments: list[str]
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Exit now (the pool is closing)."""
+
+
+# -- worker -> pool ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Opened:
+    """Every dataset opened; `meta` per dataset from the worker asked to probe, else None."""
+
+    meta: dict[str, DatasetMeta] | None
+
+
+@dataclass(frozen=True)
+class OpenFailed:
+    """A dataset did not open; the worker exits. `message` names it and says why."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Built:
+    task_id: int
+    batch: BuiltBatch  # lent to the front end, which gives its segment back
+
+
+@dataclass(frozen=True)
+class BuildFailed:
+    task_id: int
+    kind: FailureKind
+    message: str
+
+
+ToWorker = Task | GiveBack | Discard | Stop
+FromWorker = Opened | OpenFailed | Built | BuildFailed

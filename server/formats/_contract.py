@@ -1,0 +1,71 @@
+"""What the server asks of a dataset: the `Dataset` protocol, and its optional parts looked
+up once, when the dataset opens.
+
+Every format, and every `format: python` factory, returns a `Dataset`. What else it may have is
+the fields of `DatasetParts`, named and described there and nowhere else; a part the dataset
+lacks is None there, and the server goes on without it (no prefetch, no block shuffle...). The
+lookup is by name, so a misspelled part would silently be absent: tests/test_dataset_contract.py
+checks that every format in `_READERS` has the parts it is meant to have, and no public name
+that is only a misspelling of one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
+
+import numpy as np
+
+from .._sampling import EpochKey
+from ..sources import Storage
+
+
+class Dataset(Protocol):
+    """A map-style dataset: `len()` samples, sample i a dict of field name -> numpy array,
+    numpy scalar or Python number."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class DatasetParts:
+    """An opened dataset and its optional parts, each the dataset's attribute of that name or
+    None. Holds bound methods: it stays in the process that opened the dataset."""
+
+    dataset: Dataset
+    # sample(i, key) -> dict: called instead of `dataset[i]` with the batch's EpochKey
+    # (seed, epoch, shuffle), for augmentation (`key.rng(i)`) and packing.
+    sample: Callable[[int, EpochKey], dict[str, Any]] | None = None
+    # source_of(i) -> str: where sample i comes from, for error messages (file or object URL,
+    # and the line, tar member or row inside it).
+    source_of: Callable[[int], str] | None = None
+    # An int64 array, ascending, starting at 0: the first sample of each shard (file, tar
+    # shard, row group), which `shuffle: block` permutes.
+    shard_starts: np.ndarray | None = None
+    # objects_of(indices) -> list[str]: the storage keys those samples read, which the server
+    # fetches ahead of time from `storage` (see Storage.prefetch). Needs `storage`.
+    objects_of: Callable[[np.ndarray], list[str]] | None = None
+    # The Storage the dataset reads through (formats read bytes only through one).
+    storage: Storage | None = None
+
+    @classmethod
+    def of(cls, dataset: Dataset) -> DatasetParts:
+        return cls(dataset, **{name: getattr(dataset, name, None) for name in OPTIONAL})
+
+    def read(self, index: int, key: EpochKey) -> dict[str, Any]:
+        """Sample `index` as the dataset gives it: `sample(index, key)` where it has that."""
+        if self.sample is not None:
+            return self.sample(index, key)
+        return self.dataset[index]
+
+    def prefetch(self, indices: np.ndarray) -> None:
+        """Ask the storage to fetch what these samples read (a hint; it may raise)."""
+        if self.objects_of is not None and self.storage is not None and len(indices):
+            self.storage.prefetch(self.objects_of(indices))
+
+
+# The optional parts' names, in the order above.
+OPTIONAL = tuple(f.name for f in fields(DatasetParts) if f.name != "dataset")
+
