@@ -24,8 +24,10 @@ timing with a fake clock and fake streams (tests/test_scheduler.py).
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +45,19 @@ FATAL = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
 BATCH_RETRIES = 2  # an INTERNAL batch error (a worker died) is tried this many more times
 TICK = 0.1  # while the loop waits: how often to look for stalls, hedges, retries
 HEDGE_MIN, STALL_MIN = 0.5, 2.0  # seconds
+
+
+# Schedulers whose streams may be open. An iterator that is never closed is finalized during
+# interpreter shutdown, after daemon threads stop where they stand: one may hold a gRPC call's
+# lock, and cancelling that call then blocks for ever (seen as a trainer that never exits).
+# So the streams are closed at exit, while the receive threads still run.
+_OPEN: weakref.WeakSet[Scheduler] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_schedulers() -> None:
+    for scheduler in list(_OPEN):
+        scheduler.close()
 
 
 class Scheduler:
@@ -70,6 +85,7 @@ class Scheduler:
         self._retries: dict[int, int] = {}
         self._fatal: RemoteError | None = None
         self._closed = False
+        _OPEN.add(self)
         self._progress = clock()
         self.failovers = 0
         self.hedges = 0
@@ -124,6 +140,7 @@ class Scheduler:
             return False
 
     def close(self) -> None:
+        _OPEN.discard(self)
         with self._cond:
             self._closed = True
             streams = [s.stream for s in self._servers.servers.values() if s.stream]
