@@ -32,6 +32,9 @@ class FailureKind(enum.StrEnum):
     DATA_LOSS = "data_loss"  # a sample cannot be read or collated
     RESOURCE_EXHAUSTED = "resource_exhausted"  # over the server's max_batch_bytes
     INTERNAL = "internal"  # a bug, a dead worker, a server shutting down
+    # Another server may succeed: storage unreachable, this host's /dev/shm full. The client
+    # asks another server (or this one again, later).
+    UNAVAILABLE = "unavailable"
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,11 @@ class ServerProcess:
 
     def __init__(self, config: str | os.PathLike[str], *, workers: int | None = None,
                  host: str = "127.0.0.1", port: int = 0, http_port: int = 0,
-                 env: dict[str, str] | None = None, log_level: str = "WARNING") -> None:
-        self.args = [sys.executable, "-m", "stoker.server", "serve", "--config", str(config),
+                 env: dict[str, str] | None = None, log_level: str = "WARNING",
+                 wrap: Sequence[str] = ()) -> None:
+        # wrap: a command prefix, e.g. ["prlimit", "--nofile=256:256", "--"]; it must exec the
+        # server in the end, so that signals and the exit code are the server's own.
+        self.args = [*wrap, sys.executable, "-m", "stoker.server", "serve", "--config", str(config),
                      "--host", host, "--port", str(port), "--http-port", str(http_port),
                      "--log-level", log_level]
         if workers is not None:

@@ -34,7 +34,7 @@ from ._sampling import (
     batch_samples,
     batches_per_epoch,
 )
-from ._workers import BatchFailed, DatasetMeta
+from ._workers import BatchFailed, DatasetMeta, FailureKind
 from .transports import Handshake, Transport, choose, write
 from .transports.datasocket import SocketOffer
 
@@ -43,9 +43,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("stoker.server")
 
-# BatchFailed.kind -> the status its batch is answered with (keyed by the kinds' strings).
-FAILURE_CODE = {"data_loss": grpc.StatusCode.DATA_LOSS, "internal": grpc.StatusCode.INTERNAL,
-                "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED}
+# BatchFailed.kind -> the status its batch is answered with.
+FAILURE_CODE = {FailureKind.DATA_LOSS: grpc.StatusCode.DATA_LOSS,
+                FailureKind.INTERNAL: grpc.StatusCode.INTERNAL,
+                FailureKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                FailureKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE}
 
 
 # -- the ready queue's items ------------------------------------------------------------------

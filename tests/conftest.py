@@ -7,7 +7,7 @@ gets this folder on PYTHONPATH. Servers are stopped with SIGTERM and must exit 0
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,10 +66,10 @@ def _starter(tmp_path: Path) -> Iterator[StartServer]:
     started: list[ServerProcess] = []
 
     def start(datasets: dict[str, Any], workers: int = 1, server: dict[str, Any] | None = None,
-              env: dict[str, str] | None = None) -> ServerProcess:
+              env: dict[str, str] | None = None, wrap: Sequence[str] = ()) -> ServerProcess:
         config = write_config(tmp_path / f"config-{len(started)}.yaml",
                               {"server": server or {}, "datasets": datasets})
-        proc = ServerProcess(config, workers=workers, env=env or server_env())
+        proc = ServerProcess(config, workers=workers, env=env or server_env(), wrap=wrap)
         started.append(proc)
         return proc.start()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import pickle
 
+import grpc
 import numpy as np
 import pytest
 
@@ -49,8 +50,10 @@ def test_messages_are_small_beside_what_they_carry() -> None:
     assert len(pickle.dumps(msg.BuildFailed(7, msg.FailureKind.INTERNAL, "x"), -1)) < 256
 
 
-def test_failure_kinds_are_the_strings_the_front_end_maps() -> None:
-    codes = {"data_loss": 1, "resource_exhausted": 2, "internal": 3}
-    assert {codes[kind] for kind in msg.FailureKind} == {1, 2, 3}
+def test_every_failure_kind_has_the_status_its_batch_is_answered_with() -> None:
+    from stoker.server._session import FAILURE_CODE
+
+    assert set(FAILURE_CODE) == set(msg.FailureKind)
+    assert FAILURE_CODE[msg.FailureKind.UNAVAILABLE] == grpc.StatusCode.UNAVAILABLE
     kind = pickle.loads(pickle.dumps(msg.FailureKind.RESOURCE_EXHAUSTED))
     assert kind == "resource_exhausted" and kind is msg.FailureKind.RESOURCE_EXHAUSTED

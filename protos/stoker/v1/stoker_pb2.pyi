@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Coordinates(_message.Message):
-    __slots__ = ("dataset", "seed", "epoch", "shuffle", "rank", "world_size", "batch_size", "drop_last")
+    __slots__ = ("dataset", "seed", "epoch", "shuffle", "rank", "world_size", "batch_size", "drop_last", "fingerprint")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class Coordinates(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     DROP_LAST_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     seed: int
     epoch: int
@@ -24,21 +25,34 @@ class Coordinates(_message.Message):
     world_size: int
     batch_size: int
     drop_last: bool
-    def __init__(self, dataset: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ...) -> None: ...
+    fingerprint: str
+    def __init__(self, dataset: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class Fingerprint(_message.Message):
+    __slots__ = ("digest", "objects", "bytes")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    objects: int
+    bytes: int
+    def __init__(self, digest: _Optional[str] = ..., objects: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class ListDatasetsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class DatasetInfo(_message.Message):
-    __slots__ = ("name", "format", "num_samples")
+    __slots__ = ("name", "format", "num_samples", "fingerprint")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     name: str
     format: str
     num_samples: int
-    def __init__(self, name: _Optional[str] = ..., format: _Optional[str] = ..., num_samples: _Optional[int] = ...) -> None: ...
+    fingerprint: Fingerprint
+    def __init__(self, name: _Optional[str] = ..., format: _Optional[str] = ..., num_samples: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ...) -> None: ...
 
 class ListDatasetsResponse(_message.Message):
     __slots__ = ("datasets",)
@@ -63,20 +77,22 @@ class FieldSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DescribeDatasetResponse(_message.Message):
-    __slots__ = ("dataset", "format", "num_samples", "samples_per_rank", "batches_per_epoch", "fields")
+    __slots__ = ("dataset", "format", "num_samples", "samples_per_rank", "batches_per_epoch", "fields", "fingerprint")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_RANK_FIELD_NUMBER: _ClassVar[int]
     BATCHES_PER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     format: str
     num_samples: int
     samples_per_rank: int
     batches_per_epoch: int
     fields: _containers.RepeatedCompositeFieldContainer[FieldSpec]
-    def __init__(self, dataset: _Optional[str] = ..., format: _Optional[str] = ..., num_samples: _Optional[int] = ..., samples_per_rank: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ...) -> None: ...
+    fingerprint: Fingerprint
+    def __init__(self, dataset: _Optional[str] = ..., format: _Optional[str] = ..., num_samples: _Optional[int] = ..., samples_per_rank: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("coordinates", "batch_indices", "shm_probe", "released", "report", "compression", "data_socket")
