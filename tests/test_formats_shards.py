@@ -290,7 +290,8 @@ def test_a_null_is_data_loss_naming_file_row_group_and_row(parquet_server,
     root, _ = parquet_data
     err = fail(parquet_server, "nulls")
     assert "sample 2" in err.details
-    assert f"{root / 'nulls' / 'n.parquet'} row group 1 row 0" in err.details
+    assert "n.parquet row group 1 row 0" in err.details  # relative to the dataset's root
+    assert str(root) not in err.details
     assert "null" in err.details
 
 
