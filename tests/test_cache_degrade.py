@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import subprocess
 import tarfile
@@ -193,6 +194,33 @@ def test_an_empty_read_only_cache_serves_every_format_with_one_warning(
     assert "Traceback" not in server.stderr, server.stderr
     assert stats["stoker_cache_misses_total"] >= data["objects"]
     assert not any(cache.iterdir())
+
+
+def test_a_read_only_cache_in_one_process(tmpfs: Callable[[str], Path], ledger) -> None:
+    from stoker.server.sources.cache import DiskCache
+
+    folder = tmpfs("1m")
+    read_only(folder)
+    cache = DiskCache(folder, 1 << 20)  # no error: the folder cannot even hold .locks
+    fetched: list[str] = []
+
+    def fetch(name: str) -> Callable[[int], None]:
+        return lambda fd: fetched.append(name) or os.write(fd, name.encode() * 1000)
+
+    path = cache.get("s3://b/shard.tar", "v1", fetch("shard"))
+    assert path.read_bytes() == b"shard" * 1000 and not path.is_relative_to(folder)
+    # A format reopens the path it got (memory maps): the same memory file, not fetched again.
+    assert cache.get("s3://b/shard.tar", "v1", fetch("shard")) == path
+    assert cache.read("s3://b/shard.tar", "v1", fetch("shard")) == b"shard" * 1000
+    # Objects read whole are not kept: each read fetches.
+    for _ in range(2):
+        assert cache.read("s3://b/img.png", "v1", fetch("img")) == b"img" * 1000
+    assert fetched == ["shard", "img", "img"]
+    assert (cache.hits, cache.misses) == (2, 3)
+    assert cache.degraded and not cache.writable
+    assert not any(folder.iterdir())
+    ledger.record("storage", "DiskCache on a read-only folder, in one process", tried=5,
+                  detail="get() hands out memory files, kept for reuse; read() keeps nothing")
 
 
 def test_a_filled_cache_made_read_only_still_hits(

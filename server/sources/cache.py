@@ -102,6 +102,11 @@ class DiskCache:
                 raise
             self._degrade(e, for_good=True)  # not even set up: no write will work
 
+    @property
+    def degraded(self) -> bool:
+        """Whether a write has failed (read-only or full): prefetching has nowhere to go."""
+        return self._warned
+
     def entry(self, url: str, version: str) -> Path:
         digest = hashlib.sha256(f"{url}\0{version}".encode()).hexdigest()
         return self.root / digest[:2] / digest
@@ -176,7 +181,7 @@ class DiskCache:
                     os.close(fd)
                 os.rename(tmp, path)
             except BaseException:
-                with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(OSError):  # gone, or the disk went read-only
                     tmp.unlink()
                 raise
         with self._lock:
@@ -235,6 +240,7 @@ class DiskCache:
         """Fetch into memory, keeping nothing."""
         fd, _ = self._memory_file(fetch)
         with open(fd, "rb") as f:  # closes fd
+            f.seek(0)  # fetch may have written with write(), not pwrite()
             return f.read()
 
     def _fetch_to_scratch(self, name: str, fetch: Callable[[int], None]) -> Path:

@@ -136,6 +136,8 @@ class S3Storage:
                               lambda fd: self._download(key, info.size, fd))
 
     def prefetch(self, keys: Iterable[str]) -> None:
+        if self.cache.degraded:  # nowhere to keep what it would fetch: reads fetch their own
+            return
         for key in keys:
             with self._lock:
                 known = self._known.get(key)
