@@ -83,6 +83,25 @@ def epoch(server: ServerProcess, batch_size: int, **kw: Any) -> list[list[int]]:
         return got
 
 
+def serve_blocks(start_server: Any, wrap: list[str], n: int, workers: int
+                 ) -> tuple[ServerProcess, list[int]]:
+    """A server of `n` 256 KiB samples in a small /dev/shm, and its workers' pids."""
+    server = start_server(blocks(n), workers=workers, wrap=wrap)
+    pids = workers_of(server)
+    assert len(pids) == workers
+    return server, pids
+
+
+def in_order(n: int, batch_size: int) -> list[list[int]]:
+    return [list(range(k, k + batch_size)) for k in range(0, n, batch_size)]
+
+
+def assert_workers_lived(server: ServerProcess, before: list[int]) -> None:
+    """The same worker processes as `before`, and none reported dead (SIGBUS is -7)."""
+    assert workers_of(server) == before
+    assert "exit code -7" not in server.stderr and "died" not in server.stderr, server.stderr
+
+
 def test_a_server_warns_at_start_when_dev_shm_is_small(start_server, wrap, ledger) -> None:
     # 256 KiB samples: a nominal batch of 256 is 64 MiB, far more than 4 MiB.
     server = start_server(blocks(8), workers=2, wrap=wrap)
@@ -97,9 +116,7 @@ def test_a_server_warns_at_start_when_dev_shm_is_small(start_server, wrap, ledge
 
 def test_a_batch_larger_than_dev_shm_is_refused_and_the_worker_lives(start_server, wrap,
                                                                      ledger) -> None:
-    server = start_server(blocks(24), workers=1, wrap=wrap)
-    before = workers_of(server)
-    assert len(before) == 1
+    server, before = serve_blocks(start_server, wrap, 24, workers=1)
     with pytest.raises(RemoteError) as err:
         epoch(server, batch_size=24, timeout=20)  # 6 MiB
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
@@ -108,10 +125,8 @@ def test_a_batch_larger_than_dev_shm_is_refused_and_the_worker_lives(start_serve
     assert "this batch needs 6.1 MiB" in message and "--shm-size" in message, message
     # The worker is the same process, and serves what fits.
     assert workers_of(server) == before
-    assert epoch(server, batch_size=4, timeout=20) == [list(range(k, k + 4))
-                                                       for k in range(0, 24, 4)]
-    assert workers_of(server) == before
-    assert "exit code -7" not in server.stderr and "died" not in server.stderr, server.stderr
+    assert epoch(server, batch_size=4, timeout=20) == in_order(24, 4)
+    assert_workers_lived(server, before)
     ledger.record("load", "a batch larger than the whole /dev/shm (6 MiB in 4 MiB)",
                   detail="RESOURCE_EXHAUSTED naming /dev/shm and its size; the worker lives")
 
@@ -120,14 +135,11 @@ def test_batches_that_fit_one_at_a_time_give_an_exact_epoch(start_server, wrap,
                                                             ledger) -> None:
     # 1.5 MiB batches: /dev/shm holds two; two workers, each building up to two at a time,
     # and the front end holding those not sent yet, ask for more than that.
-    server = start_server(blocks(48), workers=2, wrap=wrap)
-    before = workers_of(server)
+    server, before = serve_blocks(start_server, wrap, 48, workers=2)
     got = epoch(server, batch_size=6, timeout=30, prefetch=4)
-    expected = [list(range(k, k + 6)) for k in range(0, 48, 6)]
-    lost, dup = ledger.compare([i for b in got for i in b], [i for b in expected for i in b])
+    lost, dup = ledger.compare([i for b in got for i in b], range(48))
     ledger.record("load", "1.5 MiB batches, 2 workers, a 4 MiB /dev/shm", lost=lost,
                   duplicated=dup, detail="batches that find it full are retried (UNAVAILABLE)"
                                          "; no worker dies")
-    assert got == expected
-    assert workers_of(server) == before
-    assert "exit code -7" not in server.stderr and "died" not in server.stderr, server.stderr
+    assert got == in_order(48, 6)
+    assert_workers_lived(server, before)
