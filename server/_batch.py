@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -163,13 +164,15 @@ def _check_like(s: dict[str, np.ndarray], idx: int, layout: list[TensorLayout],
 
 def build_batch(dataset: DatasetParts, indices: np.ndarray, segments: _shm.SegmentPool,
                 key: EpochKey = FIRST_EPOCH, skip: bool = False,
-                max_bytes: int | None = None) -> BuiltBatch:
+                max_bytes: int | None = None,
+                on_sample: Callable[[int], None] | None = None) -> BuiltBatch:
     """Compute the batch of `indices` into a segment of `segments`, lent to the caller.
 
     Collated in one pass: the first sample fixes the layout, the segment is created, and each
     sample is written into its row as soon as it exists; no list of samples is kept.
     A batch whose payload would exceed `max_bytes` raises BatchTooLarge before any memory
-    is taken for it."""
+    is taken for it. `on_sample(i)` is called as sample i is started (the pool's watchdog
+    names the sample a hung worker was at), so it must be cheap."""
     started = time.perf_counter()
     delivered = np.array(indices, dtype=np.int64)
     skipped = 0
@@ -177,6 +180,8 @@ def build_batch(dataset: DatasetParts, indices: np.ndarray, segments: _shm.Segme
     first_index = 0
     try:
         for pos, i in enumerate(indices.tolist()):
+            if on_sample is not None:
+                on_sample(i)
             s, j = fetch_or_replace(dataset, i, key, skip)
             skipped += j != i
             delivered[pos] = j

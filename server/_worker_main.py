@@ -28,8 +28,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("stoker.server")
 
 
-def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int) -> None:
-    """The worker process's body; `probe`: describe every dataset in the Opened message."""
+def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int,
+                progress: Any = None) -> None:
+    """The worker process's body; `probe`: describe every dataset in the Opened message;
+    `progress`: shared int64 [task id, sample] this worker is at, for the pool's watchdog."""
     # The parent owns shutdown and closes our pipe when it is time (or dies, and the pipe ends).
     # Ctrl-C, or a SIGTERM sent to the whole process group, must not kill us mid-batch first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -55,7 +57,7 @@ def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int) 
             conn.send(msg.OpenFailed(f"dataset {name!r}: {type(e).__name__}: {e}"))
             return
     conn.send(msg.Opened(meta if probe else None))
-    builder = _Builder(config, datasets, cache)
+    builder = _Builder(config, datasets, cache, progress)
     while True:
         try:
             message = conn.recv()
@@ -94,26 +96,36 @@ def _prefetch(ds: DatasetParts, indices: np.ndarray) -> None:
 class _Builder:
     """Builds batches into this worker's segments; counts what its disk cache did."""
 
-    def __init__(self, config: Any, datasets: dict[str, DatasetParts], cache: Any) -> None:
+    def __init__(self, config: Any, datasets: dict[str, DatasetParts], cache: Any,
+                 progress: Any = None) -> None:
         self.config = config
+        self.progress = progress  # [task id, sample]: two stores per sample, no lock
         self.datasets = datasets
         self.cache = cache
         self.segments = _shm.SegmentPool(_shm.worker_prefix(os.getppid(), os.getpid()),
                                          msg.KEEP_SEGMENTS)
         self.reported = (0, 0, 0)  # the cache's counters as of the last batch sent
+        self.shm_warned = False
         self.redact = _Redact(config)
         self._logged: set[str] = set()  # failure messages logged in full
 
     def build(self, task: msg.Task) -> msg.Built | msg.BuildFailed:
         ds = self.datasets[task.dataset]
         skip = self.config.datasets[task.dataset].on_error == "skip"
+        on_sample = None
+        if self.progress is not None:
+            progress = self.progress
+            progress[0], progress[1] = task.task_id, -1  # -1: before its first sample
+
+            def on_sample(i: int) -> None:
+                progress[1] = i
         # This batch's objects in parallel, then those of a batch further on: a store's
         # first-byte latency is paid ahead of time, not once per sample in turn.
         _prefetch(ds, task.indices)
         _prefetch(ds, task.ahead)
         try:
             batch = build_batch(ds, task.indices, self.segments, task.key, skip,
-                                int(self.config.server.max_batch_bytes))
+                                int(self.config.server.max_batch_bytes), on_sample)
         except StorageUnavailable as e:  # an outage, not bad data: the client asks elsewhere
             return self._failed(task, msg.FailureKind.UNAVAILABLE,
                                 f"dataset {task.dataset!r}: {e}; another server may succeed")
@@ -123,6 +135,13 @@ class _Builder:
         except BatchTooLarge as e:
             return self._failed(task, msg.FailureKind.RESOURCE_EXHAUSTED,
                                 f"dataset {task.dataset!r}: {e}")
+        except _shm.ShmFull as e:  # this worker lives on; later, or elsewhere, it may fit
+            kind = (msg.FailureKind.RESOURCE_EXHAUSTED if e.larger_than_all
+                    else msg.FailureKind.UNAVAILABLE)
+            if not self.shm_warned:  # once per worker: the clients get every one
+                self.shm_warned = True
+                log.warning("a batch found no room in shared memory: %s", e)
+            return self._failed(task, kind, f"dataset {task.dataset!r}: {e}")
         except Exception as e:
             return self._failed(task, msg.FailureKind.INTERNAL, f"{type(e).__name__}: {e}")
         if self.cache is not None:  # what the cache did since the last batch, for /metrics
