@@ -154,6 +154,7 @@ class Scheduler:
 
     def _no_server(self, index: int) -> RemoteError:
         detail = "; ".join(f"{s.address}: {s.state.value}, last error: {s.last_error or 'none'}"
+                           + (f", last refusal: {s.refused}" if s.refused else "")
                            for s in self._servers.servers.values())
         return RemoteError(grpc.StatusCode.UNAVAILABLE,
                            f"no server delivered batch {index} within {self._timeout:g}s of the "
@@ -221,7 +222,7 @@ class Scheduler:
             now = self._clock()
             server.mark_delivered(index, now)
             if isinstance(item, RemoteError) and item.code == grpc.StatusCode.UNAVAILABLE:
-                server.mark_draining()  # it refuses new credits: send none
+                server.mark_draining(item.details)  # it refuses new credits: send none
             if server.state is ServerState.DRAINING and not server.outstanding:
                 # Done with what it took: let go, so its shutdown need not wait for us.
                 server.mark_drained(now)

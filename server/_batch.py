@@ -18,6 +18,7 @@ import numpy as np
 
 from . import _shm
 from ._sampling import FIRST_EPOCH, EpochKey
+from .sources import StorageUnavailable
 
 if TYPE_CHECKING:
     from .formats import DatasetParts
@@ -84,17 +85,23 @@ def replacement(index: int, attempt: int, num_samples: int) -> int:
     return int(np.random.default_rng([index, attempt]).integers(num_samples))
 
 
+def _place(dataset: DatasetParts, i: int, error: Exception) -> str:
+    """" (where sample i comes from)", unless the error names it already: said once."""
+    place = dataset.source_of(i) if dataset.source_of else ""
+    return f" ({place})" if place and place not in str(error) else ""
+
+
 def fetch_sample(dataset: DatasetParts, i: int, key: EpochKey = FIRST_EPOCH
                  ) -> dict[str, np.ndarray]:
     """Sample i as a dict of numpy arrays. A dataset with `sample(i, key)` gets the epoch's
-    key (augmentation, packing); a plain map-style one is indexed."""
+    key (augmentation, packing); a plain map-style one is indexed. Raises SampleError, or
+    StorageUnavailable, which on_error: skip does not skip (the sample is not bad)."""
     try:
         raw = dataset.read(i, key)
+    except StorageUnavailable as e:  # not this sample's fault: no skipping, ask elsewhere
+        raise StorageUnavailable(f"sample {i}{_place(dataset, i, e)}: {e}") from e
     except Exception as e:  # the user's code: any failure is this sample's failure
-        place = dataset.source_of(i) if dataset.source_of else ""
-        # Formats' own errors often name the place already: say it once.
-        src = f" ({place})" if place and place not in str(e) else ""
-        raise SampleError(f"sample {i}{src}: {type(e).__name__}: {e}") from e
+        raise SampleError(f"sample {i}{_place(dataset, i, e)}: {type(e).__name__}: {e}") from e
     if not isinstance(raw, dict):
         raise SampleError(f"sample {i}: expected a dict of fields, got {type(raw).__name__}")
     try:

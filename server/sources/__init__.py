@@ -21,6 +21,13 @@ class StorageError(OSError):
     """An object that cannot be listed or read; the message names its full URL."""
 
 
+class StorageUnavailable(StorageError):
+    """Storage that did not answer (an S3 outage past the retries, 5xx, a connection that
+    keeps breaking): transient and of this server's making, so the client is answered
+    UNAVAILABLE and asks another server, and `on_error: skip` never skips it (the sample is
+    not bad)."""
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     key: str  # relative to the storage root, '/'-separated
