@@ -131,7 +131,8 @@ def make_app(service: Any = None, token: bytes | None = None) -> FastAPI:
         """Every dataset this server serves."""
         return list(datasets().values())
 
-    @app.get("/v1/datasets/{name}", response_model=Dataset, responses={404: {}})
+    # {name:path}: a dataset name may hold a slash (`a/b`, sent as a/b or a%2Fb).
+    @app.get("/v1/datasets/{name:path}", response_model=Dataset, responses={404: {}})
     def get_dataset(name: str) -> Dataset:
         """One dataset: format, size, fields (per-sample dtype and shape)."""
         found = datasets()
