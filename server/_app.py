@@ -33,7 +33,7 @@ from . import _limits, _sampling, _tls
 from ._auth import TokenInterceptor, read_token
 from ._config import Config
 from ._datasocket import DataSockets
-from ._http import HttpServer
+from ._http import HttpLimits, HttpServer
 from ._listen import address
 from ._service import SERVICE_NAME, DataService, client_of
 from ._workers import DatasetMeta, StartError, WorkerPool
@@ -143,7 +143,7 @@ async def start(config: Config, stack: contextlib.AsyncExitStack,
     grpc_server, health_servicer, grpc_port = await _start_grpc(stack, config, service, token)
     http = _listening("HTTP", settings.host, settings.http_port,
                       lambda: HttpServer(settings.host, settings.http_port, service, token=token,
-                                         tls=settings.tls))
+                                         tls=settings.tls, limits=HttpLimits.of(settings)))
     http.start()
     stack.callback(http.stop)
     for name in ("", SERVICE_NAME):

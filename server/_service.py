@@ -164,12 +164,12 @@ class DataService:
         max_streams: a client that opens streams without end would hold memory and a share of
         the workers each."""
         with contextlib.ExitStack() as admitted:
+            client = client_of(context.peer())
             try:
-                admitted.enter_context(self.admission.open(client_of(context.peer()),
-                                                           Kind.STREAM))
+                admitted.enter_context(self.admission.open(client, Kind.STREAM))
             except Refused as e:
                 await context.abort(e.code, str(e))  # raises: the call ends here
-            session = StreamSession(self, context, next(self._streams))
+            session = StreamSession(self, context, next(self._streams), client)
             try:
                 await session.run(requests)
             finally:
