@@ -36,6 +36,14 @@ FLOOD = 300
 TOY = {"toy": {"format": "python", "factory": "toy_datasets:toy", "options": {"n": 40}}}
 
 
+def status_kib(pid: int, field: str) -> int:
+    """A `field` of /proc/PID/status in KiB (VmRSS, VmHWM: the peak resident set)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
@@ -97,6 +105,14 @@ def epoch(address: str, **kw) -> list[int]:
         return [i for b in ld for i in b["sample_index"].tolist()]
 
 
+def record_flood(ledger, area: str, case: str, got: list[int], detail: str) -> None:
+    """One ledger row for a flood of FLOOD connections, then a loader's epoch of TOY's 40
+    samples: it must be exact."""
+    lost, dup = ledger.compare(got, range(40))
+    ledger.record(area, case, tried=FLOOD, lost=lost, duplicated=dup, detail=detail)
+    assert lost == dup == 0
+
+
 # -- failure 3: connections that never finish, on both ports ----------------------------------
 def test_half_sent_http_requests_from_one_address_do_not_take_the_server(
         start_server: StartServer, ledger) -> None:
@@ -117,12 +133,9 @@ def test_half_sent_http_requests_from_one_address_do_not_take_the_server(
         # The 16 it holds: 408 naming the head timeout, then closed.
         held = read_all(socks[0]).decode()
     assert wait_until(lambda: open_fds(pid) <= baseline + 4, 10), (open_fds(pid), baseline)
-    lost, dup = ledger.compare(got, range(40))
-    ledger.record("http", f"{FLOOD} half-sent request heads from one address (server at 256 "
-                  "open files)", tried=FLOOD, lost=lost, duplicated=dup,
-                  detail=f"/healthz answered in {took * 1000:.0f} ms; the 17th got 503, the "
-                         "first 16 got 408 after 2 s; descriptors back to the baseline")
-    assert lost == dup == 0
+    record_flood(ledger, "http", f"{FLOOD} half-sent request heads from one address (server at "
+                 "256 open files)", got, f"/healthz answered in {took * 1000:.0f} ms; the 17th "
+                 "got 503, the first 16 got 408 after 2 s; descriptors back to the baseline")
     assert took < 1.0
     assert refused.startswith("HTTP/1.1 503") and "max_http_connections_per_client=16" in refused
     assert held.startswith("HTTP/1.1 408") and "http_header_timeout_seconds=2" in held
@@ -156,12 +169,9 @@ def test_idle_tcp_connections_to_the_grpc_port_do_not_take_the_server(
         took = time.monotonic() - started
         # Silent connections are closed once the handshake timeout passes.
         assert wait_until(lambda: open_fds(pid) <= baseline + 8, 10), (open_fds(pid), baseline)
-    lost, dup = ledger.compare(got, range(40))
-    ledger.record("load", f"{FLOOD} idle TCP connections to the gRPC port (server at 256 open "
-                  "files)", tried=FLOOD, lost=lost, duplicated=dup,
-                  detail=f"the epoch took {took:.1f} s; silent connections closed after "
-                         "grpc_handshake_timeout_seconds=2")
-    assert lost == dup == 0
+    record_flood(ledger, "load", f"{FLOOD} idle TCP connections to the gRPC port (server at 256 "
+                 "open files)", got, f"the epoch took {took:.1f} s; silent connections closed "
+                 "after grpc_handshake_timeout_seconds=2")
 
 
 def test_the_server_raises_its_soft_open_file_limit(start_server: StartServer, ledger) -> None:
@@ -235,10 +245,11 @@ def test_health_watches_are_bounded_and_counted_per_client(start_server: StartSe
 
 
 def raw_stream(channel: grpc.Channel, indices: tuple[int, ...] = (0,), hold: bool = False,
-               shm_probe=None, dataset: str = "toy", batch_size: int = 8):
-    """A StreamBatches call; with `hold`, its request side stays open until it is cancelled."""
-    coords = pb.Coordinates(dataset=dataset, world_size=1, batch_size=batch_size,
-                            drop_last=True)
+               shm_probe=None, dataset: str = "toy", batch_size: int = 8, seed: int = 0):
+    """A StreamBatches call; with `hold`, its request side stays open until it is cancelled
+    (else it half-closes after its one message). With a `seed`, shuffled."""
+    coords = pb.Coordinates(dataset=dataset, seed=seed, shuffle=seed != 0, world_size=1,
+                            batch_size=batch_size, drop_last=True)
     first = pb.StreamRequest(coordinates=coords, batch_indices=list(indices),
                              shm_probe=shm_probe)
     never = threading.Event()
@@ -333,38 +344,20 @@ def test_many_seeds_on_a_large_dataset_keep_orders_under_their_cap(start_server:
         warm = raw_stream(channel, dataset="big", batch_size=4)
         next(warm)
         warm.cancel()
-        baseline = rss_anon(pid)
-        peak = [baseline]
-        done = threading.Event()
-
-        def watch() -> None:
-            while not done.wait(0.02):
-                peak[0] = max(peak[0], rss_anon(pid))
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
+        baseline = status_kib(pid, "VmRSS")
         answered = 0
-        try:
-            for seed in range(SEEDS):
-                coords = pb.Coordinates(dataset="big", seed=seed, shuffle=True, world_size=1,
-                                        batch_size=4, drop_last=True)
-                method = channel.stream_stream(
-                    "/stoker.v1.DataService/StreamBatches",
-                    request_serializer=pb.StreamRequest.SerializeToString,
-                    response_deserializer=pb.BatchFrame.FromString)
-                for frame in method(iter([pb.StreamRequest(coordinates=coords,
-                                                           batch_indices=[0, 1])]), timeout=30):
-                    answered += not frame.offset and not frame.HasField("error")
-        finally:
-            done.set()
-            watcher.join(5)
-    grew = peak[0] - baseline
+        for seed in range(1, SEEDS + 1):  # each stream half-closes: it ends once both are answered
+            for frame in raw_stream(channel, (0, 1), dataset="big", batch_size=4, seed=seed):
+                answered += not frame.offset and not frame.HasField("error")
+    # The front end's peak resident memory (the kernel's high-water mark): orders live there.
+    grew = (status_kib(pid, "VmHWM") - baseline) << 10
     order = SAMPLES * 8
     bound = (40 << 20) + 2 * order + (16 << 20)
     ledger.record("load", f"{SEEDS} seeds of a {SAMPLES:,}-sample dataset (32 MB per epoch "
                   "order)", tried=SEEDS,
-                  detail=f"server RssAnon peak +{grew >> 20} MiB (max_order_cache_bytes=40MiB; "
-                         f"bound +{bound >> 20} MiB; before: +{SEEDS * order >> 20} MiB)")
+                  detail=f"front end's peak resident memory +{grew >> 20} MiB "
+                         f"(max_order_cache_bytes=40MiB; bound +{bound >> 20} MiB; before: "
+                         f"+{SEEDS * order >> 20} MiB)")
     assert answered == 2 * SEEDS
     assert grew < bound, (grew, bound)
 
@@ -377,11 +370,9 @@ def test_silent_data_port_connections_do_not_delay_a_data_socket_stream(
         started = time.monotonic()
         got = epoch(server.address, data_socket=True, shared_memory=False)
         took = time.monotonic() - started
-    lost, dup = ledger.compare(got, range(40))
-    ledger.record("security", f"{FLOOD} silent connections to the data port from one address, "
-                  "then a data-socket stream from another", tried=FLOOD, lost=lost,
-                  duplicated=dup, detail=f"the epoch took {took:.1f} s, over the data socket")
-    assert lost == dup == 0
+    record_flood(ledger, "security", f"{FLOOD} silent connections to the data port from one "
+                 "address, then a data-socket stream from another", got,
+                 f"the epoch took {took:.1f} s, over the data socket")
     assert took < 2.0
     assert "did not connect within" not in server.stderr
 
