@@ -29,13 +29,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from . import _shm, _tls
+from . import _limits, _sampling, _shm, _tls
 from ._auth import TokenInterceptor, read_token
 from ._config import Config
 from ._datasocket import DataSockets
-from ._http import HttpServer
+from ._http import HttpLimits, HttpServer
 from ._listen import address
-from ._service import SERVICE_NAME, DataService
+from ._service import SERVICE_NAME, DataService, client_of
 from ._workers import DatasetMeta, StartError, WorkerPool
 
 __all__ = ["Started", "drain", "serve", "start"]
@@ -43,8 +43,9 @@ __all__ = ["Started", "drain", "serve", "start"]
 log = logging.getLogger("stoker.server")
 
 # Frames are at most MAX_FRAME_BYTES; requests are small (their limit, max_request_bytes,
-# comes from the config: grpc.max_receive_message_length). Keepalive pings let a server notice
-# a vanished client (and free what its stream held) without waiting for TCP to time out.
+# comes from the config: grpc.max_receive_message_length; so do the connection limits,
+# _limits.grpc_options). Keepalive pings let a server notice a vanished client (and free what
+# its stream held) without waiting for TCP to time out.
 # No SO_REUSEPORT: a second server on a taken port must fail, not share it silently.
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
@@ -92,6 +93,7 @@ class Started:
     http_port: int
     data_port: int | None  # None: no data socket (under TLS)
     auth: bool  # calls must carry the bearer token
+    nofile: int  # the soft limit on open files, raised to the hard one
 
 
 async def serve(config: Config) -> None:
@@ -117,6 +119,11 @@ async def start(config: Config, stack: contextlib.AsyncExitStack,
     Raises StartError naming the part that could not start."""
     settings = config.server
     _on_signals(stack, on_signal)  # first: a signal during the start stops cleanly
+    # Before the workers start: they inherit the limit.
+    nofile, nofile_hard = _limits.raise_nofile()
+    if (warning := _limits.nofile_warning(settings, nofile, nofile_hard)) is not None:
+        log.warning("%s", warning)
+    _sampling.ORDERS.resize(int(settings.max_order_cache_bytes))
     # Secrets and certificates first: a bad one fails the start before any worker runs.
     token = read_token(settings)
     if settings.tls is not None:
@@ -138,14 +145,14 @@ async def start(config: Config, stack: contextlib.AsyncExitStack,
     grpc_server, health_servicer, grpc_port = await _start_grpc(stack, config, service, token)
     http = _listening("HTTP", settings.host, settings.http_port,
                       lambda: HttpServer(settings.host, settings.http_port, service, token=token,
-                                         tls=settings.tls))
+                                         tls=settings.tls, limits=HttpLimits.of(settings)))
     http.start()
     stack.callback(http.stop)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return Started(pool, service, grpc_server, health_servicer, grpc_port, http.port,
                    service.data_sockets.port if service.data_sockets else None,
-                   auth=token is not None)
+                   auth=token is not None, nofile=nofile)
 
 
 def _announce(config: Config, started: Started) -> None:
@@ -155,10 +162,12 @@ def _announce(config: Config, started: Started) -> None:
                       "http_port": started.http_port, "data_port": started.data_port,
                       "tls": settings.tls is not None, "auth": started.auth,
                       "host": settings.host, "workers": settings.worker_count,
-                      "datasets": sorted(meta)}), flush=True)
+                      "datasets": sorted(meta), "nofile": started.nofile}), flush=True)
     log.info("serving %s on %s (gRPC), port %d (HTTP) with %d workers",
              ", ".join(sorted(meta)), address(settings.host, started.grpc_port),
              started.http_port, settings.worker_count)
+    log.info("streams may hold %s of shared memory",
+             started.service.admission.held_cap_says)
 
 
 async def _serve_until(stop: asyncio.Event, started: Started) -> None:
@@ -220,11 +229,12 @@ async def _start_grpc(stack: contextlib.AsyncExitStack, config: Config, service:
                       token: bytes | None) -> tuple[grpc.aio.Server, Any, int]:
     """The gRPC server, listening: (server, its health servicer, its port)."""
     settings = config.server
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = _limits.LimitedHealth(service.admission, client_of)
     server = grpc.aio.server(
-        options=[*GRPC_OPTIONS, ("grpc.max_receive_message_length",
-                                 int(settings.max_request_bytes))],
-        interceptors=[TokenInterceptor(token)] if token is not None else None)
+        options=[*GRPC_OPTIONS, *_limits.grpc_options(settings),
+                 ("grpc.max_receive_message_length", int(settings.max_request_bytes))],
+        interceptors=[TokenInterceptor(token)] if token is not None else None,
+        maximum_concurrent_rpcs=_limits.concurrent_rpcs(settings))
     server.add_generic_rpc_handlers([service.handler()])
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     # Reflection: grpcurl and friends discover the services without the .proto file.

@@ -2,11 +2,12 @@
 
     authorization: Bearer <token>       (gRPC metadata, or the HTTP header)
 
-Exempt, because the callers that need them send no token: gRPC health
-(`grpc.health.v1.Health`, the kubelet's gRPC probe) and HTTP `/healthz` and `/readyz` (its
-HTTP probes). Neither names a dataset. Everything else, reflection included, needs the token.
-A refusal says only that the token is missing or wrong: it never names a dataset, a method's
-arguments or the configured token source.
+Exempt, because the callers that need them send no token: gRPC health's Check
+(`grpc.health.v1.Health/Check`, the kubelet's gRPC probe and grpc-health-probe) and HTTP
+`/healthz` and `/readyz` (its HTTP probes). Neither names a dataset. Health's Watch is not
+exempt: a watch is a call held open, which a stranger could open by the thousand. Everything
+else, reflection included, needs the token. A refusal says only that the token is missing or
+wrong: it never names a dataset, a method's arguments or the configured token source.
 
 Tokens are compared with hmac.compare_digest (time independent of where they differ).
 """
@@ -23,7 +24,7 @@ import grpc
 from ._workers import StartError
 
 MIN_TOKEN_CHARS = 16
-EXEMPT_GRPC_PREFIX = "/grpc.health.v1.Health/"
+EXEMPT_GRPC_METHODS = frozenset({"/grpc.health.v1.Health/Check"})
 EXEMPT_HTTP_PATHS = frozenset({"/healthz", "/readyz"})
 REFUSAL = "missing or wrong bearer token (send `authorization: Bearer <token>`)"
 
@@ -84,7 +85,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
                                          Awaitable[grpc.RpcMethodHandler]],
             details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or details.method.startswith(EXEMPT_GRPC_PREFIX):
+        if handler is None or details.method in EXEMPT_GRPC_METHODS:
             return handler
         given = next((v for k, v in details.invocation_metadata or ()
                       if k == "authorization"), None)

@@ -531,6 +531,38 @@ class ServerSettings(_Strict):
     # client asks again) and the worker is killed and replaced. Below the client's own
     # timeout (300 s by default), so that the client hears of it before giving up.
     batch_timeout_seconds: float = Field(120.0, gt=0, le=86400)
+    # -- issue 19, package "limits": bounded connections, streams and memory (server/_limits.py;
+    # each is a row of docs/security.md's Limits table, with the error it gives).
+    # Batch streams open at once, all clients together: each holds credits, a share of the
+    # workers and, when asked, a data socket (one descriptor).
+    max_streams: int = Field(1024, ge=1, le=1 << 20)
+    # Health/Watch calls open at once, all clients together (one address's watches count in
+    # its max_streams_per_client too): each is a call held open for its whole life.
+    max_health_watches: int = Field(256, ge=1, le=1 << 20)
+    # Shared memory held by streams (batches built and not yet sent or released), all clients
+    # together; in effect at most 3/4 of /dev/shm, which the workers' own segments need too.
+    max_held_bytes: ByteSize = Field(ByteSize(8 << 30), ge=1 << 20)
+    # The same, per client address: a frozen client cannot pin more than this.
+    max_held_bytes_per_client: ByteSize = Field(ByteSize(2 << 30), ge=1 << 20)
+    # Epoch orders (8 bytes a sample) kept in memory, all datasets: an LRU in bytes; an order
+    # larger than this is computed for each use and never kept.
+    max_order_cache_bytes: ByteSize = Field(ByteSize(1 << 30), ge=0)
+    # HTTP connections open at once (uvicorn's limit_concurrency backs it), and per address.
+    max_http_connections: int = Field(256, ge=1, le=1 << 20)
+    max_http_connections_per_client: int = Field(32, ge=1, le=1 << 20)
+    # Seconds a connection has to complete a request's head (a half-sent head held a
+    # descriptor for ever: uvicorn has no such timeout).
+    http_header_timeout_seconds: float = Field(10.0, gt=0, le=3600)
+    # gRPC connections open at once (grpc.max_allowed_incoming_connections): more are closed
+    # at accept. gRPC has no per-address cap.
+    max_grpc_connections: int = Field(512, ge=1, le=1 << 20)
+    # Seconds a gRPC connection has to finish its handshake (the HTTP/2 preface, TLS): silent
+    # TCP connections are closed after this (gRPC's own default is 120 s).
+    grpc_handshake_timeout_seconds: float = Field(10.0, gt=0, le=3600)
+    # Seconds a gRPC connection may stay without calls before the server sends GOAWAY
+    # (channels reconnect by themselves when next used).
+    grpc_idle_seconds: float = Field(600.0, gt=0)
+    # -- end of "limits"
 
     @model_validator(mode="after")
     def _one_token_source(self) -> ServerSettings:

@@ -13,6 +13,10 @@
 With a bearer token configured (_auth.py) every path but /healthz and /readyz answers 401
 without it, and says nothing else. With `tls`, the port speaks HTTPS only (_tls.py).
 
+Connections are bounded (`BoundedH11`): in all and per client address (503 naming the limit,
+then closed), and in time until a request's head is complete (408, then closed): uvicorn has
+no such timeout, and a half-sent head held a descriptor for ever.
+
 uvicorn runs on its own thread with its own event loop: it must not install signal handlers
 (the server's lifecycle owns SIGTERM/SIGINT), and off the main thread it does not. Handlers
 only read: counters (thread-safe), the pool's status (under its lock), immutable metadata.
@@ -20,21 +24,29 @@ only read: counters (thread-safe), the pool's status (under its lock), immutable
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import http
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+import h11
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ._auth import EXEMPT_HTTP_PATHS, REFUSAL, bearer_ok
 from ._listen import listen
 from ._tls import uvicorn_options
 
 PAGE = Path(__file__).parent / "static" / "index.html"
+# Connections accepted in one event-loop step (and uvicorn's listen backlog).
+ACCEPT_BATCH = 64
 
 
 class Field(BaseModel):
@@ -133,7 +145,8 @@ def make_app(service: Any = None, token: bytes | None = None) -> FastAPI:
         """Every dataset this server serves."""
         return list(datasets().values())
 
-    @app.get("/v1/datasets/{name}", response_model=Dataset, responses={404: {}})
+    # {name:path}: a dataset name may hold a slash (`a/b`, sent as a/b or a%2Fb).
+    @app.get("/v1/datasets/{name:path}", response_model=Dataset, responses={404: {}})
     def get_dataset(name: str) -> Dataset:
         """One dataset: format, size, fields (per-sample dtype and shape)."""
         found = datasets()
@@ -154,13 +167,117 @@ def make_app(service: Any = None, token: bytes | None = None) -> FastAPI:
     return app
 
 
+@dataclass(frozen=True)
+class HttpLimits:
+    """The HTTP port's limits, from ServerSettings (their keys name them in refusals)."""
+
+    max_connections: int
+    per_client: int
+    header_timeout: float
+
+    @classmethod
+    def of(cls, settings: Any) -> HttpLimits:
+        return cls(settings.max_http_connections, settings.max_http_connections_per_client,
+                   settings.http_header_timeout_seconds)
+
+
+class BoundedH11(H11Protocol):
+    """uvicorn's h11 protocol with connection limits: a connection past max_http_connections
+    or max_http_connections_per_client is answered 503 and closed at once; one that has not
+    completed a request's head within http_header_timeout_seconds of connecting (or of its
+    last response) is answered 408, if it sent part of one, and closed.
+
+    `limits` and `open_of` are per server: `for_limits` makes a subclass holding them. Runs
+    on uvicorn's event loop only (no lock)."""
+
+    limits: ClassVar[HttpLimits]
+    open_of: ClassVar[collections.Counter[str]]  # client host -> connections admitted
+
+    @classmethod
+    def for_limits(cls, limits: HttpLimits) -> type[BoundedH11]:
+        return type("BoundedH11", (cls,), {"limits": limits, "open_of": collections.Counter()})
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._host = self.client[0] if self.client else "?"
+        refusal = self._refusal()
+        self._admitted = refusal is None
+        if refusal is not None:
+            self.connections.discard(self)  # never counted, by uvicorn either
+            self._answer(503, refusal)
+            return
+        self.open_of[self._host] += 1
+        self._arm()
+
+    def _refusal(self) -> str | None:
+        limits, mine = self.limits, self.open_of[self._host]
+        if mine >= limits.per_client:
+            return (f"connections: this client has {mine} open, "
+                    f"max_http_connections_per_client={limits.per_client}")
+        others = len(self.connections) - 1
+        if others >= limits.max_connections:
+            return (f"connections: this server has {others} open, "
+                    f"max_http_connections={limits.max_connections}")
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        if self._admitted:
+            self._admitted = False
+            self.open_of[self._host] -= 1
+            if not self.open_of[self._host]:
+                del self.open_of[self._host]
+        super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm()  # the next request's head gets the same time
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._head_timer = self.loop.call_later(self.limits.header_timeout, self._head_late)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return  # closed, or a request's head came: its response re-arms the timer
+        if self.conn.trailing_data[0]:  # part of a head
+            self._answer(408, "request: headers not complete within "
+                              f"http_header_timeout_seconds={self.limits.header_timeout:g}")
+        else:  # nothing at all since connecting or since the last response: just close
+            self.transport.close()
+
+    def _answer(self, status: int, message: str) -> None:
+        """Answer `status` with `message` outside h11 (no request was read) and close."""
+        body = message.encode()
+        head = (f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\n"
+                "content-type: text/plain; charset=utf-8\r\n"
+                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
+        self.transport.write(head.encode() + body)
+        self.transport.close()
+
+
 class HttpServer:
-    def __init__(self, host: str, port: int, service: Any = None, *,
+    def __init__(self, host: str, port: int, service: Any = None, *, limits: HttpLimits,
                  token: bytes | None = None, tls: Any = None) -> None:
         # Listening now, before uvicorn's thread runs (_listen.py says why).
         self._sock = listen(host, port)
         self.port: int = self._sock.getsockname()[1]
+        # limit_concurrency backs BoundedH11's own cap, which names its key: one above it, as
+        # uvicorn counts the connection it is answering. backlog is also how many connections
+        # asyncio accepts in one go, before any is answered or closed: uvicorn's 2048 took
+        # every descriptor left under a flood (EMFILE, and accepting paused for 1 s).
         config = uvicorn.Config(make_app(service, token), log_level="warning", lifespan="off",
+                                http=BoundedH11.for_limits(limits),
+                                limit_concurrency=limits.max_connections + 1,
+                                backlog=ACCEPT_BATCH,
                                 **uvicorn_options(tls))
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},

@@ -1,12 +1,16 @@
 """Which samples make batch k: a pure function of the coordinates.
 
 Orderings are numpy index arrays computed from (seed, epoch) and cached, never Python lists
-(lists of Python ints in forked processes grow memory by copy-on-write).
+(lists of Python ints in forked processes grow memory by copy-on-write). The cache of epoch
+orders is bounded in bytes (`ORDERS`): a client choosing many seeds of a large dataset makes
+the server compute orders again, never hold them all.
 """
 
 from __future__ import annotations
 
-import functools
+import collections
+import threading
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +35,9 @@ class Coordinates:
     batch_size: int
     drop_last: bool
 
-    def validate(self) -> None:
+    def validate(self, num_samples: int | None = None) -> None:
+        """Raise CoordinateError naming the first field no dataset (or, given its size, this
+        one) can satisfy."""
         if self.batch_size <= 0:
             raise CoordinateError("batch_size", f"must be >= 1, got {self.batch_size}")
         if self.world_size <= 0:
@@ -43,6 +49,11 @@ class Coordinates:
             raise CoordinateError("seed", f"must be >= 0, got {self.seed}")
         if self.epoch < 0:
             raise CoordinateError("epoch", f"must be >= 0, got {self.epoch}")
+        if num_samples is not None and self.world_size > max(num_samples, 1):
+            # Each rank takes num_samples // world_size samples: none at all, silently.
+            raise CoordinateError(
+                "world_size", f"{self.world_size} ranks but dataset {self.dataset!r} has "
+                              f"{num_samples} samples: every rank would get none")
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,59 @@ class EpochKey:
 FIRST_EPOCH = EpochKey()
 
 
+class OrderCache:
+    """Epoch orders by key, least recently used out first, at most `max_bytes` in all. Any
+    thread.
+
+    One order is computed at a time: two callers wanting the same order compute it once, and
+    memory peaks at the cap plus the order being computed. An order larger than the cap is
+    computed for its caller and not kept."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._items: collections.OrderedDict[Hashable, np.ndarray] = collections.OrderedDict()
+        self._lock = threading.Lock()  # guards _items and nbytes
+        self._computing = threading.Lock()
+        self.nbytes = 0
+
+    def get(self, key: Hashable, compute: Callable[[], np.ndarray]) -> np.ndarray:
+        found = self._cached(key)
+        if found is not None:
+            return found
+        with self._computing:
+            found = self._cached(key)  # computed by the caller this one waited for
+            if found is not None:
+                return found
+            value = compute()
+            with self._lock:
+                if value.nbytes <= self.max_bytes:
+                    self._items[key] = value
+                    self.nbytes += value.nbytes
+                self._trim()
+            return value
+
+    def resize(self, max_bytes: int) -> None:
+        with self._lock:
+            self.max_bytes = max_bytes
+            self._trim()
+
+    def _cached(self, key: Hashable) -> np.ndarray | None:
+        with self._lock:
+            found = self._items.get(key)
+            if found is not None:
+                self._items.move_to_end(key)
+            return found
+
+    def _trim(self) -> None:
+        while self.nbytes > self.max_bytes and self._items:
+            _, old = self._items.popitem(last=False)
+            self.nbytes -= old.nbytes
+
+
+# The process's epoch orders, all datasets: the server sets the cap from max_order_cache_bytes.
+ORDERS = OrderCache(1 << 30)
+
+
 class Ordering:
     """How one dataset's samples are ordered in an epoch.
 
@@ -83,9 +147,13 @@ class Ordering:
         self.shard_ends = np.append(starts[1:], num_samples)
         self.window = window
 
-    @functools.lru_cache(maxsize=16)  # noqa: B019 -- a few Orderings live as long as the server
     def epoch(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-        """The whole dataset's order for one epoch (read-only int64 array)."""
+        """The whole dataset's order for one epoch (read-only int64 array), from ORDERS."""
+        if not shuffle:
+            return self._order(seed, epoch, shuffle)
+        return ORDERS.get((self, seed, epoch), lambda: self._order(seed, epoch, shuffle))
+
+    def _order(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
         n = self.num_samples
         if not shuffle:
             order = np.arange(n, dtype=np.int64)
@@ -126,10 +194,16 @@ def batches_per_epoch(num_samples: int, c: Coordinates) -> int:
 
 
 def batch_samples(ordering: Ordering, c: Coordinates, batch_index: int) -> np.ndarray:
-    """Dataset indices of batch `batch_index` under coordinates `c` (validated)."""
+    """Dataset indices of batch `batch_index` under coordinates `c` (validated): a new array,
+    which keeps no epoch order alive. Unshuffled, no order is made at all."""
     n = batches_per_epoch(ordering.num_samples, c)
     if not 0 <= batch_index < n:
         raise CoordinateError(
             "batch_index", f"must be in [0, {n}) for this epoch and rank, got {batch_index}")
     start = batch_index * c.batch_size
-    return np.ascontiguousarray(rank_samples(ordering, c)[start : start + c.batch_size])
+    stop = min(start + c.batch_size, ordering.num_samples // c.world_size)
+    # This rank's j-th sample is at position rank + j * world_size of the epoch's order.
+    positions = c.rank + c.world_size * np.arange(start, stop, dtype=np.int64)
+    if not c.shuffle:
+        return positions
+    return ordering.epoch(c.seed, c.epoch, c.shuffle)[positions]

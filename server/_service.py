@@ -9,7 +9,7 @@ the worker processes; the front end only validates, schedules and sends.
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import itertools
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,6 +21,7 @@ from stoker.v1 import stoker_pb2 as pb
 
 from . import _shm
 from ._config import Config
+from ._limits import Admission, Kind, Refused
 from ._metrics import Metrics
 from ._sampling import CoordinateError, Coordinates, batches_per_epoch
 from ._session import Abort, StreamSession
@@ -78,7 +79,8 @@ class DataService:
         # Hints reach one round of the workers' queues ahead of the batch being asked for.
         self.lookahead = self.settings.worker_count * DEPTH
         self.draining = False
-        self._streams_of: collections.Counter[str] = collections.Counter()  # client -> open
+        # Open streams and health watches, held shared memory: per client and in all.
+        self.admission = Admission(self.settings)
 
     # -- read by the HTTP control plane (another thread) ------------------------------------
     @property
@@ -149,7 +151,7 @@ class DataService:
         coords = Coordinates(c.dataset, c.seed, c.epoch, c.shuffle, c.rank, c.world_size,
                              c.batch_size, c.drop_last)
         try:
-            coords.validate()
+            coords.validate(meta.num_samples)
         except CoordinateError as e:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         return coords, meta
@@ -158,21 +160,17 @@ class DataService:
     async def StreamBatches(self, requests: AsyncIterator[pb.StreamRequest],
                             context: grpc.aio.ServicerContext) -> None:
         """A batch stream, if its client (peer address, port aside) has fewer than
-        max_streams_per_client open: a client that opens streams without end would hold
-        memory and a share of the workers each."""
-        client, limit = client_of(context.peer()), self.settings.max_streams_per_client
-        if self._streams_of[client] >= limit:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"streams: this client has {self._streams_of[client]} open, "
-                                f"this server allows max_streams_per_client={limit}")
-        self._streams_of[client] += 1
-        try:
-            session = StreamSession(self, context, next(self._streams))
+        max_streams_per_client streams and health watches open, and the server fewer than
+        max_streams: a client that opens streams without end would hold memory and a share of
+        the workers each."""
+        with contextlib.ExitStack() as admitted:
+            client = client_of(context.peer())
+            try:
+                admitted.enter_context(self.admission.open(client, Kind.STREAM))
+            except Refused as e:
+                await context.abort(e.code, str(e))  # raises: the call ends here
+            session = StreamSession(self, context, next(self._streams), client)
             try:
                 await session.run(requests)
             finally:
                 await session.close()
-        finally:
-            self._streams_of[client] -= 1
-            if not self._streams_of[client]:
-                del self._streams_of[client]

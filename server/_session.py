@@ -27,6 +27,7 @@ from stoker.v1 import stoker_pb2 as pb
 from . import _shm
 from ._batch import BuiltBatch
 from ._frames import encode_error
+from ._limits import HeldPool
 from ._sampling import (
     CoordinateError,
     Coordinates,
@@ -107,10 +108,16 @@ class StreamSession:
     `close` (always awaited after `run`) frees what it held."""
 
     def __init__(self, service: DataService, context: grpc.aio.ServicerContext,
-                 stream_id: int) -> None:
+                 stream_id: int, client: str = "") -> None:
         self._service = service
         self._context = context
         self.id = stream_id
+        # Built batches count against `client` in the service's Admission from the moment
+        # they arrive until they go back to the pool, which the transport and close() do
+        # through this view of it.
+        self._client = client
+        self._pool = HeldPool(service.pool, service.admission, client)
+        self._last_payload = 0  # bytes of this stream's last batch: the next one's estimate
         self._ready: asyncio.Queue[Ready] = asyncio.Queue()
         self._reader: asyncio.Task | None = None
         self._jobs: set[asyncio.Task] = set()  # builds under way
@@ -166,7 +173,7 @@ class StreamSession:
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*tasks, return_exceptions=True)
         # 2. Batches built but not sent.
-        pool = self._service.pool
+        pool = self._pool
         while not self._ready.empty():
             match self._ready.get_nowait():
                 case Built(batch):
@@ -201,7 +208,7 @@ class StreamSession:
                 if req.HasField("coordinates"):
                     coords, meta = service.coordinates(req.coordinates)
                     if self.transport is None:  # the handshake is over
-                        self.transport = choose(asked, service.pool, service.mappings,
+                        self.transport = choose(asked, self._pool, service.mappings,
                                                 service.settings.frame_bytes)
                     if coords.dataset != self.dataset:  # counted under its dataset
                         if self.dataset is not None:
@@ -243,7 +250,8 @@ class StreamSession:
 
     async def _credit(self, coords: Coordinates, meta: DatasetMeta,
                       batch_indices: list[int]) -> None:
-        """Start building each credited batch (or, draining, answer it UNAVAILABLE)."""
+        """Start building each credited batch (or, draining or over a held-memory limit,
+        answer it UNAVAILABLE)."""
         n = self.outstanding + len(batch_indices)
         limit = self._service.settings.max_credits
         if n > limit:
@@ -261,6 +269,12 @@ class StreamSession:
             if self._service.draining:  # finish what was asked before, take nothing new
                 self._ready.put_nowait(Failed(index, coords.epoch, grpc.StatusCode.UNAVAILABLE,
                                               f"batch {index}: server draining, ask another"))
+                continue
+            # No room for a batch like the last one: not built at all (_build checks the
+            # batch itself, exactly, once built).
+            if (why := self._service.admission.over(self._client, self._last_payload)):
+                self._ready.put_nowait(Failed(index, coords.epoch, grpc.StatusCode.UNAVAILABLE,
+                                              f"batch {index}: {why}"))
                 continue
             job = asyncio.create_task(self._build(coords, index, indices, ahead))
             self._jobs.add(job)
@@ -295,4 +309,12 @@ class StreamSession:
             return
         self._service.metrics.built(coords.dataset, batch.build_seconds, batch.skipped,
                                     batch.cache)
+        admission = self._service.admission
+        if (why := admission.over(self._client, batch.payload_bytes)):
+            pool.release(batch)  # never held: back to its worker at once
+            self._ready.put_nowait(Failed(index, coords.epoch, grpc.StatusCode.UNAVAILABLE,
+                                          f"batch {index}: {why}"))
+            return
+        admission.hold(self._client, batch.payload_bytes)
+        self._last_payload = batch.payload_bytes
         self._ready.put_nowait(Built(batch, index, coords.epoch))
