@@ -21,6 +21,19 @@ class StorageError(OSError):
     """An object that cannot be listed or read; the message names its full URL."""
 
 
+class DataChanged(StorageError):
+    """An object whose bytes differ from what the server listed (a file rewritten, resized or
+    removed; an S3 object overwritten). Never skipped under `on_error: skip`: what would stand
+    in for it is not the data the server's fingerprint describes. The message names the key
+    (relative to the dataset's root) and what changed."""
+
+    def __init__(self, key: str, what: str = "changed", detail: str = "") -> None:
+        detail = f" ({detail})" if detail else ""
+        super().__init__(f"{key}: {what} since the server listed it{detail}; restart the "
+                         "server to serve the new data")
+        self.key = key
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     key: str  # relative to the storage root, '/'-separated
@@ -30,6 +43,9 @@ class ObjectInfo:
 
 class Storage(Protocol):
     url: str  # the root: a directory path, or s3://bucket/prefix
+    # Every object list() and info() returned, by key, as first seen: what the dataset's
+    # fingerprint covers (server/_fingerprint.py) and what reads are checked against.
+    listed: dict[str, ObjectInfo]
 
     def list(self, pattern: str | None = None) -> list[ObjectInfo]:
         """Objects under the root whose key matches the glob `pattern` (all if None),
@@ -46,6 +62,11 @@ class Storage(Protocol):
 
     def prefetch(self, keys: Iterable[str]) -> None:
         """A hint: these keys will be read soon. Never blocks, never raises."""
+        ...
+
+    def verify(self, keys: Iterable[str]) -> None:
+        """Raise DataChanged if one of these listed objects changed since it was listed (local
+        files: one stat each; S3: nothing, reads send If-Match with the listed ETag)."""
         ...
 
     def where(self, key: str) -> str:
