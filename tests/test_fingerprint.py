@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import signal
+import socket
 import tarfile
 import threading
 import time
@@ -27,7 +29,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from stoker.client import RemoteError, RemoteLoader
+from stoker.client import DataMismatch, RemoteError, RemoteLoader
 from stoker.server import ServerProcess, write_config
 from stoker.v1 import stoker_pb2 as pb
 from stoker.v1 import stoker_pb2_grpc as pb_grpc
@@ -120,10 +122,7 @@ def test_a_replacement_worker_that_lists_new_files_is_refused(start_server, imag
     first = epoch(server, "imgs")
     assert len(first) == 40
     add_class(images, "aaa")  # sorts first: a re-listing would move every index
-    victim = worker_pids(server)[0]
-    import os
-
-    os.kill(victim, signal.SIGKILL)
+    os.kill(worker_pids(server)[0], signal.SIGKILL)
     wait_for(lambda: "refused" in server.stderr or "sees other data" in server.stderr, 30,
              "the replacement worker's refusal in the log")
     log = server.stderr
@@ -144,8 +143,6 @@ def test_with_no_worker_left_batches_fail_unavailable_naming_the_refusal(
     server = start_server({"imgs": {"format": "image-folder", "source": str(images),
                                     "size": 8}}, workers=1)
     add_class(images, "aaa")
-    import os
-
     os.kill(worker_pids(server)[0], signal.SIGKILL)
     wait_for(lambda: "sees other data" in server.stderr, 30, "the refusal in the log")
     with grpc.insecure_channel(server.address) as channel:
@@ -336,3 +333,68 @@ def test_an_s3_object_overwritten_after_listing_fails_its_samples(
     assert "c/5.png: overwritten since the server listed it" in said, said
     ledger.record("storage", "S3 object overwritten after listing (If-Match: 412)",
                   detail="DATA_LOSS naming it; nothing of the new bytes served")
+
+
+# -- failure 2: a client given servers that listed the data at different times -----------------
+
+@pytest.mark.parametrize("stale_first", [True, False])
+def test_a_loader_refuses_to_mix_servers_with_different_data(start_server, images: Path,
+                                                             ledger, stale_first: bool) -> None:
+    dataset = {"imgs": {"format": "image-folder", "source": str(images), "size": 8}}
+    stale = start_server(dataset)  # 40 images
+    add_class(images, "aaa")
+    fresh = start_server(dataset)  # 48
+    order = [stale, fresh] if stale_first else [fresh, stale]
+    served: list[Any] = []
+    with pytest.raises(DataMismatch) as info:
+        with RemoteLoader([s.address for s in order], "imgs", batch_size=4, output="numpy",
+                          timeout=30) as loader:
+            served.extend(loader)
+    said = str(info.value)
+    assert stale.address in said and fresh.address in said, said
+    assert "40 objects" in said and "48 objects" in said and "must not mix" in said, said
+    assert served == []  # refused before any batch is used
+    assert isinstance(info.value, RemoteError)
+    ledger.record("servers", "two servers listing a folder before and after 8 images came "
+                  f"({'stale' if stale_first else 'fresh'} one first)", lost=0, duplicated=0,
+                  detail="DataMismatch naming both before any batch")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_server_with_other_data_that_comes_up_later_refuses_the_stream(
+        start_server, tmp_path: Path, ledger) -> None:
+    """The backstop: a server that was down when the loader compared fingerprints refuses
+    its streams when it comes up, and the loader raises DataMismatch instead of using it."""
+    def dataset(version: int) -> dict[str, Any]:
+        return {"v": {"format": "python", "factory": "drift_datasets:Versioned",
+                      "options": {"n": 400, "version": version, "delay": 0.001}}}
+
+    pinned = start_server(dataset(1))
+    later_port = free_port()
+    later = ServerProcess(write_config(tmp_path / "later.yaml", {"datasets": dataset(2)}),
+                          workers=1, port=later_port, env=server_env())
+    versions: list[int] = []
+    try:
+        with RemoteLoader([pinned.address, f"127.0.0.1:{later_port}"], "v", batch_size=4,
+                          output="numpy", timeout=30) as loader:
+            for batch in loader:  # the other server is down: compared with nothing
+                versions += batch["version"].tolist()
+            later.start()
+            with pytest.raises(DataMismatch) as info:
+                for _ in range(3):  # it is tried again within an epoch; bounded anyway
+                    for batch in loader:
+                        versions += batch["version"].tolist()
+        said = str(info.value)
+        assert pinned.address in said and f"127.0.0.1:{later_port}" in said, said
+        assert "must not mix" in said, said
+        assert set(versions) == {1}, "a batch of the other data was used"
+    finally:
+        assert later.proc is None or later.stop() == 0
+    ledger.record("servers", "a server with other data comes up after the loader started",
+                  detail=f"its stream refused at the handshake after {len(versions)} samples "
+                         "from the pinned server; none of its batches used")
