@@ -64,12 +64,19 @@ def mismatch(dataset: str, pin: Pin, address: str, digest: str,
              found: pb.Fingerprint | None = None) -> DataMismatch:
     """The error naming both servers and both fingerprints."""
     theirs = short(digest, found.objects, found.bytes) if found is not None else short(digest)
+    ours = short(pin.digest, pin.objects, pin.bytes)
+    if address == pin.address:  # restarted over other data
+        return DataMismatch(
+            f"dataset {dataset!r}: {address} had {ours} when this loader began and now has "
+            f"{theirs}: its data changed, and one loader must not mix the two (samples would "
+            "repeat or go missing): start a new loader (or resume with "
+            "load_state_dict(state, allow_changed_data=True))", address, digest)
     return DataMismatch(
-        f"dataset {dataset!r}: servers hold different data: {pin.address} has "
-        f"{short(pin.digest, pin.objects, pin.bytes)}, {address} has {theirs}; one loader "
-        "must not mix them (samples would repeat or go missing): restart the stale server "
-        "so that both list the same data (and keep mtimes when copying: rsync -a, cp -p), "
-        "or give the loader only servers that agree", address, digest)
+        f"dataset {dataset!r}: servers hold different data: {pin.address} has {ours}, "
+        f"{address} has {theirs}; one loader must not mix them (samples would repeat or go "
+        "missing): restart the stale server so that both list the same data (and keep mtimes "
+        "when copying: rsync -a, cp -p), or give the loader only servers that agree",
+        address, digest)
 
 
 def describe_each(channels: Iterable[tuple[str, grpc.Channel]], coordinates: pb.Coordinates,

@@ -106,18 +106,20 @@ def of_listing(cfg: Any, listing: Iterable[ObjectInfo]) -> Fingerprint:
     h = hashlib.sha256(f"stoker-fingerprint {FINGERPRINT_VERSION}\n".encode())
     h.update(config_content(cfg).encode() + b"\n")
     objects = total = 0
-    parts: dict[str, tuple[int, Any]] = {}
+    parts: dict[str, tuple[int, Any]] | None = {}
     for o in sorted(listing, key=lambda o: o.key):
         line = f"{o.key}\0{o.size}\0{o.version}\n".encode()
         h.update(line)
         objects, total = objects + 1, total + o.size
+        if parts is None:
+            continue
         head, sep, _ = o.key.partition("/")
-        name = head + sep
-        count, part = parts.get(name) or (0, hashlib.sha256())
+        count, part = parts.get(head + sep) or (0, hashlib.sha256())
         part.update(line)
-        parts[name] = (count + 1, part)
-    kept = ({name: (n, part.hexdigest()[:16]) for name, (n, part) in parts.items()}
-            if len(parts) <= MAX_PARTS else {})
+        parts[head + sep] = (count + 1, part)
+        if len(parts) > MAX_PARTS:
+            parts = None  # counts only, then
+    kept = {name: (n, part.hexdigest()[:16]) for name, (n, part) in (parts or {}).items()}
     return Fingerprint("sha256:" + h.hexdigest(), objects, total, kept)
 
 

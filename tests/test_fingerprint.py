@@ -398,3 +398,40 @@ def test_a_server_with_other_data_that_comes_up_later_refuses_the_stream(
     ledger.record("servers", "a server with other data comes up after the loader started",
                   detail=f"its stream refused at the handshake after {len(versions)} samples "
                          "from the pinned server; none of its batches used")
+
+
+# -- the parts, alone ---------------------------------------------------------------------------
+
+def test_a_listing_keeps_what_it_saw_first_and_the_fingerprint_says_what_differs() -> None:
+    from stoker.server._config import Config
+    from stoker.server._fingerprint import of_listing
+    from stoker.server.sources import ObjectInfo
+    from stoker.server.sources._listing import RECENT, Listing
+
+    listing = Listing()
+    listing.update([ObjectInfo("b/1.png", 10, "t1"), ObjectInfo("é/2.png", 20, "t2")])
+    listing.update([ObjectInfo("b/1.png", 11, "t9"), ObjectInfo("c/3.png", 30, "t3")])
+    assert listing.add(ObjectInfo("c/3.png", 31, "t8")).version == "t3"
+    for i in range(RECENT + 1):  # added one by one, then compacted
+        listing.add(ObjectInfo(f"d/{i:05d}.png", 1, "t"))
+    assert listing.get("b/1.png") == ObjectInfo("b/1.png", 10, "t1")
+    assert listing.get("é/2.png") == ObjectInfo("é/2.png", 20, "t2") and "x" not in listing
+    got = list(listing.values())
+    assert len(got) == len(listing) == RECENT + 4 and got == sorted(got, key=lambda o: o.key)
+
+    cfg = Config.model_validate({"datasets": {"d": {
+        "format": "jsonl", "source": str(Path(__file__).parent), "s3": {"region": "x"},
+        "fields": {"v": {}}}}}).datasets["d"]
+    old = of_listing(cfg, [ObjectInfo("b/1.png", 10, "t1"), ObjectInfo("c/3.png", 30, "t3")])
+    new = of_listing(cfg, [ObjectInfo("aaa/0.png", 5, "t5"), ObjectInfo("b/1.png", 10, "t2"),
+                           ObjectInfo("c/3.png", 30, "t3")])
+    assert old != new and (old.objects, old.bytes, new.objects) == (2, 40, 3)
+    assert old.changes(new) == "added 'aaa/' (1 object); changed 'b/'"
+    assert old.short().startswith("sha256:") and "(2 objects, 40 bytes)" in old.short()
+    # Where the data lies and how to reach it are no part of it; what it is, is.
+    moved = cfg.model_copy(update={"source": "/elsewhere", "s3": None})
+    assert of_listing(moved, [ObjectInfo("b/1.png", 10, "t1"),
+                              ObjectInfo("c/3.png", 30, "t3")]) == old
+    skipping = cfg.model_copy(update={"on_error": "skip"})
+    assert of_listing(skipping, [ObjectInfo("b/1.png", 10, "t1"),
+                                 ObjectInfo("c/3.png", 30, "t3")]) != old

@@ -12,7 +12,10 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from ._listing import Listing
 
 GLOB_CHARS = frozenset("*?[")
 
@@ -45,7 +48,7 @@ class Storage(Protocol):
     url: str  # the root: a directory path, or s3://bucket/prefix
     # Every object list() and info() returned, by key, as first seen: what the dataset's
     # fingerprint covers (server/_fingerprint.py) and what reads are checked against.
-    listed: dict[str, ObjectInfo]
+    listed: Listing
 
     def list(self, pattern: str | None = None) -> list[ObjectInfo]:
         """Objects under the root whose key matches the glob `pattern` (all if None),

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from . import DataChanged, ObjectInfo, StorageError, glob_regex
+from ._listing import Listing
 
 
 def _version(st: os.stat_result) -> str:
@@ -32,7 +33,7 @@ class LocalStorage:
         if not self.root.is_dir():
             raise StorageError(f"{root}: not a directory")
         self.url = str(self.root)
-        self.listed: dict[str, ObjectInfo] = {}
+        self.listed = Listing()
 
     def _path(self, key: str) -> Path:
         # Resolved and checked, so that neither `..` nor a symlink leads outside the root
@@ -57,19 +58,23 @@ class LocalStorage:
                 key = name if rel == "." else f"{rel}/{name}"
                 if name.startswith(".") or (match and not match(key)):
                     continue
-                found.append(self.info(key))
+                found.append(self._stat(key))
         found.sort(key=lambda o: o.key)
+        self.listed.update(found)
         return found
 
     def info(self, key: str) -> ObjectInfo:
+        info = self._stat(key)
+        self.listed.add(info)
+        return info
+
+    def _stat(self, key: str) -> ObjectInfo:
         path = self._path(key)
         try:
             st = path.stat()
         except OSError as e:
             raise StorageError(f"{self.where(key)}: {e.strerror}") from None
-        info = ObjectInfo(key, st.st_size, _version(st))
-        self.listed.setdefault(key, info)
-        return info
+        return ObjectInfo(key, st.st_size, _version(st))
 
     def read(self, key: str) -> bytes:
         path = self._path(key)
@@ -110,7 +115,7 @@ class LocalStorage:
     def _check(self, key: str, st: os.stat_result) -> None:
         """DataChanged if `st` is not the file as listed; a key read before any listing
         named it (a manifest) is recorded as it is now."""
-        listed = self.listed.setdefault(key, ObjectInfo(key, st.st_size, _version(st)))
+        listed = self.listed.add(ObjectInfo(key, st.st_size, _version(st)))
         if listed.version == _version(st):
             return
         mtime_ns = int(listed.version.partition("-")[0])

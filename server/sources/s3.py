@@ -33,6 +33,7 @@ import botocore.exceptions as bx
 from botocore.config import Config as BotoConfig
 
 from . import DataChanged, ObjectInfo, StorageError, glob_regex
+from ._listing import Listing
 from .cache import DiskCache
 
 log = logging.getLogger("stoker.server")
@@ -76,7 +77,7 @@ class S3Storage:
         # From list(): what a read needs to find the cache entry without a HEAD request.
         self._known: dict[str, tuple[str, int]] = {}
         # As first listed (the fingerprint's view; GETs send its ETag as If-Match).
-        self.listed: dict[str, ObjectInfo] = {}
+        self.listed = Listing()
         self._inflight: dict[str, concurrent.futures.Future[Path]] = {}
         self._inflight_bytes = 0
 
@@ -99,8 +100,7 @@ class S3Storage:
             raise StorageError(f"{self.url}: cannot list: {e}") from None
         with self._lock:
             self._known.update((o.key, (o.version, o.size)) for o in found)
-            for o in found:
-                self.listed.setdefault(o.key, o)
+            self.listed.update(found)
         return sorted(found, key=lambda o: o.key)
 
     def info(self, key: str) -> ObjectInfo:
@@ -113,7 +113,7 @@ class S3Storage:
         info = ObjectInfo(key, head["ContentLength"], head["ETag"].strip('"'))
         with self._lock:
             self._known[key] = (info.version, info.size)
-            self.listed.setdefault(key, info)
+            self.listed.add(info)
         return info
 
     def read(self, key: str) -> bytes:
