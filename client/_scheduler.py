@@ -12,7 +12,9 @@ asked of any server, any number of times, and the first answer wins. So:
   asked of others too, and it gets no new ones until it delivers again;
 - the index the loop waits on, outstanding too long at its server, is also asked of another
   server (a hedge); the duplicate that may follow is dropped;
-- an in-band UNAVAILABLE (a draining server refusing new credits) sends that index elsewhere.
+- an in-band UNAVAILABLE (a draining server refusing new credits) sends that index elsewhere;
+- an in-band INTERNAL (a worker died, or hung past the server's batch_timeout_seconds) is
+  asked again of another usable server when there is one, else of the same one.
 Errors that any server would repeat are raised: stream errors with a FATAL code, and in-band
 batch errors other than UNAVAILABLE and (up to BATCH_RETRIES times) INTERNAL, e.g. DATA_LOSS.
 
@@ -152,6 +154,7 @@ class Scheduler:
 
     def _no_server(self, index: int) -> RemoteError:
         detail = "; ".join(f"{s.address}: {s.state.value}, last error: {s.last_error or 'none'}"
+                           + (f", last refusal: {s.refused}" if s.refused else "")
                            for s in self._servers.servers.values())
         return RemoteError(grpc.StatusCode.UNAVAILABLE,
                            f"no server delivered batch {index} within {self._timeout:g}s of the "
@@ -219,7 +222,7 @@ class Scheduler:
             now = self._clock()
             server.mark_delivered(index, now)
             if isinstance(item, RemoteError) and item.code == grpc.StatusCode.UNAVAILABLE:
-                server.mark_draining()  # it refuses new credits: send none
+                server.mark_draining(item.details)  # it refuses new credits: send none
             if server.state is ServerState.DRAINING and not server.outstanding:
                 # Done with what it took: let go, so its shutdown need not wait for us.
                 server.mark_drained(now)
@@ -231,9 +234,14 @@ class Scheduler:
                     item.code == grpc.StatusCode.INTERNAL
                     and self._retries.get(index, 0) < BATCH_RETRIES))
             if retry:
+                holders = self._holders.get(index, set())
+                holders.discard(server)
                 if item.code == grpc.StatusCode.INTERNAL:
                     self._retries[index] = self._retries.get(index, 0) + 1
-                self._holders.get(index, set()).discard(server)
+                    # Whatever broke there (a worker that died or hung) may break again:
+                    # another server first; _assign falls back on this one if none is usable.
+                    if not any(s.up for s in holders):
+                        self._credit(index, now, exclude={server})
                 self._assign(now)
                 return
             server.batches += 1

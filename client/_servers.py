@@ -61,6 +61,7 @@ class Server:
     retry_at: float = 0.0
     backoff: float = BACKOFF_FIRST
     last_error: str = ""
+    refused: str = ""  # the last in-band UNAVAILABLE's message (draining, storage outage)
     latency: float | None = None  # seconds from credit to batch, moving average
     last_progress: float = 0.0
     batches: int = 0
@@ -94,8 +95,9 @@ class Server:
         if self.state is ServerState.STALLED:
             self.state = ServerState.UP
 
-    def mark_draining(self) -> None:
+    def mark_draining(self, reason: str = "") -> None:
         self.state = ServerState.DRAINING
+        self.refused = reason or self.refused
 
     def mark_drained(self, now: float) -> None:
         """Done with what it took while draining: let go (the caller closes the stream) and

@@ -29,7 +29,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from . import _tls
+from . import _shm, _tls
 from ._auth import TokenInterceptor, read_token
 from ._config import Config
 from ._datasocket import DataSockets
@@ -123,6 +123,8 @@ async def start(config: Config, stack: contextlib.AsyncExitStack,
         _tls.check(settings.tls)
     pool = WorkerPool(config, settings.worker_count)
     meta = await _start_workers(stack, pool)
+    if (small := _shm.capacity_warning(meta, settings)) is not None:
+        log.warning("%s", small)
     service = DataService(config, pool, meta)
     # The data socket is plain TCP: under TLS it is not offered (clients that ask for one get
     # their payloads in gRPC frames, encrypted like the rest). It listens before gRPC does:

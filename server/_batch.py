@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from . import _shm
 from ._sampling import FIRST_EPOCH, EpochKey
-from .sources import DataChanged
+from .sources import DataChanged, StorageUnavailable
 
 if TYPE_CHECKING:
     from .formats import DatasetParts
@@ -84,17 +85,23 @@ def replacement(index: int, attempt: int, num_samples: int) -> int:
     return int(np.random.default_rng([index, attempt]).integers(num_samples))
 
 
+def _place(dataset: DatasetParts, i: int, error: Exception) -> str:
+    """" (where sample i comes from)", unless the error names it already: said once."""
+    place = dataset.source_of(i) if dataset.source_of else ""
+    return f" ({place})" if place and place not in str(error) else ""
+
+
 def fetch_sample(dataset: DatasetParts, i: int, key: EpochKey = FIRST_EPOCH
                  ) -> dict[str, np.ndarray]:
     """Sample i as a dict of numpy arrays. A dataset with `sample(i, key)` gets the epoch's
-    key (augmentation, packing); a plain map-style one is indexed."""
+    key (augmentation, packing); a plain map-style one is indexed. Raises SampleError, or
+    StorageUnavailable, which on_error: skip does not skip (the sample is not bad)."""
     try:
         raw = dataset.read(i, key)
+    except StorageUnavailable as e:  # not this sample's fault: no skipping, ask elsewhere
+        raise StorageUnavailable(f"sample {i}{_place(dataset, i, e)}: {e}") from e
     except Exception as e:  # the user's code: any failure is this sample's failure
-        place = dataset.source_of(i) if dataset.source_of else ""
-        # Formats' own errors often name the place already: say it once.
-        src = f" ({place})" if place and place not in str(e) else ""
-        raise SampleError(f"sample {i}{src}: {type(e).__name__}: {e}") from e
+        raise SampleError(f"sample {i}{_place(dataset, i, e)}: {type(e).__name__}: {e}") from e
     if not isinstance(raw, dict):
         raise SampleError(f"sample {i}: expected a dict of fields, got {type(raw).__name__}")
     try:
@@ -161,13 +168,15 @@ def _check_like(s: dict[str, np.ndarray], idx: int, layout: list[TensorLayout],
 
 def build_batch(dataset: DatasetParts, indices: np.ndarray, segments: _shm.SegmentPool,
                 key: EpochKey = FIRST_EPOCH, skip: bool = False,
-                max_bytes: int | None = None) -> BuiltBatch:
+                max_bytes: int | None = None,
+                on_sample: Callable[[int], None] | None = None) -> BuiltBatch:
     """Compute the batch of `indices` into a segment of `segments`, lent to the caller.
 
     Collated in one pass: the first sample fixes the layout, the segment is created, and each
     sample is written into its row as soon as it exists; no list of samples is kept.
     A batch whose payload would exceed `max_bytes` raises BatchTooLarge before any memory
-    is taken for it."""
+    is taken for it. `on_sample(i)` is called as sample i is started (the pool's watchdog
+    names the sample a hung worker was at), so it must be cheap."""
     started = time.perf_counter()
     delivered = np.array(indices, dtype=np.int64)
     skipped = 0
@@ -175,6 +184,8 @@ def build_batch(dataset: DatasetParts, indices: np.ndarray, segments: _shm.Segme
     first_index = 0
     try:
         for pos, i in enumerate(indices.tolist()):
+            if on_sample is not None:
+                on_sample(i)
             s, j = fetch_or_replace(dataset, i, key, skip)
             skipped += j != i
             delivered[pos] = j

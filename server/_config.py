@@ -526,6 +526,11 @@ class ServerSettings(_Strict):
     max_streams_per_client: int = Field(64, ge=1, le=65536)
     max_batch_bytes: ByteSize = Field(ByteSize(2 << 30), ge=1 << 10)
     max_request_bytes: ByteSize = Field(ByteSize(1 << 20), ge=4 << 10, le=64 << 20)
+    # -- issue 19, shm-watchdog: hung workers --
+    # A batch a worker has not built within this many seconds fails (INTERNAL, in-band: the
+    # client asks again) and the worker is killed and replaced. Below the client's own
+    # timeout (300 s by default), so that the client hears of it before giving up.
+    batch_timeout_seconds: float = Field(120.0, gt=0, le=86400)
 
     @model_validator(mode="after")
     def _one_token_source(self) -> ServerSettings:

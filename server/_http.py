@@ -79,6 +79,8 @@ class Stats(BaseModel):
     queued_batches: int
     building_batches: int
     draining: bool
+    # Workers killed and replaced for a batch over batch_timeout_seconds, since the start.
+    worker_timeouts: int = 0
     datasets: dict[str, DatasetRates]
 
 
@@ -159,7 +161,7 @@ def make_app(service: Any = None, token: bytes | None = None) -> FastAPI:
         live, pool = service.metrics.stats(), service.pool_status()
         return Stats(window_seconds=live["window_seconds"], workers=pool["workers"],
                      queued_batches=pool["queued"], building_batches=pool["building"],
-                     draining=service.draining,
+                     draining=service.draining, worker_timeouts=pool.get("timeouts", 0),
                      datasets={k: DatasetRates(**v) for k, v in live["datasets"].items()})
 
     return app

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 REPORT_TTL = 60.0  # seconds a client's stall report counts after it was sent
 WINDOW = 10.0  # seconds over which /v1/stats computes live rates
@@ -60,6 +61,7 @@ class Metrics:
         queued.set_function(lambda: status()["queued"])
         building = Gauge("stoker_building_batches", "Batches handed to workers", registry=r)
         building.set_function(lambda: status()["building"])
+        r.register(_PoolCounters(status))
         self._lock = threading.Lock()
         self._reports: dict[int, tuple[str, float, float]] = {}  # stream -> dataset, stall, t
         self._stall_datasets: set[str] = set()  # datasets that ever had a stall reported
@@ -143,3 +145,18 @@ class Metrics:
                 if s.value or s.labels["dataset"] in out:
                     out[s.labels["dataset"]]["streams"] = int(s.value)
         return {"window_seconds": WINDOW, "datasets": dict(out)}
+
+
+class _PoolCounters:
+    """Counters the worker pool keeps itself (read from its status() at each scrape)."""
+
+    def __init__(self, status: Callable[[], dict[str, int]]) -> None:
+        self._status = status
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return list(self.collect())
+
+    def collect(self) -> Any:
+        yield CounterMetricFamily("stoker_worker_timeouts", "Workers killed and replaced for "
+                                  "a batch not built within batch_timeout_seconds",
+                                  value=self._status().get("timeouts", 0))

@@ -12,10 +12,12 @@ portable; listing segments for the sweep needs /dev/shm (Linux) and is skipped e
 from __future__ import annotations
 
 import _posixshmem
+import errno
 import mmap
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 _DEV_SHM = Path("/dev/shm")
 _NAME = re.compile(r"^stoker_(\d+)_")
@@ -25,11 +27,69 @@ def prefix(server_pid: int) -> str:
     return f"stoker_{server_pid}_"
 
 
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def capacity() -> tuple[int, int]:
+    """(size, free bytes) of /dev/shm; (0, 0) where it cannot be read."""
+    try:
+        st = os.statvfs(_DEV_SHM)
+    except OSError:
+        return 0, 0
+    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+
+def more_shm(need: int = 4 << 30) -> str:
+    """What an operator does when /dev/shm is too small: said in every message about it."""
+    gib = max(1, -(-need // (1 << 30)))
+    return (f"give the server more shared memory (docker run --shm-size={gib}g; Kubernetes: "
+            "an emptyDir with medium: Memory mounted on /dev/shm)")
+
+
+class ShmFull(Exception):
+    """/dev/shm has no room for a segment. `larger_than_all`: it could not hold this one even
+    empty (asking again cannot help). The message names /dev/shm, its size, what was needed
+    and the settings to change."""
+
+    def __init__(self, needed: int) -> None:
+        total, free = capacity()
+        self.needed, self.total = needed, total
+        self.larger_than_all = 0 < total < needed
+        if self.larger_than_all:
+            text = (f"/dev/shm holds {_mib(total)} in all and this batch needs {_mib(needed)}: "
+                    f"{more_shm(needed)}, or ask for smaller batches")
+        else:
+            text = (f"/dev/shm is full ({_mib(total)}, {_mib(total - free)} used) and this "
+                    f"batch needs {_mib(needed)}: {more_shm()}, or lower server.workers or "
+                    "server.max_credits (each holds batches there)")
+        super().__init__(text)
+
+
+def _reserve(fd: int, start: int, end: int) -> None:
+    """Give bytes [start, end) of a segment their pages now. ftruncate alone reserves
+    nothing: on a full /dev/shm the first write to a page past the limit is a SIGBUS, which
+    kills the worker. The zeroing a first write would do is done here instead, and only for
+    new or grown segments (workers reuse theirs). Raises ShmFull; a file system without
+    fallocate keeps the old behaviour."""
+    if end <= start:
+        return
+    try:
+        os.posix_fallocate(fd, start, end - start)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ShmFull(end) from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+
+
 def create(name: str, size: int) -> mmap.mmap:
-    """A new segment of `size` bytes (at least 1), mapped read-write."""
+    """A new segment of `size` bytes (at least 1), mapped read-write, its pages reserved.
+    Raises ShmFull (the segment is gone) when /dev/shm has no room for it."""
     fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
     try:
         os.ftruncate(fd, max(size, 1))
+        _reserve(fd, 0, max(size, 1))
         return mmap.mmap(fd, max(size, 1))
     except BaseException:
         unlink(name)
@@ -167,8 +227,28 @@ class SegmentPool:
         self._lent: dict[str, mmap.mmap] = {}
 
     def acquire(self, size: int) -> tuple[str, mmap.mmap]:
-        """A segment of at least `size` bytes, mapped read-write; lent until given back."""
+        """A segment of at least `size` bytes, mapped read-write; lent until given back.
+
+        Raises ShmFull when /dev/shm has no room, even after this worker's own idle segments
+        were freed to make some."""
         size = max(-(-size // ROUND) * ROUND, ROUND)
+        try:
+            name, mm = self._take(size)
+        except ShmFull:
+            if not self._free:
+                raise
+            self._release_free()
+            name, mm = self._take(size)
+        self._lent[name] = mm
+        return name, mm
+
+    def _release_free(self) -> None:
+        """Free every idle segment's memory now."""
+        for name, mm in self._free:
+            _drop_idle(name, mm)
+        self._free.clear()
+
+    def _take(self, size: int) -> tuple[str, mmap.mmap]:
         fits = [i for i, (_, m) in enumerate(self._free) if len(m) >= size]
         if fits:
             i = min(fits, key=lambda i: len(self._free[i][1]))
@@ -182,7 +262,6 @@ class SegmentPool:
             self._count += 1
             name = f"{self._prefix}{self._count}"
             mm = create(name, size)
-        self._lent[name] = mm
         return name, mm
 
     def give_back(self, name: str) -> None:
@@ -192,9 +271,11 @@ class SegmentPool:
         self._free.append((name, mm))
         if len(self._free) > self._keep:  # the smallest is the least useful
             small = min(range(len(self._free)), key=lambda i: len(self._free[i][1]))
-            old_name, old = self._free.pop(small)
-            old.close()
-            unlink(old_name)
+            _drop_idle(*self._free.pop(small))
+        elif capacity()[1] < len(mm):
+            # /dev/shm could not hold another like it: idle memory goes back, for the other
+            # workers' batches (a statvfs per batch; with room to spare, segments are kept).
+            _drop_idle(*self._free.pop())
 
     def discard(self, name: str) -> None:
         """A segment whose batch failed: unlinked, not reused (its size may be odd)."""
@@ -204,11 +285,36 @@ class SegmentPool:
         unlink(name)
 
 
+def _drop_idle(name: str, mm: mmap.mmap) -> None:
+    """Free an idle segment's memory now: emptied first, then unlinked. The front end may
+    still map it (it drops mappings of unlinked segments only later), and an unlinked
+    segment's pages stay taken for as long as anyone maps it. Nobody reads an idle segment
+    (its batch was sent and given back), so emptying it is safe."""
+    mm.close()
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    except FileNotFoundError:
+        return
+    try:
+        os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
+    unlink(name)
+
+
 def _resize(name: str, size: int) -> mmap.mmap:
+    """Grow segment `name` to `size` bytes, the new pages reserved. Raises ShmFull (the
+    segment is gone: a half-grown one is of no use) when /dev/shm has no room."""
     fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
     try:
+        old = os.fstat(fd).st_size
         os.ftruncate(fd, size)
+        _reserve(fd, old, size)
         return mmap.mmap(fd, size)
+    except BaseException:
+        os.ftruncate(fd, 0)  # idle until now: the front end may map it (see _release_free)
+        unlink(name)
+        raise
     finally:
         os.close(fd)
 
@@ -239,3 +345,38 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True  # someone else's process: not ours to judge
     return True
+
+
+# Samples per batch the start check assumes (it cannot know the batch sizes clients will ask).
+NOMINAL_BATCH = 256
+
+
+def capacity_warning(meta: dict[str, Any], settings: Any, size: int | None = None) -> str | None:
+    """A warning when /dev/shm (`size` bytes; default: its real size) looks too small for this
+    server, else None. `meta`: each dataset's DatasetMeta; `settings`: the ServerSettings.
+
+    A batch B is the largest dataset's NOMINAL_BATCH samples (at most max_batch_bytes). Each
+    worker holds up to DEPTH batches building and KEEP_SEGMENTS idle segments, and one stream
+    up to max_credits batches built and not yet sent: about (workers * (DEPTH + KEEP_SEGMENTS)
+    + max_credits) * B. An estimate, and said as one: below it a server serves until /dev/shm
+    fills, then answers the batches that find no room UNAVAILABLE."""
+    import numpy as np
+
+    from ._messages import DEPTH, KEEP_SEGMENTS
+
+    total = capacity()[0] if size is None else size
+    if not total or not meta:
+        return None
+    per_sample = {name: sum(np.dtype(d).itemsize * int(np.prod(s, dtype=np.int64))
+                            for _, d, s in m.fields) for name, m in meta.items()}
+    dataset = max(per_sample, key=lambda k: per_sample[k])
+    batch = min(per_sample[dataset] * NOMINAL_BATCH, int(settings.max_batch_bytes))
+    workers, credits = settings.worker_count, settings.max_credits
+    need = (workers * (DEPTH + KEEP_SEGMENTS) + credits) * batch
+    if need <= total:
+        return None
+    return (f"/dev/shm is {_mib(total)}, and this server may need about {_mib(need)} of it: "
+            f"server.workers={workers} and server.max_credits={credits} with batches of "
+            f"{NOMINAL_BATCH} samples of dataset {dataset!r} ({_mib(batch)} each). Batches "
+            f"that find it full fail with UNAVAILABLE: {more_shm(need)}, or lower "
+            "server.workers or server.max_credits")

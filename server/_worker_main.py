@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import multiprocessing.connection as mpc
 import os
+import re
 import signal
 import sys
 from typing import TYPE_CHECKING, Any
@@ -20,7 +21,7 @@ from . import _shm
 from ._batch import BatchTooLarge, SampleError, build_batch, probe_fields
 from ._fingerprint import Fingerprint, fingerprint
 from ._sampling import Ordering
-from .sources import DataChanged
+from .sources import DataChanged, StorageUnavailable, split_source
 
 if TYPE_CHECKING:
     from .formats import DatasetParts
@@ -28,8 +29,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("stoker.server")
 
 
-def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int) -> None:
-    """The worker process's body; `probe`: describe every dataset in the Opened message."""
+def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int,
+                progress: Any = None) -> None:
+    """The worker process's body; `probe`: describe every dataset in the Opened message;
+    `progress`: shared int64 [task id, sample] this worker is at, for the pool's watchdog."""
     # The parent owns shutdown and closes our pipe when it is time (or dies, and the pipe ends).
     # Ctrl-C, or a SIGTERM sent to the whole process group, must not kill us mid-batch first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -59,7 +62,7 @@ def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int) 
             conn.send(msg.OpenFailed(f"dataset {name!r}: {type(e).__name__}: {e}"))
             return
     conn.send(msg.Opened(meta if probe else None, prints))
-    builder = _Builder(config, datasets, cache)
+    builder = _Builder(config, datasets, cache, progress)
     while True:
         try:
             message = conn.recv()
@@ -115,40 +118,111 @@ def _prefetch(ds: DatasetParts, indices: np.ndarray) -> None:
 class _Builder:
     """Builds batches into this worker's segments; counts what its disk cache did."""
 
-    def __init__(self, config: Any, datasets: dict[str, DatasetParts], cache: Any) -> None:
+    def __init__(self, config: Any, datasets: dict[str, DatasetParts], cache: Any,
+                 progress: Any = None) -> None:
         self.config = config
+        self.progress = progress  # [task id, sample]: two stores per sample, no lock
         self.datasets = datasets
         self.cache = cache
         self.segments = _shm.SegmentPool(_shm.worker_prefix(os.getppid(), os.getpid()),
                                          msg.KEEP_SEGMENTS)
         self.reported = (0, 0, 0)  # the cache's counters as of the last batch sent
+        self.shm_warned = False
+        self.redact = _Redact(config)
+        self._logged: set[str] = set()  # failure messages logged in full
 
     def build(self, task: msg.Task) -> msg.Built | msg.BuildFailed:
         ds = self.datasets[task.dataset]
         skip = self.config.datasets[task.dataset].on_error == "skip"
+        on_sample = None
+        if self.progress is not None:
+            progress = self.progress
+            progress[0], progress[1] = task.task_id, -1  # -1: before its first sample
+
+            def on_sample(i: int) -> None:
+                progress[1] = i
         # This batch's objects in parallel, then those of a batch further on: a store's
         # first-byte latency is paid ahead of time, not once per sample in turn.
         _prefetch(ds, task.indices)
         _prefetch(ds, task.ahead)
         changed = _changed(ds, task.indices)
         if changed:
-            return msg.BuildFailed(task.task_id, msg.FailureKind.DATA_LOSS,
-                                   f"dataset {task.dataset!r}: {changed}")
+            return self._failed(task, msg.FailureKind.DATA_LOSS,
+                                f"dataset {task.dataset!r}: {changed}")
         try:
             batch = build_batch(ds, task.indices, self.segments, task.key, skip,
-                                int(self.config.server.max_batch_bytes))
+                                int(self.config.server.max_batch_bytes), on_sample)
+        except StorageUnavailable as e:  # an outage, not bad data: the client asks elsewhere
+            return self._failed(task, msg.FailureKind.UNAVAILABLE,
+                                f"dataset {task.dataset!r}: {e}; another server may succeed")
         except SampleError as e:
-            return msg.BuildFailed(task.task_id, msg.FailureKind.DATA_LOSS,
-                               f"dataset {task.dataset!r}: {e}")
+            return self._failed(task, msg.FailureKind.DATA_LOSS,
+                                f"dataset {task.dataset!r}: {e}")
         except BatchTooLarge as e:
-            return msg.BuildFailed(task.task_id, msg.FailureKind.RESOURCE_EXHAUSTED,
-                               f"dataset {task.dataset!r}: {e}")
+            return self._failed(task, msg.FailureKind.RESOURCE_EXHAUSTED,
+                                f"dataset {task.dataset!r}: {e}")
+        except _shm.ShmFull as e:  # this worker lives on; later, or elsewhere, it may fit
+            kind = (msg.FailureKind.RESOURCE_EXHAUSTED if e.larger_than_all
+                    else msg.FailureKind.UNAVAILABLE)
+            if not self.shm_warned:  # once per worker: the clients get every one
+                self.shm_warned = True
+                log.warning("a batch found no room in shared memory: %s", e)
+            return self._failed(task, kind, f"dataset {task.dataset!r}: {e}")
         except Exception as e:
-            return msg.BuildFailed(task.task_id, msg.FailureKind.INTERNAL,
-                                   f"{type(e).__name__}: {e}")
+            return self._failed(task, msg.FailureKind.INTERNAL, f"{type(e).__name__}: {e}")
         if self.cache is not None:  # what the cache did since the last batch, for /metrics
             now = (self.cache.hits, self.cache.misses, self.cache.bytes_fetched)
             batch = dataclasses.replace(
                 batch, cache=tuple(a - b for a, b in zip(now, self.reported, strict=True)))
             self.reported = now
         return msg.Built(task.task_id, batch)
+
+    def _failed(self, task: msg.Task, kind: msg.FailureKind, message: str) -> msg.BuildFailed:
+        """The failure as the client sees it: no absolute server path in it. The full text
+        goes to this server's log (once per message)."""
+        shown = self.redact.apply(task.dataset, message)
+        if shown != message and message not in self._logged:
+            if len(self._logged) < 4096:
+                self._logged.add(message)
+            log.warning("batch failed: %s", message)
+        return msg.BuildFailed(task.task_id, kind, shown)
+
+
+class _Redact:
+    """Takes server paths out of messages for clients: a dataset's root (as configured,
+    absolute, resolved; an s3:// URL, and the endpoint's URL for it) becomes nothing, so
+    that a file is named by its key, relative to the root; a bare root becomes
+    "<dataset root>" and the cache folder "<cache>". A client need not know where the server
+    keeps its data, and may not."""
+
+    def __init__(self, config: Any) -> None:
+        cache = _spellings(str(config.cache.dir))
+        self.rules: dict[str, list[tuple[re.Pattern[str], str]]] = {}
+        for name, cfg in config.datasets.items():
+            source = getattr(cfg, "source", None)
+            roots = _spellings(split_source(str(source))[0]) if source else []
+            if roots and roots[0].startswith("s3://") and config.s3_for(name).endpoint_url:
+                # botocore's errors name the request's URL: endpoint/bucket/prefix/key.
+                endpoint = config.s3_for(name).endpoint_url.rstrip("/")
+                roots.append(f"{endpoint}/{roots[0].removeprefix('s3://')}")
+            found = [(r, "") for r in roots] + [(c, "<cache>/") for c in cache]
+            rules = []
+            # Longest first: a cache inside the data's folder, or the data inside the cache's.
+            for spelling, relative in sorted(found, key=lambda f: -len(f[0])):
+                bare = "<cache>" if relative else "<dataset root>"
+                rules.append((re.compile(re.escape(spelling) + "/+"), relative))
+                rules.append((re.compile(re.escape(spelling) + r"(?![\w.-])"), bare))
+            self.rules[name] = rules
+
+    def apply(self, dataset: str, message: str) -> str:
+        for pattern, replacement in self.rules.get(dataset, ()):
+            message = pattern.sub(replacement, message)
+        return message
+
+
+def _spellings(root: str) -> list[str]:
+    """The ways a root path may appear in a message: as configured, absolute, resolved."""
+    if "://" in root:
+        return [root.rstrip("/")]
+    found = {root.rstrip("/"), os.path.abspath(root), os.path.realpath(root)}
+    return [r for r in found if r not in ("", ".", "/")]

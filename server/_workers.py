@@ -9,7 +9,9 @@ Threading contract: submit(), release() and status() may be called from any thre
 and close() from the owner's, before the dispatcher thread starts and after it stops. In
 between, the dispatcher owns the pipes and is the only thread that changes the worker list:
 it hands tasks to idle workers (at most DEPTH each, so a slow batch never holds up the queue
-for long), resolves futures, and replaces workers that die. WorkerPool._lock guards what those
+for long), resolves futures, and replaces workers that die, or that hang: a batch not built
+within batch_timeout_seconds fails (INTERNAL, naming the worker and the sample it was at;
+clients retry it) and its worker is killed and replaced. WorkerPool._lock guards what those
 threads share (see WorkerPool); no pipe is read, and no process started or joined, while
 holding it.
 """
@@ -23,6 +25,7 @@ import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +91,9 @@ class _Worker:
     dropped: list[str] = field(default_factory=list)  # unlinked: the worker forgets them
     # Tasks sent to this worker by id, oldest first: the first is the one it is building.
     jobs: dict[int, _Job] = field(default_factory=dict)
+    head_since: float = 0.0  # monotonic time the first of `jobs` started
+    # Shared int64 [task id, sample] the worker writes as it goes (read without the lock).
+    progress: Any = None
 
 
 _NOTHING = np.zeros(0, np.int64)
@@ -118,6 +124,9 @@ class WorkerPool:
         # Why the last replacement worker was refused (its data differs): what batches
         # fail with once no worker is left.
         self._refusal: str | None = None
+        # A batch a worker has been on longer than this: the worker hangs (see _expire).
+        self._batch_timeout = float(config.server.batch_timeout_seconds)
+        self._timeouts = 0  # workers replaced for it
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> dict[str, DatasetMeta]:
@@ -202,11 +211,20 @@ class WorkerPool:
             self._wake_w.send_bytes(b"x")
 
     def status(self) -> dict[str, int]:
-        """Workers ready, batches queued for a worker, batches handed to workers. Any thread."""
+        """Workers ready (a worker past its batch's deadline is not), batches queued for a
+        worker, batches handed to workers, workers replaced for a batch past its deadline.
+        Any thread."""
+        now = time.monotonic()
         with self._lock:
-            return {"workers": sum(w.ready for w in self._workers) if not self._broken else 0,
+            up = sum(w.ready and not self._overdue(w, now) for w in self._workers)
+            return {"workers": up if not self._broken else 0,
                     "queued": len(self._queue),
-                    "building": sum(len(w.jobs) for w in self._workers)}
+                    "building": sum(len(w.jobs) for w in self._workers),
+                    "timeouts": self._timeouts}
+
+    def _overdue(self, w: _Worker, now: float) -> bool:
+        """Whether `w` is past its batch's deadline (under the lock)."""
+        return bool(w.jobs) and now - w.head_since > self._batch_timeout
 
     # -- submitting ------------------------------------------------------------------------
     def submit(self, dataset: str, indices: np.ndarray, ahead: np.ndarray = _NOTHING,
@@ -232,12 +250,14 @@ class WorkerPool:
     # -- the dispatcher thread -------------------------------------------------------------
     def _spawn(self, probe: bool) -> _Worker:
         parent, child = self._ctx.Pipe()
+        progress = self._ctx.RawArray("q", [0, -1])
         p = self._ctx.Process(target=worker_main,
-                              args=(self._config, child, probe, log.getEffectiveLevel()),
+                              args=(self._config, child, probe, log.getEffectiveLevel(),
+                                    progress),
                               name="stoker-worker", daemon=True)
         p.start()
         child.close()
-        w = _Worker(p, parent)
+        w = _Worker(p, parent, progress=progress)
         with self._lock:
             self._by_pid[p.pid] = w
         return w
@@ -264,7 +284,7 @@ class WorkerPool:
             owner: dict[Any, _Worker] = {}
             for w in self._workers:
                 owner[w.conn] = owner[w.process.sentinel] = w
-            for ready in mpc.wait([self._wake_r, *owner]):
+            for ready in mpc.wait([self._wake_r, *owner], self._until_deadline()):
                 if ready is self._wake_r:
                     self._wake_r.recv_bytes()
                     continue
@@ -284,6 +304,39 @@ class WorkerPool:
                         log.error("a replacement worker exited with code %s while starting; "
                                   "the pool shrinks", w.process.exitcode)
                         self._remove(w)
+            self._expire()
+
+    def _until_deadline(self) -> float | None:
+        """Seconds until the earliest batch deadline of a worker; None: no batch is out."""
+        with self._lock:
+            started = [w.head_since for w in self._workers if w.jobs]
+        if not started:
+            return None
+        return max(0.0, min(started) + self._batch_timeout - time.monotonic())
+
+    def _expire(self) -> None:
+        """Kill and replace each worker whose batch is past batch_timeout_seconds: it hangs
+        (a read that never returns, a deadlock in user code); that batch fails, in-band, with
+        what the worker was doing, and the client asks again (another server if it has one)."""
+        now = time.monotonic()
+        for w in list(self._workers):
+            with self._lock:
+                if not self._overdue(w, now):
+                    continue
+                task = next(iter(w.jobs.values())).task
+                self._timeouts += 1
+            at_task, at_sample = w.progress[0], w.progress[1]
+            where = (f"sample {at_sample}" if at_task == task.task_id and at_sample >= 0
+                     else "its first sample")
+            message = (f"not built within batch_timeout_seconds={self._batch_timeout:g} "
+                       f"(dataset {task.dataset!r}: worker pid {w.process.pid} was at {where});"
+                       " the worker was replaced")
+            log.error("worker pid %s hangs: a batch of dataset %r was not built within "
+                      "batch_timeout_seconds=%g (it was at %s); killing it and starting another",
+                      w.process.pid, task.dataset, self._batch_timeout, where)
+            w.process.kill()
+            w.process.join(timeout=10)
+            self._replace(w, hung=(task.task_id, message))
 
     def _assign(self) -> None:
         with self._lock:
@@ -300,6 +353,8 @@ class WorkerPool:
                     if job.future.cancelled():
                         continue
                     # Recorded first: if the worker is dead, _replace deals with the task.
+                    if not w.jobs:
+                        w.head_since = time.monotonic()
                     w.jobs[job.task.task_id] = job
                     if not _send(w, job.task):
                         break
@@ -339,12 +394,14 @@ class WorkerPool:
             case Built(task_id, batch):
                 with self._lock:
                     job = w.jobs.pop(task_id, None)
+                    w.head_since = time.monotonic()  # the next of its jobs starts now
                     self._lent.add(batch.shm_name)
                 if job is None or not _resolve(job.future, batch):
                     self.release(batch)  # nobody waits for it any more
             case BuildFailed(task_id, kind, reason):
                 with self._lock:
                     job = w.jobs.pop(task_id, None)
+                    w.head_since = time.monotonic()
                 if job is not None:
                     _reject(job.future, BatchFailed(kind, reason))
             case _:
@@ -373,19 +430,26 @@ class WorkerPool:
         _send(w, Stop())
         self._remove(w)
 
-    def _replace(self, w: _Worker) -> None:
+    def _replace(self, w: _Worker, hung: tuple[int, str] | None = None) -> None:
         """A worker died: fail the batch it was building, give its queued ones to others,
-        and start a new worker (which takes tasks once it reports ready)."""
+        and start a new worker (which takes tasks once it reports ready).
+        `hung`: (task id, message) when the pool killed it for a batch past its deadline."""
         self._drain(w)
         code = w.process.exitcode
-        log.error("worker pid %s died (exit code %s); starting another", w.process.pid, code)
+        if hung is None:
+            log.error("worker pid %s died (exit code %s); starting another", w.process.pid, code)
+            failed = f"worker process died (exit code {code}) while building it"
+        else:
+            failed = hung[1]
         with self._lock:
             jobs = list(w.jobs.values())
             w.jobs.clear()
-            self._queue.extendleft(reversed(jobs[1:]))
-        if jobs:
-            _reject(jobs[0].future, BatchFailed(
-                FailureKind.INTERNAL, f"worker process died (exit code {code}) while building it"))
+            # Killed for a hang, but that batch came in just before: it failed none.
+            first = jobs[0] if jobs and (hung is None or jobs[0].task.task_id == hung[0]) \
+                else None
+            self._queue.extendleft(reversed(jobs[1:] if first else jobs))
+        if first is not None:
+            _reject(first.future, BatchFailed(FailureKind.INTERNAL, failed))
         w.conn.close()
         self._forget(w)
         new = self._spawn(probe=False)

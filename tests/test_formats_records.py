@@ -185,7 +185,8 @@ def test_a_bad_json_line_is_data_loss_naming_file_and_line(server, data) -> None
     err = info.value
     assert err.code == grpc.StatusCode.DATA_LOSS
     assert "sample 4" in err.details and "not valid JSON" in err.details
-    assert f"{data['root'] / 'bad' / 'b.jsonl'} line 4" in err.details  # the blank line counts
+    assert "b.jsonl line 4" in err.details  # the blank line counts; relative to the root
+    assert str(data["root"]) not in err.details
 
 
 def test_a_raw_array_with_a_wrong_magic_stops_the_start(tmp_path: Path) -> None:

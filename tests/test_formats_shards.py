@@ -177,14 +177,16 @@ def test_tar_epoch_equals_what_was_written(tar_server: ServerProcess, tar_data,
 def test_a_corrupt_member_is_data_loss_naming_shard_and_member(tar_server: ServerProcess,
                                                               bad_tars: Path) -> None:
     err = fail(tar_server, "corrupt")
-    assert "sample 1" in err.details and str(bad_tars / "corrupt" / "a.tar") in err.details
+    assert "sample 1" in err.details and "(a.tar member 1.*)" in err.details  # relative
+    assert str(bad_tars) not in err.details
     assert "'1.png'" in err.details and "cannot decode image" in err.details
 
 
 def test_a_truncated_member_is_data_loss_naming_shard_and_member(tar_server: ServerProcess,
                                                                 bad_tars: Path) -> None:
     err = fail(tar_server, "truncated")
-    assert "sample 1" in err.details and str(bad_tars / "truncated" / "a.tar") in err.details
+    assert "sample 1" in err.details and "(a.tar member 1.*)" in err.details  # relative
+    assert str(bad_tars) not in err.details
     assert "'1.png'" in err.details and "truncated" in err.details
 
 
@@ -290,7 +292,8 @@ def test_a_null_is_data_loss_naming_file_row_group_and_row(parquet_server,
     root, _ = parquet_data
     err = fail(parquet_server, "nulls")
     assert "sample 2" in err.details
-    assert f"{root / 'nulls' / 'n.parquet'} row group 1 row 0" in err.details
+    assert "n.parquet row group 1 row 0" in err.details  # relative to the dataset's root
+    assert str(root) not in err.details
     assert "null" in err.details
 
 

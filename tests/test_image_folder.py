@@ -65,7 +65,9 @@ def test_a_corrupt_image_is_data_loss_naming_the_file(start_server, folder: Path
         with RemoteLoader(server.address, "pics", batch_size=2, shuffle=False,
                           output="numpy", timeout=60) as loader:
             list(loader)
-    assert "sample 1" in info.value.details and str(root / "a" / "1.jpg") in info.value.details
+    # Named relative to the dataset's root: where the server keeps its data is its business.
+    assert "sample 1" in info.value.details and "(a/1.jpg)" in info.value.details
+    assert str(root) not in info.value.details
 
 
 # -- manifests ---------------------------------------------------------------------------------

@@ -270,11 +270,17 @@ def test_an_in_band_internal_is_retried_batch_retries_times_and_data_loss_is_rai
         run) -> None:
     _, streams, _, sched = run()
     a, b = streams.last(A), streams.last(B)
-    for attempt in range(BATCH_RETRIES):  # a worker died: asked again (of a: fewest held)
-        a.refuse(0, grpc.StatusCode.INTERNAL)
-        assert a.credits.count(0) == attempt + 2
-    a.refuse(0, grpc.StatusCode.INTERNAL)
-    assert a.credits.count(0) == BATCH_RETRIES + 1
+    # A worker died (or hung): asked again, each time of the other server than the one
+    # that failed it (issue 19: the retry goes elsewhere when another server is usable).
+    failing, other = a, b
+    for attempt in range(BATCH_RETRIES):
+        before = other.credits.count(0)
+        failing.refuse(0, grpc.StatusCode.INTERNAL)
+        assert other.credits.count(0) == before + 1
+        assert a.credits.count(0) + b.credits.count(0) == attempt + 2
+        failing, other = other, failing
+    failing.refuse(0, grpc.StatusCode.INTERNAL)
+    assert a.credits.count(0) + b.credits.count(0) == BATCH_RETRIES + 1
     with pytest.raises(RemoteError) as err:
         sched.take(0)
     assert err.value.code == grpc.StatusCode.INTERNAL
@@ -284,6 +290,27 @@ def test_an_in_band_internal_is_retried_batch_retries_times_and_data_loss_is_rai
     with pytest.raises(RemoteError) as err:
         sched.take(1)
     assert err.value.code == grpc.StatusCode.DATA_LOSS
+
+
+def test_an_in_band_internal_goes_to_another_usable_server_else_to_the_same(run) -> None:
+    clock, streams, servers, sched = run((A, B, C))
+    a, b, c = streams.last(A), streams.last(B), streams.last(C)
+    assert (a.credits, b.credits, c.credits) == ([0, 3], [1], [2])
+    a.refuse(0, grpc.StatusCode.INTERNAL)  # a hung worker there: not a again
+    assert a.credits.count(0) == 1
+    assert [s.address for s in streams.opened if 0 in s.credits] == [A, B]  # b holds fewest
+    assert state(servers, A)["state"] == "up"  # one bad batch: a keeps its other credits
+    b.deliver(0)
+    assert sched.take(0) == "batch 0 from b:1"
+
+    # With the others down (not usable), the retry goes back to the server that failed it.
+    clock.at(1.0)
+    b.fail(grpc.StatusCode.UNAVAILABLE)
+    c.fail(grpc.StatusCode.UNAVAILABLE)
+    assert state(servers, B)["state"] == state(servers, C)["state"] == "down"
+    a.refuse(3, grpc.StatusCode.INTERNAL)
+    assert a.credits.count(3) == 2
+    assert len(streams.of(B)) == len(streams.of(C)) == 1  # not reopened: in their backoff
 
 
 def test_no_progress_for_timeout_seconds_is_an_error_naming_every_server(run) -> None:

@@ -95,3 +95,40 @@ class Ramp:
 
     def __getitem__(self, i: int) -> dict:
         return {"ramp": (np.arange(self.size, dtype=np.uint16) // 64 + i).astype(np.uint16)}
+
+
+class Hangs(Toy):
+    """Toy, except that reading sample `hang_at` hangs for ever the first time, in whichever
+    worker reads it first (the flag file `flag` marks that one did: later attempts read it
+    normally). `reopen_delay`: seconds a worker opening the dataset after the hang takes
+    (the replacement), so that a test can see it start."""
+
+    def __init__(self, n: int = 40, hang_at: int = 13, flag: str = "",
+                 reopen_delay: float = 0.0, **options) -> None:
+        if reopen_delay and os.path.exists(flag):
+            time.sleep(reopen_delay)
+        super().__init__(n=n, **options)
+        self.hang_at, self.flag = hang_at, flag
+
+    def __getitem__(self, i: int) -> dict:
+        if i == self.hang_at:
+            try:
+                os.close(os.open(self.flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                pass  # hung once already
+            else:
+                time.sleep(3600)  # a read that never returns
+        return super().__getitem__(i)
+
+
+class Blocks:
+    """Sample i is `kib` KiB of float32, a function of i: batches of a chosen size in bytes."""
+
+    def __init__(self, n: int = 24, kib: int = 256) -> None:
+        self.n, self.size = n, kib * 256
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        return {"block": np.full(self.size, i, dtype=np.float32)}

@@ -37,6 +37,13 @@ class DataChanged(StorageError):
         self.key = key
 
 
+class StorageUnavailable(StorageError):
+    """Storage that did not answer (an S3 outage past the retries, 5xx, a connection that
+    keeps breaking): transient and of this server's making, so the client is answered
+    UNAVAILABLE and asks another server, and `on_error: skip` never skips it (the sample is
+    not bad)."""
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     key: str  # relative to the storage root, '/'-separated

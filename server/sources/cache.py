@@ -8,7 +8,11 @@ is a new entry, and a stale one ages out. Constraints it keeps:
 - the byte limit holds within a slack: each process counts what it added and, past 1/16 of the
   limit, scans the folder and deletes the least recently used entries (a hit touches the file's
   mtime) until the total is under 90% of the limit. A process that has the entry open keeps
-  reading it after the unlink (POSIX); one that had only its path fetches it again.
+  reading it after the unlink (POSIX); one that had only its path fetches it again;
+- a cache whose disk is read-only or full (EROFS, EACCES, EPERM, ENOSPC, EDQUOT) makes the
+  cache useless, not the data unreadable: objects are read past it, with one warning naming
+  the folder. read() keeps nothing; get(), which must return a path (memory maps), fetches
+  into an anonymous memory file (memfd) kept in a small per-process LRU ("scratch").
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ import fcntl
 import hashlib
 import logging
 import os
-import tempfile
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger("stoker.server")
@@ -51,27 +56,116 @@ def file_lock(path: Path, *, wait: bool = True) -> Iterator[bool]:
         os.close(fd)  # releases the lock
 
 
+# errno values that make the cache's disk useless, not the data unreadable: read past it.
+DEGRADED = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT})
+# Of those, the ones that last (a remount or a chmod, seen only by a restarted server): stop
+# trying to write. A full disk may free up, so writes are tried again.
+READ_ONLY = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+# Scratch: objects that get() fetched past a degraded cache, held as memory files. Bounded per
+# process by bytes and count; a file still mapped by a format stays in memory until unmapped.
+SCRATCH_BYTES = 512 << 20
+SCRATCH_FILES = 64
+# A path handed out is /proc/self/fd/N, which the caller opens at once. Its fd is not closed
+# within this many seconds, so that N cannot be reused for another file before it is opened.
+SCRATCH_GRACE = 30.0
+
+
+@dataclass
+class _Scratch:
+    fd: int
+    size: int
+    handed_out: float  # time.monotonic() of the last get() that returned it
+
+    @property
+    def path(self) -> Path:
+        return Path(f"/proc/self/fd/{self.fd}")
+
+
 class DiskCache:
-    def __init__(self, root: Path, max_bytes: int) -> None:
+    """Thread-safe; processes share the folder (see the module's docstring)."""
+
+    def __init__(self, root: Path, max_bytes: int, scratch_bytes: int = SCRATCH_BYTES) -> None:
         self.root = Path(root)
         self.max_bytes = max_bytes
-        (self.root / LOCKS).mkdir(parents=True, exist_ok=True)
+        self.scratch_bytes = scratch_bytes
         self._added = 0
         self._lock = threading.Lock()
         self.hits = self.misses = self.bytes_fetched = 0
-        self._warned_full = False
-        self._remove_stale_temps()
+        self.writable = True  # False once its disk is known read-only: stop trying to write
+        self._warned = False
+        self._scratch: OrderedDict[str, _Scratch] = OrderedDict()
+        try:
+            (self.root / LOCKS).mkdir(parents=True, exist_ok=True)
+            self._remove_stale_temps()
+        except OSError as e:
+            if e.errno not in DEGRADED:
+                raise
+            self._degrade(e, for_good=True)  # not even set up: no write will work
+
+    @property
+    def degraded(self) -> bool:
+        """Whether a write has failed (read-only or full): prefetching has nowhere to go."""
+        return self._warned
 
     def entry(self, url: str, version: str) -> Path:
         digest = hashlib.sha256(f"{url}\0{version}".encode()).hexdigest()
         return self.root / digest[:2] / digest
 
     def get(self, url: str, version: str, fetch: Callable[[int], None]) -> Path:
-        """The cached file for (url, version); on a miss, `fetch(fd)` writes the object into
-        an open temp file first (any exception it raises leaves nothing behind)."""
+        """A local file with the bytes of (url, version): the cache entry, or past a read-only
+        or full cache a memory file (open it at once: see SCRATCH_GRACE). On a miss,
+        `fetch(fd)` writes the object into an open file first (any exception it raises leaves
+        nothing behind)."""
         path = self.entry(url, version)
+        found = self._cached(path)
+        if found is not None:
+            return found
+        if self.writable:
+            try:
+                return self._fill(path, fetch)
+            except OSError as e:
+                if e.errno not in DEGRADED:
+                    raise
+                self._degrade(e)
+        return self._fetch_to_scratch(path.name, fetch)
+
+    def read(self, url: str, version: str, fetch: Callable[[int], None]) -> bytes:
+        """The object's bytes, through the cache; past it when its disk is read-only or full."""
+        for _ in range(3):
+            path = self.entry(url, version)
+            found = self._cached(path)
+            if found is None and self.writable:
+                try:
+                    found = self._fill(path, fetch)
+                except OSError as e:
+                    if e.errno not in DEGRADED:
+                        raise
+                    self._degrade(e)
+            if found is None:
+                return self._read_past(fetch)
+            try:
+                return found.read_bytes()
+            except FileNotFoundError:  # evicted between get() and the read: fetch again
+                continue
+        raise OSError(f"{url}: evicted from the disk cache as soon as fetched; "
+                      f"cache.max_bytes ({self.max_bytes}) is too small for the working set")
+
+    # -- filling the cache -----------------------------------------------------------------
+    def _cached(self, path: Path) -> Path | None:
+        """The entry if the cache has it (a hit), or the object's scratch file."""
         if self._touch(path):
             return path
+        with self._lock:
+            scratch = self._scratch.get(path.name)
+            if scratch is None:
+                return None
+            self._scratch.move_to_end(path.name)
+            scratch.handed_out = time.monotonic()
+            self.hits += 1
+            return scratch.path
+
+    def _fill(self, path: Path, fetch: Callable[[int], None]) -> Path:
+        """Fetch into the cache; raises OSError with the disk's errno where it cannot."""
         # One lock file per 256th of the key space: few files, rare false sharing.
         with file_lock(self.root / LOCKS / path.name[:2]):
             if self._touch(path):  # another process fetched it while we waited
@@ -87,7 +181,7 @@ class DiskCache:
                     os.close(fd)
                 os.rename(tmp, path)
             except BaseException:
-                with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(OSError):  # gone, or the disk went read-only
                     tmp.unlink()
                 raise
         with self._lock:
@@ -98,41 +192,79 @@ class DiskCache:
             if due:
                 self._added = 0
         if due:
-            self.evict()
+            try:
+                self.evict()
+            except OSError as e:  # the disk went read-only since: the entry is there
+                if e.errno not in DEGRADED:
+                    raise
+                self._degrade(e)
         return path
 
-    def read(self, url: str, version: str, fetch: Callable[[int], None]) -> bytes:
-        """The object's bytes, through the cache; past it when the cache's disk is full."""
-        for _ in range(3):
-            try:
-                path = self.get(url, version, fetch)
-            except OSError as e:
-                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                    raise
-                return self._read_past(url, fetch, e)
-            try:
-                return path.read_bytes()
-            except FileNotFoundError:  # evicted between get() and the read: fetch again
-                continue
-        raise OSError(f"{url}: evicted from the disk cache as soon as fetched; "
-                      f"cache.max_bytes ({self.max_bytes}) is too small for the working set")
+    # -- past the cache --------------------------------------------------------------------
+    def _degrade(self, error: OSError, for_good: bool = False) -> None:
+        """The cache's disk refused a write: say so once, and stop writing if it will last."""
+        if for_good or error.errno in READ_ONLY:
+            self.writable = False
+        with self._lock:
+            if self._warned:
+                return
+            self._warned = True
+        if not self.writable:
+            log.warning("disk cache %s: %s; objects are read without caching (every epoch "
+                        "fetches them again, and files that jsonl, tar, parquet, memmap, "
+                        "tokens and text map are held in memory): make the folder writable "
+                        "or point cache.dir elsewhere, and restart", self.root,
+                        error.strerror or error)
+        else:
+            log.warning("disk cache %s: %s; objects that do not fit are read without caching "
+                        "(fetched again when needed, and files that jsonl, tar, parquet, "
+                        "memmap, tokens and text map are held in memory): free space or set "
+                        "cache.max_bytes below what the disk holds", self.root,
+                        error.strerror or error)
 
-    def _read_past(self, url: str, fetch: Callable[[int], None], error: OSError) -> bytes:
-        """Fetch into memory, keeping nothing: a full disk (shared with others, or smaller
-        than max_bytes) makes the cache useless, not the data unreadable."""
-        if not self._warned_full:
-            self._warned_full = True
-            log.warning("disk cache %s: %s; objects that do not fit are read without caching",
-                        self.root, error.strerror)
-        fd = os.memfd_create("stoker-fetch") if hasattr(os, "memfd_create") else None
-        with open(fd, "w+b") if fd is not None else tempfile.TemporaryFile() as f:
-            fetch(f.fileno())
-            f.seek(0)
-            data = f.read()
+    def _memory_file(self, fetch: Callable[[int], None]) -> tuple[int, int]:
+        """(fd, size) of a new memory file holding the object."""
+        fd = os.memfd_create("stoker-fetch", os.MFD_CLOEXEC)
+        try:
+            fetch(fd)
+            size = os.fstat(fd).st_size
+        except BaseException:
+            os.close(fd)
+            raise
         with self._lock:
             self.misses += 1
-            self.bytes_fetched += len(data)
-        return data
+            self.bytes_fetched += size
+        return fd, size
+
+    def _read_past(self, fetch: Callable[[int], None]) -> bytes:
+        """Fetch into memory, keeping nothing."""
+        fd, _ = self._memory_file(fetch)
+        with open(fd, "rb") as f:  # closes fd
+            f.seek(0)  # fetch may have written with write(), not pwrite()
+            return f.read()
+
+    def _fetch_to_scratch(self, name: str, fetch: Callable[[int], None]) -> Path:
+        fd, size = self._memory_file(fetch)
+        now = time.monotonic()
+        closing = []
+        with self._lock:
+            old = self._scratch.pop(name, None)  # two threads fetched it: keep the newer
+            if old is not None:  # under another name, closed as the LRU's oldest
+                self._scratch[f"{name}-{old.fd}"] = old
+                self._scratch.move_to_end(f"{name}-{old.fd}", last=False)
+            entry = self._scratch[name] = _Scratch(fd, size, now)
+            total = sum(s.size for s in self._scratch.values())
+            for key, s in list(self._scratch.items()):
+                if total <= self.scratch_bytes and len(self._scratch) <= SCRATCH_FILES:
+                    break
+                if s is entry or now - s.handed_out < SCRATCH_GRACE:
+                    continue  # maybe not opened yet: over the bound for a while
+                del self._scratch[key]
+                total -= s.size
+                closing.append(s.fd)
+        for old_fd in closing:
+            os.close(old_fd)
+        return entry.path
 
     def evict(self) -> None:
         """Delete least recently used entries until the cache is under 90% of its limit."""
@@ -166,10 +298,20 @@ class DiskCache:
                      total)
 
     def _touch(self, path: Path) -> bool:
+        """Whether the entry exists (a hit); marks it recently used where the disk allows."""
         try:
-            os.utime(path)
+            if self.writable:
+                os.utime(path)
+            elif not path.is_file():
+                return False
         except FileNotFoundError:
             return False
+        except OSError as e:
+            if e.errno not in DEGRADED:
+                raise
+            self._degrade(e)  # still a hit; its place in the LRU stays where it was
+            if not path.is_file():
+                return False
         with self._lock:
             self.hits += 1
         return True

@@ -4,7 +4,9 @@
   only where to connect (endpoint_url, region) and how (pool, timeouts, retries).
 - Retries: botocore retries requests (503 SlowDown, 5xx, resets) with backoff, at most
   `max_attempts` requests in all. A body that breaks off mid-read is not covered by that, so
-  a GET whose body breaks is repeated here, up to `max_attempts` GETs.
+  a GET whose body breaks is repeated here, up to `max_attempts` GETs. What still fails is
+  StorageUnavailable when the store did not answer (the client asks another server) and
+  StorageError when it answered no (missing, forbidden: DATA_LOSS).
 - Objects come through the disk cache (cache.py): an epoch after the first reads local files.
   Cache entries are keyed by URL and ETag, so a changed object is fetched again.
 - Every GET of a listed object carries If-Match with the ETag it was listed with: an object
@@ -32,7 +34,7 @@ import boto3
 import botocore.exceptions as bx
 from botocore.config import Config as BotoConfig
 
-from . import DataChanged, ObjectInfo, StorageError, glob_regex
+from . import DataChanged, ObjectInfo, StorageError, StorageUnavailable, glob_regex
 from ._listing import Listing
 from .cache import DiskCache
 
@@ -44,6 +46,11 @@ _BODY_ERRORS = (bx.ResponseStreamingError, bx.IncompleteReadError, bx.ReadTimeou
                 bx.ConnectionClosedError, bx.EndpointConnectionError, ConnectionError)
 _MISSING = {"404", "NoSuchKey", "NotFound"}
 _CHANGED = {"412", "PreconditionFailed"}
+_TRANSIENT = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout",
+              "Throttling", "ThrottlingException", "RequestTimeTooSkewed"}
+# No answer at all, after botocore's retries: the network or the store is down.
+_NETWORK_ERRORS = (bx.HTTPClientError, bx.ConnectionError, bx.IncompleteReadError,
+                   ConnectionError)
 
 
 class _BrokenBody(Exception):
@@ -137,6 +144,8 @@ class S3Storage:
                               lambda fd: self._download(key, info.size, fd))
 
     def prefetch(self, keys: Iterable[str]) -> None:
+        if self.cache.degraded:  # nowhere to keep what it would fetch: reads fetch their own
+            return
         for key in keys:
             with self._lock:
                 known = self._known.get(key)
@@ -215,6 +224,10 @@ class S3Storage:
                 f.result()
 
     def _retrying(self, key: str, call: Callable[[], T]) -> T:
+        """call(), repeating a GET whose body broke off. What is left after botocore's own
+        retries: a missing or forbidden object is StorageError (any server would fail it
+        too: DATA_LOSS); an outage (no connection, 5xx, throttling, bodies that keep
+        breaking) is StorageUnavailable (another server, or a later try, may succeed)."""
         attempts = self.settings.max_attempts
         for attempt in range(1, attempts + 1):
             try:
@@ -222,17 +235,28 @@ class S3Storage:
             except bx.ClientError as e:
                 if _code(e) in _MISSING:
                     raise StorageError(f"{self.where(key)}: no such object") from None
+                if _transient(e):
+                    raise StorageUnavailable(f"{self.where(key)}: {_describe(e)} (after "
+                                             f"{attempts} attempts)") from None
                 raise StorageError(f"{self.where(key)}: {_describe(e)}") from None
             except _BrokenBody as e:
                 if attempt == attempts:
-                    raise StorageError(f"{self.where(key)}: response body broke off: {e} "
-                                       f"(after {attempts} attempts)") from None
+                    raise StorageUnavailable(f"{self.where(key)}: response body broke off: "
+                                             f"{e} (after {attempts} attempts)") from None
                 # Full jitter, as botocore's own backoff: 0..min(20 s, 0.1 s * 2^attempt).
                 time.sleep(random.uniform(0, min(20.0, 0.1 * 2 ** attempt)))
-            except (bx.BotoCoreError, ConnectionError) as e:  # retried by botocore already
-                raise StorageError(f"{self.where(key)}: {type(e).__name__}: {e} "
-                                   f"(after {attempts} attempts)") from None
+            except _NETWORK_ERRORS as e:  # retried by botocore already
+                raise StorageUnavailable(f"{self.where(key)}: {type(e).__name__}: {e} "
+                                         f"(after {attempts} attempts)") from None
+            except bx.BotoCoreError as e:  # credentials, configuration: not an outage
+                raise StorageError(f"{self.where(key)}: {type(e).__name__}: {e}") from None
         raise AssertionError("unreachable")
+
+
+def _transient(e: bx.ClientError) -> bool:
+    """An answer that says "not now" rather than "no": 5xx, throttling, request timeouts."""
+    status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+    return status >= 500 or status == 429 or _code(e) in _TRANSIENT
 
 
 def _code(e: bx.ClientError) -> str:
