@@ -34,15 +34,9 @@ from stoker.server import ServerProcess, write_config
 from stoker.v1 import stoker_pb2 as pb
 from stoker.v1 import stoker_pb2_grpc as pb_grpc
 
+import s3_endpoint as s3
 from conftest import server_env
-from s3_endpoint import (
-    MotoServer,
-    moto_endpoint_fixture,  # noqa: F401  (the moto_endpoint fixture)
-    new_bucket,
-    put_objects,
-    s3_client,
-    s3_env,
-)
+from s3_endpoint import moto_endpoint_fixture  # noqa: F401  (the moto_endpoint fixture)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -312,16 +306,16 @@ def test_files_changed_after_listing_fail_their_samples(tmp_path: Path, ledger) 
 
 
 def test_an_s3_object_overwritten_after_listing_fails_its_samples(
-        moto_endpoint: MotoServer, tmp_path: Path, ledger) -> None:
-    client = s3_client(moto_endpoint.url)
-    bucket = new_bucket(client)
-    put_objects(client, bucket, {f"pics/c/{i}.png": png_bytes((i, 9, 9)) for i in range(8)})
+        moto_endpoint: s3.MotoServer, tmp_path: Path, ledger) -> None:
+    client = s3.s3_client(moto_endpoint.url)
+    bucket = s3.new_bucket(client)
+    s3.put_objects(client, bucket, {f"pics/c/{i}.png": png_bytes((i, 9, 9)) for i in range(8)})
     config = write_config(tmp_path / "c.yaml", {
         "s3": {"endpoint_url": moto_endpoint.url, "region": "us-east-1"},
         "cache": {"dir": str(tmp_path / "cache")},
         "datasets": {"remote": {"format": "image-folder", "source": f"s3://{bucket}/pics",
                                 "size": 4}}})
-    with ServerProcess(config, workers=1, env={**server_env(), **s3_env()}) as server:
+    with ServerProcess(config, workers=1, env={**server_env(), **s3.s3_env()}) as server:
         # Listed (and sample 0 read) at start; overwritten before anything else is read.
         client.put_object(Bucket=bucket, Key="pics/c/5.png", Body=png_bytes((200, 0, 0)))
         with pytest.raises(RemoteError) as info:
