@@ -8,7 +8,7 @@
 """
 
 from ._buffers import BufferPool
-from ._errors import ProtocolError, RemoteError
+from ._errors import DataMismatch, ProtocolError, RemoteError
 from ._loader import RemoteLoader
 
-__all__ = ["BufferPool", "ProtocolError", "RemoteError", "RemoteLoader"]
+__all__ = ["BufferPool", "DataMismatch", "ProtocolError", "RemoteError", "RemoteLoader"]

@@ -18,9 +18,32 @@ class RemoteError(RuntimeError):
 
     @classmethod
     def from_rpc(cls, err: grpc.RpcError, address: str) -> RemoteError:
+        """The error a call ended with; a DataMismatch where the server refused it for
+        holding other data than the client expects (its trailing metadata names its digest)."""
         code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
         details = err.details() if hasattr(err, "details") else str(err)
+        trailers = dict(err.trailing_metadata() or ()) if hasattr(err, "trailing_metadata") \
+            else {}
+        digest = trailers.get(FINGERPRINT_KEY)
+        if code == grpc.StatusCode.FAILED_PRECONDITION and isinstance(digest, str):
+            return DataMismatch(details or "", address, digest)
         return cls(code, details or "", address)
+
+
+# A server's dataset fingerprint digest: initial metadata of an accepted stream, trailing
+# metadata of a call refused because the client expects another one.
+FINGERPRINT_KEY = "stoker-fingerprint"
+
+
+class DataMismatch(RemoteError):
+    """Servers (or a server and a checkpoint) hold different data for one dataset: different
+    fingerprints, from listings taken at different times or different configs. One loader
+    must not mix them: sample indices would name different samples, so samples would repeat
+    or go missing. `digest` is the fingerprint the server at `address` has."""
+
+    def __init__(self, details: str, address: str, digest: str) -> None:
+        super().__init__(grpc.StatusCode.FAILED_PRECONDITION, details, address)
+        self.digest = digest
 
 
 class ProtocolError(ValueError):

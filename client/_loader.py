@@ -20,9 +20,10 @@ from . import _samehost as samehost
 from ._buffers import HostBuffers
 from ._channel import ChannelMaker
 from ._channel import hint as tls_hint
-from ._errors import RemoteError
+from ._errors import DataMismatch, RemoteError
 from ._frames import Assembled, numpy_views
 from ._options import LoaderOptions, default_rank_world
+from ._pinning import Pin, describe_each, mismatch, short
 from ._progress import Progress
 from ._scheduler import FATAL, Scheduler
 from ._servers import ServerSet
@@ -45,6 +46,10 @@ class RemoteLoader:
     so `for batch in loader` twice gives two epochs, as with DataLoader(shuffle=True).
     `set_epoch(e)` selects an epoch explicitly, as with DistributedSampler. `state_dict()`
     records the position; `load_state_dict()` resumes there.
+
+    Data: the loader pins the dataset's fingerprint from the first server that describes it
+    and reads only from servers that have the same (DataMismatch otherwise, naming both); a
+    state_dict records it, and resuming against other data is refused unless asked for.
     """
 
     def __init__(self, address: str | Sequence[str], dataset: str, batch_size: int, *,
@@ -83,6 +88,8 @@ class RemoteLoader:
         # Batches in flight, plus the one the caller holds and the one it just let go.
         self._host = HostBuffers(max_buffers=o.prefetch + 2)
         self._describe: pb.DescribeDatasetResponse | None = None
+        self._pin: Pin | None = None  # the fingerprint read, from the first Describe
+        self._checked = False  # every reachable server asked once for its fingerprint
         self._scheduler: Scheduler | None = None
         self._stats = {"batches": 0, "bytes": 0, "wait_seconds": 0.0, "loop_seconds": 0.0,
                        "failovers": 0, "hedges": 0}
@@ -91,7 +98,9 @@ class RemoteLoader:
 
     # -- positions -------------------------------------------------------------------------
     def coordinates(self) -> pb.Coordinates:
-        return pb.Coordinates(epoch=self._epoch, **self._coords)
+        """This position's coordinates, with the pinned fingerprint once there is one."""
+        return pb.Coordinates(epoch=self._epoch, **self._coords,
+                              fingerprint=self._pin.digest if self._pin else "")
 
     def __len__(self) -> int:
         """Batches per epoch for this rank."""
@@ -109,15 +118,21 @@ class RemoteLoader:
             while True:
                 for server in list(self._servers.servers.values()):
                     try:
-                        self._describe = pb_grpc.DataServiceStub(server.channel).DescribeDataset(
+                        described = pb_grpc.DataServiceStub(server.channel).DescribeDataset(
                             pb.DescribeDatasetRequest(coordinates=self.coordinates()),
                             timeout=min(10.0, timeout))
-                        return self._describe
                     except grpc.RpcError as e:
                         err = RemoteError.from_rpc(e, server.address)
+                        if isinstance(err, DataMismatch) and self._pin is not None:
+                            raise self._mismatched(err.address, err.digest) from None
                         if err.code in FATAL:
                             raise err from None
                         errors[server.address] = str(err)
+                        continue
+                    if self._pin is None:
+                        self._pin = Pin.of(described.fingerprint, server.address)
+                    self._describe = described
+                    return described
                 if time.monotonic() + pause > deadline:
                     said = "; ".join(errors.values())
                     raise RemoteError(grpc.StatusCode.UNAVAILABLE,
@@ -139,21 +154,67 @@ class RemoteLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The position: the epoch and the batch that comes next (a finished epoch's state is
-        the start of the next epoch)."""
+        the start of the next epoch), and the fingerprint of the data it is a position in."""
         epoch, next_batch = self._epoch, self._next
         if next_batch and next_batch >= len(self):
             epoch, next_batch = epoch + 1, 0
-        return {"coordinates": dict(self._coords), "epoch": epoch, "next_batch": next_batch}
+        state = {"coordinates": dict(self._coords), "epoch": epoch, "next_batch": next_batch}
+        if self._pin is not None and self._pin.digest:
+            state["fingerprint"] = self._pin.state()
+        return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, allow_changed_data: bool = False
+                        ) -> None:
+        """Resume at `state`'s position. If it records a fingerprint and the servers now
+        hold other data, the rest of the epoch would not be the rest of that order: ValueError,
+        unless `allow_changed_data` (the loader then goes on with the servers' data)."""
         if state.get("coordinates") != self._coords:
             raise ValueError(f"state_dict is for coordinates {state.get('coordinates')}, this "
                              f"loader has {self._coords}")
+        saved = state.get("fingerprint")
+        if saved and saved.get("digest") and not allow_changed_data:
+            self.describe()
+            pin = self._pin
+            if pin is not None and pin.digest and pin.digest != saved["digest"]:
+                raise ValueError(
+                    f"state_dict was saved against dataset {self.dataset!r} "
+                    f"{short(saved['digest'], saved.get('objects'), saved.get('bytes'))}; "
+                    f"the servers now have {short(pin.digest, pin.objects, pin.bytes)} (from "
+                    f"{pin.address}): the rest of the epoch would not be the rest of that "
+                    "order; pass load_state_dict(state, allow_changed_data=True) to go on "
+                    "anyway")
         self._epoch, self._next = int(state["epoch"]), int(state["next_batch"])
 
     # -- iteration -------------------------------------------------------------------------
+    def _check_servers(self) -> None:
+        """Ask every server that answers for its fingerprint, once: servers with other data
+        than the pinned one are a DataMismatch before any batch is used. (Servers that come
+        up later refuse our streams themselves: the coordinates carry the digest.)"""
+        pin = self._pin
+        self._checked = True
+        if pin is None or not pin.digest:
+            return
+        others = [(s.address, s.channel) for s in self._servers.servers.values()
+                  if s.address != pin.address]
+        plain = pb.Coordinates(epoch=self._epoch, **self._coords)
+        found = describe_each(others, plain, min(10.0, self._options.timeout))
+        for address, fp in found.items():
+            if fp.digest and fp.digest != pin.digest:
+                raise mismatch(self.dataset, pin, address, fp.digest, fp)
+
+    def _mismatched(self, address: str, digest: str) -> DataMismatch:
+        """The DataMismatch for a server that refused our fingerprint, with its own."""
+        assert self._pin is not None
+        server = self._servers.servers.get(address)
+        plain = pb.Coordinates(epoch=self._epoch, **self._coords)
+        found = describe_each([(address, server.channel)] if server else [], plain,
+                              min(10.0, self._options.timeout)).get(address)
+        return mismatch(self.dataset, self._pin, address, digest, found)
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
         total = len(self)
+        if not self._checked:
+            self._check_servers()
         if self._normalize is not None and not self._normalize.axes:
             self._normalize.validate(self.describe().fields)  # here, not on a receive thread
         if self._next and self._next >= total:  # finished (saved on an epoch's last batch)
@@ -174,7 +235,10 @@ class RemoteLoader:
         try:
             while self._next < total:
                 t0 = time.perf_counter()
-                batch = scheduler.take(self._next)
+                try:
+                    batch = scheduler.take(self._next)
+                except DataMismatch as e:  # a server refused our fingerprint: name both
+                    raise self._mismatched(e.address, e.digest) from None
                 waited = time.perf_counter() - t0
                 self._stats["wait_seconds"] += waited
                 if self._feed is not None:

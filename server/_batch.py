@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _shm
 from ._sampling import FIRST_EPOCH, EpochKey
-from .sources import StorageUnavailable
+from .sources import DataChanged, StorageUnavailable
 
 if TYPE_CHECKING:
     from .formats import DatasetParts
@@ -117,7 +117,9 @@ def fetch_or_replace(dataset: DatasetParts, i: int, key: EpochKey, skip: bool
     try:
         return fetch_sample(dataset, i, key), i
     except SampleError as e:
-        if not skip:
+        # A file changed since the server listed it: whatever stood in for it, the batch
+        # would not be the one the fingerprint promises.
+        if not skip or isinstance(e.__cause__, DataChanged):
             raise
         error = e
     for attempt in range(1, MAX_REPLACEMENTS + 1):
@@ -128,6 +130,8 @@ def fetch_or_replace(dataset: DatasetParts, i: int, key: EpochKey, skip: bool
         try:
             return fetch_sample(dataset, j, key), j
         except SampleError as e:
+            if isinstance(e.__cause__, DataChanged):
+                raise
             error = e
             i = j
     raise SampleError(f"{error} (and {MAX_REPLACEMENTS} replacements failed too)")

@@ -4,7 +4,7 @@
     GET /readyz              200 when workers are up and the server takes streams; 503 while
                              draining (SIGTERM) or with no worker
     GET /metrics             Prometheus text format (see _metrics.py)
-    GET /v1/datasets         every dataset: name, format, samples, fields
+    GET /v1/datasets         every dataset: name, format, samples, fields, fingerprint
     GET /v1/datasets/{name}  one of them (404 naming the served ones)
     GET /v1/stats            live rates over the last seconds, streams, clients' data stall
     GET /openapi.json, /docs the OpenAPI document FastAPI generates from these
@@ -55,11 +55,20 @@ class Field(BaseModel):
     shape: list[int]
 
 
+class Fingerprint(BaseModel):
+    """What this server's copy of the dataset is (docs/design.md, "Fingerprint")."""
+
+    digest: str  # "sha256:<hex>" of the config and the listing
+    objects: int
+    bytes: int
+
+
 class Dataset(BaseModel):
     name: str
     format: str
     num_samples: int
     fields: list[Field]
+    fingerprint: Fingerprint | None = None
 
 
 class Readiness(BaseModel):
@@ -115,7 +124,11 @@ def make_app(service: Any = None, token: bytes | None = None) -> FastAPI:
         return {name: Dataset(name=name, format=service.format_of(name),
                               num_samples=meta.num_samples,
                               fields=[Field(name=f, dtype=d, shape=list(s))
-                                      for f, d, s in meta.fields])
+                                      for f, d, s in meta.fields],
+                              fingerprint=None if meta.fingerprint is None else Fingerprint(
+                                  digest=meta.fingerprint.digest,
+                                  objects=meta.fingerprint.objects,
+                                  bytes=meta.fingerprint.bytes))
                 for name, meta in sorted(service.meta.items())}
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)

@@ -11,11 +11,12 @@ Each message is a small frozen dataclass, pickled by the pipe; receivers tell th
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ._batch import BuiltBatch
+from ._fingerprint import Fingerprint
 from ._sampling import EpochKey, Ordering
 
 # Tasks a worker holds at once (the pool sends no more): two lets it start the next batch
@@ -44,6 +45,8 @@ class DatasetMeta:
     num_samples: int
     fields: list[tuple[str, str, tuple[int, ...]]]
     ordering: Ordering
+    # The dataset as the server opened it; every other worker's view is compared with it.
+    fingerprint: Fingerprint | None = None
 
 
 # -- pool -> worker ----------------------------------------------------------------------------
@@ -81,9 +84,11 @@ class Stop:
 # -- worker -> pool ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Opened:
-    """Every dataset opened; `meta` per dataset from the worker asked to probe, else None."""
+    """Every dataset opened; `meta` per dataset from the worker asked to probe, else None;
+    `fingerprints`: every dataset as this worker sees it (every worker sends them)."""
 
     meta: dict[str, DatasetMeta] | None
+    fingerprints: dict[str, Fingerprint] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

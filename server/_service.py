@@ -21,10 +21,11 @@ from stoker.v1 import stoker_pb2 as pb
 
 from . import _shm
 from ._config import Config
+from ._fingerprint import Fingerprint, short_digest
 from ._limits import Admission, Kind, Refused
 from ._metrics import Metrics
 from ._sampling import CoordinateError, Coordinates, batches_per_epoch
-from ._session import Abort, StreamSession
+from ._session import FINGERPRINT_KEY, Abort, StreamSession
 from ._workers import DEPTH, DatasetMeta, WorkerPool
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DataService"].full_name
@@ -40,6 +41,11 @@ def _shorten(name: str, limit: int = 100) -> str:
     """`name` quoted for a status message, cut to `limit` characters: gRPC refuses a status
     whose details pass 16 KiB (the client got UNKNOWN "Stream removed" instead)."""
     return repr(name) if len(name) <= limit else f"{name[:limit]!r}... ({len(name)} characters)"
+
+
+def fingerprint_pb(fp: Fingerprint | None) -> pb.Fingerprint | None:
+    return None if fp is None else pb.Fingerprint(digest=fp.digest, objects=fp.objects,
+                                                   bytes=fp.bytes)
 
 
 def _parse(message: Any, raw: bytes) -> Any:
@@ -121,7 +127,7 @@ class DataService:
                            context: grpc.aio.ServicerContext) -> pb.ListDatasetsResponse:
         return pb.ListDatasetsResponse(datasets=[
             pb.DatasetInfo(name=name, format=self._config.datasets[name].format,
-                           num_samples=m.num_samples)
+                           num_samples=m.num_samples, fingerprint=fingerprint_pb(m.fingerprint))
             for name, m in sorted(self._meta.items())])
 
     async def DescribeDataset(self, request: pb.DescribeDatasetRequest,
@@ -130,13 +136,14 @@ class DataService:
             coords, meta = self.coordinates(request.coordinates, present=request.HasField(
                 "coordinates"))
         except Abort as e:
-            await context.abort(e.code, str(e))
+            await context.abort(e.code, str(e), trailing_metadata=e.trailers)
         return pb.DescribeDatasetResponse(
             dataset=coords.dataset, format=self._config.datasets[coords.dataset].format,
             num_samples=meta.num_samples,
             samples_per_rank=meta.num_samples // coords.world_size,
             batches_per_epoch=batches_per_epoch(meta.num_samples, coords),
-            fields=[pb.FieldSpec(name=n, dtype=d, shape=s) for n, d, s in meta.fields])
+            fields=[pb.FieldSpec(name=n, dtype=d, shape=s) for n, d, s in meta.fields],
+            fingerprint=fingerprint_pb(meta.fingerprint))
 
     def coordinates(self, c: pb.Coordinates, present: bool = True
                     ) -> tuple[Coordinates, DatasetMeta]:
@@ -148,6 +155,14 @@ class DataService:
             served = ", ".join(sorted(self._meta)) or "(none)"
             raise Abort(grpc.StatusCode.NOT_FOUND,
                         f"dataset {_shorten(c.dataset)} is not served here; datasets: {served}")
+        have = meta.fingerprint
+        if c.fingerprint and have is not None and c.fingerprint != have.digest:
+            raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
+                        f"dataset {_shorten(c.dataset)}: this server has {have.short()}, the "
+                        f"client expects {ascii(short_digest(c.fingerprint))[1:-1]}: the data "
+                        "differs (listed at another time, or another config), and one loader "
+                        "must not mix the two",
+                        ((FINGERPRINT_KEY, have.digest),))
         coords = Coordinates(c.dataset, c.seed, c.epoch, c.shuffle, c.rank, c.world_size,
                              c.batch_size, c.drop_last)
         try:

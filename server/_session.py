@@ -84,6 +84,12 @@ class Refused:
 
     code: grpc.StatusCode
     message: str
+    trailers: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The first coordinates passed: the stream's initial metadata may go out."""
 
 
 @dataclass(frozen=True)
@@ -91,15 +97,22 @@ class Finished:
     """The client half-closed: the stream ends once every credit is answered."""
 
 
-Ready = Built | Failed | Offer | Refused | Finished
+Ready = Built | Failed | Offer | Refused | Finished | Accepted
+
+# Initial metadata of an accepted stream, trailing metadata of one refused for its data:
+# the dataset's fingerprint digest as this server has it.
+FINGERPRINT_KEY = "stoker-fingerprint"
 
 
 class Abort(Exception):
-    """A request refused with a gRPC status: the call ends with it."""
+    """A request refused with a gRPC status (and `trailers`, trailing metadata): the call
+    ends with it."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str,
+                 trailers: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(message)
         self.code = code
+        self.trailers = trailers
 
 
 class StreamSession:
@@ -125,6 +138,10 @@ class StreamSession:
         self.transport: Transport | None = None  # chosen with the first coordinates
         self.dataset: str | None = None  # the stream is counted under it in metrics
         self._offer: SocketOffer | None = None  # the data socket offered, at most once
+        # Set by the reader when the first coordinates pass; sent by the sender before its
+        # first write (a write sends empty initial metadata otherwise).
+        self._metadata: tuple[tuple[str, str], ...] | None = None
+        self._metadata_sent = False
 
     # -- the sender ------------------------------------------------------------------------
     async def run(self, requests: AsyncIterator[pb.StreamRequest]) -> None:
@@ -138,7 +155,10 @@ class StreamSession:
         context, metrics = self._context, self._service.metrics
         finished = False
         while not (finished and self.outstanding == 0):
-            match await self._ready.get():
+            item = await self._ready.get()
+            if not await self._send_metadata(writes=isinstance(item, Built | Failed | Offer)):
+                return
+            match item:
                 case Built(batch, batch_index, epoch):
                     # A credit counts as answered once its batch starts out: the client may
                     # send the next credit as soon as it has the last frame.
@@ -158,10 +178,28 @@ class StreamSession:
                 case Offer(frame):
                     if not await write(context, frame):
                         return
-                case Refused(code, message):
-                    await context.abort(code, message)
+                case Refused(code, message, trailers):
+                    await context.abort(code, message, trailing_metadata=trailers)
                 case Finished():
                     finished = True
+                case Accepted():
+                    pass  # its metadata went out above
+
+    async def _send_metadata(self, writes: bool) -> bool:
+        """Send the stream's initial metadata if the coordinates are accepted and it has not
+        gone yet (`writes`: a frame follows, which sends empty initial metadata if none went
+        before it); False if the client has gone."""
+        if self._metadata_sent:
+            return True
+        if self._metadata is None:
+            self._metadata_sent = writes  # after a frame it is too late
+            return True
+        self._metadata_sent = True
+        try:
+            await self._context.send_initial_metadata(self._metadata)
+        except Exception:  # the client went away: the call ends quietly, as a failed write
+            return False
+        return True
 
     async def close(self) -> None:
         """Free what the stream still holds, in steps."""
@@ -210,6 +248,9 @@ class StreamSession:
                     if self.transport is None:  # the handshake is over
                         self.transport = choose(asked, self._pool, service.mappings,
                                                 service.settings.frame_bytes)
+                        if meta.fingerprint is not None:
+                            self._metadata = ((FINGERPRINT_KEY, meta.fingerprint.digest),)
+                        self._ready.put_nowait(Accepted())
                     if coords.dataset != self.dataset:  # counted under its dataset
                         if self.dataset is not None:
                             metrics.streams.labels(self.dataset).dec()
@@ -224,7 +265,7 @@ class StreamSession:
                                     "coordinates: required in the first message of a stream")
                     await self._credit(coords, meta, req.batch_indices)
         except Abort as e:
-            self._ready.put_nowait(Refused(e.code, str(e)))
+            self._ready.put_nowait(Refused(e.code, str(e), e.trailers))
             return
         except Exception as e:  # a bug here must end the stream, not leave it waiting
             log.exception("stream reader failed")

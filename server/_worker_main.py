@@ -19,8 +19,9 @@ import numpy as np
 from . import _messages as msg
 from . import _shm
 from ._batch import BatchTooLarge, SampleError, build_batch, probe_fields
+from ._fingerprint import Fingerprint, fingerprint
 from ._sampling import Ordering
-from .sources import StorageUnavailable, split_source
+from .sources import DataChanged, StorageUnavailable, split_source
 
 if TYPE_CHECKING:
     from .formats import DatasetParts
@@ -48,15 +49,19 @@ def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int,
         cache = DiskCache(config.cache.dir, int(config.cache.max_bytes))
     datasets: dict[str, DatasetParts] = {}
     meta: dict[str, msg.DatasetMeta] = {}
+    prints: dict[str, Fingerprint] = {}
     for name in config.datasets:
         try:
             datasets[name] = ds = DatasetParts.of(open_dataset(name, config, cache))
+            # Before the probe, which only this worker makes: every worker's view is of
+            # the same steps.
+            prints[name] = fingerprint(config.datasets[name], ds)
             if probe:
-                meta[name] = _describe(ds, config.datasets[name])
+                meta[name] = _describe(ds, config.datasets[name], prints[name])
         except Exception as e:
             conn.send(msg.OpenFailed(f"dataset {name!r}: {type(e).__name__}: {e}"))
             return
-    conn.send(msg.Opened(meta if probe else None))
+    conn.send(msg.Opened(meta if probe else None, prints))
     builder = _Builder(config, datasets, cache, progress)
     while True:
         try:
@@ -78,11 +83,28 @@ def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int,
                 raise TypeError(f"a worker cannot handle {message!r}")
 
 
-def _describe(ds: DatasetParts, cfg: Any) -> msg.DatasetMeta:
+def _describe(ds: DatasetParts, cfg: Any, fp: Fingerprint) -> msg.DatasetMeta:
     ordering = Ordering(len(ds.dataset), ds.shard_starts,
                         getattr(cfg, "shuffle", "global") == "block",
                         getattr(cfg, "shuffle_window", 1))
-    return msg.DatasetMeta(len(ds.dataset), probe_fields(ds), ordering)
+    return msg.DatasetMeta(len(ds.dataset), probe_fields(ds), ordering, fp)
+
+
+def _changed(ds: DatasetParts, indices: np.ndarray) -> str:
+    """If a file these samples read changed since the dataset was listed, why, naming the
+    batch's first sample that reads it; else "". One stat per distinct file: memory-mapped
+    formats read a file as it is now, so the check is here, before the batch, not in a read."""
+    if ds.objects_of is None or ds.storage is None or not len(indices):
+        return ""
+    try:
+        ds.storage.verify(ds.objects_of(indices))
+    except DataChanged as e:
+        first = next((int(i) for i in indices.tolist()
+                      if e.key in ds.objects_of(np.array([i], np.int64))), None)
+        return f"sample {first}: {e}" if first is not None else str(e)
+    except OSError as e:  # a file that cannot even be looked at: the batch fails, saying why
+        return str(e)
+    return ""
 
 
 def _prefetch(ds: DatasetParts, indices: np.ndarray) -> None:
@@ -123,6 +145,10 @@ class _Builder:
         # first-byte latency is paid ahead of time, not once per sample in turn.
         _prefetch(ds, task.indices)
         _prefetch(ds, task.ahead)
+        changed = _changed(ds, task.indices)
+        if changed:
+            return self._failed(task, msg.FailureKind.DATA_LOSS,
+                                f"dataset {task.dataset!r}: {changed}")
         try:
             batch = build_batch(ds, task.indices, self.segments, task.key, skip,
                                 int(self.config.server.max_batch_bytes), on_sample)

@@ -33,6 +33,7 @@ import numpy as np
 
 from . import _shm
 from ._batch import BuiltBatch
+from ._fingerprint import Fingerprint
 from ._messages import (
     DEPTH,
     KEEP_SEGMENTS,
@@ -120,6 +121,9 @@ class WorkerPool:
         self._by_pid: dict[int, _Worker] = {}
         self._lent: set[str] = set()  # segments of built batches the front end holds
         self.meta: dict[str, DatasetMeta] = {}
+        # Why the last replacement worker was refused (its data differs): what batches
+        # fail with once no worker is left.
+        self._refusal: str | None = None
         # A batch a worker has been on longer than this: the worker hangs (see _expire).
         self._batch_timeout = float(config.server.batch_timeout_seconds)
         self._timeouts = 0  # workers replaced for it
@@ -136,7 +140,7 @@ class WorkerPool:
             w = self._spawn(probe=i == 0)
             with self._lock:
                 self._workers.append(w)
-        for w in list(self._workers):
+        for i, w in enumerate(list(self._workers)):
             try:
                 message = w.conn.recv()
             except EOFError:
@@ -146,11 +150,16 @@ class WorkerPool:
             match message:
                 case OpenFailed(reason):
                     raise StartError(reason)
-                case Opened(meta):
-                    with self._lock:
-                        w.ready = True
+                case Opened(meta, prints):
                     if meta is not None:  # the probing worker: the first
                         self.meta = meta
+                    for name, seen in self._differing(prints):
+                        views = _views("worker 0", self.meta[name].fingerprint, f"worker {i}",
+                                       seen)
+                        raise StartError(f"dataset {name!r}: the data changed while the server "
+                                         f"started: {views}. Start again once it is settled")
+                    with self._lock:
+                        w.ready = True
                 case _:
                     raise StartError(f"a starting worker sent {message!r}")
         self._thread = threading.Thread(target=self._dispatch, name="stoker-dispatch", daemon=True)
@@ -226,6 +235,8 @@ class WorkerPool:
         with self._lock:
             if self._closing:
                 raise BatchFailed(FailureKind.INTERNAL, "server shutting down")
+            if not self._workers and self._refusal is not None:
+                raise BatchFailed(FailureKind.UNAVAILABLE, self._refusal)
             if not self._workers:
                 raise BatchFailed(FailureKind.INTERNAL, "no worker process is running")
             if self._broken:
@@ -364,7 +375,13 @@ class WorkerPool:
 
     def _settle(self, w: _Worker, message: FromWorker) -> None:
         match message:
-            case Opened():
+            case Opened(_, prints):
+                with self._lock:
+                    closing = self._closing
+                for name, seen in self._differing(prints):
+                    if not closing:
+                        self._refuse(w, name, seen)
+                    return
                 with self._lock:
                     w.ready = True
             case OpenFailed(reason):
@@ -389,6 +406,29 @@ class WorkerPool:
                     _reject(job.future, BatchFailed(kind, reason))
             case _:
                 raise TypeError(f"a worker sent {message!r}")
+
+    def _differing(self, prints: dict[str, Fingerprint]) -> list[tuple[str, Fingerprint]]:
+        """The datasets a worker sees otherwise than the server opened them, with its view."""
+        return [(name, prints.get(name) or Fingerprint("(none)", 0, 0))
+                for name, m in self.meta.items()
+                if m.fingerprint is not None and prints.get(name) != m.fingerprint]
+
+    def _refuse(self, w: _Worker, name: str, seen: Fingerprint) -> None:
+        """A replacement worker lists other data than the server opened (files added,
+        changed or removed since): it must not serve, or the same coordinates would give
+        other batches. It is stopped, and the pool shrinks; the other workers go on with the
+        original listing."""
+        why = (f"dataset {name!r}: a replacement worker (pid {w.process.pid}) sees other data "
+               "than the server opened: "
+               f"{_views('the server', self.meta[name].fingerprint, 'the worker', seen)}")
+        with self._lock:
+            self._refusal = (f"{why}; it was refused, and no worker is left to serve the data "
+                             "this server listed: restart the server to serve the new data")
+            left = sum(o.ready for o in self._workers if o is not w)
+        log.error("%s; it is stopped and serves nothing (%d workers left, serving the data as "
+                  "first listed): restart the server to serve the new data", why, left)
+        _send(w, Stop())
+        self._remove(w)
 
     def _replace(self, w: _Worker, hung: tuple[int, str] | None = None) -> None:
         """A worker died: fail the batch it was building, give its queued ones to others,
@@ -435,12 +475,27 @@ class WorkerPool:
             with self._lock:
                 jobs = list(self._queue)
                 self._queue.clear()
-            self._fail_all(jobs, "no worker process could be started")
+                refusal = self._refusal
+            if refusal is not None:
+                self._fail_all(jobs, refusal, FailureKind.UNAVAILABLE)
+            else:
+                self._fail_all(jobs, "no worker process could be started")
 
     @staticmethod
-    def _fail_all(jobs: list[_Job], message: str) -> None:
+    def _fail_all(jobs: list[_Job], message: str,
+                  kind: FailureKind = FailureKind.INTERNAL) -> None:
         for job in jobs:
-            _reject(job.future, BatchFailed(FailureKind.INTERNAL, message))
+            _reject(job.future, BatchFailed(kind, message))
+
+
+def _views(a: str, fa: Fingerprint | None, b: str, fb: Fingerprint) -> str:
+    """`worker 0 listed 40 objects (sha256:...), worker 2 listed 48 (sha256:...); added
+    'aaa/' (8 objects)`: two views of one dataset, and what differs if the parts say."""
+    if fa is None:
+        return f"{b} has {fb.short()}"
+    changes = fa.changes(fb)
+    return (f"{a} has {fa.short()}, {b} has {fb.short()}"
+            + (f"; {changes}" if changes else ""))
 
 
 def _send(w: _Worker, message: ToWorker) -> bool:

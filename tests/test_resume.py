@@ -109,3 +109,51 @@ def test_an_empty_epoch_still_moves_on_by_one(toy_server: ServerProcess) -> None
                       output="numpy", timeout=60) as ld:
         assert len(ld) == 0 and list(ld) == []
         assert ld.state_dict()["epoch"] == 1
+
+
+# -- resuming against other data (issue 19: "resume has the same blind spot") -----------------
+
+def versioned(version: int) -> dict:
+    return {"v": {"format": "python", "factory": "drift_datasets:Versioned",
+                  "options": {"n": 64, "version": version}}}
+
+
+def test_resume_against_other_data_is_refused_unless_asked(start_server, ledger) -> None:
+    old, new = start_server(versioned(1)), start_server(versioned(2))
+    with RemoteLoader(old.address, "v", batch_size=8, seed=5, output="numpy",
+                      timeout=60) as ld:
+        for n, _ in enumerate(ld, 1):
+            if n == 3:
+                state = ld.state_dict()
+                break
+    saved = state["fingerprint"]
+    assert saved["digest"].startswith("sha256:") and saved["objects"] == 64
+    with RemoteLoader(new.address, "v", batch_size=8, seed=5, output="numpy",
+                      timeout=60) as ld:
+        try:
+            ld.load_state_dict(state)
+        except ValueError as e:
+            said = str(e)
+        else:
+            raise AssertionError("resumed against other data")
+        assert "dataset 'v'" in said and saved["digest"][:19] in said, said
+        assert "allow_changed_data=True" in said, said
+        assert ld.state_dict()["next_batch"] == 0  # nothing of the refused state was taken
+        ld.load_state_dict(state, allow_changed_data=True)
+        rest = list(ld)
+        assert len(rest) == 5 and {int(v) for b in rest for v in b["version"]} == {2}
+        assert ld.state_dict()["fingerprint"]["digest"] != saved["digest"]
+    ledger.record("clients", "resume from a state_dict saved against other data",
+                  detail="ValueError, unless allow_changed_data=True")
+
+
+def test_an_old_state_dict_without_a_fingerprint_resumes(start_server) -> None:
+    server = start_server(versioned(1))
+    with RemoteLoader(server.address, "v", batch_size=8, seed=5, output="numpy",
+                      timeout=60) as ld:
+        reference = indices(list(ld)[2:])
+        state = {"coordinates": ld.state_dict()["coordinates"], "epoch": 0, "next_batch": 2}
+    with RemoteLoader(server.address, "v", batch_size=8, seed=5, output="numpy",
+                      timeout=60) as ld:
+        ld.load_state_dict(state)
+        assert indices(list(ld)) == reference

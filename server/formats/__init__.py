@@ -1,8 +1,8 @@
 """Dataset formats: each turns a `format:` block of the config into a map-style dataset.
 
 What a dataset must have (`Dataset`: `__len__`, `__getitem__`) and what it may have (the
-optional parts: `sample`, `source_of`, `shard_starts`, `objects_of`, `storage`) is written
-once, in _contract.py; the server looks the optional parts up once per dataset, into a
+optional parts: `sample`, `source_of`, `shard_starts`, `objects_of`, `storage`, `fingerprint`)
+is written once, in _contract.py; the server looks the optional parts up once per dataset, into a
 `DatasetParts`. Formats read bytes only through a `Storage` (see sources/), never by opening
 paths themselves; those with shards number their samples through one `ShardIndex`.
 """

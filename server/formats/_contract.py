@@ -49,6 +49,12 @@ class DatasetParts:
     objects_of: Callable[[np.ndarray], list[str]] | None = None
     # The Storage the dataset reads through (formats read bytes only through one).
     storage: Storage | None = None
+    # fingerprint() -> str: `format: python` datasets only: a string that changes whenever the
+    # data behind the dataset does (a version, a hash of the files it reads). With the config
+    # and len(), it makes the dataset's fingerprint (server/_fingerprint.py), which servers
+    # and clients compare: without it, two servers whose python datasets have the same
+    # config and length are taken to serve the same data.
+    fingerprint: Callable[[], str] | None = None
 
     @classmethod
     def of(cls, dataset: Dataset) -> DatasetParts:

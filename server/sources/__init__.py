@@ -12,13 +12,29 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from ._listing import Listing
 
 GLOB_CHARS = frozenset("*?[")
 
 
 class StorageError(OSError):
     """An object that cannot be listed or read; the message names its full URL."""
+
+
+class DataChanged(StorageError):
+    """An object whose bytes differ from what the server listed (a file rewritten, resized or
+    removed; an S3 object overwritten). Never skipped under `on_error: skip`: what would stand
+    in for it is not the data the server's fingerprint describes. The message names the key
+    (relative to the dataset's root) and what changed."""
+
+    def __init__(self, key: str, what: str = "changed", detail: str = "") -> None:
+        detail = f" ({detail})" if detail else ""
+        super().__init__(f"{key}: {what} since the server listed it{detail}; restart the "
+                         "server to serve the new data")
+        self.key = key
 
 
 class StorageUnavailable(StorageError):
@@ -37,6 +53,9 @@ class ObjectInfo:
 
 class Storage(Protocol):
     url: str  # the root: a directory path, or s3://bucket/prefix
+    # Every object list() and info() returned, by key, as first seen: what the dataset's
+    # fingerprint covers (server/_fingerprint.py) and what reads are checked against.
+    listed: Listing
 
     def list(self, pattern: str | None = None) -> list[ObjectInfo]:
         """Objects under the root whose key matches the glob `pattern` (all if None),
@@ -53,6 +72,11 @@ class Storage(Protocol):
 
     def prefetch(self, keys: Iterable[str]) -> None:
         """A hint: these keys will be read soon. Never blocks, never raises."""
+        ...
+
+    def verify(self, keys: Iterable[str]) -> None:
+        """Raise DataChanged if one of these listed objects changed since it was listed (local
+        files: one stat each; S3: nothing, reads send If-Match with the listed ETag)."""
         ...
 
     def where(self, key: str) -> str:

@@ -1,12 +1,29 @@
-"""Local (or network-mounted) directories."""
+"""Local (or network-mounted) directories.
+
+A file's version is its mtime and size. Every read checks the file it read against the listing
+(an fstat of the open file, after reading: a write before or during the read has moved the
+mtime by then), so a file rewritten under a running server fails its samples with DataChanged
+instead of serving other bytes under the listed name.
+"""
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from . import ObjectInfo, StorageError, glob_regex
+from . import DataChanged, ObjectInfo, StorageError, glob_regex
+from ._listing import Listing
+
+
+def _version(st: os.stat_result) -> str:
+    return f"{st.st_mtime_ns}-{st.st_size}"
+
+
+def _when(mtime_ns: int) -> str:
+    when = datetime.datetime.fromtimestamp(mtime_ns / 1e9)
+    return when.isoformat(sep=" ", timespec="milliseconds")
 
 
 class LocalStorage:
@@ -16,6 +33,7 @@ class LocalStorage:
         if not self.root.is_dir():
             raise StorageError(f"{root}: not a directory")
         self.url = str(self.root)
+        self.listed = Listing()
 
     def _path(self, key: str) -> Path:
         # Resolved and checked, so that neither `..` nor a symlink leads outside the root
@@ -40,22 +58,33 @@ class LocalStorage:
                 key = name if rel == "." else f"{rel}/{name}"
                 if name.startswith(".") or (match and not match(key)):
                     continue
-                found.append(self.info(key))
+                found.append(self._stat(key))
         found.sort(key=lambda o: o.key)
+        self.listed.update(found)
         return found
 
     def info(self, key: str) -> ObjectInfo:
+        info = self._stat(key)
+        self.listed.add(info)
+        return info
+
+    def _stat(self, key: str) -> ObjectInfo:
         path = self._path(key)
         try:
             st = path.stat()
         except OSError as e:
             raise StorageError(f"{self.where(key)}: {e.strerror}") from None
-        return ObjectInfo(key, st.st_size, f"{st.st_mtime_ns}-{st.st_size}")
+        return ObjectInfo(key, st.st_size, _version(st))
 
     def read(self, key: str) -> bytes:
         path = self._path(key)
         try:
-            return path.read_bytes()
+            with open(path, "rb") as f:
+                data = f.read()
+                self._check(key, os.fstat(f.fileno()))
+                return data
+        except DataChanged:
+            raise
         except OSError as e:
             raise StorageError(f"{self.where(key)}: {e.strerror}") from None
 
@@ -63,9 +92,39 @@ class LocalStorage:
         path = self._path(key)
         try:
             with open(path, "rb") as f:
-                return os.pread(f.fileno(), length, start)
+                data = os.pread(f.fileno(), length, start)
+                self._check(key, os.fstat(f.fileno()))
+                return data
+        except DataChanged:
+            raise
         except OSError as e:
             raise StorageError(f"{self.where(key)}: {e.strerror}") from None
+
+    def verify(self, keys: Iterable[str]) -> None:
+        for key in dict.fromkeys(keys):
+            if key not in self.listed:
+                continue
+            try:
+                st = os.stat(self.root / key)  # the key was checked when it was listed
+            except FileNotFoundError:
+                raise DataChanged(key, "removed") from None
+            except OSError as e:
+                raise StorageError(f"{self.where(key)}: {e.strerror}") from None
+            self._check(key, st)
+
+    def _check(self, key: str, st: os.stat_result) -> None:
+        """DataChanged if `st` is not the file as listed; a key read before any listing
+        named it (a manifest) is recorded as it is now."""
+        listed = self.listed.add(ObjectInfo(key, st.st_size, _version(st)))
+        if listed.version == _version(st):
+            return
+        mtime_ns = int(listed.version.partition("-")[0])
+        what = []
+        if st.st_size != listed.size:
+            what.append(f"size {listed.size} -> {st.st_size} bytes")
+        if st.st_mtime_ns != mtime_ns:
+            what.append(f"modified {_when(mtime_ns)} -> {_when(st.st_mtime_ns)}")
+        raise DataChanged(key, "changed", ", ".join(what))
 
     def local_path(self, key: str) -> Path:
         return self._path(key)

@@ -9,6 +9,8 @@
   StorageError when it answered no (missing, forbidden: DATA_LOSS).
 - Objects come through the disk cache (cache.py): an epoch after the first reads local files.
   Cache entries are keyed by URL and ETag, so a changed object is fetched again.
+- Every GET of a listed object carries If-Match with the ETag it was listed with: an object
+  overwritten since answers 412, which is DataChanged, never the new bytes under the old name.
 - Large objects are fetched as parallel ranged GETs of `range_bytes`.
 - prefetch(keys) fills the cache from a thread pool, at most `prefetch_bytes` in flight;
   a read of a key being prefetched waits for that fetch instead of starting another.
@@ -32,7 +34,8 @@ import boto3
 import botocore.exceptions as bx
 from botocore.config import Config as BotoConfig
 
-from . import ObjectInfo, StorageError, StorageUnavailable, glob_regex
+from . import DataChanged, ObjectInfo, StorageError, StorageUnavailable, glob_regex
+from ._listing import Listing
 from .cache import DiskCache
 
 log = logging.getLogger("stoker.server")
@@ -42,6 +45,7 @@ T = TypeVar("T")
 _BODY_ERRORS = (bx.ResponseStreamingError, bx.IncompleteReadError, bx.ReadTimeoutError,
                 bx.ConnectionClosedError, bx.EndpointConnectionError, ConnectionError)
 _MISSING = {"404", "NoSuchKey", "NotFound"}
+_CHANGED = {"412", "PreconditionFailed"}
 _TRANSIENT = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout",
               "Throttling", "ThrottlingException", "RequestTimeTooSkewed"}
 # No answer at all, after botocore's retries: the network or the store is down.
@@ -79,6 +83,8 @@ class S3Storage:
         self._lock = threading.Lock()
         # From list(): what a read needs to find the cache entry without a HEAD request.
         self._known: dict[str, tuple[str, int]] = {}
+        # As first listed (the fingerprint's view; GETs send its ETag as If-Match).
+        self.listed = Listing()
         self._inflight: dict[str, concurrent.futures.Future[Path]] = {}
         self._inflight_bytes = 0
 
@@ -101,6 +107,7 @@ class S3Storage:
             raise StorageError(f"{self.url}: cannot list: {e}") from None
         with self._lock:
             self._known.update((o.key, (o.version, o.size)) for o in found)
+            self.listed.update(found)
         return sorted(found, key=lambda o: o.key)
 
     def info(self, key: str) -> ObjectInfo:
@@ -113,6 +120,7 @@ class S3Storage:
         info = ObjectInfo(key, head["ContentLength"], head["ETag"].strip('"'))
         with self._lock:
             self._known[key] = (info.version, info.size)
+            self.listed.add(info)
         return info
 
     def read(self, key: str) -> bytes:
@@ -153,6 +161,9 @@ class S3Storage:
                 self._inflight[key] = fut
             fut.add_done_callback(lambda f, k=key, n=size: self._settled(k, n, f))
 
+    def verify(self, keys: Iterable[str]) -> None:
+        pass  # cache entries are keyed by ETag, and GETs send If-Match: nothing can drift
+
     def where(self, key: str) -> str:
         return f"{self.url}/{key}"
 
@@ -173,8 +184,18 @@ class S3Storage:
 
     def _get(self, key: str, byte_range: str | None, expect: int) -> bytes:
         kwargs = {"Range": byte_range} if byte_range else {}
+        listed = self.listed.get(key)
+        if listed is not None:
+            kwargs["IfMatch"] = f'"{listed.version}"'
         # The request itself: botocore has retried it already when this raises.
-        body = self.client.get_object(Bucket=self.bucket, Key=self._key(key), **kwargs)["Body"]
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=self._key(key),
+                                          **kwargs)["Body"]
+        except bx.ClientError as e:
+            if listed is not None and _code(e) in _CHANGED:
+                raise DataChanged(key, "overwritten",
+                                  f"its ETag is no longer {listed.version}") from None
+            raise
         try:
             with body:
                 data = body.read()

@@ -1,0 +1,96 @@
+"""Which data a loader reads: the dataset fingerprint it pinned, and the servers that agree.
+
+A loader pins the fingerprint of the first server that describes the dataset, and from then on
+sends its digest in every stream's and Describe's coordinates: a server with other data refuses
+those (FAILED_PRECONDITION). Before its first epoch it also asks every reachable server once,
+so that two servers that listed the data at different times are named together before any
+batch is used (docs/client.md, "Servers that hold different data").
+
+Threading: used from the loop's thread only (the loader's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from stoker.v1 import stoker_pb2 as pb
+from stoker.v1 import stoker_pb2_grpc as pb_grpc
+
+from ._errors import DataMismatch
+
+SHORT = len("sha256:") + 12
+
+
+@dataclass(frozen=True)
+class Pin:
+    """The fingerprint a loader reads (`digest` "" when the server reports none) and the
+    server it came from."""
+
+    digest: str
+    objects: int
+    bytes: int
+    address: str
+
+    @classmethod
+    def of(cls, fp: pb.Fingerprint, address: str) -> Pin:
+        return cls(fp.digest, fp.objects, fp.bytes, address)
+
+    def state(self) -> dict[str, Any]:
+        """What state_dict() records."""
+        return {"digest": self.digest, "objects": self.objects, "bytes": self.bytes}
+
+
+def short(digest: str, objects: int | None = None, nbytes: int | None = None) -> str:
+    """`sha256:9c1d2e3f4a5b... (40 objects, 1.2 MB)`."""
+    text = digest[:SHORT] + "..." if len(digest) > SHORT else digest or "(none)"
+    if objects is None:
+        return text
+    return f"{text} ({objects} objects, {_size(nbytes or 0)})"
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "kB", "MB", "GB"):
+        if n < 1000:
+            return f"{int(n)} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def mismatch(dataset: str, pin: Pin, address: str, digest: str,
+             found: pb.Fingerprint | None = None) -> DataMismatch:
+    """The error naming both servers and both fingerprints."""
+    theirs = short(digest, found.objects, found.bytes) if found is not None else short(digest)
+    ours = short(pin.digest, pin.objects, pin.bytes)
+    if address == pin.address:  # restarted over other data
+        return DataMismatch(
+            f"dataset {dataset!r}: {address} had {ours} when this loader began and now has "
+            f"{theirs}: its data changed, and one loader must not mix the two (samples would "
+            "repeat or go missing): start a new loader (or resume with "
+            "load_state_dict(state, allow_changed_data=True))", address, digest)
+    return DataMismatch(
+        f"dataset {dataset!r}: servers hold different data: {pin.address} has {ours}, "
+        f"{address} has {theirs}; one loader must not mix them (samples would repeat or go "
+        "missing): restart the stale server so that both list the same data (and keep mtimes "
+        "when copying: rsync -a, cp -p), or give the loader only servers that agree",
+        address, digest)
+
+
+def describe_each(channels: Iterable[tuple[str, grpc.Channel]], coordinates: pb.Coordinates,
+                  timeout: float) -> dict[str, pb.Fingerprint]:
+    """The dataset's fingerprint at each server that answers within `timeout`, asked all at
+    once and without a fingerprint of ours (so each says what it has); servers that do not
+    answer are left out (a server refuses streams expecting other data anyway)."""
+    asked = {address: pb_grpc.DataServiceStub(channel).DescribeDataset.future(
+        pb.DescribeDatasetRequest(coordinates=coordinates), timeout=timeout)
+        for address, channel in channels}
+    found = {}
+    for address, future in asked.items():
+        try:
+            found[address] = future.result().fingerprint
+        except grpc.RpcError:
+            continue
+    return found
