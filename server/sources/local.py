@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import BinaryIO
 
 from . import DataChanged, ObjectInfo, StorageError, glob_regex
 from ._listing import Listing
@@ -77,22 +78,18 @@ class LocalStorage:
         return ObjectInfo(key, st.st_size, _version(st))
 
     def read(self, key: str) -> bytes:
-        path = self._path(key)
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-                self._check(key, os.fstat(f.fileno()))
-                return data
-        except DataChanged:
-            raise
-        except OSError as e:
-            raise StorageError(f"{self.where(key)}: {e.strerror}") from None
+        return self._read(key, lambda f: f.read())
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
-        path = self._path(key)
+        return self._read(key, lambda f: os.pread(f.fileno(), length, start))
+
+    def _read(self, key: str, how: Callable[[BinaryIO], bytes]) -> bytes:
+        """`how(file)` on the key's file, then the file checked against the listing: a file
+        rewritten since it was listed fails (DataChanged) instead of serving its new bytes."""
+        path = self._path(key)  # its own StorageError, outside the try
         try:
             with open(path, "rb") as f:
-                data = os.pread(f.fileno(), length, start)
+                data = how(f)
                 self._check(key, os.fstat(f.fileno()))
                 return data
         except DataChanged:
