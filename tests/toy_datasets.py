@@ -6,6 +6,7 @@ Servers started by the tests have this folder on PYTHONPATH (see conftest.py).
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import numpy as np
@@ -117,7 +118,7 @@ class Hangs(Toy):
             except FileExistsError:
                 pass  # hung once already
             else:
-                time.sleep(3600)  # a read that never returns
+                signal.pause()  # a read that never returns (the watchdog's SIGKILL ends it)
         return super().__getitem__(i)
 
 
