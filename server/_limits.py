@@ -21,7 +21,6 @@ import collections
 import contextlib
 import enum
 import logging
-import os
 import resource
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_health.v1 import health
 
+from . import _shm
 from ._datasocket import MAX_CLAIMS
 from ._messages import DEPTH, KEEP_SEGMENTS
 
@@ -109,17 +109,13 @@ def concurrent_rpcs(settings: ServerSettings) -> int:
     return settings.max_streams + settings.max_health_watches + 256
 
 
-def held_cap(settings: ServerSettings, shm: str = "/dev/shm") -> tuple[int, str]:
+def held_cap(settings: ServerSettings) -> tuple[int, str]:
     """The shared memory streams may hold in all, and how it was chosen: max_held_bytes, or
     3/4 of /dev/shm if that is smaller (the workers' own segments need the rest)."""
     cap = int(settings.max_held_bytes)
-    try:
-        st = os.statvfs(shm)
-    except OSError:
-        return cap, f"max_held_bytes={_size(cap)}"
-    quarter3 = st.f_blocks * st.f_frsize * 3 // 4
+    quarter3 = _shm.capacity()[0] * 3 // 4  # 0 where /dev/shm cannot be read
     if 0 < quarter3 < cap:
-        return quarter3, f"max_held_bytes={_size(quarter3)} (3/4 of {shm})"
+        return quarter3, f"max_held_bytes={_size(quarter3)} (3/4 of /dev/shm)"
     return cap, f"max_held_bytes={_size(cap)}"
 
 

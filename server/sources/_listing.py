@@ -59,6 +59,7 @@ class Listing:
         """Record every object whose key is not known yet (a whole listing at once)."""
         infos = list(infos)
         if infos:
+            self._compact()  # keys seen before, by a read, are in _recent: they win
             self._merge(infos)
 
     def values(self) -> Iterator[ObjectInfo]:

@@ -93,6 +93,7 @@ class DiskCache:
         self.hits = self.misses = self.bytes_fetched = 0
         self.writable = True  # False once its disk is known read-only: stop trying to write
         self._warned = False
+        self._full = False  # the last write failed for want of space (it may free up)
         self._scratch: OrderedDict[str, _Scratch] = OrderedDict()
         try:
             (self.root / LOCKS).mkdir(parents=True, exist_ok=True)
@@ -104,8 +105,9 @@ class DiskCache:
 
     @property
     def degraded(self) -> bool:
-        """Whether a write has failed (read-only or full): prefetching has nowhere to go."""
-        return self._warned
+        """Whether the disk refuses writes now (read-only, or full since the last write that
+        worked): prefetching has nowhere to go."""
+        return not self.writable or self._full
 
     def entry(self, url: str, version: str) -> Path:
         digest = hashlib.sha256(f"{url}\0{version}".encode()).hexdigest()
@@ -184,6 +186,7 @@ class DiskCache:
                 with contextlib.suppress(OSError):  # gone, or the disk went read-only
                     tmp.unlink()
                 raise
+        self._full = False  # a write worked: the disk has room again
         with self._lock:
             self.misses += 1
             self.bytes_fetched += size
@@ -205,6 +208,8 @@ class DiskCache:
         """The cache's disk refused a write: say so once, and stop writing if it will last."""
         if for_good or error.errno in READ_ONLY:
             self.writable = False
+        else:
+            self._full = True
         with self._lock:
             if self._warned:
                 return

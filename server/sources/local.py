@@ -35,6 +35,7 @@ class LocalStorage:
             raise StorageError(f"{root}: not a directory")
         self.url = str(self.root)
         self.listed = Listing()
+        self._mapped: set[str] = set()  # keys handed out by local_path, checked per batch
 
     def _path(self, key: str) -> Path:
         # Resolved and checked, so that neither `..` nor a symlink leads outside the root
@@ -98,22 +99,27 @@ class LocalStorage:
             raise StorageError(f"{self.where(key)}: {e.strerror}") from None
 
     def verify(self, keys: Iterable[str]) -> None:
+        # Only files handed out by local_path (memory-mapped by their format): a file read
+        # through read()/read_range() is checked by that read, after it.
         for key in dict.fromkeys(keys):
-            if key not in self.listed:
-                continue
-            try:
-                st = os.stat(self.root / key)  # the key was checked when it was listed
-            except FileNotFoundError:
-                raise DataChanged(key, "removed") from None
-            except OSError as e:
-                raise StorageError(f"{self.where(key)}: {e.strerror}") from None
-            self._check(key, st)
+            if key in self._mapped:
+                self._stat_checked(key, self.root / key)  # the key was checked when mapped
+
+    def _stat_checked(self, key: str, path: Path) -> None:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise DataChanged(key, "removed") from None
+        except OSError as e:
+            raise StorageError(f"{self.where(key)}: {e.strerror}") from None
+        self._check(key, st)
 
     def _check(self, key: str, st: os.stat_result) -> None:
         """DataChanged if `st` is not the file as listed; a key read before any listing
         named it (a manifest) is recorded as it is now."""
-        listed = self.listed.add(ObjectInfo(key, st.st_size, _version(st)))
-        if listed.version == _version(st):
+        version = _version(st)
+        listed = self.listed.add(ObjectInfo(key, st.st_size, version))
+        if listed.version == version:
             return
         mtime_ns = int(listed.version.partition("-")[0])
         what = []
@@ -124,7 +130,12 @@ class LocalStorage:
         raise DataChanged(key, "changed", ", ".join(what))
 
     def local_path(self, key: str) -> Path:
-        return self._path(key)
+        """The file itself, for a format that maps it: checked against the listing now, and
+        before every batch that reads it (verify), since a mapped file is read as it is."""
+        path = self._path(key)
+        self._stat_checked(key, path)
+        self._mapped.add(key)
+        return path
 
     def prefetch(self, keys: Iterable[str]) -> None:
         pass  # the page cache and the disk's read-ahead do this better than we could
