@@ -139,3 +139,17 @@ def test_a_damaged_gzip_shard_stops_the_server_naming_it(tmp_path: Path, ledger)
     left = list((tmp_path / "cache" / "tar").iterdir())
     assert len(left) == 1 and left[0].suffix == ".tar"  # a's copy; nothing half-written
     ledger.record("corrupt input", "gzipped tar shard cut short: refused at start, named")
+
+
+def test_gzipped_shards_are_held_in_memory_where_the_cache_cannot_be_written(
+        shards: Path, tmp_path: Path) -> None:
+    from stoker.server._config import TarDataset
+    from stoker.server.formats.tar import Tar
+    from stoker.server.sources import open_storage
+
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_bytes(b"")  # cache.dir is a file: no folder can be made in it
+    cfg = TarDataset.model_validate({"format": "tar", "source": str(shards),
+                                     "fields": {"cls": {"ext": "cls", "decode": "int"}}})
+    tar = Tar(cfg, open_storage(str(shards)), "*.tgz", cache_dir=blocked)
+    assert [int(tar[i]["cls"]) for i in range(len(tar))] == [n % 7 for n in range(10, 15)]

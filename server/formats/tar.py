@@ -152,15 +152,26 @@ class _Gunzipped:
         self.infos: dict[str, ObjectInfo] = {}
         self._memory: dict[str, int] = {}  # key -> memfd, where the folder cannot be used
         if cache_dir is not None:
-            try:
-                (cache_dir / "tar").mkdir(parents=True, exist_ok=True)
-                (cache_dir / LOCKS).mkdir(exist_ok=True)
-                if not os.access(cache_dir / "tar", os.W_OK):
-                    raise PermissionError("not writable")
-                self.folder = cache_dir / "tar"
-            except OSError as e:
-                log.warning("%s: cannot keep decompressed shards in %s (%s); each worker holds "
-                            "them in memory", storage.url, cache_dir, e)
+            self.folder = self._folder(cache_dir)
+
+    def __del__(self) -> None:
+        for fd in getattr(self, "_memory", {}).values():
+            os.close(fd)
+
+    def _folder(self, cache_dir: Path) -> Path | None:
+        """cache_dir/tar, made if missing; None (with a warning) where it cannot be written."""
+        folder = cache_dir / "tar"
+        why = "not writable"
+        try:
+            for made in (folder, cache_dir / LOCKS):
+                made.mkdir(parents=True, exist_ok=True)
+            if os.access(folder, os.W_OK):
+                return folder
+        except OSError as e:
+            why = str(e)
+        log.warning("%s: cannot keep decompressed shards in %s (%s); each worker holds them "
+                    "in memory", self.storage.url, cache_dir, why)
+        return None
 
     def open_all(self, infos: list[ObjectInfo]) -> None:
         """Decompress every gzipped shard not yet decompressed: first those no other process
