@@ -299,9 +299,9 @@ Transforms = Annotated[list[TransformStep], AfterValidator(_check_transforms),
 
 
 def _size_or_transforms(size: Any, transforms: Any) -> None:
-    if (size is None) == (transforms is None):
-        raise ValueError("give either size (a plain resize) or transforms, not both" if size
-                         else "size or transforms is required")
+    # Neither: images at their native size, each batch padded to its largest (images.py).
+    if size is not None and transforms is not None:
+        raise ValueError("give either size (a plain resize) or transforms, not both")
 
 
 class ImageFolderDataset(_Sourced):
@@ -378,20 +378,32 @@ class MemmapDataset(_Sourced):
 
 
 class TarField(_Strict):
-    ext: str = Field(min_length=1, description="the member's extension after the sample key")
-    decode: Literal["image", "int", "float", "npy", "utf8"]
+    ext: str = Field(min_length=1, description="the member's extension after the sample key "
+                                               "(matched ignoring case, as webdataset does)")
+    decode: Literal["image", "int", "float", "npy", "utf8", "json"]
     size: ImageSize | None = None  # image: a plain resize
     transforms: Transforms | None = None  # image: instead of size
     layout: Literal["chw", "hwc"] = "chw"  # image
-    max_bytes: int | None = Field(None, ge=1)  # utf8, as in jsonl
+    max_bytes: int | None = Field(None, ge=1)  # utf8, and json with dtype utf8, as in jsonl
+    # json: the value at `path` (dotted, as in jsonl; default: the whole document), as dtype
+    # (required: no silent float) and shape.
+    path: str | None = None
+    dtype: Literal[NumberDtype, "utf8"] | None = None
+    shape: tuple[int, ...] = ()
 
     @model_validator(mode="after")
     def _decoder_options(self) -> TarField:
-        _check_text(self.decode == "utf8", self.max_bytes)
+        _check_text(self.decode == "utf8" or (self.decode == "json" and self.dtype == "utf8"),
+                    self.max_bytes)
         if self.decode == "image":
             _size_or_transforms(self.size, self.transforms)
         elif self.size is not None or self.transforms is not None:
             raise ValueError("size and transforms apply to decode: image only")
+        if self.decode == "json" and self.dtype is None:
+            raise ValueError("decode: json needs dtype (a number type, or utf8 with max_bytes)")
+        if self.decode != "json" and (self.path is not None or self.dtype is not None
+                                      or self.shape):
+            raise ValueError("path, dtype and shape apply to decode: json only")
         return self
 
 

@@ -40,8 +40,9 @@ def open_dataset(name: str, config: Any, cache: Any = None) -> Dataset:
                                         cfg.follow_symlinks_outside_root)
         module, cls = _READERS[cfg.format]
         reader = getattr(importlib.import_module(f".{module}", __name__), cls)
-        # text keeps its tokenized corpus in the cache folder, shared by the workers.
-        extra = {"cache_dir": config.cache.dir} if cfg.format == "text" else {}
+        # text keeps its tokenized corpus in the cache folder, shared by the workers; tar
+        # its gzipped shards' uncompressed copies.
+        extra = {"cache_dir": config.cache.dir} if cfg.format in ("text", "tar") else {}
         dataset = reader(cfg, storage, pattern, **extra)
     if cfg.transform is not None:
         from .python import WithTransform
