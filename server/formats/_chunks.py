@@ -25,6 +25,7 @@ import bz2
 import enum
 import gzip
 import io
+import json
 import re
 import threading
 from collections import OrderedDict
@@ -298,12 +299,17 @@ def check_keys(storage: Storage, sizes: dict[str, int | None], index_key: str) -
                              f"{size}; the file is truncated or was rewritten")
 
 
-def index_key(storage: Storage, pattern: str | None, fmt: str) -> str:
-    """The index file: `index.json` in the source folder, or the source itself if it names it."""
-    if pattern is None:
-        return "index.json"
-    # A source naming one local file comes as its name, glob characters escaped.
-    if not set("*?[") & set(re.sub(r"\[([*?\[])\]", "", pattern)):
-        return re.sub(r"\[([*?\[])\]", r"\1", pattern)
-    raise ValueError(f"{storage.url}/{pattern}: a {fmt} source is the folder that holds "
-                     "index.json (or that file itself), not a glob")
+def read_index(storage: Storage, pattern: str | None, fmt: str) -> tuple[str, Any]:
+    """(the index file's key, its JSON): `index.json` in the source folder, or the file the
+    source names."""
+    key = "index.json"
+    if pattern is not None:
+        # A source naming one local file comes as its name, glob characters escaped.
+        if set("*?[") & set(re.sub(r"\[([*?\[])\]", "", pattern)):
+            raise ValueError(f"{storage.url}/{pattern}: a {fmt} source is the folder that "
+                             "holds index.json (or that file itself), not a glob")
+        key = re.sub(r"\[([*?\[])\]", r"\1", pattern)
+    try:
+        return key, json.loads(storage.read(key))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{storage.where(key)}: not a JSON index: {e}") from None

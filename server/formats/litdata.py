@@ -17,8 +17,7 @@ chunk's offset table). Leaf serializers, as LitData writes them (`streaming/seri
     tensor                            [dtype code, ndim, shape...] as uint32, the values: the
                                       header big-endian since LitData 0.2.57, little before;
                                       stoker takes the one whose sizes add up
-    no_header_tensor:CODE             1-d values of torch dtype CODE; bfloat16 is served as
-                                      float32 (exactly: numpy has no bfloat16)
+    no_header_tensor:CODE             1-d values of torch dtype CODE
     str, text, bytes                  text: uint8[max_bytes] and `<field>_length`
     jpeg, image:EXT, pil              images, through the image pipeline (`pil`: raw pixels)
 
@@ -49,8 +48,8 @@ from ._chunks import (
     Shard,
     check_keys,
     decompress,
-    index_key,
     png_of_pil,
+    read_index,
     split_sized,
     utf8,
 )
@@ -59,7 +58,7 @@ from ._chunks import (
 _NUMPY_CODES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
                 "float16", "float32", "float64", None, None, "bool")
 _TORCH_CODES = ("float32", "float32", "float64", "float64", None, None, None, None, "float16",
-                "float16", "bfloat16", "uint8", "int8", "int16", "int16", "int32", "int32",
+                "float16", None, "uint8", "int8", "int16", "int16", "int32", "int32",
                 "int64", "int64", "bool", "uint16")
 _FOOTER_MAGIC = b"LDARW01\0"  # an Arrow IPC table of the chunk's rows, appended to it
 _FRAMED_MAGIC = b"LDFZ01\0\0"  # compression_level: batch
@@ -73,24 +72,22 @@ def _dtype(codes: tuple[str | None, ...], code: int, what: str) -> np.dtype:
     name = codes[code] if 0 <= code < len(codes) else None
     if name is None:
         raise ValueError(f"{what} dtype code {code} is not a number type a batch can carry")
-    return np.dtype("<u2" if name == "bfloat16" else name).newbyteorder("<")
+    return np.dtype(name).newbyteorder("<")
 
 
-def _values(data: bytes, dtype: np.dtype, shape: tuple[int, ...] | None, bf16: bool) -> Any:
+def _values(data: bytes, dtype: np.dtype, shape: tuple[int, ...] | None = None) -> Any:
     values = np.frombuffer(data, dtype)
     if shape is not None:
         if values.size != int(np.prod(shape)):
             raise ValueError(f"{values.size} values for shape {list(shape)}")
         values = values.reshape(shape)
-    if bf16:  # the top half of a float32: widening is exact
-        return (values.astype("<u4") << 16).view("<f4").astype(np.float32)
     return values.astype(dtype.newbyteorder("="))
 
 
 def _numpy(data: bytes) -> np.ndarray:
     code, ndim = struct.unpack_from("<II", data)
     shape = struct.unpack_from(f"<{ndim}I", data, 8)
-    return _values(data[8 + 4 * ndim:], _dtype(_NUMPY_CODES, code, "numpy"), shape, False)
+    return _values(data[8 + 4 * ndim:], _dtype(_NUMPY_CODES, code, "numpy"), shape)
 
 
 def _tensor(data: bytes) -> np.ndarray:
@@ -101,14 +98,13 @@ def _tensor(data: bytes) -> np.ndarray:
         shape = struct.unpack_from(f"{order}{ndim}I", data, 8)
         dtype = _dtype(_TORCH_CODES, code, "tensor")
         if dtype.itemsize * int(np.prod(shape)) == len(data) - 8 - 4 * ndim:
-            return _values(data[8 + 4 * ndim:], dtype, shape, _TORCH_CODES[code] == "bfloat16")
+            return _values(data[8 + 4 * ndim:], dtype, shape)
     raise ValueError("not a LitData tensor: its header and size do not agree")
 
 
 def _flat(codes: tuple[str | None, ...], what: str, code: int) -> Any:
     dtype = _dtype(codes, code, what)
-    bf16 = codes[code] == "bfloat16"
-    return lambda data: _values(data, dtype, None, bf16)
+    return lambda data: _values(data, dtype)
 
 
 def column(name: str, fmt: str) -> Column:
@@ -181,13 +177,12 @@ def _plain(value: Any, fmt: str) -> bytes:
 
 class Litdata(ChunkedDataset):
     def __init__(self, cfg: Any, storage: Storage, pattern: str | None = None) -> None:
-        key = index_key(storage, pattern, "litdata")
+        key, index = read_index(storage, pattern, "litdata")
         where = storage.where(key)
         try:
-            index = json.loads(storage.read(key))
             config, chunks = index["config"], index["chunks"]
             formats = list(config["data_format"])
-        except (ValueError, UnicodeDecodeError, KeyError, TypeError) as e:
+        except (KeyError, TypeError) as e:
             raise ValueError(f"{where}: not a LitData index (`chunks` and `config` with "
                              f"`data_format`): {type(e).__name__}: {e}") from None
         loader = config.get("item_loader") or "PyTreeLoader"

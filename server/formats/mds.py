@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..sources import Storage
-from ._chunks import ChunkedDataset, Column, Kind, Shard, check_keys, index_key, png_of_pil
+from ._chunks import ChunkedDataset, Column, Kind, Shard, check_keys, png_of_pil, read_index
 from ._chunks import split_sized as _split_sized
 from ._chunks import utf8 as _utf8
 
@@ -120,12 +120,8 @@ def column(name: str, encoding: str) -> Column:
 
 class Mds(ChunkedDataset):
     def __init__(self, cfg: Any, storage: Storage, pattern: str | None = None) -> None:
-        key = index_key(storage, pattern, "mds")
+        key, index = read_index(storage, pattern, "mds")
         where = storage.where(key)
-        try:
-            index = json.loads(storage.read(key))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"{where}: not a JSON index: {e}") from None
         if not isinstance(index, dict) or index.get("version") != 2 or "shards" not in index:
             raise ValueError(f"{where}: not a Mosaic Streaming index (version 2 with `shards`)")
         shards, columns = [], None
