@@ -22,7 +22,8 @@ __all__ = ["OPTIONAL", "Dataset", "DatasetParts", "open_dataset"]
 _READERS = {"image-folder": ("image_folder", "ImageFolder"), "jsonl": ("jsonl", "Jsonl"),
             "tokens": ("tokens", "Tokens"), "memmap": ("memmap", "Memmap"),
             "tar": ("tar", "Tar"), "parquet": ("parquet", "Parquet"),
-            "text": ("text", "Text")}
+            "text": ("text", "Text"), "mds": ("mds", "Mds"),
+            "litdata": ("litdata", "Litdata")}
 
 
 def open_dataset(name: str, config: Any, cache: Any = None) -> Dataset:
