@@ -6,7 +6,10 @@ problem, and the server exits non-zero before opening any port.
 
 from __future__ import annotations
 
+import difflib
 import os
+import types
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -666,5 +669,69 @@ def load_config(path: str | os.PathLike[str], **overrides: Any) -> Config:
             loc = ".".join(parts) or "(top level)"
             got = repr(err.get("input"))
             got = got if len(got) <= 80 else got[:77] + "..."
-            lines.append(f"  {loc}: {err['msg']} (got {got})")
+            msg = err["msg"]
+            if err["type"] == "extra_forbidden":
+                msg += _did_you_mean(err["loc"])
+            lines.append(f"  {loc}: {msg} (got {got})")
         raise ConfigError("\n".join(lines)) from None
+
+
+# -- unknown keys: the valid keys where the typo is, and the closest of them -------------------
+def _unwrap(t: Any) -> Any:
+    """`t` without Annotated and without `| None`."""
+    while True:
+        if typing.get_origin(t) is Annotated:
+            t = typing.get_args(t)[0]
+        elif typing.get_origin(t) in (Union, types.UnionType) and type(None) in typing.get_args(t):
+            rest = [a for a in typing.get_args(t) if a is not type(None)]
+            if len(rest) != 1:
+                return t
+            t = rest[0]
+        else:
+            return t
+
+
+def _member(union: Any, tag: Any) -> Any:
+    """The member of a tagged union that an error's location names by `tag`: a transform's
+    `Tag`, or a dataset's `format` literal."""
+    for m in typing.get_args(union):
+        if typing.get_origin(m) is Annotated and any(
+                isinstance(x, Tag) and x.tag == tag for x in typing.get_args(m)[1:]):
+            return m
+        model = _unwrap(m)
+        fmt = getattr(model, "model_fields", {}).get("format")
+        if fmt is not None and tag in typing.get_args(fmt.annotation):
+            return model
+    return None
+
+
+def _keys_at(loc: tuple[Any, ...]) -> list[str]:
+    """The keys the model at `loc` (an error's location, less the unknown key) accepts; []
+    where the location cannot be followed."""
+    t: Any = Config
+    for part in loc:
+        t = _unwrap(t)
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            field = t.model_fields.get(str(part))
+            t = field.annotation if field is not None else None
+        elif typing.get_origin(t) in (Union, types.UnionType):
+            t = _member(t, part)
+        elif typing.get_origin(t) in (dict, list, tuple):
+            t = typing.get_args(t)[-1]
+        else:
+            return []
+        if t is None:
+            return []
+    t = _unwrap(t)
+    return sorted(t.model_fields) if isinstance(t, type) and issubclass(t, BaseModel) else []
+
+
+def _did_you_mean(loc: tuple[Any, ...]) -> str:
+    """"; did you mean 'options'?" for `option`, else the keys valid there."""
+    keys = _keys_at(loc[:-1])
+    if not keys:
+        return ""
+    close = difflib.get_close_matches(str(loc[-1]), keys, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return f"; expected one of: {', '.join(keys)}"
