@@ -58,8 +58,9 @@ READY_TIMEOUT = 90.0
 MARKER = re.compile(r"^\s*<!--\s*docwalk:\s*(\w+)\s*(.*?)\s*-->\s*$")
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
 FILE_NAME = re.compile(r"^#\s*([\w./-]+\.(?:py|ya?ml))\s*$")
-# A command synopsis, not a command: `[--port N]`, `HOST:PORT`, `DATASET`.
-PLACEHOLDER = re.compile(r"\[-|(?<![$\w{/.=-])[A-Z][A-Z_]*(?::[A-Z]+)?(?![\w=(])")
+# A command synopsis, not a command: `[--port N]`, `HOST:PORT`, `DATASET`, `...`.
+PLACEHOLDER = re.compile(r"\[-|\s\.\.\.(?:\s|$)|"
+                         r"(?:^|(?<=[\s\[]))[A-Z][A-Z_]*(?::[A-Z]+)?(?=[\s\]]|$)")
 INSTALL = re.compile(r"^(pip3? install|python3? -m (pip install|venv)|\. \S*activate|"
                      r"source \S*activate)\b")
 SERVE = re.compile(r"\bstoker serve\b|-m stoker\.server\.cli serve\b")
@@ -138,6 +139,8 @@ COMMANDS = ("pip", "python", "python3", "stoker", "make", "docker", "kubectl", "
 
 
 def _guess(text: str) -> Kind:
+    if re.search("[\u2500-\u257f]", text):  # box drawing: a tree or a diagram
+        return Kind.OTHER
     first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
     if first.split(" ")[0].startswith(COMMANDS) and not first.startswith("python:"):
         return Kind.BASH
@@ -484,6 +487,9 @@ def run_block(page: Page, block: Block, prefix: list[str], install: bool, fast: 
         script = page.scratch / f"block-{block.line}.py"
         script.write_text(block.text)
         rc, out = run_command(page, f"python {shlex.quote(str(script))}", timeout, prefix)
+        missing = re.search(r"ModuleNotFoundError: No module named '([\w.]+)'", out)
+        if rc and missing and not missing.group(1).startswith("stoker"):
+            return Result(block, Outcome.SKIPPED, f"needs {missing.group(1)} (not installed here)")
         if rc:
             return Result(block, Outcome.FAILED, f"exit {rc}:\n{out}")
         return Result(block, Outcome.OK, out.strip().splitlines()[-1] if out.strip() else "")
@@ -493,6 +499,10 @@ def run_block(page: Page, block: Block, prefix: list[str], install: bool, fast: 
             why = skip_reason(cmd, install, fast)
             if why:
                 skipped.append(f"{cmd.split(' #')[0].strip()} ({why})")
+                continue
+            config = re.search(r"--config\s+(\S+)", cmd)
+            if SERVE.search(cmd) and config and not (page.cwd / config.group(1)).exists():
+                skipped.append(f"{cmd} (its config {config.group(1)} is not on this page)")
                 continue
             if marker[0] == "background" or SERVE.search(_strip_comment(cmd)):
                 err = start_background(page, _strip_comment(cmd), prefix,
