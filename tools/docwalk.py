@@ -293,8 +293,17 @@ def check_yaml(block: Block, where: Path | None = None) -> Result:
     if not docs:
         return Result(block, Outcome.FAILED, "empty")
     if all(isinstance(d, dict) and "apiVersion" in d and "kind" in d for d in docs):
-        return Result(block, Outcome.OK, "Kubernetes object(s): " +
-                      ", ".join(d["kind"] for d in docs))
+        try:
+            import kubernetes_validate  # the dev extra; without it only the shape is checked
+        except ImportError:
+            kubernetes_validate = None
+        for d in docs if kubernetes_validate else ():
+            try:
+                kubernetes_validate.validate(d, "1.30.0", strict=True)
+            except kubernetes_validate.ValidationError as e:
+                return Result(block, Outcome.FAILED, f"{d['kind']}: {e}")
+        checked = "valid Kubernetes 1.30" if kubernetes_validate else "Kubernetes"
+        return Result(block, Outcome.OK, f"{checked}: " + ", ".join(d["kind"] for d in docs))
     (doc,) = docs
     if not isinstance(doc, dict) or not set(doc) <= CONFIG_KEYS:
         keys = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
@@ -339,7 +348,10 @@ def _isolate(page: Page) -> list[str]:
                                "ip link set lo up && echo up && exec sleep 86400"],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                               start_new_session=True)
-    if holder.stdout is None or holder.stdout.readline().strip() != "up":
+    up = holder.stdout.readline().strip() == "up" if holder.stdout else False
+    if holder.stdout:
+        holder.stdout.close()
+    if not up:
         _stop(holder)
         return []
     page.holder = holder
