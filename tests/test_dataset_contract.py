@@ -30,7 +30,7 @@ EXPECTED = {
     "tokens": SHARDED,
     "memmap": SHARDED,
     "tar": SHARDED | {"sample"},
-    "parquet": SHARDED,
+    "parquet": SHARDED | {"sample"},
     "text": {"sample", "source_of", "objects_of", "storage"},
 }
 
