@@ -100,7 +100,7 @@ def infer_dtype(name: str, values: list[Any]) -> np.dtype:
     leaves = [v for value in values for v in _leaves(value) if v is not None]
     if any(isinstance(v, str | dict) for v in leaves):
         kind = next(type(v).__name__ for v in leaves if isinstance(v, str | dict))
-        raise ValueError(f"field {name!r}: its values are {kind}s, not numbers: set dtype "
+        raise ValueError(f"field {name!r}: holds {kind} values, not numbers: set its dtype "
                          "(utf8 for text, with max_bytes)")
     if leaves and all(isinstance(v, bool) for v in leaves):
         return np.dtype(np.bool_)
