@@ -64,7 +64,9 @@ def tokens_data(root: Path, dtype: str, header: int, lengths: list[int]) -> np.n
     rng = np.random.default_rng(len(lengths) + header)
     windows = []
     for k, n in enumerate(lengths):
-        tokens = rng.integers(0, np.iinfo(dtype).max, size=n, dtype=dtype)
+        # uint32: ids of a large vocabulary (2**20); ids above 2**24 are refused as not ids
+        high = min(np.iinfo(dtype).max, 1 << 20)
+        tokens = rng.integers(0, high, size=n, dtype=dtype)
         little = tokens.astype(tokens.dtype.newbyteorder("<"))
         (root / f"{k:02d}.bin").write_bytes(b"H" * header + little.tobytes())
         windows += [tokens[s : s + 9] for s in range(0, n - 8, 8)]
