@@ -187,3 +187,21 @@ def test_a_column_a_field_cannot_take_names_it_and_its_type(hub, column: str, fi
         open_dataset("d", config)
     assert message in str(info.value)
     assert "train.parquet: field 'x'" in str(info.value)
+
+
+def test_images_datasets_kept_as_paths_stop_the_open(tmp_path: Path) -> None:
+    import datasets
+
+    from stoker.server import Config
+    from stoker.server.formats import open_dataset
+
+    Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(tmp_path / "x.png")
+    ds = datasets.Dataset.from_dict({"image": [str(tmp_path / "x.png")]},
+                                    features=datasets.Features({"image": datasets.Image()}))
+    (tmp_path / "data").mkdir()
+    ds.to_parquet(str(tmp_path / "data" / "p.parquet"))  # keeps the path, not the bytes
+    config = Config.model_validate({"datasets": {"d": {
+        "format": "parquet", "source": str(tmp_path / "data"),
+        "fields": {"image": {"decode": "image", "size": 4}}}}})
+    with pytest.raises(ValueError, match="column 'image' has no image bytes in 1 row"):
+        open_dataset("d", config)

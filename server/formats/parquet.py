@@ -264,13 +264,17 @@ class Parquet:
             paths = leaves.get(field.name, ())
             nulls = sum(n or 0 for path, n in counts.items()
                         if any(path == p or path.startswith(p + ".") for p in paths))
+            if nulls and field.decode == "image":
+                raise ValueError(f"{where}: field {field.name!r}: column {field.col!r} has no "
+                                 f"image bytes in {nulls} row(s) of row group {g} (images "
+                                 "stored as file paths, not embedded: `datasets` embeds them "
+                                 "in push_to_hub, not in to_parquet); set on_error: skip to "
+                                 "replace those samples")
             if nulls:
-                fix = ("set on_error: skip to replace those samples" if field.decode == "image"
-                       else "set the field's fill (the value a null becomes), or on_error: "
-                            "skip to replace those samples")
                 raise ValueError(f"{where}: field {field.name!r}: column {field.col!r} holds "
                                  f"{nulls} null(s) in row group {g} (a pandas NaN or None is "
-                                 f"stored as a null); {fix}")
+                                 "stored as a null); set the field's fill (the value a null "
+                                 "becomes), or on_error: skip to replace those samples")
 
     def _decode(self, g: int) -> dict[str, _Decoded] | str:
         """Row group g's fields, or why it cannot be decoded."""
