@@ -176,7 +176,7 @@ def test_a_nan_stops_the_start_naming_the_column_unless_filled(
     ("image", {"decode": "utf8", "max_bytes": 4}, "decode: utf8 needs a string column"),
 ])
 def test_a_column_a_field_cannot_take_names_it_and_its_type(hub, column: str, field: dict,
-                                                            message: str) -> None:
+                                                            message: str, ledger) -> None:
     from stoker.server import Config
     from stoker.server.formats import open_dataset
 
@@ -187,6 +187,31 @@ def test_a_column_a_field_cannot_take_names_it_and_its_type(hub, column: str, fi
         open_dataset("d", config)
     assert message in str(info.value)
     assert "train.parquet: field 'x'" in str(info.value)
+    ledger.record("config", "a parquet column of a type the field cannot take: refused at "
+                  "open naming the column and its Arrow type")
+
+
+def test_a_binary_column_of_encoded_images_decodes_when_asked(tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    from stoker.server import Config
+    from stoker.server.formats import open_dataset
+
+    rng = np.random.default_rng(5)
+    pixels = [rng.integers(0, 256, (6, 7, 3), dtype=np.uint8) for _ in range(3)]
+    encoded = []
+    for rgb in pixels:
+        buf = io.BytesIO()
+        Image.fromarray(rgb).save(buf, format="PNG")
+        encoded.append(buf.getvalue())
+    pq.write_table(pa.table({"png": pa.array(encoded, pa.large_binary())}),
+                   tmp_path / "p.parquet")
+    config = Config.model_validate({"datasets": {"d": {
+        "format": "parquet", "source": str(tmp_path / "p.parquet"),
+        "fields": {"img": {"column": "png", "decode": "image", "size": [6, 7]}}}}})
+    ds = open_dataset("d", config)
+    for i, rgb in enumerate(pixels):
+        assert np.array_equal(ds[i]["img"], rgb.transpose(2, 0, 1))  # chw, no resample
 
 
 def test_images_datasets_kept_as_paths_stop_the_open(tmp_path: Path) -> None:

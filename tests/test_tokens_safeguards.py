@@ -91,7 +91,7 @@ def test_a_litdata_chunk_folder_stops_the_start_pointing_at_its_format(
                   "naming the folder and the format that reads it", tried=2)
 
 
-def test_a_folder_litdata_optimize_wrote_is_refused(tmp_path: Path) -> None:
+def test_a_folder_litdata_optimize_wrote_is_refused(tmp_path: Path, ledger) -> None:
     pytest.importorskip("litdata")
     script = tmp_path / "write.py"
     script.write_text(LITDATA_SCRIPT)
@@ -99,6 +99,8 @@ def test_a_folder_litdata_optimize_wrote_is_refused(tmp_path: Path) -> None:
                    capture_output=True, timeout=100)
     assert (tmp_path / "out" / "index.json").exists()
     assert "a LitData chunk folder" in refused(tmp_path / "out")
+    ledger.record("config", "format: tokens pointed at a folder litdata's optimize wrote: "
+                  "refused")
 
 
 def test_an_mds_folder_is_refused(tmp_path: Path) -> None:
@@ -128,7 +130,7 @@ def test_a_nanogpt_folder_must_name_its_split(tmp_path: Path, start_server: Star
                   "refused; train.bin named: served", tried=2)
 
 
-def test_ids_out_of_range_are_refused(tmp_path: Path) -> None:
+def test_ids_out_of_range_are_refused(tmp_path: Path, ledger) -> None:
     ids = np.arange(100, dtype=np.uint16)
     (tmp_path / "a").mkdir()
     nanogpt_split(tmp_path / "a" / "x.bin", ids)
@@ -144,6 +146,8 @@ def test_ids_out_of_range_are_refused(tmp_path: Path) -> None:
     (tmp_path / "c").mkdir()  # uint16 ids read as uint32
     (tmp_path / "c" / "x.bin").write_bytes(np.arange(300, 500, dtype="<u2").tobytes())
     assert "uint16 tokens read as uint32?" in refused(tmp_path / "c", dtype="uint32")
+    ledger.record("config", "token files with ids past vocab_size, or of the other dtype: "
+                  "refused at start naming the file", tried=3)
 
 
 def test_a_window_past_the_vocabulary_fails_when_read(tmp_path: Path) -> None:

@@ -40,7 +40,6 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .._sampling import EpochKey
-from ..images import image_pipeline
 from ..sources import Storage
 from ._shards import ShardIndex
 from .jsonl import utf8_padded
@@ -135,7 +134,11 @@ class _Field:
         self.fill = cfg.fill
         self.max_bytes = cfg.max_bytes
         self.max_tokens = cfg.max_tokens
-        self.pipeline = image_pipeline(cfg) if cfg.decode == "image" else None
+        self.pipeline = None
+        if cfg.decode == "image":  # imported here: a table of numbers needs no image codecs
+            from ..images import image_pipeline
+
+            self.pipeline = image_pipeline(cfg)
         self.tokenizer = None
         if cfg.decode == "tokens":
             self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.tiktoken_pattern)
