@@ -14,12 +14,12 @@ bytes kept (`utf8_padded`, which format: parquet uses too). A null becomes the f
 `fill` where it has one (inside lists too); without one it fails its sample.
 
 A field without `dtype` gets one at open, from its values in the first INFER_RECORDS records
-(in key order; records that do not parse or lack the field are passed over): bool when every
-value seen is a bool, int64 when every one is an integer (a JSON number without `.` or an
-exponent; int64 is the type pandas and torch use for labels, and an integer no narrower type
-would silently wrap), else float32. A later record whose value does not fit the inferred
-type fails its sample, as with a configured dtype. A field whose first values are strings or
-objects stops the open: it needs `dtype: utf8` (strings) or another path.
+(at most INFER_BYTES of them; in key order; records that do not parse or lack the field are
+passed over): bool when every value seen is a bool, int64 when every one is an integer (a
+JSON number without `.` or an exponent; int64 is the type pandas and torch use for labels,
+and no narrower type is safe for values not yet seen), else float32. A later record whose
+value does not fit the inferred type fails its sample, as with a configured dtype. A field
+whose first values are strings or objects stops the open: it needs `dtype: utf8`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from .memmap import OpenMaps
 
 DEFAULT_PATTERN = "**/*.jsonl"  # a source that names a directory
 CHUNK = 64 << 20  # bytes scanned at a time: the comparison's temporary stays this small
-INFER_RECORDS = 1000  # records read at open to infer a dtype-less field's dtype
+INFER_RECORDS = 1000  # records read at open to infer a dtype-less field's dtype,
+INFER_BYTES = 16 << 20  # or fewer: as many as fit in this many bytes (at least one)
 NEWLINE = ord("\n")
 
 
@@ -224,9 +225,14 @@ class Jsonl:
     def _infer(self, fields: list[_Field]) -> None:
         """Set each field's dtype from its values in the first INFER_RECORDS records."""
         values: dict[str, list[Any]] = {f.name: [] for f in fields}
+        read = 0
         for index in range(min(self.length, INFER_RECORDS)):
+            line = self._line(index)
+            read += len(line)
+            if read > INFER_BYTES and index:
+                break
             try:
-                record = json.loads(self._line(index))
+                record = json.loads(line)
             except ValueError:  # JSONDecodeError, UnicodeDecodeError: fails when read
                 continue
             for f in fields:
