@@ -301,9 +301,9 @@ Transforms = Annotated[list[TransformStep], AfterValidator(_check_transforms),
 
 
 def _size_or_transforms(size: Any, transforms: Any) -> None:
-    if (size is None) == (transforms is None):
-        raise ValueError("give either size (a plain resize) or transforms, not both" if size
-                         else "size or transforms is required")
+    # Neither: images at their native size, each batch padded to its largest (images.py).
+    if size is not None and transforms is not None:
+        raise ValueError("give either size (a plain resize) or transforms, not both")
 
 
 class ImageFolderDataset(_Sourced):
@@ -400,20 +400,32 @@ class MemmapDataset(_Sourced):
 
 
 class TarField(_Strict):
-    ext: str = Field(min_length=1, description="the member's extension after the sample key")
-    decode: Literal["image", "int", "float", "npy", "utf8"]
+    ext: str = Field(min_length=1, description="the member's extension after the sample key "
+                                               "(matched ignoring case, as webdataset does)")
+    decode: Literal["image", "int", "float", "npy", "utf8", "json"]
     size: ImageSize | None = None  # image: a plain resize
     transforms: Transforms | None = None  # image: instead of size
     layout: Literal["chw", "hwc"] = "chw"  # image
-    max_bytes: int | None = Field(None, ge=1)  # utf8, as in jsonl
+    max_bytes: int | None = Field(None, ge=1)  # utf8, and json with dtype utf8, as in jsonl
+    # json: the value at `path` (dotted, as in jsonl; default: the whole document), as dtype
+    # (required: no silent float) and shape.
+    path: str | None = None
+    dtype: Literal[NumberDtype, "utf8"] | None = None
+    shape: tuple[int, ...] = ()
 
     @model_validator(mode="after")
     def _decoder_options(self) -> TarField:
-        _check_text(self.decode == "utf8", self.max_bytes)
+        _check_text(self.decode == "utf8" or (self.decode == "json" and self.dtype == "utf8"),
+                    self.max_bytes)
         if self.decode == "image":
             _size_or_transforms(self.size, self.transforms)
         elif self.size is not None or self.transforms is not None:
             raise ValueError("size and transforms apply to decode: image only")
+        if self.decode == "json" and self.dtype is None:
+            raise ValueError("decode: json needs dtype (a number type, or utf8 with max_bytes)")
+        if self.decode != "json" and (self.path is not None or self.dtype is not None
+                                      or self.shape):
+            raise ValueError("path, dtype and shape apply to decode: json only")
         return self
 
 
@@ -423,6 +435,40 @@ class TarDataset(_Sourced):
 
     format: Literal["tar"]
     fields: dict[str, TarField] = Field(min_length=1)
+    shuffle: Literal["global", "block"] = "block"
+
+
+class ColumnField(_Strict):
+    """A field of `format: mds` or `format: litdata`: one column of the peer's samples,
+    decoded as its encoding says (see docs/configuration.md); the options that apply depend
+    on that encoding, known when the dataset opens."""
+
+    column: str | None = Field(None, description="default: the field name")
+    size: ImageSize | None = None  # image columns: a plain resize
+    transforms: Transforms | None = None  # image columns: instead of size
+    layout: Literal["chw", "hwc"] = "chw"  # image columns
+    max_bytes: int | None = Field(None, ge=1)  # str and bytes columns, as utf8 in jsonl
+
+    @model_validator(mode="after")
+    def _one_geometry(self) -> ColumnField:
+        if self.size is not None and self.transforms is not None:
+            raise ValueError("give either size (a plain resize) or transforms, not both")
+        return self
+
+
+class MdsDataset(_Sourced):
+    """A Mosaic Streaming folder (MDSWriter's index.json and shards); a shard is a shard."""
+
+    format: Literal["mds"]
+    fields: dict[str, ColumnField] = Field(min_length=1)
+    shuffle: Literal["global", "block"] = "block"
+
+
+class LitdataDataset(_Sourced):
+    """A LitData folder (optimize's index.json and chunks); a shard is a chunk."""
+
+    format: Literal["litdata"]
+    fields: dict[str, ColumnField] = Field(min_length=1)
     shuffle: Literal["global", "block"] = "block"
 
 
@@ -537,7 +583,7 @@ class TextDataset(_Sourced):
 
 DatasetConfig = Annotated[
     PythonDataset | ImageFolderDataset | JsonlDataset | TokensDataset | MemmapDataset
-    | TarDataset | ParquetDataset | TextDataset,
+    | TarDataset | ParquetDataset | TextDataset | MdsDataset | LitdataDataset,
     Field(discriminator="format")]
 
 

@@ -75,8 +75,8 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, 
 
 def expected_row(row: dict[str, Any]) -> dict[str, np.ndarray]:
     """A row as `datasets` decodes it, turned into what stoker serves: RGB pixels (Pillow's
-    convert) center-cropped to CROP (no resample: exact), the text's UTF-8 bytes, and its
-    byte-tokenizer ids."""
+    convert) center-cropped to CROP and at native size (no resample: exact), the text's UTF-8
+    bytes, and its byte-tokenizer ids."""
     img: Image.Image = row["image"]
     rgb = np.asarray(img.convert("RGB"))
     h, w = rgb.shape[:2]
@@ -86,6 +86,7 @@ def expected_row(row: dict[str, Any]) -> dict[str, np.ndarray]:
     ids = np.full(MAX_TOKENS, BYTE_PAD, np.int64)
     ids[: min(len(data), MAX_TOKENS)] = np.frombuffer(data[:MAX_TOKENS], np.uint8)
     return {"image": rgb[top: top + CROP, left: left + CROP],
+            "native": rgb, "native_size": np.array([h, w], np.int64),
             "label": np.int64(row["label"]),
             "text": np.frombuffer(cut.ljust(MAX_BYTES, b"\0"), np.uint8),
             "text_length": np.int64(len(cut)),
@@ -95,6 +96,7 @@ def expected_row(row: dict[str, Any]) -> dict[str, np.ndarray]:
 HUB_FIELDS = {
     "image": {"decode": "image", "transforms": [{"center_crop": {"size": CROP}}],
               "layout": "hwc"},
+    "native": {"column": "image", "decode": "image", "layout": "hwc"},  # neither: native size
     "label": {},
     "text": {"decode": "utf8", "max_bytes": MAX_BYTES},
     "ids": {"column": "text", "decode": "tokens", "tokenizer": "byte",
@@ -111,16 +113,22 @@ def test_a_datasets_parquet_is_served_as_datasets_reads_it(start_server: StartSe
     with RemoteLoader(server.address, "hub", batch_size=4, shuffle=shuffle, drop_last=False,
                       output="numpy", timeout=60) as loader:
         batches = [{k: v.copy() for k, v in b.items()} for b in loader]
-    got = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
-    index = got.pop("sample_index")
+    # Per sample, not concatenated: native-size images are padded per batch.
+    got = {k: [row for b in batches for row in b[k]] for k in batches[0]}
+    index = np.array(got.pop("sample_index"))
     assert sorted(index.tolist()) == list(range(ROWS))
     assert (index.tolist() != list(range(ROWS))) == shuffle
     assert sorted(got) == sorted(expected_row(rows[0]))
     for position, i in enumerate(index):
         want = expected_row(rows[i])
         for name, value in want.items():
-            assert got[name][position].dtype == value.dtype, name
-            assert np.array_equal(got[name][position], value), (int(i), name)
+            served = got[name][position]
+            if name == "native":  # padded to its batch's largest: the image, then zeros
+                h, w = value.shape[:2]
+                assert not served[h:].any() and not served[:, w:].any()
+                served = served[:h, :w]
+            assert served.dtype == value.dtype, name
+            assert np.array_equal(served, value), (int(i), name)
     decoded = {bytes(t[:n]).decode() for t, n in zip(got["text"], got["text_length"],
                                                      strict=True)}
     assert "héllo wörld"[:10] in decoded  # cut at a character boundary: "ö" straddles 12

@@ -9,7 +9,8 @@ A field is one top-level column, either numbers (no `decode`) or decoded like a 
 - `decode: image`: encoded images (JPEG, PNG...) in a binary column, or in the `bytes` of a
   struct<bytes, path> column (what Hugging Face `datasets` writes for an `Image()` feature),
   through the image pipeline of image-folder and tar (images.py: `size`, `transforms`,
-  `layout`). A row whose bytes are null (a `datasets` image stored only as a path) fails;
+  `layout`; with neither, the native size and `<name>_size`). A row whose bytes are null (a
+  `datasets` image stored only as a path) fails;
 - `decode: utf8`: a string column as its UTF-8 bytes, uint8[max_bytes] zero-padded and
   `<name>_length` (jsonl's `utf8_padded`);
 - `decode: tokens`: a string column tokenized (tokenizer.py, as `format: text` loads it;
@@ -148,6 +149,8 @@ class _Field:
 
     @property
     def outputs(self) -> list[str]:
+        if self.pipeline is not None:  # native size adds <name>_size
+            return self.pipeline.output_names(self.name)
         return [self.name] + ([f"{self.name}_length"] if self.decode in ("utf8", "tokens")
                               else [])
 
@@ -356,7 +359,7 @@ class Parquet:
                                  f"not fit {field.dtype}")
             if field.pipeline is not None:
                 try:
-                    out[field.name] = field.pipeline(column.values[row].as_py(), rng)
+                    field.pipeline.write(out, field.name, column.values[row].as_py(), rng)
                 except Exception as e:
                     raise ValueError(f"field {field.name!r}: column {field.col!r}: cannot "
                                      f"decode image: {type(e).__name__}: {e}") from e
