@@ -106,7 +106,9 @@ def _local_root_exists(v: str) -> str:
         raise ValueError("empty: give a folder, a glob or an s3:// URL")
     root, _ = split_source(v)
     if "://" not in root and not Path(root).is_dir():
-        raise ValueError(f"not a directory: {root}")
+        # split_source took an existing file apart already: what is left does not exist.
+        raise ValueError(f"no such file or directory: {root}" if not Path(root).exists()
+                         else f"not a directory or file: {root}")
     return v
 
 
@@ -337,18 +339,35 @@ def _check_text(is_text: bool, max_bytes: int | None) -> None:
         raise ValueError("max_bytes applies to utf8 text only")
 
 
+# A value put in place of a null (JSON null, Parquet null: what pandas writes for NaN).
+Fill = Annotated[bool | int | float | str | None,
+                 Field(description="the value a null becomes; default: a null fails")]
+
+
+def _check_fill(fill: Any, text: bool) -> None:
+    if fill is None:
+        return
+    if text != isinstance(fill, str):
+        raise ValueError("fill must be a string for utf8 or tokens, a number for numbers, "
+                         f"got {fill!r}")
+
+
 class JsonField(_Strict):
     path: str | None = Field(None, description="dotted key in the record; default: field name")
-    dtype: Literal[NumberDtype, "utf8"] = "float32"  # one Literal: one error line, not two
+    # None: inferred at open from the first records (see formats/jsonl.py): int64 when
+    # every value seen is an integer, bool when every one is a bool, else float32.
+    dtype: Literal[NumberDtype, "utf8"] | None = None  # one Literal: one error line, not two
     shape: tuple[int, ...] = ()
     # utf8: the text's bytes as uint8[max_bytes], zero-padded, and `<name>_length` (int64).
     max_bytes: int | None = Field(None, ge=1)
+    fill: Fill = None
 
     @model_validator(mode="after")
     def _utf8_needs_max_bytes(self) -> JsonField:
         _check_text(self.dtype == "utf8", self.max_bytes)
         if self.dtype == "utf8" and self.shape:
             raise ValueError("a utf8 field has no shape (it is uint8[max_bytes])")
+        _check_fill(self.fill, self.dtype == "utf8")
         return self
 
 
@@ -369,6 +388,9 @@ class TokensDataset(_Sourced):
     seq_len: int = Field(ge=1)
     header_bytes: int = Field(0, ge=0, description="bytes to skip at the start of each file")
     output_dtype: Literal["int32", "int64"] = "int64"
+    # Token ids must be below it: checked on each file's first tokens at open and on every
+    # window read (None: only the dtype's own range).
+    vocab_size: int | None = Field(None, ge=1, le=2**32)
 
 
 class MemmapDataset(_Sourced):
@@ -416,19 +438,6 @@ class TarDataset(_Sourced):
 
     format: Literal["tar"]
     fields: dict[str, TarField] = Field(min_length=1)
-    shuffle: Literal["global", "block"] = "block"
-
-
-class ParquetField(_Strict):
-    column: str | None = Field(None, description="default: the field name")
-    dtype: NumberDtype | None = Field(None, description="default: the column's own type")
-
-
-class ParquetDataset(_Sourced):
-    """Parquet files (pyarrow): columns -> fields, read by row group; a shard is a row group."""
-
-    format: Literal["parquet"]
-    fields: dict[str, ParquetField] = Field(min_length=1)
     shuffle: Literal["global", "block"] = "block"
 
 
@@ -487,6 +496,58 @@ def _path_unless_byte(v: Any, info: ValidationInfo) -> Any:
 
 # "byte" (a name), or a tokenizer file: a local path like a local source.
 Tokenizer = Annotated[str, AfterValidator(_tokenizer_file), BeforeValidator(_path_unless_byte)]
+
+
+class ParquetField(_Strict):
+    """A column -> a field: numbers as they are (no `decode`), or decoded like tar members:
+    `image` (binary, or a Hugging Face `Image()` struct<bytes, path>), `utf8` or `tokens`
+    (string columns)."""
+
+    column: str | None = Field(None, description="default: the field name")
+    dtype: NumberDtype | None = Field(None, description="default: the column's own type")
+    decode: Literal["image", "utf8", "tokens"] | None = None  # None: a column of numbers
+    size: ImageSize | None = None  # image: a plain resize
+    transforms: Transforms | None = None  # image: instead of size
+    layout: Literal["chw", "hwc"] = "chw"  # image
+    max_bytes: int | None = Field(None, ge=1)  # utf8, as in jsonl
+    # tokens: the string's ids as int64[max_tokens], padded with pad_id, and `<name>_length`.
+    tokenizer: Tokenizer = Field("byte", min_length=1, description="as in format: text")
+    tiktoken_pattern: str | None = None  # tokens, *.tiktoken only
+    max_tokens: int | None = Field(None, ge=1)
+    pad_id: TokenId | None = None  # default: the tokenizer's PAD, else its EOS, else 0
+    fill: Fill = None
+
+    @model_validator(mode="after")
+    def _decoder_options(self) -> ParquetField:
+        _check_text(self.decode == "utf8", self.max_bytes)
+        if self.decode == "image":
+            _size_or_transforms(self.size, self.transforms)
+        elif (self.size is not None or self.transforms is not None
+              or "layout" in self.model_fields_set):
+            raise ValueError("size, transforms and layout apply to decode: image only")
+        if self.dtype is not None and self.decode is not None:
+            raise ValueError("dtype applies to number columns (no decode) only")
+        tokens_only = {"tokenizer", "tiktoken_pattern", "max_tokens", "pad_id"}
+        if self.decode == "tokens":
+            if self.max_tokens is None:
+                raise ValueError("max_tokens is required for decode: tokens")
+            if self.tiktoken_pattern is not None and not self.tokenizer.endswith(".tiktoken"):
+                raise ValueError("tiktoken_pattern applies to a *.tiktoken tokenizer only")
+        elif tokens_only & self.model_fields_set:
+            raise ValueError(f"{', '.join(sorted(tokens_only & self.model_fields_set))}: "
+                             "only with decode: tokens")
+        if self.decode == "image" and self.fill is not None:
+            raise ValueError("an image has no fill: a null image fails its sample")
+        _check_fill(self.fill, self.decode in ("utf8", "tokens"))
+        return self
+
+
+class ParquetDataset(_Sourced):
+    """Parquet files (pyarrow): columns -> fields, read by row group; a shard is a row group."""
+
+    format: Literal["parquet"]
+    fields: dict[str, ParquetField] = Field(min_length=1)
+    shuffle: Literal["global", "block"] = "block"
 
 
 class TextDataset(_Sourced):

@@ -37,7 +37,7 @@ def write(tmp_path: Path, text: str = "datasets: {a: {format: python, factory: "
     ("datasets: {a: {format: python, factory: 'm:f', typo: 1}}",
      ["datasets.a.python.typo:", "Extra inputs"]),
     ("datasets: {a: {format: image-folder, source: ./missing, size: 32}}",
-     ["datasets.a.image-folder.source:", "not a directory"]),
+     ["datasets.a.image-folder.source:", "no such file or directory"]),
     ("datasets: {a: {format: image-folder, source: ., size: [0, 4]}}",
      ["datasets.a.image-folder.size:", ">= 1"]),
     ("server: {tls: {cert_file: bad.yaml}}\ndatasets: {a: {format: python, factory: 'm:f'}}",
@@ -188,7 +188,7 @@ BAD_CONFIGS = [
      "transform: 'x y'}}", ["datasets.a.python.transform:", "pattern"]),
     # storage-backed formats
     ("source nonexistent", (FILE % ("jsonl", "fields: {x: {}}")).replace("src", "nowhere"),
-     ["datasets.a.jsonl.source:", "not a directory"]),
+     ["datasets.a.jsonl.source:", "no such file or directory"]),
     ("source empty", (FILE % ("jsonl", "fields: {x: {}}")).replace("src", "''"),
      ["datasets.a.jsonl.source:", "at least 1 character"]),
     ("source blank", (FILE % ("jsonl", "fields: {x: {}}")).replace("src", "' '"),

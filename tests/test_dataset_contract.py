@@ -31,7 +31,7 @@ EXPECTED = {
     "tokens": SHARDED,
     "memmap": SHARDED,
     "tar": SHARDED | {"sample"},
-    "parquet": SHARDED,
+    "parquet": SHARDED | {"sample"},
     "text": {"sample", "source_of", "objects_of", "storage"},
     "mds": SHARDED | {"sample"},
     "litdata": SHARDED | {"sample"},
