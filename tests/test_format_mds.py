@@ -216,6 +216,25 @@ def test_an_epoch_served_in_order_is_the_global_order_of_the_shards(
             assert np.array_equal(emb, np.stack([s["emb"] for s in samples]))
 
 
+def test_images_without_size_are_served_at_native_size(start_server: StartServer, mds) -> None:
+    """No size, no transforms: each image as Pillow decodes it, padded to the batch's largest,
+    and its (height, width) in photo_size."""
+    root, samples = mds
+    server = start_server({"m": {"format": "mds", "source": str(root / "plain"),
+                                 "fields": {"label": {}, "raw": {"layout": "hwc"}}}})
+    with RemoteLoader(server.address, "m", batch_size=4, shuffle=False, drop_last=False,
+                      output="numpy", timeout=60) as loader:
+        batches = [{k: v.copy() for k, v in b.items()} for b in loader]
+    got = 0
+    for b in batches:
+        for label, image, (h, w) in zip(b["label"], b["raw"], b["raw_size"], strict=True):
+            want = np.asarray(samples[int(label)]["raw"].convert("RGB"))
+            assert (h, w) == want.shape[:2]
+            assert np.array_equal(image[:h, :w], want) and not image[h:].any()
+            got += 1
+    assert got == N
+
+
 def test_an_mds_folder_on_s3_is_served(moto_endpoint: s3.MotoServer, mds, tmp_path: Path
                                        ) -> None:
     root, samples = mds
@@ -253,8 +272,9 @@ def test_what_stoker_cannot_read_is_named_at_open(mds, tmp_path: Path, ledger) -
     # Options that do not fit the column's encoding, named with it.
     with pytest.raises(ValueError, match=r"column 'caption' \(encoding 'str'\) holds text"):
         dataset(root / "plain", {"caption": {}})
-    with pytest.raises(ValueError, match=r"column 'photo' \(encoding 'jpeg'\) is an image"):
-        dataset(root / "plain", {"photo": {}})
+    with pytest.raises(ValueError, match=r"fields.photo\n.*give either size .* or transforms, not"):
+        dataset(root / "plain",
+                {"photo": {"size": 4, "transforms": [{"center_crop": {"size": 4}}]}})
     with pytest.raises(ValueError, match=r"field 'x': no column 'x'; the columns are"):
         dataset(root / "plain", {"x": {}})
     # A truncated shard: its size differs from the index's, found at open.

@@ -113,8 +113,6 @@ class _Field:
         self.name, self.column = name, column
         what = f"field {name!r}: column {column.name!r} (encoding {column.encoding!r})"
         image = column.kind is Kind.IMAGE
-        if image and (cfg.size is None) == (cfg.transforms is None):
-            raise ValueError(f"{what} is an image: give size or transforms (one of them)")
         if not image and (cfg.size is not None or cfg.transforms is not None):
             raise ValueError(f"{what} is not an image: size and transforms apply to images")
         text = column.kind is Kind.TEXT
@@ -125,12 +123,13 @@ class _Field:
             raise ValueError(f"{what}: max_bytes applies to str and bytes columns only")
         self.max_bytes = cfg.max_bytes
         self.pipeline = image_pipeline(cfg) if image else None
-        self.output_names = [name, f"{name}_length"] if text else [name]
+        self.output_names = ([name, f"{name}_length"] if text
+                             else self.pipeline.output_names(name) if self.pipeline else [name])
 
     def convert(self, data: bytes, out: dict[str, Any], rng: np.random.Generator) -> None:
         value = self.column.decode(data)
         if self.pipeline is not None:
-            out[self.name] = self.pipeline(value, rng)
+            self.pipeline.write(out, self.name, value, rng)
         elif self.max_bytes is not None:
             if len(value) > self.max_bytes:  # cut, at a character boundary for str columns
                 value = value[: self.max_bytes]
