@@ -70,8 +70,11 @@ def open_python(cfg: Any) -> Any:
     dataset = load_callable(cfg.factory, "factory")(**cfg.options)
     for method in ("__len__", "__getitem__"):
         if not hasattr(dataset, method):
-            raise ValueError(
-                f"factory {cfg.factory!r} returned {type(dataset).__name__}, which has no {method}")
+            streamed = (": an iterable-style dataset cannot be served, as every server must "
+                        "build any batch by its sample indices; return a map-style one "
+                        "(sample i by dataset[i])") if hasattr(dataset, "__iter__") else ""
+            raise ValueError(f"factory {cfg.factory!r} returned {type(dataset).__name__}, "
+                             f"which has no {method}{streamed}")
     return Samples(dataset, getattr(cfg, "fields", None))
 
 
@@ -147,6 +150,8 @@ def _value(name: str, v: Any) -> Any:
 
 def _kind(v: Any) -> str:
     """`a str`, `a Tensor of torch.bfloat16`: what a value is, for errors."""
+    if v is None:
+        return "None"
     dtype = getattr(v, "dtype", None)
     return f"a {type(v).__name__}" + (f" of {dtype}" if dtype is not None else "")
 
