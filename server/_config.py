@@ -6,7 +6,10 @@ problem, and the server exits non-zero before opening any port.
 
 from __future__ import annotations
 
+import difflib
 import os
+import types
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -307,9 +310,9 @@ Transforms = Annotated[list[TransformStep], AfterValidator(_check_transforms),
 
 
 def _size_or_transforms(size: Any, transforms: Any) -> None:
-    if (size is None) == (transforms is None):
-        raise ValueError("give either size (a plain resize) or transforms, not both" if size
-                         else "size or transforms is required")
+    # Neither: images at their native size, each batch padded to its largest (images.py).
+    if size is not None and transforms is not None:
+        raise ValueError("give either size (a plain resize) or transforms, not both")
 
 
 class ImageFolderDataset(_Sourced):
@@ -386,20 +389,32 @@ class MemmapDataset(_Sourced):
 
 
 class TarField(_Strict):
-    ext: str = Field(min_length=1, description="the member's extension after the sample key")
-    decode: Literal["image", "int", "float", "npy", "utf8"]
+    ext: str = Field(min_length=1, description="the member's extension after the sample key "
+                                               "(matched ignoring case, as webdataset does)")
+    decode: Literal["image", "int", "float", "npy", "utf8", "json"]
     size: ImageSize | None = None  # image: a plain resize
     transforms: Transforms | None = None  # image: instead of size
     layout: Literal["chw", "hwc"] = "chw"  # image
-    max_bytes: int | None = Field(None, ge=1)  # utf8, as in jsonl
+    max_bytes: int | None = Field(None, ge=1)  # utf8, and json with dtype utf8, as in jsonl
+    # json: the value at `path` (dotted, as in jsonl; default: the whole document), as dtype
+    # (required: no silent float) and shape.
+    path: str | None = None
+    dtype: Literal[NumberDtype, "utf8"] | None = None
+    shape: tuple[int, ...] = ()
 
     @model_validator(mode="after")
     def _decoder_options(self) -> TarField:
-        _check_text(self.decode == "utf8", self.max_bytes)
+        _check_text(self.decode == "utf8" or (self.decode == "json" and self.dtype == "utf8"),
+                    self.max_bytes)
         if self.decode == "image":
             _size_or_transforms(self.size, self.transforms)
         elif self.size is not None or self.transforms is not None:
             raise ValueError("size and transforms apply to decode: image only")
+        if self.decode == "json" and self.dtype is None:
+            raise ValueError("decode: json needs dtype (a number type, or utf8 with max_bytes)")
+        if self.decode != "json" and (self.path is not None or self.dtype is not None
+                                      or self.shape):
+            raise ValueError("path, dtype and shape apply to decode: json only")
         return self
 
 
@@ -422,6 +437,40 @@ class ParquetDataset(_Sourced):
 
     format: Literal["parquet"]
     fields: dict[str, ParquetField] = Field(min_length=1)
+    shuffle: Literal["global", "block"] = "block"
+
+
+class ColumnField(_Strict):
+    """A field of `format: mds` or `format: litdata`: one column of the peer's samples,
+    decoded as its encoding says (see docs/configuration.md); the options that apply depend
+    on that encoding, known when the dataset opens."""
+
+    column: str | None = Field(None, description="default: the field name")
+    size: ImageSize | None = None  # image columns: a plain resize
+    transforms: Transforms | None = None  # image columns: instead of size
+    layout: Literal["chw", "hwc"] = "chw"  # image columns
+    max_bytes: int | None = Field(None, ge=1)  # str and bytes columns, as utf8 in jsonl
+
+    @model_validator(mode="after")
+    def _one_geometry(self) -> ColumnField:
+        if self.size is not None and self.transforms is not None:
+            raise ValueError("give either size (a plain resize) or transforms, not both")
+        return self
+
+
+class MdsDataset(_Sourced):
+    """A Mosaic Streaming folder (MDSWriter's index.json and shards); a shard is a shard."""
+
+    format: Literal["mds"]
+    fields: dict[str, ColumnField] = Field(min_length=1)
+    shuffle: Literal["global", "block"] = "block"
+
+
+class LitdataDataset(_Sourced):
+    """A LitData folder (optimize's index.json and chunks); a shard is a chunk."""
+
+    format: Literal["litdata"]
+    fields: dict[str, ColumnField] = Field(min_length=1)
     shuffle: Literal["global", "block"] = "block"
 
 
@@ -484,7 +533,7 @@ class TextDataset(_Sourced):
 
 DatasetConfig = Annotated[
     PythonDataset | ImageFolderDataset | JsonlDataset | TokensDataset | MemmapDataset
-    | TarDataset | ParquetDataset | TextDataset,
+    | TarDataset | ParquetDataset | TextDataset | MdsDataset | LitdataDataset,
     Field(discriminator="format")]
 
 
@@ -628,5 +677,69 @@ def load_config(path: str | os.PathLike[str], **overrides: Any) -> Config:
             loc = ".".join(parts) or "(top level)"
             got = repr(err.get("input"))
             got = got if len(got) <= 80 else got[:77] + "..."
-            lines.append(f"  {loc}: {err['msg']} (got {got})")
+            msg = err["msg"]
+            if err["type"] == "extra_forbidden":
+                msg += _did_you_mean(err["loc"])
+            lines.append(f"  {loc}: {msg} (got {got})")
         raise ConfigError("\n".join(lines)) from None
+
+
+# -- unknown keys: the valid keys where the typo is, and the closest of them -------------------
+def _unwrap(t: Any) -> Any:
+    """`t` without Annotated and without `| None`."""
+    while True:
+        if typing.get_origin(t) is Annotated:
+            t = typing.get_args(t)[0]
+        elif typing.get_origin(t) in (Union, types.UnionType) and type(None) in typing.get_args(t):
+            rest = [a for a in typing.get_args(t) if a is not type(None)]
+            if len(rest) != 1:
+                return t
+            t = rest[0]
+        else:
+            return t
+
+
+def _member(union: Any, tag: Any) -> Any:
+    """The member of a tagged union that an error's location names by `tag`: a transform's
+    `Tag`, or a dataset's `format` literal."""
+    for m in typing.get_args(union):
+        if typing.get_origin(m) is Annotated and any(
+                isinstance(x, Tag) and x.tag == tag for x in typing.get_args(m)[1:]):
+            return m
+        model = _unwrap(m)
+        fmt = getattr(model, "model_fields", {}).get("format")
+        if fmt is not None and tag in typing.get_args(fmt.annotation):
+            return model
+    return None
+
+
+def _keys_at(loc: tuple[Any, ...]) -> list[str]:
+    """The keys the model at `loc` (an error's location, less the unknown key) accepts; []
+    where the location cannot be followed."""
+    t: Any = Config
+    for part in loc:
+        t = _unwrap(t)
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            field = t.model_fields.get(str(part))
+            t = field.annotation if field is not None else None
+        elif typing.get_origin(t) in (Union, types.UnionType):
+            t = _member(t, part)
+        elif typing.get_origin(t) in (dict, list, tuple):
+            t = typing.get_args(t)[-1]
+        else:
+            return []
+        if t is None:
+            return []
+    t = _unwrap(t)
+    return sorted(t.model_fields) if isinstance(t, type) and issubclass(t, BaseModel) else []
+
+
+def _did_you_mean(loc: tuple[Any, ...]) -> str:
+    """"; did you mean 'options'?" for `option`, else the keys valid there."""
+    keys = _keys_at(loc[:-1])
+    if not keys:
+        return ""
+    close = difflib.get_close_matches(str(loc[-1]), keys, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return f"; expected one of: {', '.join(keys)}"
