@@ -7,7 +7,10 @@ class RemoteError(RuntimeError):
     """A data server refused or failed a request.
 
     `code` is the gRPC status (NOT_FOUND, INVALID_ARGUMENT, DATA_LOSS, UNAVAILABLE, ...);
-    the message names the server and repeats what it said.
+    the message names the server and repeats what it said. Where the user's own code raised
+    on the server (a `format: python` dataset, a `transform:`), what it said ends with that
+    exception's traceback, as DataLoader shows a worker's: `remote_traceback` is that part
+    (from "Traceback (most recent call last):" on), else None.
     """
 
     def __init__(self, code: grpc.StatusCode, details: str, address: str) -> None:
@@ -15,6 +18,8 @@ class RemoteError(RuntimeError):
         self.code = code
         self.details = details
         self.address = address
+        at = details.find("\nTraceback (most recent call last):")
+        self.remote_traceback: str | None = details[at + 1:] if at >= 0 else None
 
     @classmethod
     def from_rpc(cls, err: grpc.RpcError, address: str) -> RemoteError:

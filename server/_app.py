@@ -34,7 +34,7 @@ from ._auth import TokenInterceptor, read_token
 from ._config import Config
 from ._datasocket import DataSockets
 from ._http import HttpLimits, HttpServer
-from ._listen import address
+from ._listen import address, taken
 from ._service import SERVICE_NAME, DataService, client_of
 from ._workers import DatasetMeta, StartError, WorkerPool
 
@@ -128,6 +128,7 @@ async def start(config: Config, stack: contextlib.AsyncExitStack,
     token = read_token(settings)
     if settings.tls is not None:
         _tls.check(settings.tls)
+    _check_ports(settings)  # before the workers: a taken port fails in a moment, not minutes
     pool = WorkerPool(config, settings.worker_count)
     meta = await _start_workers(stack, pool)
     if (small := _shm.capacity_warning(meta, settings)) is not None:
@@ -258,6 +259,23 @@ async def _stop_grpc(server: grpc.aio.Server, health_servicer: Any) -> None:
     drain() there are none, and this stop finds the server stopped already)."""
     await health_servicer.enter_graceful_shutdown()
     await server.stop(None)
+
+
+def _check_ports(settings: Any) -> None:
+    """StartError naming every configured port that is taken, not only the first: an
+    operator moving off a taken gRPC port should not meet the HTTP one next. A check, not a
+    reservation: each part binds its own port later, and fails there as before if another
+    process takes it in between."""
+    ports = [("gRPC", settings.port), ("HTTP", settings.http_port)]
+    if settings.tls is None:
+        ports.append(("data socket", settings.data_port))
+    problems = [f"cannot listen on {address(settings.host, port)} ({what}): {why}"
+                for what, port in ports if port and (why := taken(settings.host, port))]
+    for i, (what, port) in enumerate(ports):
+        problems += [f"{what} and {other} are both given port {port}"
+                     for other, same in ports[i + 1:] if port and same == port]
+    if problems:
+        raise StartError("; ".join(problems))
 
 
 _T = TypeVar("_T")

@@ -142,14 +142,22 @@ class _Sourced(_Strict):
     follow_symlinks_outside_root: bool = False
 
 
+def _field_names(v: list[str] | None) -> list[str] | None:
+    if v is not None and (len(set(v)) != len(v) or "sample_index" in v or "" in v):
+        raise ValueError("field names must be distinct, non-empty and not 'sample_index'")
+    return v
+
+
 class PythonDataset(_Strict):
     """The user's own map-style dataset: `factory` returns an object with __len__ and
-    __getitem__(i) -> dict of numpy arrays or numbers."""
+    __getitem__(i) -> a dict of fields, a tuple of them or one (formats/python.py)."""
 
     format: Literal["python"]
     factory: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$",
                          description='"module:callable", importable on the server')
     options: dict[str, Any] = Field(default_factory=dict)
+    # The names of the values a sample tuple holds, in order (default "0", "1", ...).
+    fields: Annotated[list[str] | None, AfterValidator(_field_names)] = None
     on_error: Literal["raise", "skip"] = "raise"
     transform: str | None = UserTransform
 

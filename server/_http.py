@@ -7,7 +7,9 @@
     GET /v1/datasets         every dataset: name, format, samples, fields, fingerprint
     GET /v1/datasets/{name}  one of them (404 naming the served ones)
     GET /v1/stats            live rates over the last seconds, streams, clients' data stall
-    GET /openapi.json, /docs the OpenAPI document FastAPI generates from these
+    GET /openapi.json, /docs the OpenAPI document FastAPI generates from these, and its
+                             viewer (Swagger UI; /redoc too), served with its scripts from
+                             /static-offline-docs: a cluster without internet sees it too
     GET /                    a live page: throughput, streams, clients' stall (polls /v1/stats)
 
 With a bearer token configured (_auth.py) every path but /healthz and /readyz answers 401
@@ -36,6 +38,7 @@ import h11
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -99,9 +102,11 @@ class Stats(BaseModel):
 def make_app(service: Any = None, token: bytes | None = None) -> FastAPI:
     """The app; `service` is the DataService (None: /healthz only, for tests of the shell);
     `token`: the bearer token every request but the probes must carry (None: no auth)."""
-    app = FastAPI(title="stoker data server", version="1",
-                  description="Control plane of a stoker data server; batches travel over "
-                              "gRPC (stoker.v1.DataService).")
+    # FastAPIOffline: FastAPI whose /docs and /redoc load Swagger UI and ReDoc from files in
+    # that package, not from a CDN (blank pages on a cluster without internet access).
+    app = FastAPIOffline(title="stoker data server", version="1",
+                         description="Control plane of a stoker data server; batches travel "
+                                     "over gRPC (stoker.v1.DataService).")
 
     if token is not None:
         @app.middleware("http")

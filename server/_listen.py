@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 
-__all__ = ["address", "listen"]
+__all__ = ["address", "listen", "taken"]
 
 BACKLOG = 128
 
@@ -32,3 +32,14 @@ def listen(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def taken(host: str, port: int) -> str:
+    """Why (host, port) cannot be listened on now, e.g. "Address already in use"; "" if it
+    can. The probe's socket is closed at once (a listener with no connection leaves no
+    TIME_WAIT behind)."""
+    try:
+        listen(host, port).close()
+    except OSError as e:
+        return e.strerror or str(e)
+    return ""

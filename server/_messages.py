@@ -108,7 +108,8 @@ class Built:
 class BuildFailed:
     task_id: int
     kind: FailureKind
-    message: str
+    message: str  # what the client is told (with the user's traceback, if any)
+    detail: str = ""  # what the server's log says instead: the full text ("": `message`)
 
 
 ToWorker = Task | GiveBack | Discard | Stop

@@ -26,11 +26,12 @@ WINDOW = 10.0  # seconds over which /v1/stats computes live rates
 class Metrics:
     def __init__(self, status: Callable[[], dict[str, int]]) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self.batches = Counter("stoker_batches", "Batches sent", ["dataset", "transport"],
-                               registry=r)
+        # transport: frames (gRPC frames), data_socket, shm (lent in shared memory).
+        self.batches = Counter("stoker_batches", "Batches sent, by transport: frames, "
+                               "data_socket or shm", ["dataset", "transport"], registry=r)
         self.samples = Counter("stoker_samples", "Samples sent", ["dataset"], registry=r)
-        self.bytes = Counter("stoker_payload_bytes", "Batch payload bytes sent (socket) or "
-                             "lent (shared memory)", ["dataset", "transport"], registry=r)
+        self.bytes = Counter("stoker_payload_bytes", "Batch payload bytes sent (frames, "
+                             "data_socket) or lent (shm)", ["dataset", "transport"], registry=r)
         self.errors = Counter("stoker_batch_errors", "Batches answered with an error",
                               ["dataset", "kind"], registry=r)
         self.skipped = Counter("stoker_skipped_samples", "Bad samples replaced under "
@@ -69,8 +70,8 @@ class Metrics:
         self._started = time.monotonic()
 
     # -- updates (the event loop) ------------------------------------------------------------
-    def sent(self, dataset: str, samples: int, nbytes: int, shm: bool) -> None:
-        transport = "shm" if shm else "socket"
+    def sent(self, dataset: str, samples: int, nbytes: int, transport: str) -> None:
+        """A batch went out; `transport`: its Transport's label."""
         self.batches.labels(dataset, transport).inc()
         self.samples.labels(dataset).inc(samples)
         self.bytes.labels(dataset, transport).inc(nbytes)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -27,6 +28,8 @@ from ._metrics import Metrics
 from ._sampling import CoordinateError, Coordinates, batches_per_epoch
 from ._session import FINGERPRINT_KEY, Abort, StreamSession
 from ._workers import DEPTH, DatasetMeta, WorkerPool
+
+log = logging.getLogger("stoker.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DataService"].full_name
 
@@ -183,6 +186,9 @@ class DataService:
             try:
                 admitted.enter_context(self.admission.open(client, Kind.STREAM))
             except Refused as e:
+                log.log(logging.WARNING if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                        else logging.INFO, "a stream from %s refused, %s: %s", context.peer(),
+                        e.code.name, e)
                 await context.abort(e.code, str(e))  # raises: the call ends here
             session = StreamSession(self, context, next(self._streams), client)
             try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -63,12 +64,14 @@ class Built:
 
 @dataclass(frozen=True)
 class Failed:
-    """A batch that could not be built: answered in-band, the stream goes on."""
+    """A batch that could not be built: answered in-band, the stream goes on. `detail`: what
+    the server's log says instead of `message` (the full text: paths, the traceback)."""
 
     batch_index: int
     epoch: int
     code: grpc.StatusCode
     message: str
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,9 @@ Ready = Built | Failed | Offer | Refused | Finished | Accepted
 # Initial metadata of an accepted stream, trailing metadata of one refused for its data:
 # the dataset's fingerprint digest as this server has it.
 FINGERPRINT_KEY = "stoker-fingerprint"
+# Answers the log warns about, one line each: the client cannot go on, and the operator
+# should know why (a bad sample, a limit).
+WARNED = (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class Abort(Exception):
@@ -142,6 +148,13 @@ class StreamSession:
         # first write (a write sends empty initial metadata otherwise).
         self._metadata: tuple[tuple[str, str], ...] | None = None
         self._metadata_sent = False
+        # For the log's lines about this stream (opened, warned, closed).
+        self._peer = context.peer()
+        self._coords: Coordinates | None = None  # the latest coordinates accepted
+        self._epochs: tuple[int, int] | None = None  # the first and last epoch asked for
+        self._sent = self._failed = 0  # batches sent, batches answered with an error
+        self._opened = time.monotonic()
+        self._ended = ""  # why the stream ended, once the sender knows
 
     # -- the sender ------------------------------------------------------------------------
     async def run(self, requests: AsyncIterator[pb.StreamRequest]) -> None:
@@ -154,9 +167,11 @@ class StreamSession:
         self._reader = asyncio.create_task(self.read_credits(requests))
         context, metrics = self._context, self._service.metrics
         finished = False
+        gone = "the client went away"
         while not (finished and self.outstanding == 0):
             item = await self._ready.get()
             if not await self._send_metadata(writes=isinstance(item, Built | Failed | Offer)):
+                self._ended = gone
                 return
             match item:
                 case Built(batch, batch_index, epoch):
@@ -166,24 +181,36 @@ class StreamSession:
                     transport = self.transport
                     assert transport is not None and self.dataset is not None
                     metrics.sent(self.dataset, batch.num_samples, batch.payload_bytes,
-                                 transport.lends)
+                                 transport.label)
+                    self._sent += 1
                     if not await transport.send(context, batch, batch_index, epoch):
+                        self._ended = gone
                         return
-                case Failed(batch_index, epoch, code, message):
+                case Failed(batch_index, epoch, code, message, detail):
                     self.outstanding -= 1
+                    self._failed += 1
                     metrics.errors.labels(self.dataset, code.name.lower()).inc()
+                    if code in WARNED:
+                        log.warning("%s: batch %d of epoch %d answered %s: %s", self._who(),
+                                    batch_index, epoch, code.name, detail or message)
                     if not await write(context, encode_error(batch_index, epoch,
                                                              code.value[0], message)):
+                        self._ended = gone
                         return
                 case Offer(frame):
                     if not await write(context, frame):
+                        self._ended = gone
                         return
                 case Refused(code, message, trailers):
+                    self._ended = f"refused, {code.name}: {message}"
+                    if code in WARNED:
+                        log.warning("%s: refused, %s: %s", self._who(), code.name, message)
                     await context.abort(code, message, trailing_metadata=trailers)
                 case Finished():
                     finished = True
                 case Accepted():
                     pass  # its metadata went out above
+        self._ended = "the client finished it"
 
     async def _send_metadata(self, writes: bool) -> bool:
         """Send the stream's initial metadata if the coordinates are accepted and it has not
@@ -222,11 +249,25 @@ class StreamSession:
         # 4. The data socket: its token forgotten, its connection closed.
         if self._offer is not None:
             self._offer.close()
-        # 5. Metrics.
+        # 5. Metrics, and the log's line.
         metrics = self._service.metrics
         if self.dataset is not None:
             metrics.streams.labels(self.dataset).dec()
         metrics.stream_ended(self.id)
+        why = self._ended or ("cut by the server's shutdown" if self._service.draining
+                              else "the client cancelled it (closed its loader, or went away)")
+        log.info("%s closed after %.1f s: %d batches sent, %d failed; %s", self._who(),
+                 time.monotonic() - self._opened, self._sent, self._failed, why)
+
+    def _who(self) -> str:
+        """`stream 7 from ipv4:10.0.0.5:41234 (dataset 'faces', rank 0/8, epoch 3)`."""
+        c, epochs = self._coords, self._epochs
+        if c is None or epochs is None:
+            return f"stream {self.id} from {self._peer}"
+        epoch = f"epoch {epochs[0]}" if epochs[0] == epochs[1] else \
+            f"epochs {epochs[0]}-{epochs[1]}"
+        return (f"stream {self.id} from {self._peer} (dataset {c.dataset!r}, "
+                f"rank {c.rank}/{c.world_size}, {epoch})")
 
     # -- the reader ------------------------------------------------------------------------
     async def read_credits(self, requests: AsyncIterator[pb.StreamRequest]) -> None:
@@ -245,12 +286,17 @@ class StreamSession:
                     self._handshake(req, asked)
                 if req.HasField("coordinates"):
                     coords, meta = service.coordinates(req.coordinates)
+                    self._coords = coords
+                    self._epochs = (coords.epoch if self._epochs is None else self._epochs[0],
+                                    coords.epoch)
                     if self.transport is None:  # the handshake is over
                         self.transport = choose(asked, self._pool, service.mappings,
                                                 service.settings.frame_bytes)
                         if meta.fingerprint is not None:
                             self._metadata = ((FINGERPRINT_KEY, meta.fingerprint.digest),)
                         self._ready.put_nowait(Accepted())
+                        log.info("%s opened, by %s, batch_size %d", self._who(),
+                                 self.transport.label, coords.batch_size)
                     if coords.dataset != self.dataset:  # counted under its dataset
                         if self.dataset is not None:
                             metrics.streams.labels(self.dataset).dec()
@@ -346,7 +392,7 @@ class StreamSession:
                 raise
         except BatchFailed as e:
             self._ready.put_nowait(Failed(index, coords.epoch, FAILURE_CODE[e.kind],
-                                          f"batch {index}: {e}"))
+                                          f"batch {index}: {e}", e.detail))
             return
         self._service.metrics.built(coords.dataset, batch.build_seconds, batch.skipped,
                                     batch.cache)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _messages as msg
-from . import _shm
+from . import _shm, _tracebacks
 from ._batch import BatchTooLarge, SampleError, build_batch, probe_fields
 from ._fingerprint import Fingerprint, fingerprint
 from ._sampling import Ordering
@@ -30,9 +30,11 @@ log = logging.getLogger("stoker.server")
 
 
 def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int,
-                progress: Any = None) -> None:
+                progress: Any = None, slot: int = 0) -> None:
     """The worker process's body; `probe`: describe every dataset in the Opened message;
-    `progress`: shared int64 [task id, sample] this worker is at, for the pool's watchdog."""
+    `progress`: shared int64 [task id, sample] this worker is at, for the pool's watchdog;
+    `slot`: its place in the pool, for its name in `ps`."""
+    _name_process(slot, list(config.datasets))
     # The parent owns shutdown and closes our pipe when it is time (or dies, and the pipe ends).
     # Ctrl-C, or a SIGTERM sent to the whole process group, must not kill us mid-batch first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -59,6 +61,10 @@ def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int,
             if probe:
                 meta[name] = _describe(ds, config.datasets[name], prints[name])
         except Exception as e:
+            # The user's traceback (their factory, their module's import) in the server's
+            # log; the server's one-line error names the dataset and the exception.
+            if (tb := _tracebacks.user_traceback(e)):
+                log.error("dataset %r did not open:\n%s", name, tb)
             conn.send(msg.OpenFailed(f"dataset {name!r}: {type(e).__name__}: {e}"))
             return
     conn.send(msg.Opened(meta if probe else None, prints))
@@ -155,9 +161,9 @@ class _Builder:
         except StorageUnavailable as e:  # an outage, not bad data: the client asks elsewhere
             return self._failed(task, msg.FailureKind.UNAVAILABLE,
                                 f"dataset {task.dataset!r}: {e}; another server may succeed")
-        except SampleError as e:
+        except SampleError as e:  # its cause: the user's exception, where it is theirs
             return self._failed(task, msg.FailureKind.DATA_LOSS,
-                                f"dataset {task.dataset!r}: {e}")
+                                f"dataset {task.dataset!r}: {e}", e.__cause__)
         except BatchTooLarge as e:
             return self._failed(task, msg.FailureKind.RESOURCE_EXHAUSTED,
                                 f"dataset {task.dataset!r}: {e}")
@@ -169,7 +175,8 @@ class _Builder:
                 log.warning("a batch found no room in shared memory: %s", e)
             return self._failed(task, kind, f"dataset {task.dataset!r}: {e}")
         except Exception as e:
-            return self._failed(task, msg.FailureKind.INTERNAL, f"{type(e).__name__}: {e}")
+            log.exception("a batch of dataset %r failed", task.dataset)
+            return self._failed(task, msg.FailureKind.INTERNAL, f"{type(e).__name__}: {e}", e)
         if self.cache is not None:  # what the cache did since the last batch, for /metrics
             now = (self.cache.hits, self.cache.misses, self.cache.bytes_fetched)
             batch = dataclasses.replace(
@@ -177,15 +184,49 @@ class _Builder:
             self.reported = now
         return msg.Built(task.task_id, batch)
 
-    def _failed(self, task: msg.Task, kind: msg.FailureKind, message: str) -> msg.BuildFailed:
-        """The failure as the client sees it: no absolute server path in it. The full text
-        goes to this server's log (once per message)."""
+    def _failed(self, task: msg.Task, kind: msg.FailureKind, message: str,
+                error: BaseException | None = None) -> msg.BuildFailed:
+        """The failure as the client sees it: no absolute server path in it, and, for a
+        dataset running the user's code (`format: python`, `transform:`), the traceback of
+        `error` from their code on. The front end logs the full text (`detail`) for the
+        failures it warns about; an UNAVAILABLE one is logged here, once per message."""
+        cfg = self.config.datasets[task.dataset]
+        users = cfg.format == "python" or getattr(cfg, "transform", None) is not None
+        tb = _tracebacks.user_traceback(error) if error is not None and users else ""
         shown = self.redact.apply(task.dataset, message)
-        if shown != message and message not in self._logged:
+        if tb:
+            shown += (f"\n\n{_tracebacks.HEADER}\n"
+                      + self.redact.apply(task.dataset, _tracebacks.for_client(tb)))
+        if (kind == msg.FailureKind.UNAVAILABLE and shown != message
+                and message not in self._logged):
             if len(self._logged) < 4096:
                 self._logged.add(message)
             log.warning("batch failed: %s", message)
-        return msg.BuildFailed(task.task_id, kind, shown)
+        return msg.BuildFailed(task.task_id, kind, shown, message + (f"\n{tb}" if tb else ""))
+
+
+def _name_process(slot: int, datasets: list[str]) -> None:
+    """Name this worker in `ps` and `top` (else an anonymous multiprocessing.spawn line):
+    `stoker worker 3 (server 1234): faces, mine` where setproctitle is installed (the
+    server extra has it), and `stoker worker 3` as the process name (comm) in any case."""
+    served = ", ".join(datasets)
+    title = f"stoker worker {slot} (server {os.getppid()}): " + (
+        served if len(served) <= 200 else served[:200] + "...")
+    short = f"stoker worker {slot}" if slot < 10 else f"stoker-w{slot}"  # comm: 15 bytes
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+        setproctitle.setthreadtitle(short)
+        return
+    except ImportError:
+        pass
+    try:  # Linux: prctl(PR_SET_NAME) names the process (comm) without the package
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(15, short.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # another OS: the process keeps the interpreter's name
 
 
 class _Redact:

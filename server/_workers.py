@@ -65,11 +65,13 @@ class StartError(RuntimeError):
 
 
 class BatchFailed(Exception):
-    """A batch could not be built; `kind` says why (the front end maps it to a gRPC status)."""
+    """A batch could not be built; `kind` says why (the front end maps it to a gRPC status).
+    The message is what the client is told; `detail`, what the server's log says."""
 
-    def __init__(self, kind: FailureKind, message: str) -> None:
+    def __init__(self, kind: FailureKind, message: str, detail: str = "") -> None:
         super().__init__(message)
         self.kind = kind
+        self.detail = detail or message
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,7 @@ class WorkerPool:
         if orphans:
             log.warning("removed %d shared-memory segments left by servers that died", orphans)
         for i in range(self._n):
-            w = self._spawn(probe=i == 0)
+            w = self._spawn(probe=i == 0, slot=i)
             with self._lock:
                 self._workers.append(w)
         for i, w in enumerate(list(self._workers)):
@@ -248,12 +250,14 @@ class WorkerPool:
         return fut
 
     # -- the dispatcher thread -------------------------------------------------------------
-    def _spawn(self, probe: bool) -> _Worker:
+    def _spawn(self, probe: bool, slot: int) -> _Worker:
+        """Start a worker; `slot`: its place in the pool (a replacement takes the one of the
+        worker it replaces), which names it in `ps`."""
         parent, child = self._ctx.Pipe()
         progress = self._ctx.RawArray("q", [0, -1])
         p = self._ctx.Process(target=worker_main,
                               args=(self._config, child, probe, log.getEffectiveLevel(),
-                                    progress),
+                                    progress, slot),
                               name="stoker-worker", daemon=True)
         p.start()
         child.close()
@@ -398,12 +402,12 @@ class WorkerPool:
                     self._lent.add(batch.shm_name)
                 if job is None or not _resolve(job.future, batch):
                     self.release(batch)  # nobody waits for it any more
-            case BuildFailed(task_id, kind, reason):
+            case BuildFailed(task_id, kind, reason, detail):
                 with self._lock:
                     job = w.jobs.pop(task_id, None)
                     w.head_since = time.monotonic()
                 if job is not None:
-                    _reject(job.future, BatchFailed(kind, reason))
+                    _reject(job.future, BatchFailed(kind, reason, detail))
             case _:
                 raise TypeError(f"a worker sent {message!r}")
 
@@ -452,7 +456,7 @@ class WorkerPool:
             _reject(first.future, BatchFailed(FailureKind.INTERNAL, failed))
         w.conn.close()
         self._forget(w)
-        new = self._spawn(probe=False)
+        new = self._spawn(probe=False, slot=self._workers.index(w))
         with self._lock:
             self._workers[self._workers.index(w)] = new
 

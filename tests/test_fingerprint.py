@@ -82,7 +82,9 @@ def worker_pids(server: ServerProcess) -> list[int]:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            # Named `stoker worker N ...` once started; spawn_main before.
+            if ((b"spawn_main" in cmd and b"resource_tracker" not in cmd)
+                    or cmd.startswith(b"stoker worker")):
                 pids.append(int(pid))
     return sorted(pids)
 

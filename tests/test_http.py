@@ -82,7 +82,7 @@ def test_metrics_count_what_flows(server) -> None:
         n = sum(1 for _ in ld)
         shm = ld.stats()["bytes"] > 0  # same host: batches came through shared memory
     text = get(server, "/metrics")[1]
-    transport = "shm" if shm else "socket"
+    transport = "shm" if shm else "frames"
     sent = (metric(text, "stoker_batches_total", dataset="toy", transport=transport)
             - metric(before, "stoker_batches_total", dataset="toy", transport=transport))
     assert sent == n == 10

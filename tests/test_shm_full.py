@@ -46,7 +46,8 @@ def blocks(n: int, kib: int = 256) -> dict[str, Any]:
 
 
 def workers_of(server: ServerProcess) -> list[int]:
-    """The pids of the server's worker processes (spawned: their command runs spawn_main).
+    """The pids of the server's worker processes (named `stoker worker N ...` once started;
+    spawn_main before).
     Each thread lists the children it started: the pool starts workers on other threads."""
     assert server.proc is not None
     found = []
@@ -57,7 +58,8 @@ def workers_of(server: ServerProcess) -> list[int]:
             continue
         for child in children:
             try:
-                if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                cmd = Path(f"/proc/{child}/cmdline").read_bytes()
+                if b"spawn_main" in cmd or cmd.startswith(b"stoker worker"):
                     found.append(int(child))
             except OSError:
                 pass

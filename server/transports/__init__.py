@@ -36,8 +36,9 @@ class Transport(Protocol):
     to the pool once sent (or once the client has gone), or lends it to the client until
     `returned`; `close` gives back whatever is still lent."""
 
-    # Batches are lent in shared memory rather than sent (the transport label of metrics).
-    lends: bool = False
+    # How this stream's batches travel, the `transport` label of metrics: "frames" (gRPC
+    # frames), "data_socket" (the payload on the data socket), "shm" (lent in shared memory).
+    label: str = "frames"
 
     async def send(self, context: grpc.aio.ServicerContext, batch: BuiltBatch,
                    batch_index: int, epoch: int) -> bool:

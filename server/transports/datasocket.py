@@ -67,8 +67,10 @@ class SocketTransport(Transport):
         self._instead: Transport | None = None  # the fallback, once the socket did not come
 
     @property
-    def lends(self) -> bool:  # type: ignore[override]
-        return self._instead is not None and self._instead.lends
+    def label(self) -> str:  # type: ignore[override]
+        # Before its first batch it is the data socket: a client that never connects has that
+        # batch counted under it, and the rest under the fallback.
+        return self._instead.label if self._instead is not None else "data_socket"
 
     async def send(self, context: grpc.aio.ServicerContext, batch: BuiltBatch,
                    batch_index: int, epoch: int) -> bool:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 
 class ShmTransport(Transport):
-    lends = True
+    label = "shm"
 
     def __init__(self, pool: WorkerPool) -> None:
         self._pool = pool
