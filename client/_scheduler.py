@@ -110,13 +110,16 @@ class Scheduler:
                        if s.stream is not None)
             return self.bytes_received + live
 
-    def take(self, index: int) -> Any:
+    def take(self, index: int, on_wait: Callable[[], None] | None = None) -> Any:
         """Batch `index` (the next one), waiting while servers fail and come back for up to
-        `timeout` seconds without progress."""
+        `timeout` seconds without progress; `on_wait()` is called every TICK while it waits
+        (on this thread, under the lock: it may call report())."""
         with self._cond:
             started = self._clock()
             while not self.poll(index, started):
                 self._cond.wait(TICK)
+                if on_wait is not None:
+                    on_wait()
             item = self._ready.pop(index)
             self._next = index + 1
             self._assign(self._clock())
