@@ -37,6 +37,7 @@ _MISSING = object()
 # (a loop stuck waiting is the stall an autoscaler must see), and at the start of each pass
 # (a new stream) once there is something to say, so that short epochs report too.
 REPORT_FIRST, REPORT_EVERY = 1.0, 5.0
+SAY_WAITING = 3.0  # seconds the loop waits for one batch before an INFO line says why
 
 
 class RemoteLoader:
@@ -98,6 +99,7 @@ class RemoteLoader:
         self._scheduler: Scheduler | None = None
         self._window = o.prefetch  # under every server's max_credits once they said it
         self._next_report: float | None = None  # when the stall goes to the servers next
+        self._said_waiting = (-1, -1)  # (epoch, batch) whose long wait was logged
         self._stats = {"batches": 0, "bytes": 0, "wait_seconds": 0.0, "loop_seconds": 0.0,
                        "failovers": 0, "hedges": 0}
         self._loop_started: float | None = None  # while an iteration runs
@@ -256,7 +258,7 @@ class RemoteLoader:
                 t0 = time.perf_counter()
                 try:
                     batch = scheduler.take(
-                        self._next, on_wait=lambda t0=t0: self._report_due(scheduler, t0))
+                        self._next, on_wait=lambda t0=t0: self._waiting(scheduler, t0))
                 except DataMismatch as e:  # a server refused our fingerprint: name both
                     raise self._mismatched(e.address, e.digest) from None
                 waited = time.perf_counter() - t0
@@ -280,6 +282,18 @@ class RemoteLoader:
             self._stats["bytes"] += scheduler.bytes_received
             self._stats["failovers"] += scheduler.failovers
             self._stats["hedges"] += scheduler.hedges
+
+    def _waiting(self, scheduler: Scheduler, since: float) -> None:
+        """Called while the loop waits for batch self._next: report the stall when due, and
+        say once, after SAY_WAITING s, what it waits for."""
+        self._report_due(scheduler, since)
+        where = (self._epoch, self._next)
+        if self._said_waiting != where and time.perf_counter() - since >= SAY_WAITING:
+            self._said_waiting = where
+            say(logging.INFO, "%s epoch %d: waiting %.0fs for batch %d (giving up after "
+                "timeout=%gs without a batch from any server): %s", self.dataset, self._epoch,
+                time.perf_counter() - since, self._next, self._options.timeout,
+                scheduler.servers_now())
 
     def _report_due(self, scheduler: Scheduler, waiting_since: float | None) -> None:
         """Send the stall to the servers if it is time (the loop's thread; `waiting_since`:

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(60)
 
 TOY = {"format": "python", "factory": "toy_datasets:toy"}
 DATASETS = {"eighty": {**TOY, "options": {"n": 80}},
-            "waits": {**TOY, "options": {"n": 4, "delay": 0.5}}}
+            "waits": {**TOY, "options": {"n": 4, "delay": 0.9}}}
 MAX_CREDITS = 4
 
 
@@ -213,9 +213,12 @@ def test_item_7_prefetch_above_max_credits_is_clamped_at_first_contact(server, c
 
 
 # -- item 12 -----------------------------------------------------------------------------------
-def test_item_12_the_stall_is_absent_until_reported_and_reported_on_time(server) -> None:
+def test_item_12_the_stall_is_absent_until_reported_and_reported_on_time(server,
+                                                                         caplog) -> None:
+    caplog.set_level(logging.INFO, logger="stoker.client")
     assert series(metrics(server), "stoker_client_data_stall", "waits") is None
-    # A loop stuck waiting for its first batch (4 samples of 0.5 s) reports while it waits.
+    # A loop stuck waiting for its first batch (4 samples of 0.9 s) reports while it waits,
+    # and says what it waits for (item 2: after 3 s).
     handed: list[int] = []
     done = threading.Event()
 
@@ -235,6 +238,9 @@ def test_item_12_the_stall_is_absent_until_reported_and_reported_on_time(server)
         done.wait(0.05)  # pace the polling
     thread.join(30)
     assert stall is not None and stall > 0.5 and seen_before_a_batch, (stall, handed)
+    said = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("waits epoch 0: waiting 3s for batch 0 ") \
+        and f"{server.address}: " in said[0] and "last error" in said[0], said
     # Short epochs (well under a second each) report too: each new stream is told at once.
     with RemoteLoader(server.address, "eighty", batch_size=8, output="numpy",
                       prefetch=MAX_CREDITS) as loader:
