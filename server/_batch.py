@@ -4,10 +4,16 @@ Collation follows torch's default_collate for what a dataset returns: numpy arra
 scalars keep their dtype, Python int -> int64, float -> float64, bool -> bool. Every tensor is
 laid out C-contiguous and little-endian at a 64-byte aligned offset of one payload, which is
 what travels on the wire; the front end reads it from shared memory without unpickling.
+
+A field whose size varies from sample to sample (images served at their native size) comes
+as a `Padded` array: the batch is then zero-padded at the end of those axes to its largest
+sample. Such a batch is gathered before it is laid out (its shape is known only then), so it
+briefly holds its samples twice; the others are written into the payload as they come.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -60,7 +66,29 @@ class BuiltBatch:
     cache: tuple[int, int, int] = (0, 0, 0)
 
 
+class Padded(np.ndarray):
+    """A sample's field whose `pad_axes` may differ in size between the samples of a batch:
+    collated zero-padded at the end of each such axis to the batch's largest. Make one with
+    `padded()`; any format may return it (numeric dtypes only, like every field)."""
+
+    pad_axes: tuple[int, ...] = ()
+
+    def __array_finalize__(self, obj: Any) -> None:
+        self.pad_axes = getattr(obj, "pad_axes", ())
+
+
+def padded(array: np.ndarray, axes: tuple[int, ...]) -> Padded:
+    """`array` (not copied) marked as padded along `axes` when collated."""
+    out = np.asarray(array).view(Padded)
+    out.pad_axes = tuple(sorted(a % out.ndim for a in axes))
+    return out
+
+
 def _as_array(value: Any) -> np.ndarray:
+    if isinstance(value, Padded):
+        if value.dtype.kind not in "biuf":
+            raise TypeError(f"dtype {value.dtype} is not a number type")
+        return value
     if isinstance(value, bool):
         return np.asarray(value, dtype=np.bool_)
     if isinstance(value, int):
@@ -137,11 +165,14 @@ def fetch_or_replace(dataset: DatasetParts, i: int, key: EpochKey, skip: bool
     raise SampleError(f"{error} (and {MAX_REPLACEMENTS} replacements failed too)")
 
 
-def plan_layout(first: dict[str, np.ndarray], n: int, first_index: int) -> list[TensorLayout]:
-    """Where each field of a batch of `n` samples shaped like `first` goes in the payload."""
+def plan_layout(first: dict[str, np.ndarray], n: int, first_index: int,
+                shapes: dict[str, tuple[int, ...]] | None = None) -> list[TensorLayout]:
+    """Where each field of a batch of `n` samples shaped like `first` goes in the payload;
+    `shapes` overrides the per-sample shape of some fields (padded ones)."""
     if SAMPLE_INDEX in first:
         raise SampleError(f"sample {first_index}: field name {SAMPLE_INDEX!r} is reserved")
-    fields = [(k, v.dtype, v.shape) for k, v in first.items()]
+    shapes = shapes or {}
+    fields = [(k, v.dtype, shapes.get(k, v.shape)) for k, v in first.items()]
     fields.append((SAMPLE_INDEX, np.dtype(np.int64), ()))
     layout, offset = [], 0
     for name, dtype, shape in fields:
@@ -160,7 +191,11 @@ def _check_like(s: dict[str, np.ndarray], idx: int, layout: list[TensorLayout],
                           f"{first_index}'s {sorted(names)}")
     for t in layout[:-1]:
         v = s[t.name]
-        if v.shape != t.shape[1:] or v.dtype != np.dtype(t.dtype):
+        shape = t.shape[1:]
+        if isinstance(v, Padded) and v.ndim == len(shape):  # the padded axes may be smaller
+            shape = tuple(d if a in v.pad_axes else n for a, (n, d) in
+                          enumerate(zip(shape, v.shape, strict=True)))
+        if v.shape != shape or v.dtype != np.dtype(t.dtype):
             raise SampleError(
                 f"sample {idx}: field {t.name!r} is {v.dtype}{list(v.shape)}, but sample "
                 f"{first_index} has {t.dtype}{list(t.shape[1:])}; a batch needs equal shapes")
@@ -173,39 +208,52 @@ def build_batch(dataset: DatasetParts, indices: np.ndarray, segments: _shm.Segme
     """Compute the batch of `indices` into a segment of `segments`, lent to the caller.
 
     Collated in one pass: the first sample fixes the layout, the segment is created, and each
-    sample is written into its row as soon as it exists; no list of samples is kept.
-    A batch whose payload would exceed `max_bytes` raises BatchTooLarge before any memory
-    is taken for it. `on_sample(i)` is called as sample i is started (the pool's watchdog
-    names the sample a hung worker was at), so it must be cheap."""
+    sample is written into its row as soon as it exists; no list of samples is kept, unless
+    the first sample has a `Padded` field: then every sample is fetched first, since the
+    batch's shape is their largest. A batch whose payload would exceed `max_bytes` raises
+    BatchTooLarge before any memory is taken for it. `on_sample(i)` is called as sample i is
+    started (the pool's watchdog names the sample a hung worker was at), so it must be cheap."""
     started = time.perf_counter()
     delivered = np.array(indices, dtype=np.int64)
     skipped = 0
     name, segment, views, layout = "", None, {}, []
-    first_index = 0
+    todo = indices.tolist()
+
+    def fetch(pos: int, i: int) -> dict[str, np.ndarray]:
+        nonlocal skipped
+        if on_sample is not None:
+            on_sample(i)
+        s, j = fetch_or_replace(dataset, i, key, skip)
+        skipped += j != i
+        delivered[pos] = j
+        return s
+
     try:
-        for pos, i in enumerate(indices.tolist()):
-            if on_sample is not None:
-                on_sample(i)
-            s, j = fetch_or_replace(dataset, i, key, skip)
-            skipped += j != i
-            delivered[pos] = j
-            if segment is None:
-                first_index = j
-                layout = plan_layout(s, len(indices), j)
-                size = layout[-1].offset + layout[-1].nbytes
-                if max_bytes is not None and size > max_bytes:
-                    raise BatchTooLarge(f"a batch of {len(indices)} samples takes {size} bytes,"
-                                        f" over this server's max_batch_bytes ({max_bytes}): "
-                                        "ask for smaller batches")
-                name, segment = segments.acquire(size)
-                views = {t.name: np.ndarray(t.shape, np.dtype(t.dtype).newbyteorder("<"),
-                                            segment, t.offset) for t in layout}
-            else:
-                _check_like(s, j, layout, first_index)
-            for field_name, value in s.items():
-                views[field_name][pos] = value
-        if segment is None:
+        if not todo:
             raise SampleError("a batch needs at least one sample")
+        gathered = [fetch(0, todo[0])]
+        first_index = int(delivered[0])
+        shapes = None
+        if any(isinstance(v, Padded) for v in gathered[0].values()):
+            gathered += [fetch(pos, i) for pos, i in enumerate(todo[1:], 1)]
+            shapes = _padded_shapes(gathered)
+        layout = plan_layout(gathered[0], len(indices), first_index, shapes)
+        size = layout[-1].offset + layout[-1].nbytes
+        if max_bytes is not None and size > max_bytes:
+            raise BatchTooLarge(f"a batch of {len(indices)} samples takes {size} bytes, over "
+                                f"this server's max_batch_bytes ({max_bytes}): ask for "
+                                "smaller batches")
+        name, segment = segments.acquire(size)
+        views = {t.name: np.ndarray(t.shape, np.dtype(t.dtype).newbyteorder("<"), segment,
+                                    t.offset) for t in layout}
+        rest = ((pos, fetch(pos, i)) for pos, i in enumerate(todo[len(gathered):],
+                                                              len(gathered)))
+        for pos, s in itertools.chain(enumerate(gathered), rest):
+            if pos:
+                _check_like(s, int(delivered[pos]), layout, first_index)
+            for field_name, value in s.items():
+                _write(views[field_name], pos, value)
+        gathered.clear()
         views[SAMPLE_INDEX][:] = delivered
     except BaseException:
         views.clear()
@@ -217,9 +265,34 @@ def build_batch(dataset: DatasetParts, indices: np.ndarray, segments: _shm.Segme
                       skipped, time.perf_counter() - started)
 
 
+def _padded_shapes(samples: list[dict[str, np.ndarray]]) -> dict[str, tuple[int, ...]]:
+    """The batch's per-sample shape of each padded field: the largest along its pad axes
+    (samples that do not match the first are left to _check_like to name)."""
+    shapes = {}
+    for name, v in samples[0].items():
+        if isinstance(v, Padded):
+            sizes = [s[name].shape for s in samples
+                     if name in s and np.ndim(s[name]) == v.ndim]
+            shapes[name] = tuple(np.max(sizes, axis=0).tolist()) if v.ndim else ()
+    return shapes
+
+
+def _write(view: np.ndarray, pos: int, value: np.ndarray) -> None:
+    """Row `pos` of a batch's field; a smaller padded value is zero-padded at the end."""
+    if isinstance(value, Padded) and value.shape != view.shape[1:]:
+        view[pos] = 0  # segments are reused: the padding must be written
+        view[(pos, *(slice(0, d) for d in value.shape))] = value
+    else:
+        view[pos] = value
+
+
 def probe_fields(dataset: DatasetParts) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, dtype, per-sample shape) of every output field, from sample 0."""
     if len(dataset.dataset) == 0:
         return [(SAMPLE_INDEX, "int64", ())]
-    layout = plan_layout(fetch_sample(dataset, 0), 1, 0)
-    return [(t.name, t.dtype, t.shape[1:]) for t in layout]
+    first = fetch_sample(dataset, 0)
+    layout = plan_layout(first, 1, 0)
+    # A padded axis's size differs from batch to batch: -1.
+    return [(t.name, t.dtype, tuple(-1 if a in getattr(first.get(t.name), "pad_axes", ())
+                                    else d for a, d in enumerate(t.shape[1:])))
+            for t in layout]

@@ -6,7 +6,10 @@ problem, and the server exits non-zero before opening any port.
 
 from __future__ import annotations
 
+import difflib
 import os
+import types
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -103,7 +106,9 @@ def _local_root_exists(v: str) -> str:
         raise ValueError("empty: give a folder, a glob or an s3:// URL")
     root, _ = split_source(v)
     if "://" not in root and not Path(root).is_dir():
-        raise ValueError(f"not a directory: {root}")
+        # split_source took an existing file apart already: what is left does not exist.
+        raise ValueError(f"no such file or directory: {root}" if not Path(root).exists()
+                         else f"not a directory or file: {root}")
     return v
 
 
@@ -299,9 +304,9 @@ Transforms = Annotated[list[TransformStep], AfterValidator(_check_transforms),
 
 
 def _size_or_transforms(size: Any, transforms: Any) -> None:
-    if (size is None) == (transforms is None):
-        raise ValueError("give either size (a plain resize) or transforms, not both" if size
-                         else "size or transforms is required")
+    # Neither: images at their native size, each batch padded to its largest (images.py).
+    if size is not None and transforms is not None:
+        raise ValueError("give either size (a plain resize) or transforms, not both")
 
 
 class ImageFolderDataset(_Sourced):
@@ -334,18 +339,35 @@ def _check_text(is_text: bool, max_bytes: int | None) -> None:
         raise ValueError("max_bytes applies to utf8 text only")
 
 
+# A value put in place of a null (JSON null, Parquet null: what pandas writes for NaN).
+Fill = Annotated[bool | int | float | str | None,
+                 Field(description="the value a null becomes; default: a null fails")]
+
+
+def _check_fill(fill: Any, text: bool) -> None:
+    if fill is None:
+        return
+    if text != isinstance(fill, str):
+        raise ValueError("fill must be a string for utf8 or tokens, a number for numbers, "
+                         f"got {fill!r}")
+
+
 class JsonField(_Strict):
     path: str | None = Field(None, description="dotted key in the record; default: field name")
-    dtype: Literal[NumberDtype, "utf8"] = "float32"  # one Literal: one error line, not two
+    # None: inferred at open from the first records (see formats/jsonl.py): int64 when
+    # every value seen is an integer, bool when every one is a bool, else float32.
+    dtype: Literal[NumberDtype, "utf8"] | None = None  # one Literal: one error line, not two
     shape: tuple[int, ...] = ()
     # utf8: the text's bytes as uint8[max_bytes], zero-padded, and `<name>_length` (int64).
     max_bytes: int | None = Field(None, ge=1)
+    fill: Fill = None
 
     @model_validator(mode="after")
     def _utf8_needs_max_bytes(self) -> JsonField:
         _check_text(self.dtype == "utf8", self.max_bytes)
         if self.dtype == "utf8" and self.shape:
             raise ValueError("a utf8 field has no shape (it is uint8[max_bytes])")
+        _check_fill(self.fill, self.dtype == "utf8")
         return self
 
 
@@ -366,6 +388,9 @@ class TokensDataset(_Sourced):
     seq_len: int = Field(ge=1)
     header_bytes: int = Field(0, ge=0, description="bytes to skip at the start of each file")
     output_dtype: Literal["int32", "int64"] = "int64"
+    # Token ids must be below it: checked on each file's first tokens at open and on every
+    # window read (None: only the dtype's own range).
+    vocab_size: int | None = Field(None, ge=1, le=2**32)
 
 
 class MemmapDataset(_Sourced):
@@ -378,20 +403,32 @@ class MemmapDataset(_Sourced):
 
 
 class TarField(_Strict):
-    ext: str = Field(min_length=1, description="the member's extension after the sample key")
-    decode: Literal["image", "int", "float", "npy", "utf8"]
+    ext: str = Field(min_length=1, description="the member's extension after the sample key "
+                                               "(matched ignoring case, as webdataset does)")
+    decode: Literal["image", "int", "float", "npy", "utf8", "json"]
     size: ImageSize | None = None  # image: a plain resize
     transforms: Transforms | None = None  # image: instead of size
     layout: Literal["chw", "hwc"] = "chw"  # image
-    max_bytes: int | None = Field(None, ge=1)  # utf8, as in jsonl
+    max_bytes: int | None = Field(None, ge=1)  # utf8, and json with dtype utf8, as in jsonl
+    # json: the value at `path` (dotted, as in jsonl; default: the whole document), as dtype
+    # (required: no silent float) and shape.
+    path: str | None = None
+    dtype: Literal[NumberDtype, "utf8"] | None = None
+    shape: tuple[int, ...] = ()
 
     @model_validator(mode="after")
     def _decoder_options(self) -> TarField:
-        _check_text(self.decode == "utf8", self.max_bytes)
+        _check_text(self.decode == "utf8" or (self.decode == "json" and self.dtype == "utf8"),
+                    self.max_bytes)
         if self.decode == "image":
             _size_or_transforms(self.size, self.transforms)
         elif self.size is not None or self.transforms is not None:
             raise ValueError("size and transforms apply to decode: image only")
+        if self.decode == "json" and self.dtype is None:
+            raise ValueError("decode: json needs dtype (a number type, or utf8 with max_bytes)")
+        if self.decode != "json" and (self.path is not None or self.dtype is not None
+                                      or self.shape):
+            raise ValueError("path, dtype and shape apply to decode: json only")
         return self
 
 
@@ -404,16 +441,37 @@ class TarDataset(_Sourced):
     shuffle: Literal["global", "block"] = "block"
 
 
-class ParquetField(_Strict):
+class ColumnField(_Strict):
+    """A field of `format: mds` or `format: litdata`: one column of the peer's samples,
+    decoded as its encoding says (see docs/configuration.md); the options that apply depend
+    on that encoding, known when the dataset opens."""
+
     column: str | None = Field(None, description="default: the field name")
-    dtype: NumberDtype | None = Field(None, description="default: the column's own type")
+    size: ImageSize | None = None  # image columns: a plain resize
+    transforms: Transforms | None = None  # image columns: instead of size
+    layout: Literal["chw", "hwc"] = "chw"  # image columns
+    max_bytes: int | None = Field(None, ge=1)  # str and bytes columns, as utf8 in jsonl
+
+    @model_validator(mode="after")
+    def _one_geometry(self) -> ColumnField:
+        if self.size is not None and self.transforms is not None:
+            raise ValueError("give either size (a plain resize) or transforms, not both")
+        return self
 
 
-class ParquetDataset(_Sourced):
-    """Parquet files (pyarrow): columns -> fields, read by row group; a shard is a row group."""
+class MdsDataset(_Sourced):
+    """A Mosaic Streaming folder (MDSWriter's index.json and shards); a shard is a shard."""
 
-    format: Literal["parquet"]
-    fields: dict[str, ParquetField] = Field(min_length=1)
+    format: Literal["mds"]
+    fields: dict[str, ColumnField] = Field(min_length=1)
+    shuffle: Literal["global", "block"] = "block"
+
+
+class LitdataDataset(_Sourced):
+    """A LitData folder (optimize's index.json and chunks); a shard is a chunk."""
+
+    format: Literal["litdata"]
+    fields: dict[str, ColumnField] = Field(min_length=1)
     shuffle: Literal["global", "block"] = "block"
 
 
@@ -438,6 +496,58 @@ def _path_unless_byte(v: Any, info: ValidationInfo) -> Any:
 
 # "byte" (a name), or a tokenizer file: a local path like a local source.
 Tokenizer = Annotated[str, AfterValidator(_tokenizer_file), BeforeValidator(_path_unless_byte)]
+
+
+class ParquetField(_Strict):
+    """A column -> a field: numbers as they are (no `decode`), or decoded like tar members:
+    `image` (binary, or a Hugging Face `Image()` struct<bytes, path>), `utf8` or `tokens`
+    (string columns)."""
+
+    column: str | None = Field(None, description="default: the field name")
+    dtype: NumberDtype | None = Field(None, description="default: the column's own type")
+    decode: Literal["image", "utf8", "tokens"] | None = None  # None: a column of numbers
+    size: ImageSize | None = None  # image: a plain resize
+    transforms: Transforms | None = None  # image: instead of size
+    layout: Literal["chw", "hwc"] = "chw"  # image
+    max_bytes: int | None = Field(None, ge=1)  # utf8, as in jsonl
+    # tokens: the string's ids as int64[max_tokens], padded with pad_id, and `<name>_length`.
+    tokenizer: Tokenizer = Field("byte", min_length=1, description="as in format: text")
+    tiktoken_pattern: str | None = None  # tokens, *.tiktoken only
+    max_tokens: int | None = Field(None, ge=1)
+    pad_id: TokenId | None = None  # default: the tokenizer's PAD, else its EOS, else 0
+    fill: Fill = None
+
+    @model_validator(mode="after")
+    def _decoder_options(self) -> ParquetField:
+        _check_text(self.decode == "utf8", self.max_bytes)
+        if self.decode == "image":
+            _size_or_transforms(self.size, self.transforms)
+        elif (self.size is not None or self.transforms is not None
+              or "layout" in self.model_fields_set):
+            raise ValueError("size, transforms and layout apply to decode: image only")
+        if self.dtype is not None and self.decode is not None:
+            raise ValueError("dtype applies to number columns (no decode) only")
+        tokens_only = {"tokenizer", "tiktoken_pattern", "max_tokens", "pad_id"}
+        if self.decode == "tokens":
+            if self.max_tokens is None:
+                raise ValueError("max_tokens is required for decode: tokens")
+            if self.tiktoken_pattern is not None and not self.tokenizer.endswith(".tiktoken"):
+                raise ValueError("tiktoken_pattern applies to a *.tiktoken tokenizer only")
+        elif tokens_only & self.model_fields_set:
+            raise ValueError(f"{', '.join(sorted(tokens_only & self.model_fields_set))}: "
+                             "only with decode: tokens")
+        if self.decode == "image" and self.fill is not None:
+            raise ValueError("an image has no fill: a null image fails its sample")
+        _check_fill(self.fill, self.decode in ("utf8", "tokens"))
+        return self
+
+
+class ParquetDataset(_Sourced):
+    """Parquet files (pyarrow): columns -> fields, read by row group; a shard is a row group."""
+
+    format: Literal["parquet"]
+    fields: dict[str, ParquetField] = Field(min_length=1)
+    shuffle: Literal["global", "block"] = "block"
 
 
 class TextDataset(_Sourced):
@@ -476,7 +586,7 @@ class TextDataset(_Sourced):
 
 DatasetConfig = Annotated[
     PythonDataset | ImageFolderDataset | JsonlDataset | TokensDataset | MemmapDataset
-    | TarDataset | ParquetDataset | TextDataset,
+    | TarDataset | ParquetDataset | TextDataset | MdsDataset | LitdataDataset,
     Field(discriminator="format")]
 
 
@@ -620,5 +730,69 @@ def load_config(path: str | os.PathLike[str], **overrides: Any) -> Config:
             loc = ".".join(parts) or "(top level)"
             got = repr(err.get("input"))
             got = got if len(got) <= 80 else got[:77] + "..."
-            lines.append(f"  {loc}: {err['msg']} (got {got})")
+            msg = err["msg"]
+            if err["type"] == "extra_forbidden":
+                msg += _did_you_mean(err["loc"])
+            lines.append(f"  {loc}: {msg} (got {got})")
         raise ConfigError("\n".join(lines)) from None
+
+
+# -- unknown keys: the valid keys where the typo is, and the closest of them -------------------
+def _unwrap(t: Any) -> Any:
+    """`t` without Annotated and without `| None`."""
+    while True:
+        if typing.get_origin(t) is Annotated:
+            t = typing.get_args(t)[0]
+        elif typing.get_origin(t) in (Union, types.UnionType) and type(None) in typing.get_args(t):
+            rest = [a for a in typing.get_args(t) if a is not type(None)]
+            if len(rest) != 1:
+                return t
+            t = rest[0]
+        else:
+            return t
+
+
+def _member(union: Any, tag: Any) -> Any:
+    """The member of a tagged union that an error's location names by `tag`: a transform's
+    `Tag`, or a dataset's `format` literal."""
+    for m in typing.get_args(union):
+        if typing.get_origin(m) is Annotated and any(
+                isinstance(x, Tag) and x.tag == tag for x in typing.get_args(m)[1:]):
+            return m
+        model = _unwrap(m)
+        fmt = getattr(model, "model_fields", {}).get("format")
+        if fmt is not None and tag in typing.get_args(fmt.annotation):
+            return model
+    return None
+
+
+def _keys_at(loc: tuple[Any, ...]) -> list[str]:
+    """The keys the model at `loc` (an error's location, less the unknown key) accepts; []
+    where the location cannot be followed."""
+    t: Any = Config
+    for part in loc:
+        t = _unwrap(t)
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            field = t.model_fields.get(str(part))
+            t = field.annotation if field is not None else None
+        elif typing.get_origin(t) in (Union, types.UnionType):
+            t = _member(t, part)
+        elif typing.get_origin(t) in (dict, list, tuple):
+            t = typing.get_args(t)[-1]
+        else:
+            return []
+        if t is None:
+            return []
+    t = _unwrap(t)
+    return sorted(t.model_fields) if isinstance(t, type) and issubclass(t, BaseModel) else []
+
+
+def _did_you_mean(loc: tuple[Any, ...]) -> str:
+    """"; did you mean 'options'?" for `option`, else the keys valid there."""
+    keys = _keys_at(loc[:-1])
+    if not keys:
+        return ""
+    close = difflib.get_close_matches(str(loc[-1]), keys, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return f"; expected one of: {', '.join(keys)}"

@@ -1,35 +1,26 @@
 """`stoker datasets ADDRESS` and `stoker inspect ADDRESS DATASET`: look at what a running
-server serves, from any machine that reaches it (the client side of stoker is used)."""
+server serves, from any machine that reaches it (the client side of stoker is used: numpy and
+grpcio only, no Pillow, pyyaml or torch; the `--grid` picture is written by `write_png`)."""
 
 from __future__ import annotations
 
 import argparse
+import struct
 import sys
+import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ._contact import CONTACT_SECONDS, ContactError, add_security, first_contact, security
+
 
 def datasets(args: argparse.Namespace) -> int:
-    import grpc
-
-    from stoker.client._channel import ChannelMaker
-    from stoker.v1 import stoker_pb2 as pb
-    from stoker.v1 import stoker_pb2_grpc as pb_grpc
-
     try:
-        tls, token = _security(args)
-        channel = ChannelMaker(tls, token)(args.address, [])
-    except ValueError as e:
+        reply = first_contact(args.address, security(args), min(args.timeout, CONTACT_SECONDS))
+    except (ContactError, ValueError) as e:
         print(e, file=sys.stderr)
-        return 2
-    try:
-        with channel:
-            reply = pb_grpc.DataServiceStub(channel).ListDatasets(pb.ListDatasetsRequest(),
-                                                                  timeout=args.timeout)
-    except grpc.RpcError as e:
-        print(f"{args.address}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     print(f"{'dataset':<24}{'format':<14}{'samples':>12}")
     for d in reply.datasets:
@@ -46,35 +37,101 @@ def image_field(arr: np.ndarray) -> str | None:
     return None
 
 
-def grid(images: np.ndarray, layout: str, columns: int = 8) -> np.ndarray:
-    """A batch of images as one uint8 HWC picture, `columns` wide, 2-pixel gaps. Float images
-    (normalised) are stretched to 0..255 over the batch."""
+def label_field(batch: dict[str, np.ndarray]) -> str | None:
+    """The field a tile's caption shows beside its sample index: `label` if there is one, else
+    the first other integer field with one number per sample; None if there is none."""
+    names = [k for k, v in batch.items() if k != "sample_index" and v.ndim == 1
+             and np.issubdtype(v.dtype, np.integer)]
+    return "label" if "label" in names else next(iter(names), None)
+
+
+# -- captions: a 3x5 pixel font for the characters a caption uses -------------------------------
+_GLYPHS = {
+    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111",
+    "3": "111001111001111", "4": "101101111001001", "5": "111100111001111",
+    "6": "111100111101111", "7": "111001010010010", "8": "111101111101111",
+    "9": "111101111001111", ":": "000010000010000", "-": "000000111000000",
+    " ": "000000000000000",
+}
+_FONT = {c: np.array([int(b) for b in bits], bool).reshape(5, 3) for c, bits in _GLYPHS.items()}
+INK = (40, 40, 40)
+
+
+def _scale(width: int) -> int:
+    """Pixels per font pixel for tiles `width` wide: readable, and rarely wider than a tile."""
+    return 1 if width < 64 else 2 if width < 160 else 3
+
+
+def draw_text(out: np.ndarray, text: str, top: int, left: int, scale: int, width: int) -> None:
+    """`text` (digits, ':', '-', ' ') into `out` at (top, left), cut at `width` pixels."""
+    for i, ch in enumerate(text):
+        glyph = np.kron(_FONT[ch], np.ones((scale, scale), bool))
+        x = left + i * 4 * scale
+        room = min(glyph.shape[1], left + width - x)
+        if room <= 0:
+            return
+        region = out[top: top + glyph.shape[0], x: x + room]
+        region[glyph[:, :room]] = INK
+
+
+def grid(images: np.ndarray, layout: str, columns: int = 8,
+         captions: list[str] | None = None) -> np.ndarray:
+    """A batch of images as one uint8 HWC picture, `columns` wide, 2-pixel gaps; with
+    `captions`, each tile has its caption in a strip under it. Float images (normalised) are
+    stretched to 0..255 over the batch."""
     hwc = images.transpose(0, 2, 3, 1) if layout == "chw" else images
     if hwc.dtype != np.uint8:
         lo, hi = float(hwc.min()), float(hwc.max())
         hwc = ((hwc - lo) / ((hi - lo) or 1.0) * 255).round().astype(np.uint8)
     n, h, w, _ = hwc.shape
+    scale = _scale(w)
+    strip = 7 * scale if captions is not None else 0  # 5 rows of glyph, a row above, below
     cols = min(columns, n)
     rows = -(-n // cols)
-    out = np.full((rows * (h + 2) - 2, cols * (w + 2) - 2, 3), 255, np.uint8)
+    cell_h, cell_w = h + strip + 2, w + 2
+    out = np.full((rows * cell_h - 2, cols * cell_w - 2, 3), 255, np.uint8)
     for i in range(n):
         r, c = divmod(i, cols)
-        out[r * (h + 2): r * (h + 2) + h, c * (w + 2): c * (w + 2) + w] = hwc[i]
+        top, left = r * cell_h, c * cell_w
+        out[top: top + h, left: left + w] = hwc[i]
+        if captions is not None:
+            draw_text(out, captions[i], top + h + scale, left, scale, w)
     return out
+
+
+def write_png(path: Path, rgb: np.ndarray) -> None:
+    """An 8-bit RGB PNG of an HWC uint8 array (zlib only: the client extra has no Pillow)."""
+    h, w, _ = rgb.shape
+    rows = np.concatenate([np.zeros((h, 1), np.uint8), rgb.reshape(h, w * 3)], axis=1)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data)))
+
+    path.write_bytes(b"\x89PNG\r\n\x1a\n"
+                     + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+                     + chunk(b"IDAT", zlib.compress(rows.tobytes(), 6))
+                     + chunk(b"IEND", b""))
 
 
 def inspect(args: argparse.Namespace) -> int:
     from stoker.client import RemoteError, RemoteLoader
 
     try:
-        tls, token = _security(args)
+        sec = security(args)
+        served = first_contact(args.address, sec, min(args.timeout, CONTACT_SECONDS))
+        names = [d.name for d in served.datasets]
+        if args.dataset not in names:
+            print(f"{args.address}: NOT_FOUND: no dataset {args.dataset!r}; this server "
+                  f"serves {', '.join(names)}", file=sys.stderr)
+            return 1
         with RemoteLoader(args.address, args.dataset, batch_size=args.batch_size, seed=args.seed,
                           shuffle=not args.no_shuffle, drop_last=False, output="numpy",
-                          timeout=args.timeout, tls=tls, token=token) as loader:
+                          timeout=args.timeout, tls=sec.tls, token=sec.token) as loader:
             info = loader.describe()
             loader.set_epoch(args.epoch)
             batch: dict[str, Any] = next(iter(loader))
-    except (RemoteError, ValueError) as e:
+    except (ContactError, RemoteError, ValueError) as e:
         print(e, file=sys.stderr)
         return 1
     print(f"{info.dataset}: format {info.format}, {info.num_samples} samples, "
@@ -88,48 +145,29 @@ def inspect(args: argparse.Namespace) -> int:
               f"{mean:>12.4g}")
     print(f"\nbatch 0 of epoch {args.epoch}: samples {batch['sample_index'].tolist()}")
     if args.grid:
-        name = next((k for k, v in batch.items() if image_field(v)), None)
-        if name is None:
-            print("no image field (a batch of [3, H, W] or [H, W, 3]) to draw", file=sys.stderr)
-            return 1
-        from PIL import Image
-
-        Image.fromarray(grid(batch[name], image_field(batch[name]))).save(args.grid)
-        print(f"wrote {args.grid}: field {name!r}, {len(batch[name])} images")
+        return _save_grid(batch, args.grid)
     return 0
 
 
-def _security(args: argparse.Namespace) -> tuple[Any, str | None]:
-    """RemoteLoader's `tls` and `token` from the command line (the token from a file, else
-    $STOKER_TOKEN: never an argument, which other users of the machine can read in ps)."""
-    token = None
-    if args.token_file is not None:
-        try:
-            token = args.token_file.read_text().strip()
-        except OSError as e:
-            raise ValueError(f"--token-file {args.token_file}: {e.strerror}") from None
-    files = {"ca": args.tls_ca, "cert": args.tls_cert, "key": args.tls_key,
-             "server_name": args.tls_server_name}
-    files = {k: str(v) for k, v in files.items() if v is not None}
-    return (files or args.tls), token
-
-
-def _add_security(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--token-file", type=Path, metavar="FILE",
-                        help="the bearer token (default: $STOKER_TOKEN)")
-    parser.add_argument("--tls", action="store_true", help="TLS, checked against system roots")
-    parser.add_argument("--tls-ca", type=Path, metavar="PEM", help="TLS, checked against this CA")
-    parser.add_argument("--tls-cert", type=Path, metavar="PEM", help="client certificate (mTLS)")
-    parser.add_argument("--tls-key", type=Path, metavar="PEM", help="its private key")
-    parser.add_argument("--tls-server-name", metavar="NAME",
-                        help="the name the server's certificate must carry")
+def _save_grid(batch: dict[str, np.ndarray], path: Path) -> int:
+    name = next((k for k, v in batch.items() if image_field(v)), None)
+    if name is None:
+        print("no image field (a batch of [3, H, W] or [H, W, 3]) to draw", file=sys.stderr)
+        return 1
+    label = label_field(batch)
+    captions = [str(i) if label is None else f"{i}:{batch[label][k]}"
+                for k, i in enumerate(batch["sample_index"].tolist())]
+    write_png(path, grid(batch[name], image_field(batch[name]), captions=captions))
+    under = "sample index" if label is None else f"sample index:{label}"
+    print(f"wrote {path}: field {name!r}, {len(batch[name])} images, each captioned {under}")
+    return 0
 
 
 def add_commands(sub: Any) -> None:
     ds = sub.add_parser("datasets", help="list what a running server serves")
     ds.add_argument("address", help="host:port of a data server")
     ds.add_argument("--timeout", type=float, default=10.0)
-    _add_security(ds)
+    add_security(ds)
     ds.set_defaults(func=datasets)
     ins = sub.add_parser("inspect", help="fields and a summary of one batch of a dataset")
     ins.add_argument("address", help="host:port (or dns:///name:port) of data servers")
@@ -139,7 +177,8 @@ def add_commands(sub: Any) -> None:
     ins.add_argument("--epoch", type=int, default=0)
     ins.add_argument("--no-shuffle", action="store_true", help="dataset order")
     ins.add_argument("--grid", type=Path, metavar="FILE.png",
-                     help="save the batch's images as one picture")
+                     help="save the batch's images as one picture, each tile captioned with "
+                          "its sample index and label")
     ins.add_argument("--timeout", type=float, default=30.0)
-    _add_security(ins)
+    add_security(ins)
     ins.set_defaults(func=inspect)

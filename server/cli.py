@@ -1,25 +1,56 @@
-"""The `stoker` command."""
+"""The `stoker` command.
+
+    stoker serve --config FILE      run a data server                       (the server extra)
+    stoker check CONFIG             validate a config, open every dataset   (the server extra)
+    stoker datasets ADDRESS         what a running server serves            (the client extra)
+    stoker inspect ADDRESS DATASET  one batch of a dataset, summarised      (the client extra)
+    stoker stats HTTP_ADDRESS       a running server's /v1/stats            (the client extra)
+
+This module imports nothing beyond the standard library at its top: a trainer node has only
+the client extra (no pyyaml, pydantic, FastAPI), and the commands it runs must start there.
+Each command imports what it needs when it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
+import os
 import sys
+from typing import Any
 
-from ._config import ConfigError, load_config
-from ._workers import StartError
+# Imported by the server-only commands; the packages that only the server extra brings.
+SERVER_EXTRA = frozenset({"yaml", "pydantic", "pydantic_core", "fastapi", "starlette",
+                          "uvicorn", "prometheus_client", "grpc_health", "grpc_reflection",
+                          "zstandard", "h11"})
+SERVER_EXTRA_HINT = 'pip install ".[server]" (from a checkout of stoker)'
+
+
+def _needs_server_extra(command: str, e: ModuleNotFoundError) -> int:
+    """One line saying which extra `command` needs, exit code 2; re-raises any other missing
+    module (a bug, not an install choice)."""
+    if (e.name or "").split(".")[0] not in SERVER_EXTRA:
+        raise e
+    print(f"stoker {command} needs the server extra (no module {e.name!r} here): "
+          f"{SERVER_EXTRA_HINT}", file=sys.stderr)
+    return 2
 
 
 def _serve(args: argparse.Namespace) -> int:
+    try:
+        import asyncio
+
+        from ._app import serve
+        from ._config import ConfigError, load_config
+        from ._workers import StartError
+    except ModuleNotFoundError as e:
+        return _needs_server_extra("serve", e)
     try:
         config = load_config(args.config, host=args.host, port=args.port,
                              http_port=args.http_port, workers=args.workers)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    from ._app import serve
-
     try:
         asyncio.run(serve(config))
     except StartError as e:
@@ -28,11 +59,33 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="stoker", description="Remote data serving for ML "
-                                     "training.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run a data server")
+def _check(args: argparse.Namespace) -> int:
+    try:
+        from ._check import check
+    except ModuleNotFoundError as e:
+        return _needs_server_extra("check", e)
+    return check(args.config)
+
+
+def version() -> str:
+    """The installed distribution's version (its metadata, not a constant that can drift)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("stoker")
+    except PackageNotFoundError:  # run from a folder that was never installed
+        return "unknown (not installed)"
+
+
+def parser() -> argparse.ArgumentParser:
+    from . import _inspect, _stats_view
+
+    p = argparse.ArgumentParser(prog="stoker", description="Remote data serving for ML "
+                                "training.")
+    p.add_argument("--version", action="version", version=f"stoker {version()}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser("serve", help="run a data server (server extra)")
     serve.add_argument("--config", required=True, help="YAML config file")
     serve.add_argument("--host", help="address to bind (default from config, 127.0.0.1)")
     serve.add_argument("--port", type=int, help="gRPC port (0: any free port)")
@@ -41,10 +94,21 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--log-level", default="INFO", type=str.upper,
                        choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default INFO")
     serve.set_defaults(func=_serve)
-    from ._inspect import add_commands
+    check = sub.add_parser("check", help="validate a config and open every dataset, without "
+                           "serving (server extra)")
+    check.add_argument("config", help="YAML config file")
+    check.set_defaults(func=_check)
+    _inspect.add_commands(sub)
+    _stats_view.add_command(sub)
+    return p
 
-    add_commands(sub)
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args: Any = parser().parse_args(argv)
+    if args.command not in ("serve", "check"):
+        # gRPC's C core logs a failed handshake to stderr itself (before grpc is imported:
+        # it reads this once); these commands say what went wrong in one line of their own.
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     logging.basicConfig(level=getattr(args, "log_level", "WARNING"), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)

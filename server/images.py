@@ -1,8 +1,16 @@
 """Image decoding and the `transforms:` pipeline of image datasets.
 
-Decoding: JPEG through simplejpeg (libjpeg-turbo, bundled in its wheel), which measured
-10-20% faster than Pillow's decoder on the same files (docs/design.md#images); PNG, and JPEGs
-simplejpeg refuses (CMYK), through Pillow. Both release the GIL while they decode.
+Decoding: every pixel is the one Pillow's `Image.open(f).convert("RGB")` gives (what
+torchvision's ImageFolder loader does), before any resampling. JPEGs in YCbCr, grayscale or
+RGB go through simplejpeg (libjpeg-turbo, bundled in its wheel), which measured 10-20% faster
+than Pillow's decoder on the same files (docs/design.md#images) and decodes them to the same
+pixels. CMYK and YCCK JPEGs, whose colour space the header names, go to Pillow: simplejpeg
+converts them itself, 0-2 levels off Pillow's conversion. Every other format (PNG, GIF, BMP,
+WebP, TIFF...) and any JPEG simplejpeg refuses goes to Pillow too. Both release the GIL while
+they decode. So: alpha (LA, RGBA, PA, a palette's transparency) is dropped, not composited;
+grayscale and palette images become three equal or looked-up channels; 16-bit grayscale is
+clipped at 255 (Pillow's I;16 -> RGB rule) and 16-bit RGB keeps its high byte; EXIF
+orientation is not applied.
 
 Geometry is planned before any pixel is touched: `resize`, `center_crop` and
 `random_resized_crop` compose into one box in the source image and one output size, so the
@@ -30,6 +38,8 @@ import cv2
 import numpy as np
 import simplejpeg
 from PIL import Image
+
+from ._batch import padded
 
 # Workers are processes, one per core: OpenCV's own thread pool would only compete with them.
 cv2.setNumThreads(1)
@@ -121,14 +131,21 @@ _GEOMETRY = {"resize": _resize, "center_crop": _center_crop,
              "random_resized_crop": _random_resized_crop, "horizontal_flip": _horizontal_flip}
 
 
+# JPEG colour spaces (as the header names them) that simplejpeg decodes to Pillow's pixels.
+SIMPLEJPEG_COLORSPACES = frozenset({"YCbCr", "Gray", "RGB"})
+
+
 def _source_size(data: bytes) -> tuple[int, int, bool]:
-    """(width, height, is_jpeg) read from the header, without decoding."""
+    """(width, height, whether simplejpeg decodes it) read from the header, without
+    decoding."""
     if data[:3] == JPEG_MAGIC:
         try:
-            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-            return width, height, True
+            height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
         except ValueError:
             pass  # Pillow will say what is wrong with it, or decode what simplejpeg cannot
+        else:
+            if colorspace in SIMPLEJPEG_COLORSPACES:
+                return width, height, True
     with Image.open(io.BytesIO(data)) as img:
         return img.width, img.height, False
 
@@ -141,11 +158,21 @@ def _decode(data: bytes, width: int, height: int, jpeg: bool, factor: int) -> np
                                           min_height=-(-height // factor),
                                           min_width=-(-width // factor))
         except ValueError:
-            pass  # e.g. CMYK: Pillow converts it
+            pass  # Pillow decodes it, or says what is wrong with it
     with Image.open(io.BytesIO(data)) as img:
         if factor > 1:
             img.draft("RGB", (-(-width // factor), -(-height // factor)))
+        # Transparency changes no RGB pixel; kept, a palette's per-entry alpha makes Pillow warn.
+        img.info.pop("transparency", None)
         return np.asarray(img.convert("RGB"))
+
+
+def decode_rgb(data: bytes) -> np.ndarray:
+    """Encoded image bytes -> RGB uint8 HWC at full size: exactly Pillow's
+    `Image.open(...).convert("RGB")` pixels, faster for most JPEGs (see the module's
+    docstring)."""
+    width, height, jpeg = _source_size(data)
+    return _decode(data, width, height, jpeg, 1)
 
 
 def _resample(pixels: np.ndarray, box: tuple[float, float, float, float], width: int,
@@ -166,8 +193,14 @@ class ImagePipeline:
     """Encoded image bytes -> the output array of a `transforms:` list (or a plain resize).
 
     `steps`: (name, arguments) pairs, validated by the config (see _config.py): geometric
-    steps in any order, `normalize` at most once and last. `layout` applies to uint8 output;
-    normalized output is always CHW. Thread-safe: holds no mutable state.
+    steps in any order, `normalize` at most once and last; none at all: the image at its
+    native size. `layout` applies to uint8 output; normalized output is always CHW.
+    Thread-safe: holds no mutable state.
+
+    Unless a step fixes the output size (`center_crop`, `random_resized_crop`, `resize` to
+    [height, width]), images keep sizes of their own: `fixed_size` is False, the output is a
+    `Padded` array (padded to the batch's largest when collated, see _batch.py), and `write`
+    adds the field `<name>_size`, the image's (height, width) before padding.
     """
 
     def __init__(self, steps: Sequence[tuple[str, Any]], layout: str = "chw") -> None:
@@ -184,6 +217,23 @@ class ImagePipeline:
             self.scale = (1.0 / (255.0 * std)).astype(np.float32)
             self.bias = (-mean / std).astype(np.float32)
         self.normalize = bool(norm)
+        self.fixed_size = any(name in ("center_crop", "random_resized_crop")
+                              or (name == "resize" and not isinstance(args.size, int))
+                              for name, args in steps)
+
+    def output_names(self, name: str) -> list[str]:
+        """The fields `write` adds for an image field called `name`."""
+        return [name] if self.fixed_size else [name, f"{name}_size"]
+
+    def write(self, out: dict[str, Any], name: str, data: bytes,
+              rng: np.random.Generator) -> None:
+        """Decode and transform `data` into `out[name]`, and, when sizes vary, its (height,
+        width) into `out[name + "_size"]` (int64[2])."""
+        image = self(data, rng)
+        out[name] = image
+        if not self.fixed_size:
+            h, w = image.shape[1:] if self.layout == "chw" else image.shape[:2]
+            out[f"{name}_size"] = np.array([h, w], np.int64)
 
     def __call__(self, data: bytes, rng: np.random.Generator) -> np.ndarray:
         width, height, jpeg = _source_size(data)
@@ -200,7 +250,10 @@ class ImagePipeline:
                            plan.height, self.antialias)
         if plan.flip:
             pixels = pixels[:, ::-1]
-        return self._output(pixels)
+        out = self._output(pixels)
+        if self.fixed_size:
+            return out
+        return padded(out, (1, 2) if self.layout == "chw" else (0, 1))
 
     def _output(self, hwc: np.ndarray) -> np.ndarray:
         """RGB HWC pixels -> the output array."""
@@ -228,8 +281,11 @@ def resize_pipeline(size: Sequence[int], layout: str) -> ImagePipeline:
 
 
 def image_pipeline(cfg: Any) -> ImagePipeline:
-    """The pipeline of a config block with `size:` or `transforms:` and `layout:`."""
+    """The pipeline of a config block with `size:` or `transforms:` (or neither: the native
+    size) and `layout:`."""
     if cfg.transforms is None:
+        if cfg.size is None:
+            return ImagePipeline([], cfg.layout)
         return resize_pipeline(cfg.size, cfg.layout)
     from ._config import transform_steps
 

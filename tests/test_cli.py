@@ -47,7 +47,8 @@ def test_inspect_summarises_a_batch_and_draws_its_images(server, tmp_path: Path)
     assert image_row.split()[:3] == ["image", "uint8", "[3,"]
     assert "samples [0, 1, 2, 3, 4, 5]" in out.stdout
     grid = np.asarray(Image.open(picture))
-    assert grid.shape == (12, 6 * 14 - 2, 3)  # six 12x12 images in a row, 2-pixel gaps
+    # six 12x12 images in a row, 2-pixel gaps, a 7-pixel strip of captions under them
+    assert grid.shape == (12 + 7, 6 * 14 - 2, 3)
     assert tuple(grid[6, 6]) == (255, 0, 0)  # the first class is red
 
 

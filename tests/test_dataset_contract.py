@@ -7,6 +7,7 @@ from __future__ import annotations
 import difflib
 import io
 import json
+import struct
 import tarfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -30,8 +31,10 @@ EXPECTED = {
     "tokens": SHARDED,
     "memmap": SHARDED,
     "tar": SHARDED | {"sample"},
-    "parquet": SHARDED,
+    "parquet": SHARDED | {"sample"},
     "text": {"sample", "source_of", "objects_of", "storage"},
+    "mds": SHARDED | {"sample"},
+    "litdata": SHARDED | {"sample"},
 }
 
 
@@ -46,6 +49,24 @@ def misspelled(names: Iterable[str]) -> dict[str, str]:
     return found
 
 
+def write_chunked(folder: Path, fmt: str) -> None:
+    """Two shards of two samples with one int64 column, as MDS or LitData lay them out."""
+    shards = []
+    for k in range(2):
+        records = [(b"" if fmt == "mds" else struct.pack("<I", 8)) + struct.pack("<q", i)
+                   for i in (2 * k, 2 * k + 1)]
+        offsets = np.cumsum([16] + [len(r) for r in records]).astype("<u4")  # 4 + 4 * 3
+        (folder / f"{k}.bin").write_bytes(struct.pack("<I", 2) + offsets.tobytes()
+                                          + b"".join(records))
+        shards.append({"format": "mds", "column_names": ["x"], "column_encodings": ["int"],
+                       "column_sizes": [8], "samples": 2,
+                       "raw_data": {"basename": f"{k}.bin"}, "zip_data": None}
+                      if fmt == "mds" else {"filename": f"{k}.bin", "chunk_size": 2})
+    index = ({"version": 2, "shards": shards} if fmt == "mds" else
+             {"chunks": shards, "config": {"data_format": ["int"], "data_spec": None}})
+    (folder / "index.json").write_text(json.dumps(index))
+
+
 def png() -> bytes:
     out = io.BytesIO()
     Image.new("RGB", (4, 4), (10, 20, 30)).save(out, format="PNG")
@@ -56,8 +77,11 @@ def png() -> bytes:
 def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """A tiny dataset of every format, two shards where the format has shards."""
     root = tmp_path_factory.mktemp("contract")
-    for d in ("images/cat", "jsonl", "tokens", "memmap", "tar", "parquet", "text"):
+    for d in ("images/cat", "jsonl", "tokens", "memmap", "tar", "parquet", "text", "mds",
+              "litdata"):
         (root / d).mkdir(parents=True)
+    write_chunked(root / "mds", "mds")
+    write_chunked(root / "litdata", "litdata")
     (root / "images" / "cat" / "a.png").write_bytes(png())
     for name in ("a", "b"):
         (root / "jsonl" / f"{name}.jsonl").write_text('{"x": 1}\n{"x": 2}\n')
@@ -80,6 +104,8 @@ def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
                                                                   "decode": "int"}}},
         "parquet": {"source": str(root / "parquet"), "fields": {"x": {}}},
         "text": {"source": str(root / "text"), "seq_len": 4},
+        "mds": {"source": str(root / "mds"), "fields": {"x": {}}},
+        "litdata": {"source": str(root / "litdata"), "fields": {"0": {}}},
     }
 
 

@@ -34,6 +34,9 @@ SECTIONS: dict[type[BaseModel], str] = {
     c.TokensDataset: "#### `format: tokens`",
     c.TextDataset: "#### `format: text`",
     c.MemmapDataset: "#### `format: memmap`",
+    c.MdsDataset: "#### Migrating from Mosaic Streaming and LitData",
+    c.LitdataDataset: "#### Migrating from Mosaic Streaming and LitData",
+    c.ColumnField: "#### Migrating from Mosaic Streaming and LitData",
 }
 
 
@@ -72,6 +75,6 @@ def test_every_dataset_format_has_a_section() -> None:
     union = typing.get_args(c.DatasetConfig)[0]
     formats = {typing.get_args(m.model_fields["format"].annotation)[0]
                for m in typing.get_args(union)}
-    assert len(formats) == 8
+    assert len(formats) == 10
     for f in formats:
         assert f"#### `format: {f}`" in DOC, f

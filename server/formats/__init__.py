@@ -22,7 +22,8 @@ __all__ = ["OPTIONAL", "Dataset", "DatasetParts", "open_dataset"]
 _READERS = {"image-folder": ("image_folder", "ImageFolder"), "jsonl": ("jsonl", "Jsonl"),
             "tokens": ("tokens", "Tokens"), "memmap": ("memmap", "Memmap"),
             "tar": ("tar", "Tar"), "parquet": ("parquet", "Parquet"),
-            "text": ("text", "Text")}
+            "text": ("text", "Text"), "mds": ("mds", "Mds"),
+            "litdata": ("litdata", "Litdata")}
 
 
 def open_dataset(name: str, config: Any, cache: Any = None) -> Dataset:
@@ -40,8 +41,9 @@ def open_dataset(name: str, config: Any, cache: Any = None) -> Dataset:
                                         cfg.follow_symlinks_outside_root)
         module, cls = _READERS[cfg.format]
         reader = getattr(importlib.import_module(f".{module}", __name__), cls)
-        # text keeps its tokenized corpus in the cache folder, shared by the workers.
-        extra = {"cache_dir": config.cache.dir} if cfg.format == "text" else {}
+        # text keeps its tokenized corpus in the cache folder, shared by the workers; tar
+        # its gzipped shards' uncompressed copies.
+        extra = {"cache_dir": config.cache.dir} if cfg.format in ("text", "tar") else {}
         dataset = reader(cfg, storage, pattern, **extra)
     if cfg.transform is not None:
         from .python import WithTransform

@@ -4,7 +4,9 @@ Samples are either the files of one sub-folder per class (label = the class's po
 sorted folder names), or the rows of a `manifest` under the source: CSV with a `path,label`
 header, or JSON lines `{"path": ..., "label": ...}`; paths are keys under the source.
 Yields `image` (uint8 CHW or HWC as configured, or float CHW after `normalize`; see
-images.py for `size:` and `transforms:`) and `label` (int64).
+images.py for `size:` and `transforms:`) and `label` (int64). With neither `size:` nor
+`transforms:`, images keep their own size: each batch is zero-padded to its largest, and
+`image_size` (int64 [height, width]) says where each one ends.
 """
 
 from __future__ import annotations
@@ -135,8 +137,11 @@ class ImageFolder:
         return len(self.keys)
 
     def sample(self, index: int, key: EpochKey) -> dict[str, np.ndarray | np.int64]:
-        image = self.pipeline(self.storage.read(str(self.keys[index])), key.rng(index))
-        return {"image": image, "label": self.labels[index]}
+        out: dict[str, np.ndarray | np.int64] = {}
+        self.pipeline.write(out, "image", self.storage.read(str(self.keys[index])),
+                            key.rng(index))
+        out["label"] = self.labels[index]
+        return out
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray | np.int64]:
         return self.sample(index, EpochKey())

@@ -10,13 +10,23 @@ Sample i parses its line and, for each configured field, takes the value at the 
 dotted path (`a.b.0` walks objects by key and lists by position), checked and converted to
 the field's dtype and shape. `utf8` fields become the text's UTF-8 bytes as uint8[max_bytes],
 zero-padded, cut at a character boundary when longer, plus `<name>_length` (int64): the
-bytes kept.
+bytes kept (`utf8_padded`, which format: parquet uses too). A null becomes the field's
+`fill` where it has one (inside lists too); without one it fails its sample.
+
+A field without `dtype` gets one at open, from its values in the first INFER_RECORDS records
+(at most INFER_BYTES of them; in key order; records that do not parse or lack the field are
+passed over): bool when every value seen is a bool, int64 when every one is an integer (a
+JSON number without `.` or an exponent; int64 is the type pandas and torch use for labels,
+and no narrower type is safe for values not yet seen), else float32. A later record whose
+value does not fit the inferred type fails its sample, as with a configured dtype. A field
+whose first values are strings or objects stops the open: it needs `dtype: utf8`.
 """
 
 from __future__ import annotations
 
 import json
 import mmap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +38,8 @@ from .memmap import OpenMaps
 
 DEFAULT_PATTERN = "**/*.jsonl"  # a source that names a directory
 CHUNK = 64 << 20  # bytes scanned at a time: the comparison's temporary stays this small
+INFER_RECORDS = 1000  # records read at open to infer a dtype-less field's dtype,
+INFER_BYTES = 16 << 20  # or fewer: as many as fit in this many bytes (at least one)
 NEWLINE = ord("\n")
 
 
@@ -56,12 +68,56 @@ def line_starts(mm: mmap.mmap) -> np.ndarray:
     return starts[keep]
 
 
+def utf8_padded(text: str, max_bytes: int) -> tuple[np.ndarray, np.int64]:
+    """`text`'s UTF-8 bytes zero-padded to uint8[max_bytes] (cut at a character boundary
+    when longer), and how many bytes were kept."""
+    data = text.encode("utf-8")
+    if len(data) > max_bytes:  # cut at a character boundary
+        data = data[:max_bytes].decode("utf-8", "ignore").encode("utf-8")
+    out = np.zeros(max_bytes, np.uint8)
+    out[: len(data)] = np.frombuffer(data, np.uint8)
+    return out, np.int64(len(data))
+
+
+def _filled(value: Any, fill: Any) -> Any:
+    """`value` with every null (at any depth of lists) replaced by `fill`."""
+    if value is None:
+        return fill
+    if isinstance(value, list):
+        return [_filled(v, fill) for v in value]
+    return value
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    if isinstance(value, list):
+        for v in value:
+            yield from _leaves(v)
+    else:
+        yield value
+
+
+def infer_dtype(name: str, values: list[Any]) -> np.dtype:
+    """The dtype of a field whose values (from the first records) are these: see above."""
+    leaves = [v for value in values for v in _leaves(value) if v is not None]
+    if any(isinstance(v, str | dict) for v in leaves):
+        kind = next(type(v).__name__ for v in leaves if isinstance(v, str | dict))
+        raise ValueError(f"field {name!r}: holds {kind} values, not numbers: set its dtype "
+                         "(utf8 for text, with max_bytes)")
+    if leaves and all(isinstance(v, bool) for v in leaves):
+        return np.dtype(np.bool_)
+    if leaves and all(isinstance(v, int) for v in leaves):
+        return np.dtype(np.int64)
+    return np.dtype(np.float32)
+
+
 class _Field:
     def __init__(self, name: str, cfg: Any) -> None:
         self.name = name
         self.path = tuple((cfg.path or name).split("."))
         self.utf8 = cfg.dtype == "utf8"
-        self.dtype = np.dtype(np.uint8 if self.utf8 else cfg.dtype)
+        self.infer = cfg.dtype is None  # Jsonl sets self.dtype at open
+        self.dtype = np.dtype(np.uint8 if self.utf8 else cfg.dtype or np.float32)
+        self.fill = getattr(cfg, "fill", None)
         self.shape = tuple(cfg.shape)
         self.max_bytes = cfg.max_bytes
         if self.utf8 and self.max_bytes is None:
@@ -89,19 +145,18 @@ class _Field:
         return value
 
     def convert(self, value: Any, out: dict[str, Any]) -> None:
+        if self.fill is not None:
+            value = _filled(value, self.fill)
         if self.utf8:
             if not isinstance(value, str):
                 raise TypeError(f"field {self.name!r}: expected a string, got "
                                 f"{type(value).__name__}")
-            data = value.encode("utf-8")
-            if len(data) > self.max_bytes:  # cut at a character boundary
-                data = data[: self.max_bytes].decode("utf-8", "ignore").encode("utf-8")
-            text = np.zeros(self.max_bytes, np.uint8)
-            text[: len(data)] = np.frombuffer(data, np.uint8)
-            out[self.name] = text
-            out[f"{self.name}_length"] = np.int64(len(data))
+            out[self.name], out[f"{self.name}_length"] = utf8_padded(value, self.max_bytes)
             return
-        if value is None or isinstance(value, str | dict):
+        if value is None:
+            raise TypeError(f"field {self.name!r}: a null (set the field's fill to replace "
+                            "nulls)")
+        if isinstance(value, str | dict):
             raise TypeError(f"field {self.name!r}: expected {self.dtype} numbers, got "
                             f"{type(value).__name__}")
         try:
@@ -118,8 +173,10 @@ class _Field:
             arr = raw.astype(self.dtype)
         if (not np.array_equal(arr, raw) if self.dtype.kind in "biu"
                 else np.any(np.isinf(arr) & ~np.isinf(raw))):
+            why = (" (the dtype inferred from the first records: set the field's dtype)"
+                   if self.infer else "")
             raise ValueError(f"field {self.name!r}: {_describe(value)} does not fit "
-                             f"{self.dtype}")
+                             f"{self.dtype}{why}")
         out[self.name] = arr
 
 
@@ -161,18 +218,48 @@ class Jsonl:
             raise ValueError(f"{storage.url}: no records in {len(infos)} file(s)")
         self.shard_starts = self.files.shard_starts
         self._maps: OpenMaps[mmap.mmap | None] = OpenMaps(storage, lambda _, p: _map(p))
+        infer = [f for f in self.fields if f.infer]
+        if infer:
+            self._infer(infer)
 
-    def __len__(self) -> int:
-        return self.length
+    def _infer(self, fields: list[_Field]) -> None:
+        """Set each field's dtype from its values in the first INFER_RECORDS records."""
+        values: dict[str, list[Any]] = {f.name: [] for f in fields}
+        read = 0
+        for index in range(min(self.length, INFER_RECORDS)):
+            line = self._line(index)
+            read += len(line)
+            if read > INFER_BYTES and index:
+                break
+            try:
+                record = json.loads(line)
+            except ValueError:  # JSONDecodeError, UnicodeDecodeError: fails when read
+                continue
+            for f in fields:
+                try:
+                    values[f.name].append(f.lookup(record))
+                except KeyError:
+                    pass
+        for f in fields:
+            try:
+                f.dtype = infer_dtype(f.name, values[f.name])
+            except ValueError as e:
+                raise ValueError(f"{self.storage.url}: {e}") from None
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
+    def _line(self, index: int) -> bytes:
         key = str(self.keys[self.files.locate(index)[0]])
         mm = self._maps.get(key)
         start = int(self.offsets[index])
         if mm is None or start >= len(mm):
             raise ValueError(f"{self.source_of(index)}: the file changed since the server started")
         end = mm.find(b"\n", start)
-        line = mm[start : end if end >= 0 else len(mm)]
+        return mm[start : end if end >= 0 else len(mm)]
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        line = self._line(index)
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:  # its own "line 1" would only confuse

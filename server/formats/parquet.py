@@ -1,19 +1,38 @@
 """`format: parquet`: columns of Parquet files (pyarrow), read one row group at a time.
 
-A field is a column of numbers (bool, int, uint, float) or of lists of them, fixed-size or
-not, nested or not. A row group's columns are converted to numpy once, as dense arrays
-[rows, *shape]: the rows of a list column must have one length within each row group (and,
-for a batch to form, across the row groups a batch draws from). Each process keeps one decoded
-row group: block shuffle (the default) reads a row group's rows together, so this costs one
-decode per row group and window; `shuffle: global` may decode a row group per sample.
+A field is one top-level column, either numbers (no `decode`) or decoded like a tar member:
+
+- numbers: bool, int, uint, float, or lists of them, fixed-size or not, nested or not. A row
+  group's column is converted to numpy once, as a dense array [rows, *shape]: the rows of a
+  list column must have one length within each row group (and, for a batch to form, across
+  the row groups a batch draws from);
+- `decode: image`: encoded images (JPEG, PNG...) in a binary column, or in the `bytes` of a
+  struct<bytes, path> column (what Hugging Face `datasets` writes for an `Image()` feature),
+  through the image pipeline of image-folder and tar (images.py: `size`, `transforms`,
+  `layout`; with neither, the native size and `<name>_size`). A row whose bytes are null (a
+  `datasets` image stored only as a path) fails;
+- `decode: utf8`: a string column as its UTF-8 bytes, uint8[max_bytes] zero-padded and
+  `<name>_length` (jsonl's `utf8_padded`);
+- `decode: tokens`: a string column tokenized (tokenizer.py, as `format: text` loads it;
+  no special tokens added): int64[max_tokens], cut there, padded with `pad_id`, and
+  `<name>_length`. A row group's strings are encoded in one call when it is decoded.
+
+Each process keeps one decoded row group: block shuffle (the default) reads a row group's rows
+together, so this costs one decode per row group and window; `shuffle: global` may decode a
+row group per sample. Image bytes stay encoded until their sample is read.
 
 At open only the footers are read (for s3:// sources that fetches every file into the disk
-cache). A missing column or one of another type stops the server at open. A null, or a value
-that does not fit the field's `dtype`, fails that row's sample when it is read.
+cache). A missing column, or one whose type the field cannot take, stops the server at open,
+naming the column and its Arrow type. So does a null that the footer's statistics show in a
+field's column, unless the field has a `fill` (nulls become it) or the dataset has
+`on_error: skip` (the row's sample is replaced when read). A null the statistics do not
+show (a writer that wrote none), or a value that does not fit the field's `dtype`, fails that
+row's sample when it is read.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -21,9 +40,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from .._sampling import EpochKey
 from ..sources import Storage
 from ._shards import ShardIndex
+from .jsonl import utf8_padded
 from .memmap import OpenMaps
+from .tokenizer import load_tokenizer
 
 DEFAULT_PATTERN = "**/*.parquet"  # a source that names a directory: every .parquet under it
 
@@ -42,20 +64,39 @@ def _number(t: pa.DataType) -> bool:
     return pa.types.is_boolean(t) or pa.types.is_integer(t) or pa.types.is_floating(t)
 
 
+def _string(t: pa.DataType) -> bool:
+    return (pa.types.is_string(t) or pa.types.is_large_string(t)
+            or getattr(pa.types, "is_string_view", lambda _: False)(t))
+
+
+def _binary(t: pa.DataType) -> bool:
+    return (pa.types.is_binary(t) or pa.types.is_large_binary(t)
+            or getattr(pa.types, "is_binary_view", lambda _: False)(t))
+
+
+def _image_struct(t: pa.DataType) -> bool:
+    """struct<bytes: binary, ...>: a Hugging Face `Image()` column."""
+    return (pa.types.is_struct(t) and t.get_field_index("bytes") >= 0
+            and _binary(t.field("bytes").type))
+
+
 class Ragged(ValueError):
     pass
 
 
-def dense(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+def dense(arr: pa.Array, fill: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """A column of n rows -> values [n, *shape] and ok [n] (False: the row holds a null;
-    its values are zeros). Raises Ragged when list rows differ in length."""
+    its values are zeros). With `fill`, nulls at any depth hold it and every row is ok.
+    Raises Ragged when list rows differ in length."""
     n = len(arr)
     if arr.null_count:
         ok = arr.is_valid().to_numpy(zero_copy_only=False)
-        values, inner_ok = dense(arr.filter(pa.array(ok)))
-        out = np.zeros((n, *values.shape[1:]), values.dtype)
+        values, inner_ok = dense(arr.filter(pa.array(ok)), fill)
+        shape = (n, *values.shape[1:])
+        out = np.zeros(shape, values.dtype) if fill is None else np.full(shape, fill,
+                                                                          values.dtype)
         out[ok] = values
-        rows_ok = ok.copy()
+        rows_ok = ok.copy() if fill is None else np.ones(n, dtype=bool)
         rows_ok[ok] = inner_ok
         return out, rows_ok
     if _is_list(arr.type):
@@ -67,17 +108,108 @@ def dense(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
                 raise Ragged(f"list rows have lengths {lengths.min()} to {lengths.max()}; "
                              "a field needs one length")
             width = int(lengths[0]) if n else 0
-        values, inner_ok = dense(arr.flatten())
+        values, inner_ok = dense(arr.flatten(), fill)
         return (values.reshape(n, width, *values.shape[1:]),
                 inner_ok.reshape(n, width).all(axis=1))
     return arr.to_numpy(zero_copy_only=False), np.ones(n, dtype=bool)
 
 
-class _Column:
-    """One field of one decoded row group."""
+def _hub_hint(schema: pa.Schema, col: str) -> str:
+    """` (a Hugging Face Image())`, when the file's `datasets` metadata says so."""
+    try:
+        features = json.loads((schema.metadata or {})[b"huggingface"])["info"]["features"]
+        kind = features[col]["_type"]
+    except (KeyError, TypeError, ValueError):
+        return ""
+    return f" (a Hugging Face {kind}())"
 
-    def __init__(self, values: np.ndarray, ok: np.ndarray, fits: np.ndarray) -> None:
-        self.values, self.ok, self.fits = values, ok, fits
+
+class _Field:
+    """One configured field: its column, how it decodes, and its fill."""
+
+    def __init__(self, name: str, cfg: Any) -> None:
+        self.name = name
+        self.col = cfg.column or name
+        self.dtype = np.dtype(cfg.dtype) if cfg.dtype else None
+        self.decode = cfg.decode
+        self.fill = cfg.fill
+        self.max_bytes = cfg.max_bytes
+        self.max_tokens = cfg.max_tokens
+        self.pipeline = None
+        if cfg.decode == "image":  # imported here: a table of numbers needs no image codecs
+            from ..images import image_pipeline
+
+            self.pipeline = image_pipeline(cfg)
+        self.tokenizer = None
+        if cfg.decode == "tokens":
+            self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.tiktoken_pattern)
+            tok = self.tokenizer
+            self.pad_id = next(i for i in (cfg.pad_id, tok.pad_id, tok.eos_id, 0)
+                               if i is not None)
+
+    @property
+    def outputs(self) -> list[str]:
+        if self.pipeline is not None:  # native size adds <name>_size
+            return self.pipeline.output_names(self.name)
+        return [self.name] + ([f"{self.name}_length"] if self.decode in ("utf8", "tokens")
+                              else [])
+
+    def check(self, where: str, schema: pa.Schema) -> pa.DataType:
+        """The column's type, or ValueError naming it when this field cannot take it."""
+        if self.col not in schema.names:
+            raise ValueError(f"{where}: field {self.name!r}: no column {self.col!r}; the file "
+                             f"has columns {schema.names}")
+        t = schema.field(self.col).type
+        what = f"{where}: field {self.name!r}: column {self.col!r} is {t}"
+        if self.decode is None and not _number(_leaf(t)):
+            if _string(t):
+                hint = "; set decode: utf8 (its bytes) or decode: tokens"
+            elif _binary(t) or _image_struct(t):
+                hint = "; set decode: image if it holds encoded images"
+            else:
+                hint = ""
+            raise ValueError(f"{what}{_hub_hint(schema, self.col)}: a field without decode "
+                             f"needs numbers (bool, int, uint, float) or lists of them{hint}")
+        if self.decode == "image" and not (_binary(t) or _image_struct(t)):
+            raise ValueError(f"{what}: decode: image needs a binary column or a struct with "
+                             "binary `bytes` (a Hugging Face Image())")
+        if self.decode in ("utf8", "tokens") and not _string(t):
+            raise ValueError(f"{what}: decode: {self.decode} needs a string column")
+        if self.decode is None and self.fill is not None:
+            leaf = _leaf(t)
+            if (pa.types.is_integer(leaf) or pa.types.is_boolean(leaf)) and not (
+                    float(self.fill).is_integer()):  # NaN too
+                raise ValueError(f"{what}: fill {self.fill!r} is no {leaf} value")
+        return t
+
+    def null_leaves(self, t: pa.DataType) -> tuple[str, ...]:
+        """The Parquet leaf columns (paths) whose nulls are this field's nulls."""
+        if _image_struct(t):  # `path` is null whenever the bytes are embedded
+            return (f"{self.col}.bytes",)
+        return (self.col,)  # and its nested leaves: see _null_counts
+
+
+def _null_counts(meta: pq.FileMetaData, g: int) -> dict[str, int | None]:
+    """Row group g's null count per leaf column path, None where no statistics say."""
+    rg = meta.row_group(g)
+    out = {}
+    for c in range(rg.num_columns):
+        col = rg.column(c)
+        stats = col.statistics
+        out[col.path_in_schema] = (stats.null_count if stats is not None
+                                   and stats.has_null_count else None)
+    return out
+
+
+class _Decoded:
+    """One field of one decoded row group: `values` (numpy, or a pyarrow array for image
+    and utf8), `ok` (False: the row is null), `fits` (False: the row's value does not fit
+    dtype); tokens: `ids` and `starts` (int64, rows + 1)."""
+
+    def __init__(self, values: Any, ok: np.ndarray, fits: np.ndarray | None = None,
+                 starts: np.ndarray | None = None) -> None:
+        self.values, self.ok, self.starts = values, ok, starts
+        self.fits = np.ones(len(ok), dtype=bool) if fits is None else fits
 
 
 class Parquet:
@@ -85,9 +217,12 @@ class Parquet:
 
     def __init__(self, cfg: Any, storage: Storage, pattern: str | None = None) -> None:
         self.storage = storage
-        self.fields = {name: (f.column or name, np.dtype(f.dtype) if f.dtype else None)
-                       for name, f in cfg.fields.items()}
-        self.columns = sorted({col for col, _ in self.fields.values()})
+        self.fields = [_Field(name, f) for name, f in cfg.fields.items()]
+        outputs = [o for f in self.fields for o in f.outputs]
+        if len(set(outputs)) != len(outputs):
+            raise ValueError(f"output field names collide: {sorted(outputs)}")
+        self.columns = sorted({f.col for f in self.fields})
+        skip = cfg.on_error == "skip"
         infos = storage.list(pattern or DEFAULT_PATTERN)
         if not infos:
             raise ValueError(f"{storage.url}: no files match {pattern or DEFAULT_PATTERN!r}")
@@ -100,9 +235,19 @@ class Parquet:
                     schema, meta = pf.schema_arrow, pf.metadata
             except (pa.ArrowException, OSError) as e:
                 raise ValueError(f"{where}: not a readable Parquet file: {e}") from None
-            for name, (col, dtype) in self.fields.items():
-                self._check(where, schema, name, col, dtype, types)
+            leaves: dict[str, tuple[str, ...]] = {}
+            for field in self.fields:
+                t = field.check(where, schema)
+                first = types.setdefault(field.col, (t, where))
+                if field.dtype is None and field.decode is None and first[0] != t:
+                    raise ValueError(f"{where}: field {field.name!r}: column {field.col!r} is "
+                                     f"{t}, but {first[0]} in {first[1]}; set the field's "
+                                     "dtype")
+                if field.fill is None and not skip:
+                    leaves[field.name] = field.null_leaves(t)
             for g in range(meta.num_row_groups):
+                if leaves:
+                    self._refuse_nulls(where, g, _null_counts(meta, g), leaves)
                 group_file.append(f)
                 group_index.append(g)
                 group_rows.append(meta.row_group(g).num_rows)
@@ -117,24 +262,28 @@ class Parquet:
         self.shard_starts = self.groups.shard_starts
         self._files: OpenMaps[pq.ParquetFile] = OpenMaps(
             storage, lambda key, path: pq.ParquetFile(path), limit=16)
-        self._decoded: tuple[int, dict[str, _Column] | str] = (-1, {})
+        self._decoded: tuple[int, dict[str, _Decoded] | str] = (-1, {})
 
-    def _check(self, where: str, schema: pa.Schema, name: str, col: str,
-               dtype: np.dtype | None, types: dict[str, tuple[pa.DataType, str]]) -> None:
-        if col not in schema.names:
-            raise ValueError(f"{where}: field {name!r}: no column {col!r}; the file has "
-                             f"columns {schema.names}")
-        t = schema.field(col).type
-        if not _number(_leaf(t)):
-            raise ValueError(f"{where}: field {name!r}: column {col!r} is {t}; a field needs "
-                             "numbers (bool, int, uint, float) or lists of them")
-        first = types.setdefault(col, (t, where))
-        if dtype is None and first[0] != t:
-            raise ValueError(f"{where}: field {name!r}: column {col!r} is {t}, but {first[0]} "
-                             f"in {first[1]}; set the field's dtype")
+    def _refuse_nulls(self, where: str, g: int, counts: dict[str, int | None],
+                      leaves: dict[str, tuple[str, ...]]) -> None:
+        for field in self.fields:
+            paths = leaves.get(field.name, ())
+            nulls = sum(n or 0 for path, n in counts.items()
+                        if any(path == p or path.startswith(p + ".") for p in paths))
+            if nulls and field.decode == "image":
+                raise ValueError(f"{where}: field {field.name!r}: column {field.col!r} has no "
+                                 f"image bytes in {nulls} row(s) of row group {g} (images "
+                                 "stored as file paths, not embedded: `datasets` embeds them "
+                                 "in push_to_hub, not in to_parquet); set on_error: skip to "
+                                 "replace those samples")
+            if nulls:
+                raise ValueError(f"{where}: field {field.name!r}: column {field.col!r} holds "
+                                 f"{nulls} null(s) in row group {g} (a pandas NaN or None is "
+                                 "stored as a null); set the field's fill (the value a null "
+                                 "becomes), or on_error: skip to replace those samples")
 
-    def _decode(self, g: int) -> dict[str, _Column] | str:
-        """Row group g's fields as numpy, or why it cannot be decoded."""
+    def _decode(self, g: int) -> dict[str, _Decoded] | str:
+        """Row group g's fields, or why it cannot be decoded."""
         key = str(self.keys[self.group_file[g]])
         try:
             table = self._files.get(key).read_row_group(
@@ -142,26 +291,53 @@ class Parquet:
         except (pa.ArrowException, OSError) as e:
             return f"cannot read the row group: {type(e).__name__}: {e}"
         decoded = {}
-        for name, (col, dtype) in self.fields.items():
+        for field in self.fields:
+            column = table.column(field.col).combine_chunks()
             try:
-                values, ok = dense(table.column(col).combine_chunks())
+                decoded[field.name] = self._decode_field(field, column)
             except Ragged as e:
-                return f"field {name!r}: column {col!r}: {e}"
-            fits = np.ones(len(ok), dtype=bool)
-            if dtype is not None and dtype != values.dtype:
-                with np.errstate(all="ignore"):  # checked below instead
-                    cast = values.astype(dtype)
-                if dtype.kind in "biu":  # integers must survive the cast exactly
-                    same = (cast == values).reshape(len(ok), -1).all(axis=1)
-                    fits = same | ~ok
-                values = cast
-            decoded[name] = _Column(values, ok, fits)
+                return f"field {field.name!r}: column {field.col!r}: {e}"
+            except (pa.ArrowException, ValueError) as e:
+                return (f"field {field.name!r}: column {field.col!r}: cannot decode "
+                        f"{field.decode or 'numbers'}: {type(e).__name__}: {e}")
         return decoded
+
+    @staticmethod
+    def _decode_field(field: _Field, column: pa.Array) -> _Decoded:
+        if field.decode == "image":
+            data = column.field("bytes") if pa.types.is_struct(column.type) else column
+            ok = data.is_valid().to_numpy(zero_copy_only=False)
+            if pa.types.is_struct(column.type):  # a null struct: its bytes read as valid
+                ok &= column.is_valid().to_numpy(zero_copy_only=False)
+            return _Decoded(data, ok)
+        if field.decode in ("utf8", "tokens"):
+            if field.fill is not None:
+                column = pc.fill_null(column, pa.scalar(field.fill, column.type))
+            ok = column.is_valid().to_numpy(zero_copy_only=False)
+            if field.decode == "utf8":
+                return _Decoded(column, ok)
+            texts = [t if t is not None else "" for t in column.to_pylist()]
+            ids, lengths = field.tokenizer.encode(texts)
+            return _Decoded(ids, ok, starts=np.concatenate([[0], np.cumsum(lengths)]))
+        values, ok = dense(column, field.fill)
+        fits = np.ones(len(ok), dtype=bool)
+        dtype = field.dtype
+        if dtype is not None and dtype != values.dtype:
+            with np.errstate(all="ignore"):  # checked below instead
+                cast = values.astype(dtype)
+            if dtype.kind in "biu":  # integers must survive the cast exactly
+                same = (cast == values).reshape(len(ok), -1).all(axis=1)
+                fits = same | ~ok
+            values = cast
+        return _Decoded(values, ok, fits)
 
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.sample(index, EpochKey())
+
+    def sample(self, index: int, key: EpochKey) -> dict[str, Any]:
         g, row = self.groups.locate(index)
         cached_g, decoded = self._decoded
         if cached_g != g:
@@ -169,14 +345,35 @@ class Parquet:
             self._decoded = (g, decoded)  # one row group per process: block shuffle's unit
         if isinstance(decoded, str):
             raise ValueError(decoded)
-        out = {}
-        for name, column in decoded.items():
-            col, dtype = self.fields[name]
+        rng = key.rng(index) if any(f.pipeline for f in self.fields) else None
+        out: dict[str, Any] = {}
+        for field in self.fields:  # image fields share one generator, in field order
+            column = decoded[field.name]
             if not column.ok[row]:
-                raise ValueError(f"field {name!r}: column {col!r} holds a null")
+                what = (" (no image bytes: an image stored only as a path is not embedded)"
+                        if field.decode == "image" else "")
+                raise ValueError(f"field {field.name!r}: column {field.col!r} holds a "
+                                 f"null{what}")
             if not column.fits[row]:
-                raise ValueError(f"field {name!r}: column {col!r}: a value does not fit {dtype}")
-            out[name] = column.values[row].copy()  # a copy: the row group is dropped later
+                raise ValueError(f"field {field.name!r}: column {field.col!r}: a value does "
+                                 f"not fit {field.dtype}")
+            if field.pipeline is not None:
+                try:
+                    field.pipeline.write(out, field.name, column.values[row].as_py(), rng)
+                except Exception as e:
+                    raise ValueError(f"field {field.name!r}: column {field.col!r}: cannot "
+                                     f"decode image: {type(e).__name__}: {e}") from e
+            elif field.decode == "utf8":
+                out[field.name], out[f"{field.name}_length"] = utf8_padded(
+                    column.values[row].as_py(), field.max_bytes)
+            elif field.decode == "tokens":
+                a, b = int(column.starts[row]), int(column.starts[row + 1])
+                n = min(b - a, field.max_tokens)
+                ids = np.full(field.max_tokens, field.pad_id, np.int64)
+                ids[:n] = column.values[a : a + n]
+                out[field.name], out[f"{field.name}_length"] = ids, np.int64(n)
+            else:
+                out[field.name] = column.values[row].copy()  # the row group is dropped later
         return out
 
     def source_of(self, index: int) -> str:
