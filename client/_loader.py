@@ -6,32 +6,38 @@ thread per stream assembles batches, so at most `prefetch` batches wait in host 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import grpc
 import numpy as np
 
 from stoker.v1 import stoker_pb2 as pb
-from stoker.v1 import stoker_pb2_grpc as pb_grpc
 
 from . import _samehost as samehost
 from ._buffers import HostBuffers
 from ._channel import ChannelMaker
-from ._channel import hint as tls_hint
+from ._contact import first_contact
 from ._errors import DataMismatch, RemoteError
 from ._frames import Assembled, numpy_views
+from ._log import say
 from ._options import LoaderOptions, default_rank_world
 from ._pinning import Pin, describe_each, mismatch, short
 from ._progress import Progress
 from ._scheduler import FATAL, Scheduler
 from ._servers import ServerSet
+from ._sizes import check_epoch, credit_window, say_dropped
 from ._stream import StreamSpec
 
-# The loop's data stall goes to the servers (for their metrics) this often, the first time
-# after REPORT_FIRST seconds of iterating.
+_MISSING = object()
+
+# The loop's data stall goes to the servers (for their metrics) every REPORT_EVERY seconds of
+# iterating, the first time after REPORT_FIRST, by the clock: from the wait for a batch too
+# (a loop stuck waiting is the stall an autoscaler must see), and at the start of each pass
+# (a new stream) once there is something to say, so that short epochs report too.
 REPORT_FIRST, REPORT_EVERY = 1.0, 5.0
+SAY_WAITING = 3.0  # seconds the loop waits for one batch before an INFO line says why
 
 
 class RemoteLoader:
@@ -56,7 +62,7 @@ class RemoteLoader:
                  seed: int = 0, shuffle: bool = True, drop_last: bool = True,
                  rank: int | None = None, world_size: int | None = None,
                  device: Any = None, output: str = "torch", prefetch: int = 8,
-                 timeout: float = 300.0,
+                 timeout: float = 300.0, connect_timeout: float = 10.0,
                  normalize: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
                  normalize_dtype: str = "float32", shared_memory: bool = True,
                  progress: bool = False, log_every: float | None = None,
@@ -66,9 +72,9 @@ class RemoteLoader:
         self._options = o = LoaderOptions(
             dataset, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank,
             world_size=world_size, device=device, output=output, prefetch=prefetch,
-            timeout=timeout, normalize=normalize, normalize_dtype=normalize_dtype,
-            shared_memory=shared_memory, progress=progress, log_every=log_every,
-            compression=compression, data_socket=data_socket,
+            timeout=timeout, connect_timeout=connect_timeout, normalize=normalize,
+            normalize_dtype=normalize_dtype, shared_memory=shared_memory, progress=progress,
+            log_every=log_every, compression=compression, data_socket=data_socket,
             channels=ChannelMaker(tls, token))
         self._normalize = o.normalizer()
         self._servers = ServerSet(address, o.channels)
@@ -91,6 +97,9 @@ class RemoteLoader:
         self._pin: Pin | None = None  # the fingerprint read, from the first Describe
         self._checked = False  # every reachable server asked once for its fingerprint
         self._scheduler: Scheduler | None = None
+        self._window = o.prefetch  # under every server's max_credits once they said it
+        self._next_report: float | None = None  # when the stall goes to the servers next
+        self._said_waiting = (-1, -1)  # (epoch, batch) whose long wait was logged
         self._stats = {"batches": 0, "bytes": 0, "wait_seconds": 0.0, "loop_seconds": 0.0,
                        "failovers": 0, "hedges": 0}
         self._loop_started: float | None = None  # while an iteration runs
@@ -103,46 +112,37 @@ class RemoteLoader:
                               fingerprint=self._pin.digest if self._pin else "")
 
     def __len__(self) -> int:
-        """Batches per epoch for this rank."""
-        return self.describe().batches_per_epoch
+        """Batches per epoch for this rank (ValueError if there are none: see describe)."""
+        described = self.describe()
+        check_epoch(described, self._options)
+        return described.batches_per_epoch
 
     def describe(self) -> pb.DescribeDatasetResponse:
         """The dataset's fields and sizes under these coordinates (asked once, then cached).
 
-        Any server will do: they are tried in turn, with backoff, for up to `timeout` s."""
+        Any server will do: they are tried in turn, with backoff, for up to `connect_timeout`
+        s while none has answered at all (then UNAVAILABLE naming every address and what
+        happened there), for up to `timeout` s once one has."""
         if self._describe is None:
-            timeout = self._options.timeout
-            deadline = time.monotonic() + timeout
-            errors: dict[str, str] = {}
-            pause = 0.05
-            while True:
-                for server in list(self._servers.servers.values()):
-                    try:
-                        described = pb_grpc.DataServiceStub(server.channel).DescribeDataset(
-                            pb.DescribeDatasetRequest(coordinates=self.coordinates()),
-                            timeout=min(10.0, timeout))
-                    except grpc.RpcError as e:
-                        err = RemoteError.from_rpc(e, server.address)
-                        if isinstance(err, DataMismatch) and self._pin is not None:
-                            raise self._mismatched(err.address, err.digest) from None
-                        if err.code in FATAL:
-                            raise err from None
-                        errors[server.address] = str(err)
-                        continue
-                    if self._pin is None:
-                        self._pin = Pin.of(described.fingerprint, server.address)
-                    self._describe = described
-                    return described
-                if time.monotonic() + pause > deadline:
-                    said = "; ".join(errors.values())
-                    raise RemoteError(grpc.StatusCode.UNAVAILABLE,
-                                      f"no server answered within {timeout:g}s: "
-                                      + said + tls_hint(self._options.channels.tls, said),
-                                      self.address)
-                time.sleep(pause)  # every server refused: back off before the next round
-                pause = min(pause * 2, 2.0)
-                self._servers.refresh(time.monotonic())
+            o = self._options
+            contact = first_contact(
+                self._servers, lambda: pb.DescribeDatasetRequest(coordinates=self.coordinates()),
+                connect_timeout=o.connect_timeout, timeout=o.timeout, tls=o.channels.tls,
+                refuse=self._refuse)
+            described, address = contact.described, contact.server.address
+            if self._pin is None:
+                self._pin = Pin.of(described.fingerprint, address)
+            self._describe = described
+            self._window = credit_window(self._window, described.max_credits, address)
+            say_dropped(described, o)
         return self._describe
+
+    def _refuse(self, err: RemoteError) -> None:
+        """Raise what a server answered Describe with that no other server would mend."""
+        if isinstance(err, DataMismatch) and self._pin is not None:
+            raise self._mismatched(err.address, err.digest) from None
+        if err.code in FATAL:
+            raise err from None
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch; a different epoch starts at batch 0, the current one keeps its
@@ -168,9 +168,18 @@ class RemoteLoader:
         """Resume at `state`'s position. If it records a fingerprint and the servers now
         hold other data, the rest of the epoch would not be the rest of that order: ValueError,
         unless `allow_changed_data` (the loader then goes on with the servers' data)."""
-        if state.get("coordinates") != self._coords:
-            raise ValueError(f"state_dict is for coordinates {state.get('coordinates')}, this "
-                             f"loader has {self._coords}")
+        saved_coords = state.get("coordinates") if isinstance(state, Mapping) else None
+        if not isinstance(saved_coords, Mapping):
+            raise ValueError("state_dict has no 'coordinates': not a RemoteLoader.state_dict() "
+                             f"(keys: {sorted(state) if isinstance(state, Mapping) else state!r})")
+        if saved_coords != self._coords:
+            differ = [f"{k}: saved {saved_coords.get(k, '(missing)')!r}, this loader "
+                      f"{self._coords.get(k, '(missing)')!r}"
+                      for k in sorted(set(saved_coords) | set(self._coords))
+                      if saved_coords.get(k, _MISSING) != self._coords.get(k, _MISSING)]
+            raise ValueError("state_dict is for other coordinates (" + "; ".join(differ)
+                             + "): a position is only valid under the coordinates it was saved "
+                             "with (each rank saves and loads its own)")
         saved = state.get("fingerprint")
         if saved and saved.get("digest") and not allow_changed_data:
             self.describe()
@@ -192,15 +201,23 @@ class RemoteLoader:
         up later refuse our streams themselves: the coordinates carry the digest.)"""
         pin = self._pin
         self._checked = True
-        if pin is None or not pin.digest:
+        if pin is None:
             return
         others = [(s.address, s.channel) for s in self._servers.servers.values()
                   if s.address != pin.address]
         plain = pb.Coordinates(epoch=self._epoch, **self._coords)
         found = describe_each(others, plain, min(10.0, self._options.timeout))
-        for address, fp in found.items():
-            if fp.digest and fp.digest != pin.digest:
+        for address, err in found.items():
+            if isinstance(err, RemoteError):
+                say(logging.WARNING, "%s did not answer (%s); going on with the servers that "
+                    "did, and trying it again in the background", address, err)
+        for address, d in found.items():
+            if isinstance(d, RemoteError):
+                continue
+            fp = d.fingerprint
+            if pin.digest and fp.digest and fp.digest != pin.digest:
                 raise mismatch(self.dataset, pin, address, fp.digest, fp)
+            self._window = credit_window(self._window, d.max_credits, address)
 
     def _mismatched(self, address: str, digest: str) -> DataMismatch:
         """The DataMismatch for a server that refused our fingerprint, with its own."""
@@ -209,10 +226,11 @@ class RemoteLoader:
         plain = pb.Coordinates(epoch=self._epoch, **self._coords)
         found = describe_each([(address, server.channel)] if server else [], plain,
                               min(10.0, self._options.timeout)).get(address)
-        return mismatch(self.dataset, self._pin, address, digest, found)
+        fp = None if found is None or isinstance(found, RemoteError) else found.fingerprint
+        return mismatch(self.dataset, self._pin, address, digest, fp)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        total = len(self)
+        total = len(self)  # ValueError for an epoch without a batch
         if not self._checked:
             self._check_servers()
         if self._normalize is not None and not self._normalize.axes:
@@ -224,19 +242,23 @@ class RemoteLoader:
                           shm_probe=samehost.probe() if o.shared_memory else None,
                           compression=o.compression or "", data_socket=o.data_socket)
         scheduler = Scheduler(self._servers, spec, total=total, start=self._next,
-                              window=o.prefetch, timeout=o.timeout)
+                              window=self._window, timeout=o.timeout)
         self._scheduler = scheduler
         progress = None
         if o.progress or o.log_every is not None:
             progress = Progress(bar=o.progress, log_every=o.log_every, total=total,
                                 start=self._next, label=f"{self.dataset} epoch {self._epoch}")
         self._loop_started = time.perf_counter()
-        next_report = self._loop_started + REPORT_FIRST
+        if self._next_report is None:
+            self._next_report = self._loop_started + REPORT_FIRST
+        elif self._stats["loop_seconds"] > 0:
+            self._report(scheduler, 0.0)  # a new stream: tell it what the loop is like
         try:
             while self._next < total:
                 t0 = time.perf_counter()
                 try:
-                    batch = scheduler.take(self._next)
+                    batch = scheduler.take(
+                        self._next, on_wait=lambda t0=t0: self._waiting(scheduler, t0))
                 except DataMismatch as e:  # a server refused our fingerprint: name both
                     raise self._mismatched(e.address, e.digest) from None
                 waited = time.perf_counter() - t0
@@ -247,11 +269,7 @@ class RemoteLoader:
                 self._stats["batches"] += 1
                 if progress is not None:
                     progress.step(self._next - 1, waited, scheduler.received())
-                now = time.perf_counter()
-                if now >= next_report:  # the servers' stoker_client_data_stall metric
-                    next_report = now + REPORT_EVERY
-                    scheduler.report(self._stats["wait_seconds"], self._stats["loop_seconds"]
-                                     + now - self._loop_started)
+                self._report_due(scheduler, None)
                 yield batch
             self._epoch, self._next = self._epoch + 1, 0
         finally:
@@ -264,6 +282,34 @@ class RemoteLoader:
             self._stats["bytes"] += scheduler.bytes_received
             self._stats["failovers"] += scheduler.failovers
             self._stats["hedges"] += scheduler.hedges
+
+    def _waiting(self, scheduler: Scheduler, since: float) -> None:
+        """Called while the loop waits for batch self._next: report the stall when due, and
+        say once, after SAY_WAITING s, what it waits for."""
+        self._report_due(scheduler, since)
+        where = (self._epoch, self._next)
+        if self._said_waiting != where and time.perf_counter() - since >= SAY_WAITING:
+            self._said_waiting = where
+            say(logging.INFO, "%s epoch %d: waiting %.0fs for batch %d (giving up after "
+                "timeout=%gs without a batch from any server): %s", self.dataset, self._epoch,
+                time.perf_counter() - since, self._next, self._options.timeout,
+                scheduler.servers_now())
+
+    def _report_due(self, scheduler: Scheduler, waiting_since: float | None) -> None:
+        """Send the stall to the servers if it is time (the loop's thread; `waiting_since`:
+        when the wait for the current batch began, None between batches)."""
+        now = time.perf_counter()
+        if self._next_report is not None and now >= self._next_report:
+            self._report(scheduler, now - waiting_since if waiting_since is not None else 0.0)
+
+    def _report(self, scheduler: Scheduler, waiting: float) -> None:
+        """The servers' stoker_client_data_stall: totals since the loader began, with the
+        wait still running."""
+        now = time.perf_counter()
+        self._next_report = now + REPORT_EVERY
+        loop = self._stats["loop_seconds"] + (now - self._loop_started
+                                              if self._loop_started is not None else 0.0)
+        scheduler.report(self._stats["wait_seconds"] + waiting, loop)
 
     def _allocate(self, nbytes: int) -> tuple[Any, np.ndarray]:
         if self._feed is not None:

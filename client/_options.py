@@ -54,6 +54,7 @@ class LoaderOptions:
     output: str = "torch"
     prefetch: int = 8
     timeout: float = 300.0
+    connect_timeout: float = 10.0
     normalize: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None
     normalize_dtype: str = "float32"
     shared_memory: bool = True
@@ -70,6 +71,9 @@ class LoaderOptions:
             raise ValueError("output='numpy' yields host arrays; device must be None")
         if self.prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
+        for name in ("timeout", "connect_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.normalize:
             self.normalizer()  # its checks, here rather than at the first batch
             if self.output == "numpy" and self.normalize_dtype == "bfloat16":

@@ -20,7 +20,7 @@ import grpc
 from stoker.v1 import stoker_pb2 as pb
 from stoker.v1 import stoker_pb2_grpc as pb_grpc
 
-from ._errors import DataMismatch
+from ._errors import DataMismatch, RemoteError
 
 SHORT = len("sha256:") + 12
 
@@ -80,17 +80,18 @@ def mismatch(dataset: str, pin: Pin, address: str, digest: str,
 
 
 def describe_each(channels: Iterable[tuple[str, grpc.Channel]], coordinates: pb.Coordinates,
-                  timeout: float) -> dict[str, pb.Fingerprint]:
-    """The dataset's fingerprint at each server that answers within `timeout`, asked all at
-    once and without a fingerprint of ours (so each says what it has); servers that do not
-    answer are left out (a server refuses streams expecting other data anyway)."""
+                  timeout: float) -> dict[str, pb.DescribeDatasetResponse | RemoteError]:
+    """Each server's description of the dataset (its fingerprint, its max_credits), asked all
+    at once within `timeout` and without a fingerprint of ours (so each says what it has); a
+    server that does not answer gets its error instead (a server refuses streams expecting
+    other data anyway)."""
     asked = {address: pb_grpc.DataServiceStub(channel).DescribeDataset.future(
         pb.DescribeDatasetRequest(coordinates=coordinates), timeout=timeout)
         for address, channel in channels}
-    found = {}
+    found: dict[str, pb.DescribeDatasetResponse | RemoteError] = {}
     for address, future in asked.items():
         try:
-            found[address] = future.result().fingerprint
-        except grpc.RpcError:
-            continue
+            found[address] = future.result()
+        except grpc.RpcError as e:
+            found[address] = RemoteError.from_rpc(e, address)
     return found

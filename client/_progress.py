@@ -3,7 +3,8 @@
 The stall is the share of the loop's wall time spent waiting in `next(loader)`: 0% means
 data was always ready; 30% means the model idled for data a third of the time (add servers
 or workers, or raise `prefetch`). Both run on the consumer's thread, once per batch, and cost
-a clock read unless it is time to draw or log.
+a clock read unless it is time to draw or log. The log line shows without any logging
+configuration (on stderr: _log.py).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
-log = logging.getLogger("stoker.client")
+from ._log import say
 
 
 class Progress:
@@ -48,9 +49,9 @@ class Progress:
             batches = index + 1 - self._batches_last
             stall = (self._waited - self._waited_last) / span
             mb = (received_bytes - (self._bytes_last or 0)) / span / 1e6
-            log.info("%s: batch %d/%d, %.1f batches/s, %.1f MB/s, data stall %.1f%% "
-                     "(%.1f%% since the start)", self._label, index + 1, self._total,
-                     batches / span, mb, 100 * stall, 100 * self.stall(now))
+            say(logging.INFO, "%s: batch %d/%d, %.1f batches/s, %.1f MB/s, data stall %.1f%% "
+                "(%.1f%% since the start)", self._label, index + 1, self._total,
+                batches / span, mb, 100 * stall, 100 * self.stall(now))
             self._last, self._waited_last = now, self._waited
             self._bytes_last, self._batches_last = received_bytes, index + 1
 

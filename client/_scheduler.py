@@ -110,13 +110,16 @@ class Scheduler:
                        if s.stream is not None)
             return self.bytes_received + live
 
-    def take(self, index: int) -> Any:
+    def take(self, index: int, on_wait: Callable[[], None] | None = None) -> Any:
         """Batch `index` (the next one), waiting while servers fail and come back for up to
-        `timeout` seconds without progress."""
+        `timeout` seconds without progress; `on_wait()` is called every TICK while it waits
+        (on this thread, under the lock: it may call report())."""
         with self._cond:
             started = self._clock()
             while not self.poll(index, started):
                 self._cond.wait(TICK)
+                if on_wait is not None:
+                    on_wait()
             item = self._ready.pop(index)
             self._next = index + 1
             self._assign(self._clock())
@@ -152,13 +155,18 @@ class Scheduler:
         for stream in streams:
             stream.close()  # its receive thread reports on_end, which counts its bytes
 
+    def servers_now(self) -> str:
+        """Every server, its state and last error (for errors and log lines)."""
+        with self._cond:
+            return "; ".join(
+                f"{s.address}: {s.state.value}, last error: {s.last_error or 'none'}"
+                + (f", last refusal: {s.refused}" if s.refused else "")
+                for s in self._servers.servers.values())
+
     def _no_server(self, index: int) -> RemoteError:
-        detail = "; ".join(f"{s.address}: {s.state.value}, last error: {s.last_error or 'none'}"
-                           + (f", last refusal: {s.refused}" if s.refused else "")
-                           for s in self._servers.servers.values())
         return RemoteError(grpc.StatusCode.UNAVAILABLE,
                            f"no server delivered batch {index} within {self._timeout:g}s of the "
-                           f"last progress ({detail})", self._servers.describe())
+                           f"last progress ({self.servers_now()})", self._servers.describe())
 
     # -- scheduling (under the lock) -------------------------------------------------------
     def _maintain(self, now: float, waiting_for: int) -> None:

@@ -4,7 +4,8 @@ One registry per server (not prometheus-client's global one), labelled by datase
 front end's event loop updates the counters; the HTTP thread reads them (prometheus-client's
 metrics are thread-safe). Clients report their data stall (the share of their loop's time
 spent waiting for batches) in their streams: the mean and the worst over the streams that
-reported in the last minute are the autoscaling signal (docs/deployment.md).
+reported in the last minute are the autoscaling signal (docs/deployment.md); while no client
+reports, those two series are absent (unknown), not 0.
 """
 
 from __future__ import annotations
@@ -114,14 +115,23 @@ class Metrics:
                     del self._reports[key]
                 else:
                     by_dataset[dataset].append(stall)
-            # A dataset that stopped reporting goes back to 0, not stays at its last value.
             self._stall_datasets |= set(by_dataset)
             known = set(self._stall_datasets)
         for dataset in known:
             stalls = by_dataset.get(dataset, [])
-            self.stall.labels(dataset).set(sum(stalls) / len(stalls) if stalls else 0.0)
-            self.stall_max.labels(dataset).set(max(stalls, default=0.0))
             self.reporting.labels(dataset).set(len(stalls))
+            if stalls:
+                self.stall.labels(dataset).set(sum(stalls) / len(stalls))
+                self.stall_max.labels(dataset).set(max(stalls))
+            else:
+                # No client reports: the stall is unknown, not 0 ("no stall" would let an
+                # autoscaler scale down). An absent series is what Prometheus rules and
+                # adapters treat as "no data" (NaN would poison avg() and comparisons).
+                for gauge in (self.stall, self.stall_max):
+                    try:
+                        gauge.remove(dataset)
+                    except KeyError:
+                        pass
 
     # -- reads (the HTTP thread) -------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -146,7 +146,8 @@ class DataService:
             samples_per_rank=meta.num_samples // coords.world_size,
             batches_per_epoch=batches_per_epoch(meta.num_samples, coords),
             fields=[pb.FieldSpec(name=n, dtype=d, shape=s) for n, d, s in meta.fields],
-            fingerprint=fingerprint_pb(meta.fingerprint))
+            fingerprint=fingerprint_pb(meta.fingerprint),
+            max_credits=self.settings.max_credits)
 
     def coordinates(self, c: pb.Coordinates, present: bool = True
                     ) -> tuple[Coordinates, DatasetMeta]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from stoker.client import RemoteLoader
 from stoker.server import ServerProcess
@@ -104,11 +105,15 @@ def test_workers_do_not_change_the_batches(start_server) -> None:
             assert a[key].dtype == b[key].dtype and np.array_equal(a[key], b[key]), key
 
 
-def test_an_empty_epoch_still_moves_on_by_one(toy_server: ServerProcess) -> None:
+def test_an_epoch_without_a_batch_is_an_error(toy_server: ServerProcess) -> None:
+    """Issue 20 item 4: an epoch with no batch at all was a silent empty loop; now len() and
+    iteration say so (tests/test_first_hour_client.py has the single-rank case)."""
     with RemoteLoader(toy_server.address, "toy", batch_size=8, rank=0, world_size=100,
                       output="numpy", timeout=60) as ld:
-        assert len(ld) == 0 and list(ld) == []
-        assert ld.state_dict()["epoch"] == 1
+        for attempt in (len, list):
+            with pytest.raises(ValueError, match="batch_size=8 with drop_last=True gives no "
+                               "batch"):
+                attempt(ld)
 
 
 # -- resuming against other data (issue 19: "resume has the same blind spot") -----------------

@@ -1,0 +1,186 @@
+"""First contact: the dataset's description from the first server that answers; when none
+does, an error that says what happened at every address.
+
+Until some server has answered at all, a loader waits at most `connect_timeout`: an address
+nothing listens on, a name that does not resolve or a TLS mismatch do not mend by waiting, and
+a mistyped port must not look like a frozen trainer. Once a server has answered (with its own
+status, even UNAVAILABLE), `timeout` applies, as it does for the rest of the run (a server
+restarting). gRPC's own error names only the last address it tried (for `localhost`, often
+`[::1]`, refused, while `127.0.0.1` failed its TLS handshake), so the error is built from a
+plain TCP connect to each address the name resolves to, by `diagnose`.
+
+Threading: the loop's thread (the loader's).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from stoker.v1 import stoker_pb2 as pb
+from stoker.v1 import stoker_pb2_grpc as pb_grpc
+
+from ._channel import hint
+from ._errors import RemoteError
+from ._log import say
+from ._servers import Server, ServerSet
+
+CALL_TIMEOUT = 10.0  # seconds one DescribeDataset may take
+PROBE_TIMEOUT = 1.0  # seconds a diagnostic TCP connect may take
+PAUSE_FIRST, PAUSE_MAX = 0.05, 2.0  # seconds between rounds, doubling
+# gRPC's words for a call that never reached a server's code: no connection, no name, no TLS.
+_UNREACHED = ("failed to connect", "errors resolving", "dns resolution failed", "socket closed",
+              "connection reset", "connection refused", "broken pipe", "handshake", "ssl",
+              "end of tcp stream", "connections to all backends failing", "no route to host",
+              "unreachable", "timeout occurred")
+
+
+def reached(err: RemoteError) -> bool:
+    """The server's code answered (a status of its own), rather than gRPC saying that no
+    connection was made. DEADLINE_EXCEEDED counts as no answer: a frozen process, or a port
+    that accepts connections and never speaks gRPC."""
+    if err.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return False
+    if err.code != grpc.StatusCode.UNAVAILABLE:
+        return True
+    low = err.details.lower()
+    return not any(w in low for w in _UNREACHED)
+
+
+class Outcome(enum.Enum):
+    """What a plain TCP connect to one address found; the value is how errors say it."""
+
+    ACCEPTED = "accepts TCP connections"
+    REFUSED = "refused the connection (nothing listens on that port)"
+    SILENT = f"did not answer a TCP connect within {PROBE_TIMEOUT:g}s (a firewall, or no such host)"
+    UNRESOLVED = "does not resolve"
+    FAILED = "cannot be connected to"
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One resolved address (or the name, when it does not resolve) and what was found."""
+
+    address: str
+    outcome: Outcome
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.address} {self.outcome.value}" + (f" ({self.detail})" if self.detail
+                                                          else "")
+
+
+def diagnose(address: str, timeout: float = PROBE_TIMEOUT) -> list[Probe]:
+    """A plain TCP connect to every address `address` ("host:port", "[v6]:port" or a dns:
+    target) resolves to, each within `timeout` s."""
+    host, _, port = address.removeprefix("dns:///").removeprefix("dns:").rpartition(":")
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        return [Probe(f"{host!r}", Outcome.UNRESOLVED, getattr(e, "strerror", None) or str(e))]
+    probes = []
+    for family, kind, proto, _, sockaddr in dict.fromkeys(infos):  # dedupe, keep order
+        ip = sockaddr[0]
+        where = f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
+        with socket.socket(family, kind, proto) as s:
+            s.settimeout(timeout)
+            try:
+                s.connect(sockaddr)
+            except ConnectionRefusedError:
+                probes.append(Probe(where, Outcome.REFUSED))
+            except TimeoutError:
+                probes.append(Probe(where, Outcome.SILENT))
+            except OSError as e:
+                probes.append(Probe(where, Outcome.FAILED, e.strerror or str(e)))
+            else:
+                probes.append(Probe(where, Outcome.ACCEPTED))
+    return probes
+
+
+def explain(address: str, err: RemoteError | None, tls: bool) -> str:
+    """`address: what happened`, for the error raised when no server answered."""
+    if err is not None and reached(err):
+        return f"{address}: {err.code.name}: {err.details}"
+    probes = diagnose(address)
+    said = "; ".join(str(p) for p in probes)
+    if len(probes) == 1 and probes[0].address == address:  # an "ip:port" address
+        said = said.removeprefix(f"{address} ")
+    if not any(p.outcome is Outcome.ACCEPTED for p in probes):
+        return f"{address}: {said}"
+    grpc_said = f"{err.code.name}: {err.details}" if err is not None else "no answer"
+    text = f"{address}: {said}, but no gRPC call got through (gRPC: {grpc_said})"
+    return text + (hint(tls, grpc_said, reachable=True) if err is None or not reached(err)
+                   else "")
+
+
+@dataclass(frozen=True)
+class Contact:
+    """The first description and the server that gave it."""
+
+    described: pb.DescribeDatasetResponse
+    server: Server
+
+
+def first_contact(servers: ServerSet, request: Callable[[], pb.DescribeDatasetRequest], *,
+                  connect_timeout: float, timeout: float, tls: bool,
+                  refuse: Callable[[RemoteError], None]) -> Contact:
+    """DescribeDataset of each server in turn, in rounds with backoff, until one answers.
+
+    `refuse(error)` sees every error a server answered and raises what must not be retried
+    (FATAL codes, a DataMismatch). Gives up with UNAVAILABLE after `connect_timeout` s while
+    no server has answered at all, after `timeout` s once one has; the error names every
+    address, what it answered or what a TCP connect to each of its addresses found."""
+    started = time.monotonic()
+    errors: dict[str, RemoteError] = {}
+    answered = False
+    pause = PAUSE_FIRST
+    said_waiting = False
+    while True:
+        for server in list(servers.servers.values()):
+            limit = timeout if answered else min(connect_timeout, timeout)
+            left = max(limit - (time.monotonic() - started), 0.05)
+            try:
+                described = pb_grpc.DataServiceStub(server.channel).DescribeDataset(
+                    request(), timeout=min(CALL_TIMEOUT, left))
+            except grpc.RpcError as e:
+                err = RemoteError.from_rpc(e, server.address)
+                refuse(err)
+                answered = answered or reached(err)
+                errors[server.address] = err
+                say(logging.DEBUG, "DescribeDataset at %s: %s", server.address, err)
+                continue
+            return Contact(described, server)
+        limit = timeout if answered else min(connect_timeout, timeout)
+        waited = time.monotonic() - started
+        if waited >= limit:
+            raise _none_answered(servers, errors, waited, answered, connect_timeout, timeout,
+                                 tls)
+        if not said_waiting and waited + pause >= 1.0:
+            said_waiting = True
+            last = "; ".join(str(e) for e in errors.values()) or "no address resolved"
+            say(logging.INFO, "waiting up to %gs more for a data server at %s to answer "
+                "(%s)", round(limit - waited, 1), servers.describe(), last)
+        time.sleep(min(pause, limit - waited))
+        pause = min(pause * 2, PAUSE_MAX)
+        servers.refresh(time.monotonic())
+
+
+def _none_answered(servers: ServerSet, errors: dict[str, RemoteError], waited: float,
+                   answered: bool, connect_timeout: float, timeout: float,
+                   tls: bool) -> RemoteError:
+    bound = (f"timeout={timeout:g}" if answered or timeout <= connect_timeout
+             else f"connect_timeout={connect_timeout:g}")
+    if servers.servers:
+        parts = [explain(a, errors.get(a), tls) for a in servers.servers]
+    else:  # a dns: target that resolves to nothing
+        parts = [explain(servers.describe(), None, tls)]
+    return RemoteError(grpc.StatusCode.UNAVAILABLE,
+                       f"no data server answered in {waited:.1f}s ({bound}): "
+                       + "; ".join(parts), servers.describe())
