@@ -317,7 +317,7 @@ def check_yaml(block: Block, where: Path | None = None) -> Result:
 
 # What only a real server's machine can satisfy: files and folders the config names, the
 # environment variable a token comes from.
-_MACHINE = re.compile(r"not a directory: |not a file: |tokenizer file not found: |"
+_MACHINE = re.compile(r"not a directory: |not a file: |no such file or directory: |tokenizer file not found: |"
                       r"environment variable \w+ is not set")
 
 
