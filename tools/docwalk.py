@@ -317,8 +317,8 @@ def check_yaml(block: Block, where: Path | None = None) -> Result:
 
 # What only a real server's machine can satisfy: files and folders the config names, the
 # environment variable a token comes from.
-_MACHINE = re.compile(r"not a directory: |not a file: |no such file or directory: |tokenizer file not found: |"
-                      r"environment variable \w+ is not set")
+_MACHINE = re.compile(r"not a directory: |not a file: |no such file or directory: |"
+                      r"tokenizer file not found: |environment variable \w+ is not set")
 
 
 def config_problems(text: str, where: Path | None = None) -> list[str]:
