@@ -153,6 +153,14 @@ class Ordering:
             return self._order(seed, epoch, shuffle)
         return ORDERS.get((self, seed, epoch), lambda: self._order(seed, epoch, shuffle))
 
+    def indices(self, positions: np.ndarray, seed: int, epoch: int, shuffle: bool
+                ) -> np.ndarray:
+        """The dataset indices at an epoch's `positions` (a mixture's ordering maps them
+        through its components instead: server/_mixture.py)."""
+        if not shuffle:
+            return positions
+        return self.epoch(seed, epoch, shuffle)[positions]
+
     def _order(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
         n = self.num_samples
         if not shuffle:
@@ -204,6 +212,4 @@ def batch_samples(ordering: Ordering, c: Coordinates, batch_index: int) -> np.nd
     stop = min(start + c.batch_size, ordering.num_samples // c.world_size)
     # This rank's j-th sample is at position rank + j * world_size of the epoch's order.
     positions = c.rank + c.world_size * np.arange(start, stop, dtype=np.int64)
-    if not c.shuffle:
-        return positions
-    return ordering.epoch(c.seed, c.epoch, c.shuffle)[positions]
+    return ordering.indices(positions, c.seed, c.epoch, c.shuffle)
