@@ -171,8 +171,16 @@ class MixtureOrdering:
 
     def indices(self, positions: np.ndarray, seed: int, epoch: int, shuffle: bool
                 ) -> np.ndarray:
-        """The index-space values of an epoch's `positions` (int64, a new array)."""
-        positions = np.asarray(positions, dtype=np.int64)
+        """The index-space values of an epoch's `positions` (int64, a new array): sliced
+        from the whole epoch's, kept in ORDERS like an Ordering's epoch order (a batch
+        then costs what it costs a plain dataset), or, where the epoch is larger than that
+        cache, computed for these positions alone."""
+        if self.num_samples * 8 <= ORDERS.max_bytes:
+            return self.epoch(seed, epoch, shuffle)[positions]
+        return self._compute(np.asarray(positions, dtype=np.int64), seed, epoch, shuffle)
+
+    def _compute(self, positions: np.ndarray, seed: int, epoch: int, shuffle: bool
+                 ) -> np.ndarray:
         if (epoch + 1) * self.num_samples >= MAX_POSITION:
             raise CoordinateError("epoch", f"{epoch} is beyond what a mixture of "
                                            f"{self.num_samples} samples an epoch can count")
@@ -206,8 +214,8 @@ class MixtureOrdering:
     def epoch(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
         """The whole epoch's index-space values (read-only), from ORDERS."""
         def compute() -> np.ndarray:
-            order = self.indices(np.arange(self.num_samples, dtype=np.int64), seed, epoch,
-                                 shuffle)
+            order = self._compute(np.arange(self.num_samples, dtype=np.int64), seed, epoch,
+                                  shuffle)
             order.flags.writeable = False
             return order
         return ORDERS.get((self, seed, epoch, shuffle), compute)

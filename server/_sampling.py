@@ -88,7 +88,8 @@ class OrderCache:
         self.max_bytes = max_bytes
         self._items: collections.OrderedDict[Hashable, np.ndarray] = collections.OrderedDict()
         self._lock = threading.Lock()  # guards _items and nbytes
-        self._computing = threading.Lock()
+        # Reentrant: a mixture's epoch order is computed from its components' (_mixture.py).
+        self._computing = threading.RLock()
         self.nbytes = 0
 
     def get(self, key: Hashable, compute: Callable[[], np.ndarray]) -> np.ndarray:

@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import server_env
 
 from stoker.client import RemoteLoader
-from stoker.server import ServerProcess, write_config
-from stoker.server._config import ConfigError, load_config
+from stoker.server import ConfigError, ServerProcess, load_config, write_config
+
+from conftest import server_env
 
 SIZES = {"a": 100, "b": 37, "c": 501}  # c: not a multiple of anything below
 WEIGHTS = {"a": 0.5, "b": 0.3, "c": 0.2}

@@ -12,6 +12,7 @@ or the mixture does not open and says which differ.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,6 +45,8 @@ class Mixture:
         self.sizes = np.array(sizes, dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
         self.period = int(self.sizes.sum())
+        self._starts = self.offsets.tolist()
+        self._sources = [np.int64(c) for c in range(len(self.names))]
         self.samples_per_epoch = cfg.samples_per_epoch or self.period
         self._check_fields()
         self.storage = _Storages(self)
@@ -56,15 +59,18 @@ class Mixture:
         return self.sample(index, FIRST_EPOCH)
 
     def locate(self, index: int) -> tuple[int, int, int]:
-        """(component, component epoch, component index) of index-space value `index`."""
-        c, epoch, i = locate(np.int64(index), self.offsets, self.period)
-        return int(c), int(epoch), int(i)
+        """(component, component epoch, component index) of index-space value `index`.
+        Plain Python: called once a sample, where numpy's scalar calls cost more than the
+        arithmetic."""
+        epoch, rest = divmod(int(index), self.period)
+        c = bisect.bisect_right(self._starts, rest) - 1
+        return c, epoch, rest - self._starts[c]
 
     def sample(self, index: int, key: EpochKey) -> dict[str, Any]:
         c, epoch, i = self.locate(index)
         raw = self.parts[c].read(i, EpochKey(key.seed, epoch, key.shuffle))
         out = self._renamed(c, raw)
-        out[SOURCE] = np.int64(c)
+        out[SOURCE] = self._sources[c]
         return out
 
     def source_of(self, index: int) -> str:
@@ -94,6 +100,8 @@ class Mixture:
         if not isinstance(raw, dict):
             return raw  # fetch_sample names what it got
         renames = self.renames[c]
+        if not renames:
+            return dict(raw)  # a copy: `source` goes in, the component may reuse its dict
         return {renames.get(k, k): v for k, v in raw.items()}
 
     def _check_fields(self) -> None:
