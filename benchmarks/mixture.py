@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _measure import machine_info, run_scenario, scenario_parser, summarise
+from _measure import machine_info, run_scenario, scenario_parser, settle, summarise
 
 from stoker.client import RemoteLoader
 from stoker.server import ServerProcess, write_config
@@ -92,10 +92,8 @@ def check_mixture(kept: list[dict[str, np.ndarray]], windows: dict[str, int], p:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    p = dict(QUICK if args.quick else FULL)
-    for k in ("tokens", "seq_len", "repeats"):
-        if getattr(args, k):
-            p[k] = getattr(args, k)
+    settle(args, QUICK, FULL)
+    p = {k: getattr(args, k) for k in FULL}
     problems: list[str] = []
     res: dict[str, Any] = {"params": {**p, "workers": args.workers, "weights": WEIGHTS,
                                       "quick": args.quick},
@@ -159,9 +157,10 @@ def report(res: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = scenario_parser(__doc__)
-    ap.add_argument("--tokens", type=int, default=0, help="tokens in all three files")
-    ap.add_argument("--seq-len", dest="seq_len", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=0)
+    ap.add_argument("--tokens", type=int, help="tokens in all three files")
+    ap.add_argument("--seq-len", dest="seq_len", type=int)
+    ap.add_argument("--batch-size", dest="batch_size", type=int)
+    ap.add_argument("--repeats", type=int)
     ap.add_argument("--workers", type=int, default=2)
     return ap.parse_args(argv)
 

@@ -127,12 +127,9 @@ def test_resume_mid_epoch_continues_exactly(servers) -> None:
         reference = [b["sample_index"].tolist() for b in ld]
     with loader(servers[1].address, rank=1) as ld:
         ld.set_epoch(1)
-        seen = []
-        for b in ld:
-            seen.append(b["sample_index"].tolist())
-            if len(seen) == 37:
-                state = ld.state_dict()
-                break
+        batches = iter(ld)
+        seen = [next(batches)["sample_index"].tolist() for _ in range(37)]
+        state = ld.state_dict()
     with loader(servers[2].address, rank=1) as ld:
         ld.load_state_dict(state)
         rest = [b["sample_index"].tolist() for b in ld]
