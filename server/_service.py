@@ -25,7 +25,7 @@ from ._config import Config
 from ._fingerprint import Fingerprint, short_digest
 from ._limits import Admission, Kind, Refused
 from ._metrics import Metrics
-from ._sampling import CoordinateError, Coordinates, batches_per_epoch
+from ._sampling import CoordinateError, Coordinates, batches_per_epoch, samples_per_rank
 from ._session import FINGERPRINT_KEY, Abort, StreamSession
 from ._workers import DEPTH, DatasetMeta, WorkerPool
 
@@ -143,7 +143,7 @@ class DataService:
         return pb.DescribeDatasetResponse(
             dataset=coords.dataset, format=self._config.datasets[coords.dataset].format,
             num_samples=meta.num_samples,
-            samples_per_rank=meta.num_samples // coords.world_size,
+            samples_per_rank=samples_per_rank(meta.num_samples, coords),
             batches_per_epoch=batches_per_epoch(meta.num_samples, coords),
             fields=[pb.FieldSpec(name=n, dtype=d, shape=s) for n, d, s in meta.fields],
             fingerprint=fingerprint_pb(meta.fingerprint),
@@ -168,7 +168,7 @@ class DataService:
                         "must not mix the two",
                         ((FINGERPRINT_KEY, have.digest),))
         coords = Coordinates(c.dataset, c.seed, c.epoch, c.shuffle, c.rank, c.world_size,
-                             c.batch_size, c.drop_last)
+                             c.batch_size, c.drop_last, c.start)
         try:
             coords.validate(meta.num_samples)
         except CoordinateError as e:

@@ -260,12 +260,15 @@ class StreamSession:
                  time.monotonic() - self._opened, self._sent, self._failed, why)
 
     def _who(self) -> str:
-        """`stream 7 from ipv4:10.0.0.5:41234 (dataset 'faces', rank 0/8, epoch 3)`."""
+        """`stream 7 from ipv4:10.0.0.5:41234 (dataset 'faces', rank 0/8, epoch 3)`, or
+        `..., epoch 3 from position 4096)` for coordinates with a start."""
         c, epochs = self._coords, self._epochs
         if c is None or epochs is None:
             return f"stream {self.id} from {self._peer}"
         epoch = f"epoch {epochs[0]}" if epochs[0] == epochs[1] else \
             f"epochs {epochs[0]}-{epochs[1]}"
+        if c.start:  # an epoch resumed at another world_size or batch_size
+            epoch += f" from position {c.start}"
         return (f"stream {self.id} from {self._peer} (dataset {c.dataset!r}, "
                 f"rank {c.rank}/{c.world_size}, {epoch})")
 

@@ -46,7 +46,7 @@ FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=False
 ACCEPTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
             grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE}
 FIELDS = ("request:", "coordinates:", "batch_size:", "world_size:", "rank:", "seed:", "epoch:",
-          "batch_index:", "batch_indices:", "compression:", "report:", "dataset ")
+          "start:", "batch_index:", "batch_indices:", "compression:", "report:", "dataset ")
 # In-band, per batch: a corrupt sample (the flaky dataset's sample 13).
 IN_BAND = {grpc.StatusCode.DATA_LOSS.value[0]}
 
@@ -73,7 +73,8 @@ def coordinates(draw: st.DrawFn) -> pb.Coordinates:
         rank=draw(mostly(st.just(0), SMALL)),
         world_size=draw(mostly(st.just(1), SMALL)),
         batch_size=draw(mostly(st.integers(1, 12), INT64)),
-        drop_last=draw(st.booleans()))
+        drop_last=draw(st.booleans()),
+        start=draw(mostly(st.just(0), SMALL)))
 
 
 FLOATS = st.one_of(st.floats(), st.floats(0, 100), st.sampled_from([0.0, -1.0, math.inf,

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Coordinates(_message.Message):
-    __slots__ = ("dataset", "seed", "epoch", "shuffle", "rank", "world_size", "batch_size", "drop_last", "fingerprint")
+    __slots__ = ("dataset", "seed", "epoch", "shuffle", "rank", "world_size", "batch_size", "drop_last", "fingerprint", "start")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class Coordinates(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     DROP_LAST_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     seed: int
     epoch: int
@@ -26,7 +27,8 @@ class Coordinates(_message.Message):
     batch_size: int
     drop_last: bool
     fingerprint: str
-    def __init__(self, dataset: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    start: int
+    def __init__(self, dataset: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., start: _Optional[int] = ...) -> None: ...
 
 class Fingerprint(_message.Message):
     __slots__ = ("digest", "objects", "bytes")
