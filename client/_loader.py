@@ -38,6 +38,7 @@ _MISSING = object()
 # (a new stream) once there is something to say, so that short epochs report too.
 REPORT_FIRST, REPORT_EVERY = 1.0, 5.0
 SAY_WAITING = 3.0  # seconds the loop waits for one batch before an INFO line says why
+MASK = "attention_mask"  # what pack=True packs by: the datasets' mask of real tokens
 
 
 class RemoteLoader:
@@ -58,7 +59,9 @@ class RemoteLoader:
     state_dict records it, and resuming against other data is refused unless asked for.
     """
 
-    def __init__(self, address: str | Sequence[str], dataset: str, batch_size: int, *,
+    def __init__(self, address: str | Sequence[str], dataset: str,
+                 batch_size: int | None = None, *, batch_tokens: int | None = None,
+                 token_cost: str = "tokens", pack: bool = False,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = True,
                  rank: int | None = None, world_size: int | None = None,
                  device: Any = None, output: str = "torch", prefetch: int = 8,
@@ -75,6 +78,7 @@ class RemoteLoader:
             timeout=timeout, connect_timeout=connect_timeout, normalize=normalize,
             normalize_dtype=normalize_dtype, shared_memory=shared_memory, progress=progress,
             log_every=log_every, compression=compression, data_socket=data_socket,
+            batch_tokens=batch_tokens, token_cost=token_cost, pack=pack,
             channels=ChannelMaker(tls, token))
         self._normalize = o.normalizer()
         self._servers = ServerSet(address, o.channels)
@@ -134,7 +138,8 @@ class RemoteLoader:
                 self._pin = Pin.of(described.fingerprint, address)
             self._describe = described
             self._window = credit_window(self._window, described.max_credits, address)
-            say_dropped(described, o)
+            if o.batch_tokens is None:  # token budgets drop at most world_size - 1 samples
+                say_dropped(described, o)
         return self._describe
 
     def _refuse(self, err: RemoteError) -> None:
@@ -231,13 +236,18 @@ class RemoteLoader:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         total = len(self)  # ValueError for an epoch without a batch
+        o = self._options
         if not self._checked:
             self._check_servers()
         if self._normalize is not None and not self._normalize.axes:
             self._normalize.validate(self.describe().fields)  # here, not on a receive thread
+        if o.pack and MASK not in {f.name for f in self.describe().fields}:
+            raise ValueError(f"pack=True packs the tokens {MASK!r} marks, but dataset "
+                             f"{self.dataset!r} has no {MASK} (its fields: "
+                             f"{sorted(f.name for f in self.describe().fields)}): give it a "
+                             "length_column that is a list (docs/client.md#token-budgets)")
         if self._next and self._next >= total:  # finished (saved on an epoch's last batch)
             self._epoch, self._next = self._epoch + 1, 0
-        o = self._options
         spec = StreamSpec(self.coordinates(), self._allocate, self._finish,
                           shm_probe=samehost.probe() if o.shared_memory else None,
                           compression=o.compression or "", data_socket=o.data_socket)
@@ -265,6 +275,10 @@ class RemoteLoader:
                 self._stats["wait_seconds"] += waited
                 if self._feed is not None:
                     batch = self._feed.hand_over(*batch)
+                if o.pack:
+                    from .packing import pack_padded
+
+                    batch = pack_padded(batch)
                 self._next += 1
                 self._stats["batches"] += 1
                 if progress is not None:
