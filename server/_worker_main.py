@@ -93,10 +93,11 @@ def _describe(ds: DatasetParts, cfg: Any, fp: Fingerprint) -> msg.DatasetMeta:
     ordering = Ordering(len(ds.dataset), ds.shard_starts,
                         getattr(cfg, "shuffle", "global") == "block",
                         getattr(cfg, "shuffle_window", 1))
-    lengths = None if ds.lengths is None else np.asarray(ds.lengths(), dtype=np.int64)
+    lengths = (None if ds.sample_lengths is None
+               else np.asarray(ds.sample_lengths(), dtype=np.int64))
     if lengths is not None and lengths.shape != (len(ds.dataset),):
-        raise ValueError(f"lengths() gave {lengths.shape[0] if lengths.ndim else 0} lengths "
-                         f"for {len(ds.dataset)} samples")
+        raise ValueError(f"sample_lengths() gave {lengths.shape[0] if lengths.ndim else 0} "
+                         f"lengths for {len(ds.dataset)} samples")
     return msg.DatasetMeta(len(ds.dataset), probe_fields(ds), ordering, fp, lengths)
 
 

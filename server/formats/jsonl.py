@@ -229,7 +229,7 @@ class Jsonl:
             self._infer(infer)
         self.length_field = self._length_field(cfg.length_column)
         # An optional part (formats/_contract.py): present only with length_column.
-        self.lengths = None if self.length_field is None else self._lengths
+        self.sample_lengths = None if self.length_field is None else self._lengths
 
     def _length_field(self, name: str | None) -> _Field | None:
         """The field that gives each record's token count (`length_column`), checked."""

@@ -265,7 +265,7 @@ class Parquet:
         self._decoded: tuple[int, dict[str, _Decoded] | str] = (-1, {})
         self.length_column = cfg.length_column
         # An optional part (formats/_contract.py): present only with length_column.
-        self.lengths = None if cfg.length_column is None else self._lengths
+        self.sample_lengths = None if cfg.length_column is None else self._lengths
 
     def _lengths(self) -> np.ndarray:
         """Each row's token count from `length_column`: a list column's list lengths, or
