@@ -11,7 +11,11 @@ dotted path (`a.b.0` walks objects by key and lists by position), checked and co
 the field's dtype and shape. `utf8` fields become the text's UTF-8 bytes as uint8[max_bytes],
 zero-padded, cut at a character boundary when longer, plus `<name>_length` (int64): the
 bytes kept (`utf8_padded`, which format: parquet uses too). A null becomes the field's
-`fill` where it has one (inside lists too); without one it fails its sample.
+`fill` where it has one (inside lists too); without one it fails its sample. A field whose
+shape starts with -1 is a list of any length, returned `Padded` (zero-padded to the batch's
+longest when collated). `length_column` names the field that gives each record's token count
+(`sample_lengths`, for token budgets: a list's length or an integer's value, read at open by
+parsing every record once); a list one also gets `attention_mask` (1 per item, padded alike).
 
 A field without `dtype` gets one at open, from its values in the first INFER_RECORDS records
 (at most INFER_BYTES of them; in key order; records that do not parse or lack the field are

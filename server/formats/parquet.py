@@ -17,6 +17,9 @@ A field is one top-level column, either numbers (no `decode`) or decoded like a 
   no special tokens added): int64[max_tokens], cut there, padded with `pad_id`, and
   `<name>_length`. A row group's strings are encoded in one call when it is decoded.
 
+`length_column` (any column: integers, or lists whose lengths count) gives each row's token
+count (`sample_lengths`, for token budgets), read when first asked, that column only.
+
 Each process keeps one decoded row group: block shuffle (the default) reads a row group's rows
 together, so this costs one decode per row group and window; `shuffle: global` may decode a
 row group per sample. Image bytes stay encoded until their sample is read.
