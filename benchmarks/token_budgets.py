@@ -127,18 +127,18 @@ def report(res: dict[str, Any]) -> str:
     head = (f"{'system':<16} {'waste':>6} {'imbal med':>9} {'p95':>6} {'max':>6} "
             f"{'max slots':>9} {'batches/s':>9} {'M real tok/s':>12}")
     lines += [head, "-" * len(head)]
-    for name, s in res["systems"].items():
-        label = (f"tokens B={s['batch_tokens']}" if name == "tokens"
-                 else f"fixed n={s['batch_size']}")
-        lines.append(f"{label:<16} {s['padding_waste']:>6.1%} {s['imbalance_median']:>9.1%} "
-                     f"{s['imbalance_p95']:>6.1%} {s['imbalance_max']:>6.1%} "
-                     f"{s['largest_padded_batch']:>9} {s['batches_per_s']['median']:>9.1f} "
-                     f"{s['real_tokens_per_s']['median'] / 1e6:>12.3f}")
+    row = "{:<16} {:>6.1%} {:>9.1%} {:>6.1%} {:>6.1%} {:>9} {:>9.1f} {:>12.3f}"
+    lines += [row.format(f"tokens B={s['batch_tokens']}" if name == "tokens"
+                         else f"fixed n={s['batch_size']}",
+                         *(s[k] for k in ("padding_waste", "imbalance_median", "imbalance_p95",
+                                          "imbalance_max", "largest_padded_batch")),
+                         s["batches_per_s"]["median"], s["real_tokens_per_s"]["median"] / 1e6)
+              for name, s in res["systems"].items()]
     r = res["ratio_tokens_over_fixed"]
-    lines.append(f"\nratio tokens / fixed: real tokens/s {r['real_tokens_per_s']:.2f}, "
-                 f"padding waste {r['padding_waste']:.2f}")
-    if res["check_problems"]:
-        lines += ["", "CHECK PROBLEMS:", *[f"  - {x}" for x in res["check_problems"]]]
+    lines += ["", f"ratio tokens / fixed: real tokens/s {r['real_tokens_per_s']:.2f}, padding "
+                  f"waste {r['padding_waste']:.2f}"]
+    lines += ["", "CHECK PROBLEMS:", *(f"  - {x}" for x in res["check_problems"])
+              ] if res["check_problems"] else []
     return "\n".join(lines)
 
 

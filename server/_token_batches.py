@@ -206,7 +206,8 @@ def _split(lens: np.ndarray, costs: np.ndarray, world: int, budget: int
             break
         # The move (i from hi to lo) or swap (i for j) whose shift of cost is nearest gap / 2:
         # the pair's gap narrows whenever 0 < shift < gap.
-        pick, shift_best = None, None
+        pick: tuple[int, int | None] | None = None
+        shift_best = None
         room = budget - tokens[lo]
         for i in groups[hi]:
             if len(groups[hi]) > 1 and lens_l[i] <= room and 0 < costs_l[i] < gap:
@@ -221,17 +222,13 @@ def _split(lens: np.ndarray, costs: np.ndarray, world: int, budget: int
         if pick is None:
             break
         i, j = pick
-        groups[hi].remove(i)
-        groups[lo].append(i)
-        load[hi] -= costs_l[i]
-        load[lo] += costs_l[i]
-        tokens[hi] -= lens_l[i]
-        tokens[lo] += lens_l[i]
-        if j is not None:
-            groups[lo].remove(j)
-            groups[hi].append(j)
-            load[lo] -= costs_l[j]
-            load[hi] += costs_l[j]
-            tokens[lo] -= lens_l[j]
-            tokens[hi] += lens_l[j]
+        for item, src, dst in ((i, hi, lo), (j, lo, hi)):
+            if item is None:
+                continue
+            groups[src].remove(item)
+            groups[dst].append(item)
+            load[src] -= costs_l[item]
+            load[dst] += costs_l[item]
+            tokens[src] -= lens_l[item]
+            tokens[dst] += lens_l[item]
     return groups
