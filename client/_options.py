@@ -76,8 +76,6 @@ class LoaderOptions:
                              f"{self.batch_tokens}: give one, not both")
         if self.batch_size is None and self.batch_tokens is None:
             raise ValueError("batch_size or batch_tokens is required")
-        if self.batch_size is not None and self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.batch_tokens is not None and self.batch_tokens < 1:
             raise ValueError(f"batch_tokens must be >= 1, got {self.batch_tokens}")
         if self.token_cost not in TOKEN_COSTS:
