@@ -44,6 +44,7 @@ ELASTIC = ("rank", "world_size", "batch_size", "start")
 # (a new stream) once there is something to say, so that short epochs report too.
 REPORT_FIRST, REPORT_EVERY = 1.0, 5.0
 SAY_WAITING = 3.0  # seconds the loop waits for one batch before an INFO line says why
+MASK = "attention_mask"  # what pack=True packs by: the datasets' mask of real tokens
 
 
 class RemoteLoader:
@@ -65,7 +66,9 @@ class RemoteLoader:
     state_dict records it, and resuming against other data is refused unless asked for.
     """
 
-    def __init__(self, address: str | Sequence[str], dataset: str, batch_size: int, *,
+    def __init__(self, address: str | Sequence[str], dataset: str,
+                 batch_size: int | None = None, *, batch_tokens: int | None = None,
+                 token_cost: str = "tokens", pack: bool = False,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = True,
                  rank: int | None = None, world_size: int | None = None,
                  device: Any = None, output: str = "torch", prefetch: int = 8,
@@ -82,6 +85,7 @@ class RemoteLoader:
             timeout=timeout, connect_timeout=connect_timeout, normalize=normalize,
             normalize_dtype=normalize_dtype, shared_memory=shared_memory, progress=progress,
             log_every=log_every, compression=compression, data_socket=data_socket,
+            batch_tokens=batch_tokens, token_cost=token_cost, pack=pack,
             channels=ChannelMaker(tls, token))
         self._normalize = o.normalizer()
         self._servers = ServerSet(address, o.channels)
@@ -150,7 +154,8 @@ class RemoteLoader:
                 self._pin = Pin.of(described.fingerprint, address)
             self._described[self._start] = described
             self._window = credit_window(self._window, described.max_credits, address)
-            if not self._start:  # what every epoch leaves out
+            # What every epoch leaves out (token budgets drop at most world_size - 1 samples)
+            if not self._start and o.batch_tokens is None:
                 say_dropped(described, o)
         return described
 
@@ -228,6 +233,13 @@ class RemoteLoader:
         world_size, batch_size = saved_at["world_size"], saved_at["batch_size"]
         if (world_size, batch_size) == (self._coords["world_size"], self._coords["batch_size"]):
             self._epoch, self._start, self._next = epoch, start, next_batch
+        elif self._coords.get("batch_tokens"):
+            # A token budget's steps hold different numbers of samples, cut by a plan the
+            # client does not see: the consumed prefix is not next_batch * a batch size.
+            raise ValueError(f"state_dict was saved at world_size={world_size}; under "
+                             "batch_tokens it resumes only at the same world_size, got "
+                             f"{self._coords['world_size']} (elastic resume of token budgets "
+                             "is not supported yet: docs/client.md#token-budgets)")
         else:
             # Every rank of the saving job had consumed its first next_batch batches, all
             # full (only an epoch's last batch can be short, and a finished epoch is saved as
@@ -272,17 +284,22 @@ class RemoteLoader:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         total = len(self)  # ValueError for an epoch without a batch
+        o = self._options
         if not self._checked:
             self._check_servers()
         if self._normalize is not None and not self._normalize.axes:
             self._normalize.validate(self.describe().fields)  # here, not on a receive thread
+        if o.pack and MASK not in {f.name for f in self.describe().fields}:
+            raise ValueError(f"pack=True packs the tokens {MASK!r} marks, but dataset "
+                             f"{self.dataset!r} has no {MASK} (its fields: "
+                             f"{sorted(f.name for f in self.describe().fields)}): give it a "
+                             "length_column that is a list (docs/client.md#token-budgets)")
         if self._next and self._next >= total:  # finished (saved on an epoch's last batch)
             self._next_epoch()
             total = len(self)
         elif not total:  # the rest of a resumed epoch has no batch here: it is over
             self._next_epoch()
             return
-        o = self._options
         spec = StreamSpec(self.coordinates(), self._allocate, self._finish,
                           shm_probe=samehost.probe() if o.shared_memory else None,
                           compression=o.compression or "", data_socket=o.data_socket)
@@ -310,6 +327,10 @@ class RemoteLoader:
                 self._stats["wait_seconds"] += waited
                 if self._feed is not None:
                     batch = self._feed.hand_over(*batch)
+                if o.pack:
+                    from .packing import pack_padded
+
+                    batch = pack_padded(batch)
                 self._next += 1
                 self._stats["batches"] += 1
                 if progress is not None:
@@ -422,7 +443,7 @@ def _position(state: Mapping[str, Any], coords: Mapping[str, Any]) -> dict[str, 
     found = {}
     for key, where, least in (("epoch", state, 0), ("next_batch", state, 0),
                               ("start", coords, 0), ("world_size", coords, 1),
-                              ("batch_size", coords, 1)):
+                              ("batch_size", coords, 0 if coords.get("batch_tokens") else 1)):
         value = where.get(key, 0 if key == "start" else _MISSING)
         try:  # ints, numpy's included; not bools, floats or strings
             number = -1 if isinstance(value, bool) else operator.index(value)

@@ -37,11 +37,20 @@ class Coordinates:
     # Positions of this epoch's order consumed before these coordinates took over (a run
     # resumed at another world_size or batch_size); the epoch goes on from there. 0: all.
     start: int = 0
+    # > 0: batches cut by tokens instead (server/_token_batches.py); batch_size is then 0.
+    batch_tokens: int = 0
+    token_cost: str = "tokens"  # with batch_tokens: what ranks are balanced by
 
     def validate(self, num_samples: int | None = None) -> None:
         """Raise CoordinateError naming the first field no dataset (or, given its size, this
         one) can satisfy."""
-        if self.batch_size <= 0:
+        if self.batch_tokens < 0:
+            raise CoordinateError("batch_tokens", f"must be >= 0, got {self.batch_tokens}")
+        if self.batch_tokens and self.batch_size:
+            raise CoordinateError("batch_size", f"must be 0 with batch_tokens="
+                                                f"{self.batch_tokens}, got {self.batch_size}: "
+                                                "give batch_size or batch_tokens, not both")
+        if not self.batch_tokens and self.batch_size <= 0:
             raise CoordinateError("batch_size", f"must be >= 1, got {self.batch_size}")
         if self.world_size <= 0:
             raise CoordinateError("world_size", f"must be >= 1, got {self.world_size}")
