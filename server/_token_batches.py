@@ -12,9 +12,12 @@ _sampling.ORDERS), the same on every server. It is made in two steps:
    ended, so "consumed after step s" is always a prefix of the epoch's order, which is what an
    elastic resume hands on (`cuts[s]`). b starts at the largest end whose run holds at most
    world_size * B tokens.
-2. Split the run across the ranks: samples by cost, largest first, each to the rank with the
-   least cost so far among those its tokens still fit in (LPT), then moves and swaps between
-   the most and the least loaded ranks while they narrow the gap. The step is taken when every
+2. Split the run across the ranks: first by length (the run's samples sorted by length and
+   cut into world_size runs of about equal cost, so each rank's samples have similar lengths
+   and a padded batch wastes little); where that is not balanced, samples by cost, largest
+   first, each to the rank with the least cost so far among those its tokens still fit in
+   (LPT), then moves and swaps between the most and the least loaded ranks while they narrow
+   the gap. The step is taken when every
    rank has a sample and every rank's cost is within BALANCE (5%) of the largest:
    max - min <= 0.05 * max. Otherwise b shrinks by one and the split is tried again (at most
    MAX_TRIES times; then the best split found is taken and counted in `unbalanced`, which the
@@ -30,6 +33,7 @@ number of steps (`steps`, which is len(loader)).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -179,9 +183,40 @@ def _imbalance(costs: np.ndarray, groups: list[list[int]]) -> float:
 
 def _split(lens: np.ndarray, costs: np.ndarray, world: int, budget: int
            ) -> list[list[int]] | None:
-    """Items 0..len-1 over `world` ranks, each rank's tokens at most `budget`, costs as even
-    as LPT and a few improvements make them; None if an item fits no rank or a rank is left
-    empty."""
+    """Items 0..len-1 over `world` ranks, each rank's tokens at most `budget`: by length
+    (`_split_by_length`) where that is balanced, else as evenly as LPT and a few improvements
+    make them; None if an item fits no rank or a rank is left empty."""
+    groups = _split_by_length(lens, costs, world, budget)
+    if groups is not None and _imbalance(costs, groups) <= BALANCE:
+        return groups
+    return _split_even(lens, costs, world, budget)
+
+
+def _split_by_length(lens: np.ndarray, costs: np.ndarray, world: int, budget: int
+                     ) -> list[list[int]] | None:
+    """The items sorted by length, cut into `world` runs of about equal cost: each rank gets
+    samples of similar lengths, so a padded batch wastes little (padding goes to the longest
+    of the rank's batch). None if a run is empty or over the budget."""
+    by_len = np.argsort(lens, kind="stable")
+    total = np.cumsum(costs[by_len])
+    # Cut k ends where the running cost is nearest k/world of the whole.
+    targets = total[-1] * np.arange(1, world) / world
+    right = np.searchsorted(total, targets)
+    left = np.maximum(right - 1, 0)
+    nearer = np.abs(total[left] - targets) <= np.abs(total[np.minimum(right, len(total) - 1)]
+                                                     - targets)
+    cuts = np.where(nearer, left, right) + 1
+    bounds = [0, *cuts.tolist(), len(by_len)]
+    groups = [by_len[a:b].tolist() for a, b in itertools.pairwise(bounds)]
+    if any(not g or int(lens[g].sum()) > budget for g in groups):
+        return None
+    return groups
+
+
+def _split_even(lens: np.ndarray, costs: np.ndarray, world: int, budget: int
+                ) -> list[list[int]] | None:
+    """LPT (largest cost first, to the least-loaded rank it fits), then moves and swaps
+    between the most and the least loaded ranks while they narrow the gap."""
     load = [0] * world
     tokens = [0] * world
     groups: list[list[int]] = [[] for _ in range(world)]
