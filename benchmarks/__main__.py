@@ -39,6 +39,7 @@ SCENARIOS: dict[str, tuple[str, list[str], list[str]]] = {
     "s3": ("storage.py", [], ["--quick"]),
     "packing": ("packing.py", [], ["--quick"]),
     "mixture": ("mixture.py", [], ["--quick"]),
+    "token_budgets": ("token_budgets.py", [], ["--quick"]),
 }
 
 

@@ -268,6 +268,21 @@ def mixture(r: dict[str, Any], plots: Path) -> list[str]:
             *_table(["system", "samples/s median [min, max]", "M tokens/s"], rows)]
 
 
+def token_budgets(r: dict[str, Any], plots: Path) -> list[str]:
+    p, sy = r["params"], r["systems"]
+    rows = [[f"batch_tokens={s['batch_tokens']}" if name == "tokens"
+             else f"batch_size={s['batch_size']}", f"{s['padding_waste']:.1%}",
+             f"{s['imbalance_median']:.1%} / {s['imbalance_p95']:.1%} / {s['imbalance_max']:.1%}",
+             str(s["largest_padded_batch"]), _spread(s["real_tokens_per_s"])]
+            for name, s in sy.items()]
+    return [f"The same variable-length samples (log-normal lengths, {r['data']['samples']} "
+            f"samples) over {p['world']} ranks, by token budget and by a fixed batch size of "
+            "the same mean tokens: padding waste of the padded form, rank imbalance of real "
+            "tokens per global step (median / p95 / max), the largest padded batch (slots).", "",
+            *_table(["batches", "padding waste", "rank imbalance", "max slots",
+                     "real tokens/s median [min, max]"], rows), ""]
+
+
 # (results file, title, renderer): a file may feed several sections.
 SECTIONS: list[tuple[str, str, Section]] = [
     ("pipeline", "Image pipeline: stoker vs DataLoader", pipeline),
@@ -282,6 +297,7 @@ SECTIONS: list[tuple[str, str, Section]] = [
     ("s3", "S3: local disk vs object store", s3),
     ("packing", "Sequence packing", packing),
     ("mixture", "Mixtures", mixture),
+    ("token_budgets", "Token budgets", token_budgets),
 ]
 
 

@@ -7,6 +7,7 @@ thread per stream assembles batches, so at most `prefetch` batches wait in host 
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -32,12 +33,18 @@ from ._stream import StreamSpec
 
 _MISSING = object()
 
+# state_dict()["coordinates"] keys that may differ between the loader that saved a state and
+# the one that loads it (an elastic resume): the rest of the epoch's order is re-partitioned.
+# Every other key (dataset, seed, shuffle, drop_last) fixes the order or its tail: equal.
+ELASTIC = ("rank", "world_size", "batch_size", "start")
+
 # The loop's data stall goes to the servers (for their metrics) every REPORT_EVERY seconds of
 # iterating, the first time after REPORT_FIRST, by the clock: from the wait for a batch too
 # (a loop stuck waiting is the stall an autoscaler must see), and at the start of each pass
 # (a new stream) once there is something to say, so that short epochs report too.
 REPORT_FIRST, REPORT_EVERY = 1.0, 5.0
 SAY_WAITING = 3.0  # seconds the loop waits for one batch before an INFO line says why
+MASK = "attention_mask"  # what pack=True packs by: the datasets' mask of real tokens
 
 
 class RemoteLoader:
@@ -51,14 +58,17 @@ class RemoteLoader:
     stopped; once an epoch is finished the loader moves on to the next (a new shuffle order),
     so `for batch in loader` twice gives two epochs, as with DataLoader(shuffle=True).
     `set_epoch(e)` selects an epoch explicitly, as with DistributedSampler. `state_dict()`
-    records the position; `load_state_dict()` resumes there.
+    records the position; `load_state_dict()` resumes there, also at another world_size or
+    batch_size (the rest of the epoch's order, re-partitioned: docs/client.md#resuming).
 
     Data: the loader pins the dataset's fingerprint from the first server that describes it
     and reads only from servers that have the same (DataMismatch otherwise, naming both); a
     state_dict records it, and resuming against other data is refused unless asked for.
     """
 
-    def __init__(self, address: str | Sequence[str], dataset: str, batch_size: int, *,
+    def __init__(self, address: str | Sequence[str], dataset: str,
+                 batch_size: int | None = None, *, batch_tokens: int | None = None,
+                 token_cost: str = "tokens", pack: bool = False,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = True,
                  rank: int | None = None, world_size: int | None = None,
                  device: Any = None, output: str = "torch", prefetch: int = 8,
@@ -75,6 +85,7 @@ class RemoteLoader:
             timeout=timeout, connect_timeout=connect_timeout, normalize=normalize,
             normalize_dtype=normalize_dtype, shared_memory=shared_memory, progress=progress,
             log_every=log_every, compression=compression, data_socket=data_socket,
+            batch_tokens=batch_tokens, token_cost=token_cost, pack=pack,
             channels=ChannelMaker(tls, token))
         self._normalize = o.normalizer()
         self._servers = ServerSet(address, o.channels)
@@ -82,6 +93,9 @@ class RemoteLoader:
         self.dataset = dataset
         self._coords = o.coordinates
         self._epoch = 0
+        # Positions of this epoch consumed before these coordinates took over (an elastic
+        # resume, load_state_dict); 0 for every epoch that starts here.
+        self._start = 0
         self._next = 0
         self._feed = None
         if o.on_device:
@@ -93,7 +107,8 @@ class RemoteLoader:
                                     normalize=self._normalize)
         # Batches in flight, plus the one the caller holds and the one it just let go.
         self._host = HostBuffers(max_buffers=o.prefetch + 2)
-        self._describe: pb.DescribeDatasetResponse | None = None
+        # Describe's answers by start: the whole epoch (0), and the rest of a resumed one.
+        self._described: dict[int, pb.DescribeDatasetResponse] = {}
         self._pin: Pin | None = None  # the fingerprint read, from the first Describe
         self._checked = False  # every reachable server asked once for its fingerprint
         self._scheduler: Scheduler | None = None
@@ -108,22 +123,27 @@ class RemoteLoader:
     # -- positions -------------------------------------------------------------------------
     def coordinates(self) -> pb.Coordinates:
         """This position's coordinates, with the pinned fingerprint once there is one."""
-        return pb.Coordinates(epoch=self._epoch, **self._coords,
+        return pb.Coordinates(epoch=self._epoch, start=self._start, **self._coords,
                               fingerprint=self._pin.digest if self._pin else "")
 
     def __len__(self) -> int:
-        """Batches per epoch for this rank (ValueError if there are none: see describe)."""
+        """Batches per epoch for this rank (ValueError if there are none: see describe); in
+        an epoch resumed at another world_size or batch_size, the batches of its rest (maybe
+        0)."""
         described = self.describe()
-        check_epoch(described, self._options)
+        if not self._start:
+            check_epoch(described, self._options)
         return described.batches_per_epoch
 
     def describe(self) -> pb.DescribeDatasetResponse:
-        """The dataset's fields and sizes under these coordinates (asked once, then cached).
+        """The dataset's fields and sizes under these coordinates (asked once, then cached;
+        in a resumed epoch's rest, the sizes of that rest).
 
         Any server will do: they are tried in turn, with backoff, for up to `connect_timeout`
         s while none has answered at all (then UNAVAILABLE naming every address and what
         happened there), for up to `timeout` s once one has."""
-        if self._describe is None:
+        described = self._described.get(self._start)
+        if described is None:
             o = self._options
             contact = first_contact(
                 self._servers, lambda: pb.DescribeDatasetRequest(coordinates=self.coordinates()),
@@ -132,10 +152,12 @@ class RemoteLoader:
             described, address = contact.described, contact.server.address
             if self._pin is None:
                 self._pin = Pin.of(described.fingerprint, address)
-            self._describe = described
+            self._described[self._start] = described
             self._window = credit_window(self._window, described.max_credits, address)
-            say_dropped(described, o)
-        return self._describe
+            # What every epoch leaves out (token budgets drop at most world_size - 1 samples)
+            if not self._start and o.batch_tokens is None:
+                say_dropped(described, o)
+        return described
 
     def _refuse(self, err: RemoteError) -> None:
         """Raise what a server answered Describe with that no other server would mend."""
@@ -150,36 +172,51 @@ class RemoteLoader:
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
         if epoch != self._epoch:
-            self._epoch, self._next = epoch, 0
+            self._epoch, self._start, self._next = epoch, 0, 0
+
+    def _next_epoch(self) -> None:
+        self._epoch, self._start, self._next = self._epoch + 1, 0, 0
 
     def state_dict(self) -> dict[str, Any]:
         """The position: the epoch and the batch that comes next (a finished epoch's state is
-        the start of the next epoch), and the fingerprint of the data it is a position in."""
-        epoch, next_batch = self._epoch, self._next
+        the start of the next epoch), and the fingerprint of the data it is a position in.
+        In an epoch resumed at another world_size or batch_size, `coordinates` also holds
+        `start`, the positions consumed before this loader took over."""
+        epoch, start, next_batch = self._epoch, self._start, self._next
         if next_batch and next_batch >= len(self):
-            epoch, next_batch = epoch + 1, 0
-        state = {"coordinates": dict(self._coords), "epoch": epoch, "next_batch": next_batch}
+            epoch, start, next_batch = epoch + 1, 0, 0
+        # `start` only where it is not 0: such a state stays what stoker saved before it had
+        # elastic resume, and an older stoker refuses (coordinates differ) the states it
+        # would resume at the wrong place.
+        coords = {**self._coords, "start": start} if start else dict(self._coords)
+        state = {"coordinates": coords, "epoch": epoch, "next_batch": next_batch}
         if self._pin is not None and self._pin.digest:
             state["fingerprint"] = self._pin.state()
         return state
 
     def load_state_dict(self, state: dict[str, Any], *, allow_changed_data: bool = False
                         ) -> None:
-        """Resume at `state`'s position. If it records a fingerprint and the servers now
-        hold other data, the rest of the epoch would not be the rest of that order: ValueError,
-        unless `allow_changed_data` (the loader then goes on with the servers' data)."""
+        """Resume at `state`'s position, saved by any rank of the job, at this world_size and
+        batch_size or others (then the rest of the epoch's order is re-partitioned among this
+        loader's ranks: docs/client.md#resuming). ValueError naming the key where the state's
+        dataset, seed, shuffle or drop_last differ from this loader's. If it records a
+        fingerprint and the servers now hold other data, the rest of the epoch would not be
+        the rest of that order: ValueError, unless `allow_changed_data` (the loader then goes
+        on with the servers' data)."""
         saved_coords = state.get("coordinates") if isinstance(state, Mapping) else None
         if not isinstance(saved_coords, Mapping):
             raise ValueError("state_dict has no 'coordinates': not a RemoteLoader.state_dict() "
                              f"(keys: {sorted(state) if isinstance(state, Mapping) else state!r})")
-        if saved_coords != self._coords:
-            differ = [f"{k}: saved {saved_coords.get(k, '(missing)')!r}, this loader "
-                      f"{self._coords.get(k, '(missing)')!r}"
-                      for k in sorted(set(saved_coords) | set(self._coords))
-                      if saved_coords.get(k, _MISSING) != self._coords.get(k, _MISSING)]
+        differ = [f"{k}: saved {saved_coords.get(k, '(missing)')!r}, this loader "
+                  f"{self._coords.get(k, '(missing)')!r}"
+                  for k in sorted(set(saved_coords) | set(self._coords))
+                  if k not in ELASTIC
+                  and saved_coords.get(k, _MISSING) != self._coords.get(k, _MISSING)]
+        if differ:
             raise ValueError("state_dict is for other coordinates (" + "; ".join(differ)
-                             + "): a position is only valid under the coordinates it was saved "
-                             "with (each rank saves and loads its own)")
+                             + "): a position is only valid in the epoch order it was saved "
+                             "in (rank, world_size and batch_size may differ)")
+        saved_at = _position(state, saved_coords)
         saved = state.get("fingerprint")
         if saved and saved.get("digest") and not allow_changed_data:
             self.describe()
@@ -192,7 +229,23 @@ class RemoteLoader:
                     f"{pin.address}): the rest of the epoch would not be the rest of that "
                     "order; pass load_state_dict(state, allow_changed_data=True) to go on "
                     "anyway")
-        self._epoch, self._next = int(state["epoch"]), int(state["next_batch"])
+        epoch, start, next_batch = saved_at["epoch"], saved_at["start"], saved_at["next_batch"]
+        world_size, batch_size = saved_at["world_size"], saved_at["batch_size"]
+        if (world_size, batch_size) == (self._coords["world_size"], self._coords["batch_size"]):
+            self._epoch, self._start, self._next = epoch, start, next_batch
+        elif self._coords.get("batch_tokens"):
+            # A token budget's steps hold different numbers of samples, cut by a plan the
+            # client does not see: the consumed prefix is not next_batch * a batch size.
+            raise ValueError(f"state_dict was saved at world_size={world_size}; under "
+                             "batch_tokens it resumes only at the same world_size, got "
+                             f"{self._coords['world_size']} (elastic resume of token budgets "
+                             "is not supported yet: docs/client.md#token-budgets)")
+        else:
+            # Every rank of the saving job had consumed its first next_batch batches, all
+            # full (only an epoch's last batch can be short, and a finished epoch is saved as
+            # the next one's start): the epoch's positions [0, consumed), a prefix.
+            consumed = start + next_batch * batch_size * world_size
+            self._epoch, self._start, self._next = epoch, consumed, 0
 
     # -- iteration -------------------------------------------------------------------------
     def _check_servers(self) -> None:
@@ -231,13 +284,22 @@ class RemoteLoader:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         total = len(self)  # ValueError for an epoch without a batch
+        o = self._options
         if not self._checked:
             self._check_servers()
         if self._normalize is not None and not self._normalize.axes:
             self._normalize.validate(self.describe().fields)  # here, not on a receive thread
+        if o.pack and MASK not in {f.name for f in self.describe().fields}:
+            raise ValueError(f"pack=True packs the tokens {MASK!r} marks, but dataset "
+                             f"{self.dataset!r} has no {MASK} (its fields: "
+                             f"{sorted(f.name for f in self.describe().fields)}): give it a "
+                             "length_column that is a list (docs/client.md#token-budgets)")
         if self._next and self._next >= total:  # finished (saved on an epoch's last batch)
-            self._epoch, self._next = self._epoch + 1, 0
-        o = self._options
+            self._next_epoch()
+            total = len(self)
+        elif not total:  # the rest of a resumed epoch has no batch here: it is over
+            self._next_epoch()
+            return
         spec = StreamSpec(self.coordinates(), self._allocate, self._finish,
                           shm_probe=samehost.probe() if o.shared_memory else None,
                           compression=o.compression or "", data_socket=o.data_socket)
@@ -265,13 +327,17 @@ class RemoteLoader:
                 self._stats["wait_seconds"] += waited
                 if self._feed is not None:
                     batch = self._feed.hand_over(*batch)
+                if o.pack:
+                    from .packing import pack_padded
+
+                    batch = pack_padded(batch)
                 self._next += 1
                 self._stats["batches"] += 1
                 if progress is not None:
                     progress.step(self._next - 1, waited, scheduler.received())
                 self._report_due(scheduler, None)
                 yield batch
-            self._epoch, self._next = self._epoch + 1, 0
+            self._next_epoch()
         finally:
             self._stats["loop_seconds"] += time.perf_counter() - self._loop_started
             self._loop_started = None
@@ -349,7 +415,7 @@ class RemoteLoader:
                  "failovers": self._stats["failovers"] + (live.failovers if live else 0),
                  "hedges": self._stats["hedges"] + (live.hedges if live else 0),
                  "batches_per_second": self._stats["batches"] / elapsed if elapsed else 0.0,
-                 "epoch": self._epoch, "next_batch": self._next,
+                 "epoch": self._epoch, "start": self._start, "next_batch": self._next,
                  "servers": {a: s.stats() for a, s in self._servers.servers.items()}}
         if self._feed is not None:
             stats["pinned_allocations"] = self._feed.pool.allocations
@@ -368,3 +434,23 @@ class RemoteLoader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _position(state: Mapping[str, Any], coords: Mapping[str, Any]) -> dict[str, int]:
+    """A state's epoch, start and next_batch, and the world_size and batch_size it was saved
+    at (`start` 0 where absent: saved before elastic resume, or at an epoch's beginning);
+    ValueError naming the key that holds no such value."""
+    found = {}
+    for key, where, least in (("epoch", state, 0), ("next_batch", state, 0),
+                              ("start", coords, 0), ("world_size", coords, 1),
+                              ("batch_size", coords, 0 if coords.get("batch_tokens") else 1)):
+        value = where.get(key, 0 if key == "start" else _MISSING)
+        try:  # ints, numpy's included; not bools, floats or strings
+            number = -1 if isinstance(value, bool) else operator.index(value)
+        except TypeError:
+            number = -1
+        if number < least:
+            raise ValueError(f"state_dict's {key!r} must be an int >= {least}, got "
+                             f"{'(missing)' if value is _MISSING else repr(value)}")
+        found[key] = number
+    return found

@@ -16,7 +16,10 @@ from typing import Any
 from ._channel import ChannelMaker
 from ._normalize import Normalizer
 
-__all__ = ["LoaderOptions", "default_rank_world"]
+__all__ = ["TOKEN_COSTS", "LoaderOptions", "default_rank_world"]
+
+# What ranks' batches are balanced by under batch_tokens (server/_token_batches.py).
+TOKEN_COSTS = ("tokens", "squares")
 
 
 def default_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -44,7 +47,7 @@ class LoaderOptions:
     raises ValueError (ImportError for a missing zstandard) naming what is wrong."""
 
     dataset: str
-    batch_size: int
+    batch_size: int | None
     seed: int = 0
     shuffle: bool = True
     drop_last: bool = True
@@ -62,9 +65,26 @@ class LoaderOptions:
     log_every: float | None = None
     compression: str | None = None
     data_socket: bool = False
+    batch_tokens: int | None = None
+    token_cost: str = "tokens"
+    pack: bool = False
     channels: ChannelMaker = field(default_factory=ChannelMaker)
 
     def __post_init__(self) -> None:
+        if self.batch_size is not None and self.batch_tokens is not None:
+            raise ValueError(f"batch_size={self.batch_size} and batch_tokens="
+                             f"{self.batch_tokens}: give one, not both")
+        if self.batch_size is None and self.batch_tokens is None:
+            raise ValueError("batch_size or batch_tokens is required")
+        if self.batch_tokens is not None and self.batch_tokens < 1:
+            raise ValueError(f"batch_tokens must be >= 1, got {self.batch_tokens}")
+        if self.token_cost not in TOKEN_COSTS:
+            raise ValueError(f"token_cost must be one of {', '.join(map(repr, TOKEN_COSTS))}, "
+                             f"got {self.token_cost!r}")
+        if self.token_cost != "tokens" and self.batch_tokens is None:
+            raise ValueError(f"token_cost={self.token_cost!r} applies with batch_tokens only")
+        if self.pack and self.output != "torch":
+            raise ValueError("pack=True needs output='torch'")
         if self.output not in ("torch", "numpy"):
             raise ValueError(f"output must be 'torch' or 'numpy', got {self.output!r}")
         if self.output == "numpy" and self.device is not None:
@@ -101,9 +121,12 @@ class LoaderOptions:
     @property
     def coordinates(self) -> dict[str, Any]:
         """The coordinates but the epoch: a pb.Coordinates' fields, and state_dict()'s."""
-        return dict(dataset=self.dataset, seed=self.seed, shuffle=self.shuffle, rank=self.rank,
-                    world_size=self.world_size, batch_size=self.batch_size,
-                    drop_last=self.drop_last)
+        coords = dict(dataset=self.dataset, seed=self.seed, shuffle=self.shuffle,
+                      rank=self.rank, world_size=self.world_size,
+                      batch_size=self.batch_size or 0, drop_last=self.drop_last)
+        if self.batch_tokens is not None:  # absent otherwise: older state_dicts still match
+            coords.update(batch_tokens=self.batch_tokens, token_cost=self.token_cost)
+        return coords
 
     @property
     def on_device(self) -> bool:

@@ -29,6 +29,9 @@ def _shares(d: pb.DescribeDatasetResponse, o: LoaderOptions) -> str:
 
 def check_epoch(d: pb.DescribeDatasetResponse, o: LoaderOptions) -> None:
     """ValueError when an epoch has no batch at all (the loop would run empty, silently)."""
+    if d.batches_per_epoch == 0 and o.batch_tokens is not None:
+        raise ValueError(f"{_shares(d, o)}: batch_tokens={o.batch_tokens} gives no batch per "
+                         "epoch (fewer samples than ranks)")
     if d.batches_per_epoch == 0:
         more = (" or pass drop_last=False (one short batch per epoch)" if o.drop_last else "")
         raise ValueError(

@@ -10,13 +10,19 @@ numbers the row's segments 0, 1, 2, ... (-1 on padding). Either gives the model 
     mask = block_causal_mask(batch["document_ids"])    # SDPA: attn_mask=mask[:, None]
 
 Both run on the tensors' device: call them after the batch is on the GPU. Needs torch.
+
+Padded batches (a list-valued `length_column`, e.g. under `batch_tokens`: every [n, L] field
+beside `attention_mask`, real tokens first in each row) pack into one row with
+`pack_padded`, which `RemoteLoader(pack=True)` applies to every batch:
+
+    packed = pack_padded(batch)   # input_ids [1, T], position_ids [1, T], cu_seqlens [n + 1]
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["block_causal_mask", "cu_seqlens"]
+__all__ = ["block_causal_mask", "cu_seqlens", "pack_padded"]
 
 
 def cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
@@ -43,3 +49,35 @@ def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
     same = document_ids[:, :, None] == document_ids[:, None, :]
     causal = torch.ones(t, t, dtype=torch.bool, device=document_ids.device).tril()
     return same & causal
+
+
+def pack_padded(batch: dict[str, torch.Tensor], mask: str = "attention_mask"
+                ) -> dict[str, torch.Tensor]:
+    """A padded batch as one packed row. Every field whose first two axes are `mask`'s
+    [n, L] becomes [1, T, ...]: its real tokens (where mask is non-zero; they come first in
+    each row), sample after sample, T = the batch's real tokens. Adds `position_ids` [1, T]
+    (0 at each sample's start; kept if the batch has its own), `cu_seqlens` int32 [n + 1]
+    (0, then each sample's end: `cu_seqlens(position_ids)` where no sample is empty) and
+    `max_seqlen` (int64 [], the longest sample); drops `mask`. Other fields (per sample:
+    `sample_index`, labels of shape [n]) stay as they are."""
+    if mask not in batch:
+        raise KeyError(f"pack_padded: the batch has no {mask!r} (its fields: {sorted(batch)})")
+    keep = batch[mask] != 0
+    if keep.dim() != 2:
+        raise ValueError(f"{mask} must be [batch, length], got {list(keep.shape)}")
+    lengths = keep.sum(dim=1)
+    out = {}
+    for name, value in batch.items():
+        if name == mask:
+            continue
+        if value.dim() >= 2 and value.shape[:2] == keep.shape:
+            out[name] = value[keep].unsqueeze(0)
+        else:
+            out[name] = value
+    if "position_ids" not in out:
+        positions = torch.arange(keep.shape[1], device=keep.device).expand_as(keep)
+        out["position_ids"] = positions[keep].unsqueeze(0)
+    zero = torch.zeros(1, dtype=torch.int32, device=keep.device)
+    out["cu_seqlens"] = torch.cat([zero, lengths.cumsum(0).to(torch.int32)])
+    out["max_seqlen"] = lengths.max() if lengths.numel() else lengths.new_zeros(())
+    return out

@@ -365,6 +365,7 @@ class JsonField(_Strict):
     # None: inferred at open from the first records (see formats/jsonl.py): int64 when
     # every value seen is an integer, bool when every one is a bool, else float32.
     dtype: Literal[NumberDtype, "utf8"] | None = None  # one Literal: one error line, not two
+    # -1 as the first axis: a list of any length (token ids), padded to the batch's longest.
     shape: tuple[int, ...] = ()
     # utf8: the text's bytes as uint8[max_bytes], zero-padded, and `<name>_length` (int64).
     max_bytes: int | None = Field(None, ge=1)
@@ -376,7 +377,14 @@ class JsonField(_Strict):
         if self.dtype == "utf8" and self.shape:
             raise ValueError("a utf8 field has no shape (it is uint8[max_bytes])")
         _check_fill(self.fill, self.dtype == "utf8")
+        if any(d < 0 for d in self.shape[1:]) or any(d < -1 for d in self.shape[:1]):
+            raise ValueError("shape: -1 (any length) may be the first axis only")
         return self
+
+
+# Token budgets (batch_tokens) read each sample's length from this field (jsonl) or column
+# (parquet): a list (its length) or an integer (the length itself). See docs/configuration.md.
+LengthColumn = Field(None, min_length=1)
 
 
 class JsonlDataset(_Sourced):
@@ -384,6 +392,7 @@ class JsonlDataset(_Sourced):
 
     format: Literal["jsonl"]
     fields: dict[str, JsonField] = Field(min_length=1)
+    length_column: str | None = LengthColumn  # a field's name
 
 
 class TokensDataset(_Sourced):
@@ -556,6 +565,7 @@ class ParquetDataset(_Sourced):
     format: Literal["parquet"]
     fields: dict[str, ParquetField] = Field(min_length=1)
     shuffle: Literal["global", "block"] = "block"
+    length_column: str | None = LengthColumn  # a column's name
 
 
 class TextDataset(_Sourced):

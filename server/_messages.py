@@ -47,6 +47,9 @@ class DatasetMeta:
     ordering: Ordering
     # The dataset as the server opened it; every other worker's view is compared with it.
     fingerprint: Fingerprint | None = None
+    # Each sample's token count (int64), where the dataset knows it (DatasetParts.lengths):
+    # what token budgets (server/_token_batches.py) plan with.
+    lengths: np.ndarray | None = None
 
 
 # -- pool -> worker ----------------------------------------------------------------------------

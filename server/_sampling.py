@@ -34,11 +34,23 @@ class Coordinates:
     world_size: int
     batch_size: int
     drop_last: bool
+    # Positions of this epoch's order consumed before these coordinates took over (a run
+    # resumed at another world_size or batch_size); the epoch goes on from there. 0: all.
+    start: int = 0
+    # > 0: batches cut by tokens instead (server/_token_batches.py); batch_size is then 0.
+    batch_tokens: int = 0
+    token_cost: str = "tokens"  # with batch_tokens: what ranks are balanced by
 
     def validate(self, num_samples: int | None = None) -> None:
         """Raise CoordinateError naming the first field no dataset (or, given its size, this
         one) can satisfy."""
-        if self.batch_size <= 0:
+        if self.batch_tokens < 0:
+            raise CoordinateError("batch_tokens", f"must be >= 0, got {self.batch_tokens}")
+        if self.batch_tokens and self.batch_size:
+            raise CoordinateError("batch_size", f"must be 0 with batch_tokens="
+                                                f"{self.batch_tokens}, got {self.batch_size}: "
+                                                "give batch_size or batch_tokens, not both")
+        if not self.batch_tokens and self.batch_size <= 0:
             raise CoordinateError("batch_size", f"must be >= 1, got {self.batch_size}")
         if self.world_size <= 0:
             raise CoordinateError("world_size", f"must be >= 1, got {self.world_size}")
@@ -49,6 +61,12 @@ class Coordinates:
             raise CoordinateError("seed", f"must be >= 0, got {self.seed}")
         if self.epoch < 0:
             raise CoordinateError("epoch", f"must be >= 0, got {self.epoch}")
+        if self.start < 0:
+            raise CoordinateError("start", f"must be >= 0, got {self.start}")
+        if num_samples is not None and self.start > num_samples:
+            raise CoordinateError(
+                "start", f"must be <= the epoch's {num_samples} positions (dataset "
+                         f"{self.dataset!r}), got {self.start}")
         if num_samples is not None and self.world_size > max(num_samples, 1):
             # Each rank takes num_samples // world_size samples: none at all, silently.
             raise CoordinateError(
@@ -183,20 +201,27 @@ class Ordering:
         return order
 
 
+def samples_per_rank(num_samples: int, c: Coordinates) -> int:
+    """Each rank's share of the epoch's positions from `c.start` on: the rest of the order
+    cut to a multiple of world_size."""
+    return max(num_samples - c.start, 0) // c.world_size
+
+
 def rank_samples(ordering: Ordering, c: Coordinates) -> np.ndarray:
     """This rank's samples for the epoch, in order.
 
-    Same partition as torch's DistributedSampler(drop_last=True): the order is cut to a
-    multiple of world_size and rank r takes positions r, r + world_size, ... so across ranks
-    every sample appears at most once per epoch.
+    Same partition as torch's DistributedSampler(drop_last=True), over the positions from
+    `c.start` on: they are cut to a multiple of world_size and rank r takes positions
+    start + r, start + r + world_size, ... so across ranks every sample appears at most once
+    per epoch, and none of the `start` positions consumed before.
     """
-    per_rank = ordering.num_samples // c.world_size
+    stop = c.start + samples_per_rank(ordering.num_samples, c) * c.world_size
     order = ordering.epoch(c.seed, c.epoch, c.shuffle)
-    return order[c.rank : per_rank * c.world_size : c.world_size]
+    return order[c.start + c.rank : stop : c.world_size]
 
 
 def batches_per_epoch(num_samples: int, c: Coordinates) -> int:
-    per_rank = num_samples // c.world_size
+    per_rank = samples_per_rank(num_samples, c)
     if c.drop_last:
         return per_rank // c.batch_size
     return -(-per_rank // c.batch_size)
@@ -209,8 +234,8 @@ def batch_samples(ordering: Ordering, c: Coordinates, batch_index: int) -> np.nd
     if not 0 <= batch_index < n:
         raise CoordinateError(
             "batch_index", f"must be in [0, {n}) for this epoch and rank, got {batch_index}")
-    start = batch_index * c.batch_size
-    stop = min(start + c.batch_size, ordering.num_samples // c.world_size)
-    # This rank's j-th sample is at position rank + j * world_size of the epoch's order.
-    positions = c.rank + c.world_size * np.arange(start, stop, dtype=np.int64)
+    first = batch_index * c.batch_size
+    stop = min(first + c.batch_size, samples_per_rank(ordering.num_samples, c))
+    # This rank's j-th sample is at position start + rank + j * world_size of the epoch's order.
+    positions = c.start + c.rank + c.world_size * np.arange(first, stop, dtype=np.int64)
     return ordering.indices(positions, c.seed, c.epoch, c.shuffle)

@@ -9,6 +9,7 @@ the worker processes; the front end only validates, schedules and sends.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import logging
@@ -21,12 +22,13 @@ from google.protobuf.message import DecodeError
 from stoker.v1 import stoker_pb2 as pb
 
 from . import _shm
+from . import _token_batches as token_batches
 from ._config import Config
 from ._fingerprint import Fingerprint, short_digest
 from ._limits import Admission, Kind, Refused
 from ._metrics import Metrics
-from ._sampling import CoordinateError, Coordinates, batches_per_epoch
-from ._session import FINGERPRINT_KEY, Abort, StreamSession
+from ._sampling import CoordinateError, Coordinates
+from ._session import FINGERPRINT_KEY, Abort, StreamSession, epoch_size
 from ._workers import DEPTH, DatasetMeta, WorkerPool
 
 log = logging.getLogger("stoker.server")
@@ -140,11 +142,14 @@ class DataService:
                 "coordinates"))
         except Abort as e:
             await context.abort(e.code, str(e), trailing_metadata=e.trailers)
+        try:  # a token plan takes a while to make: off the loop
+            batches, per_rank = await asyncio.to_thread(epoch_size, meta, coords)
+        except CoordinateError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.DescribeDatasetResponse(
             dataset=coords.dataset, format=self._config.datasets[coords.dataset].format,
-            num_samples=meta.num_samples,
-            samples_per_rank=meta.num_samples // coords.world_size,
-            batches_per_epoch=batches_per_epoch(meta.num_samples, coords),
+            num_samples=meta.num_samples, samples_per_rank=per_rank,
+            batches_per_epoch=batches,
             fields=[pb.FieldSpec(name=n, dtype=d, shape=s) for n, d, s in meta.fields],
             fingerprint=fingerprint_pb(meta.fingerprint),
             max_credits=self.settings.max_credits)
@@ -168,9 +173,12 @@ class DataService:
                         "must not mix the two",
                         ((FINGERPRINT_KEY, have.digest),))
         coords = Coordinates(c.dataset, c.seed, c.epoch, c.shuffle, c.rank, c.world_size,
-                             c.batch_size, c.drop_last)
+                             c.batch_size, c.drop_last, c.start,
+                             c.batch_tokens, c.token_cost or "tokens")
         try:
             coords.validate(meta.num_samples)
+            if coords.batch_tokens:
+                token_batches.check(meta.lengths, coords)
         except CoordinateError as e:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         return coords, meta

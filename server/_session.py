@@ -26,6 +26,7 @@ import numpy as np
 from stoker.v1 import stoker_pb2 as pb
 
 from . import _shm
+from . import _token_batches as token_batches
 from ._batch import BuiltBatch
 from ._frames import encode_error
 from ._limits import HeldPool
@@ -35,6 +36,7 @@ from ._sampling import (
     EpochKey,
     batch_samples,
     batches_per_epoch,
+    samples_per_rank,
 )
 from ._workers import BatchFailed, DatasetMeta, FailureKind
 from .transports import Handshake, Transport, choose, write
@@ -119,6 +121,24 @@ class Abort(Exception):
         super().__init__(message)
         self.code = code
         self.trailers = trailers
+
+
+def samples_of(meta: DatasetMeta, c: Coordinates, index: int) -> np.ndarray:
+    """Dataset indices of batch `index`: cut by count, or by tokens under batch_tokens."""
+    if c.batch_tokens:
+        assert meta.lengths is not None  # checked with the coordinates
+        return token_batches.batch_samples(meta.ordering, meta.lengths, c, index)
+    return batch_samples(meta.ordering, c, index)
+
+
+def epoch_size(meta: DatasetMeta, c: Coordinates) -> tuple[int, int]:
+    """(batches per epoch, samples per rank) under `c`; under batch_tokens the samples of
+    the epoch's steps divided by world_size (ranks' counts differ, their tokens do not)."""
+    if c.batch_tokens:
+        assert meta.lengths is not None
+        p = token_batches.plan(meta.ordering, meta.lengths, c)
+        return p.steps, len(p.members) // c.world_size
+    return batches_per_epoch(meta.num_samples, c), samples_per_rank(meta.num_samples, c)
 
 
 class StreamSession:
@@ -260,12 +280,15 @@ class StreamSession:
                  time.monotonic() - self._opened, self._sent, self._failed, why)
 
     def _who(self) -> str:
-        """`stream 7 from ipv4:10.0.0.5:41234 (dataset 'faces', rank 0/8, epoch 3)`."""
+        """`stream 7 from ipv4:10.0.0.5:41234 (dataset 'faces', rank 0/8, epoch 3)`, or
+        `..., epoch 3 from position 4096)` for coordinates with a start."""
         c, epochs = self._coords, self._epochs
         if c is None or epochs is None:
             return f"stream {self.id} from {self._peer}"
         epoch = f"epoch {epochs[0]}" if epochs[0] == epochs[1] else \
             f"epochs {epochs[0]}-{epochs[1]}"
+        if c.start:  # an epoch resumed at another world_size or batch_size
+            epoch += f" from position {c.start}"
         return (f"stream {self.id} from {self._peer} (dataset {c.dataset!r}, "
                 f"rank {c.rank}/{c.world_size}, {epoch})")
 
@@ -295,8 +318,9 @@ class StreamSession:
                         if meta.fingerprint is not None:
                             self._metadata = ((FINGERPRINT_KEY, meta.fingerprint.digest),)
                         self._ready.put_nowait(Accepted())
-                        log.info("%s opened, by %s, batch_size %d", self._who(),
-                                 self.transport.label, coords.batch_size)
+                        log.info("%s opened, by %s, %s", self._who(), self.transport.label,
+                                 f"batch_tokens {coords.batch_tokens} ({coords.token_cost})"
+                                 if coords.batch_tokens else f"batch_size {coords.batch_size}")
                     if coords.dataset != self.dataset:  # counted under its dataset
                         if self.dataset is not None:
                             metrics.streams.labels(self.dataset).dec()
@@ -371,10 +395,10 @@ class StreamSession:
                  ) -> tuple[np.ndarray, np.ndarray]:
         """Batch `index`'s samples, and those of the batch `lookahead` further on, which the
         workers fetch from storage ahead of time."""
-        indices = batch_samples(meta.ordering, coords, index)
+        indices = samples_of(meta, coords, index)
         later = index + self._service.lookahead
-        if later < batches_per_epoch(meta.num_samples, coords):
-            return indices, batch_samples(meta.ordering, coords, later)
+        if later < epoch_size(meta, coords)[0]:
+            return indices, samples_of(meta, coords, later)
         return indices, indices[:0]
 
     async def _build(self, coords: Coordinates, index: int, indices: np.ndarray,

@@ -107,7 +107,12 @@ def _describe(name: str, ds: DatasetParts, config: Any, fp: Fingerprint,
     ordering = Ordering(len(ds.dataset), ds.shard_starts,
                         getattr(cfg, "shuffle", "global") == "block",
                         getattr(cfg, "shuffle_window", 1))
-    return msg.DatasetMeta(len(ds.dataset), probe_fields(ds), ordering, fp)
+    lengths = (None if ds.sample_lengths is None
+               else np.asarray(ds.sample_lengths(), dtype=np.int64))
+    if lengths is not None and lengths.shape != (len(ds.dataset),):
+        raise ValueError(f"sample_lengths() gave {lengths.shape[0] if lengths.ndim else 0} "
+                         f"lengths for {len(ds.dataset)} samples")
+    return msg.DatasetMeta(len(ds.dataset), probe_fields(ds), ordering, fp, lengths)
 
 
 def _changed(ds: DatasetParts, indices: np.ndarray) -> str:

@@ -55,6 +55,10 @@ class DatasetParts:
     # and clients compare: without it, two servers whose python datasets have the same
     # config and length are taken to serve the same data.
     fingerprint: Callable[[], str] | None = None
+    # sample_lengths() -> int64 array [len(dataset)]: each sample's token count, known cheaply
+    # at open (jsonl and parquet with `length_column`); called once, by the worker that
+    # describes the dataset. Token budgets (`batch_tokens`, server/_token_batches.py) need it.
+    sample_lengths: Callable[[], np.ndarray] | None = None
 
     @classmethod
     def of(cls, dataset: Dataset) -> DatasetParts:

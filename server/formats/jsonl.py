@@ -11,7 +11,11 @@ dotted path (`a.b.0` walks objects by key and lists by position), checked and co
 the field's dtype and shape. `utf8` fields become the text's UTF-8 bytes as uint8[max_bytes],
 zero-padded, cut at a character boundary when longer, plus `<name>_length` (int64): the
 bytes kept (`utf8_padded`, which format: parquet uses too). A null becomes the field's
-`fill` where it has one (inside lists too); without one it fails its sample.
+`fill` where it has one (inside lists too); without one it fails its sample. A field whose
+shape starts with -1 is a list of any length, returned `Padded` (zero-padded to the batch's
+longest when collated). `length_column` names the field that gives each record's token count
+(`sample_lengths`, for token budgets: a list's length or an integer's value, read at open by
+parsing every record once); a list one also gets `attention_mask` (1 per item, padded alike).
 
 A field without `dtype` gets one at open, from its values in the first INFER_RECORDS records
 (at most INFER_BYTES of them; in key order; records that do not parse or lack the field are
@@ -32,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from .._batch import padded
 from ..sources import Storage
 from ._shards import ShardIndex
 from .memmap import OpenMaps
@@ -41,6 +46,9 @@ CHUNK = 64 << 20  # bytes scanned at a time: the comparison's temporary stays th
 INFER_RECORDS = 1000  # records read at open to infer a dtype-less field's dtype,
 INFER_BYTES = 16 << 20  # or fewer: as many as fit in this many bytes (at least one)
 NEWLINE = ord("\n")
+# With a list-valued length_column: 1 on each real token, 0 on the padding (the collated
+# batch pads the list and this mask alike, to the batch's longest).
+MASK = "attention_mask"
 
 
 def _map(path: Path) -> mmap.mmap | None:
@@ -119,6 +127,7 @@ class _Field:
         self.dtype = np.dtype(np.uint8 if self.utf8 else cfg.dtype or np.float32)
         self.fill = getattr(cfg, "fill", None)
         self.shape = tuple(cfg.shape)
+        self.variable = self.shape[:1] == (-1,)  # a list of any length, padded when collated
         self.max_bytes = cfg.max_bytes
         if self.utf8 and self.max_bytes is None:
             raise ValueError(f"field {name!r}: dtype utf8 needs max_bytes")
@@ -166,7 +175,8 @@ class _Field:
         if raw.dtype.kind not in "biuf":
             raise TypeError(f"field {self.name!r}: expected {self.dtype} numbers, got "
                             f"{_describe(value)}")
-        if raw.shape != self.shape:
+        if raw.shape != self.shape and not (
+                self.variable and raw.ndim == len(self.shape) and raw.shape[1:] == self.shape[1:]):
             raise ValueError(f"field {self.name!r}: shape {list(raw.shape)}, expected "
                              f"{list(self.shape)}")
         with np.errstate(all="ignore"):  # checked below instead
@@ -177,7 +187,7 @@ class _Field:
                    if self.infer else "")
             raise ValueError(f"field {self.name!r}: {_describe(value)} does not fit "
                              f"{self.dtype}{why}")
-        out[self.name] = arr
+        out[self.name] = padded(arr, (0,)) if self.variable else arr
 
 
 def _describe(value: Any) -> str:
@@ -221,6 +231,46 @@ class Jsonl:
         infer = [f for f in self.fields if f.infer]
         if infer:
             self._infer(infer)
+        self.length_field = self._length_field(cfg.length_column)
+        # An optional part (formats/_contract.py): present only with length_column.
+        self.sample_lengths = None if self.length_field is None else self._lengths
+
+    def _length_field(self, name: str | None) -> _Field | None:
+        """The field that gives each record's token count (`length_column`), checked."""
+        if name is None:
+            return None
+        found = next((f for f in self.fields if f.name == name), None)
+        if found is None:
+            raise ValueError(f"length_column: {name!r} is not one of the fields "
+                             f"{[f.name for f in self.fields]}")
+        if not (found.variable and len(found.shape) == 1) and not (
+                found.shape == () and found.dtype.kind in "iu"):
+            raise ValueError(f"length_column: field {name!r} must be a list of any length "
+                             "(shape [-1]) or an integer (the length itself)")
+        if found.variable and MASK in [f.name for f in self.fields]:
+            raise ValueError(f"field {MASK}: clashes with the mask length_column {name!r} "
+                             "adds")
+        return found
+
+    def _lengths(self) -> np.ndarray:
+        """Each record's token count: the length of its `length_column` list, or that
+        field's integer. Parses every record once (the open of a dataset with
+        length_column reads it all); a record that does not parse or lacks the field stops
+        it, naming the line."""
+        field = self.length_field
+        assert field is not None
+        out = np.empty(self.length, np.int64)
+        for index in range(self.length):
+            try:
+                value = field.lookup(json.loads(self._line(index)))
+                out[index] = len(value) if field.variable else int(value)
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{self.source_of(index)}: length_column {field.name!r}: "
+                                 f"{e.args[0] if e.args else e}") from None
+        if len(out) and out.min() < 0:
+            raise ValueError(f"{self.source_of(int(np.argmin(out)))}: length_column "
+                             f"{field.name!r}: a negative length")
+        return out
 
     def _infer(self, fields: list[_Field]) -> None:
         """Set each field's dtype from its values in the first INFER_RECORDS records."""
@@ -275,6 +325,8 @@ class Jsonl:
             except (KeyError, TypeError, ValueError) as e:
                 msg = e.args[0] if e.args else str(e)
                 raise ValueError(f"{self.source_of(index)}: {msg}") from None
+        if self.length_field is not None and self.length_field.variable:
+            out[MASK] = padded(np.ones(len(out[self.length_field.name]), np.int64), (0,))
         return out
 
     def source_of(self, index: int) -> str:

@@ -17,6 +17,9 @@ A field is one top-level column, either numbers (no `decode`) or decoded like a 
   no special tokens added): int64[max_tokens], cut there, padded with `pad_id`, and
   `<name>_length`. A row group's strings are encoded in one call when it is decoded.
 
+`length_column` (any column: integers, or lists whose lengths count) gives each row's token
+count (`sample_lengths`, for token budgets), read when first asked, that column only.
+
 Each process keeps one decoded row group: block shuffle (the default) reads a row group's rows
 together, so this costs one decode per row group and window; `shuffle: global` may decode a
 row group per sample. Image bytes stay encoded until their sample is read.
@@ -263,6 +266,33 @@ class Parquet:
         self._files: OpenMaps[pq.ParquetFile] = OpenMaps(
             storage, lambda key, path: pq.ParquetFile(path), limit=16)
         self._decoded: tuple[int, dict[str, _Decoded] | str] = (-1, {})
+        self.length_column = cfg.length_column
+        # An optional part (formats/_contract.py): present only with length_column.
+        self.sample_lengths = None if cfg.length_column is None else self._lengths
+
+    def _lengths(self) -> np.ndarray:
+        """Each row's token count from `length_column`: a list column's list lengths, or
+        an integer column's values (read once, that column only)."""
+        col, parts = self.length_column, []
+        for key in self.keys.tolist():
+            where = self.storage.where(key)
+            with pq.ParquetFile(self.storage.local_path(key)) as pf:
+                if col not in pf.schema_arrow.names:
+                    raise ValueError(f"{where}: length_column {col!r}: no such column; the file "
+                                     f"has columns {pf.schema_arrow.names}")
+                column = pf.read(columns=[col]).column(0).combine_chunks()
+            if _is_list(column.type):
+                column = pc.list_value_length(column)
+            elif not pa.types.is_integer(column.type):
+                raise ValueError(f"{where}: length_column {col!r}: column is {column.type}, "
+                                 "expected integers (the length) or lists (their length)")
+            if column.null_count:
+                raise ValueError(f"{where}: length_column {col!r}: {column.null_count} null(s)")
+            parts.append(column.to_numpy(zero_copy_only=False).astype(np.int64))
+        out = np.concatenate(parts)
+        if len(out) and out.min() < 0:
+            raise ValueError(f"length_column {col!r}: a negative length ({int(out.min())})")
+        return out
 
     def _refuse_nulls(self, where: str, g: int, counts: dict[str, int | None],
                       leaves: dict[str, tuple[str, ...]]) -> None:

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Coordinates(_message.Message):
-    __slots__ = ("dataset", "seed", "epoch", "shuffle", "rank", "world_size", "batch_size", "drop_last", "fingerprint")
+    __slots__ = ("dataset", "seed", "epoch", "shuffle", "rank", "world_size", "batch_size", "drop_last", "fingerprint", "start", "batch_tokens", "token_cost")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,9 @@ class Coordinates(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     DROP_LAST_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COST_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     seed: int
     epoch: int
@@ -26,7 +29,10 @@ class Coordinates(_message.Message):
     batch_size: int
     drop_last: bool
     fingerprint: str
-    def __init__(self, dataset: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    start: int
+    batch_tokens: int
+    token_cost: str
+    def __init__(self, dataset: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., start: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., token_cost: _Optional[str] = ...) -> None: ...
 
 class Fingerprint(_message.Message):
     __slots__ = ("digest", "objects", "bytes")
