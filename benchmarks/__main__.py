@@ -38,6 +38,7 @@ SCENARIOS: dict[str, tuple[str, list[str], list[str]]] = {
     "scale": ("scale.py", [], ["--quick"]),
     "s3": ("storage.py", [], ["--quick"]),
     "packing": ("packing.py", [], ["--quick"]),
+    "mixture": ("mixture.py", [], ["--quick"]),
     "token_budgets": ("token_budgets.py", [], ["--quick"]),
 }
 

@@ -256,6 +256,18 @@ def packing(r: dict[str, Any], plots: Path) -> list[str]:
             *_table(["system", "rows/s median [min, max]", "M tokens/s"], rows), plot, ""]
 
 
+def mixture(r: dict[str, Any], plots: Path) -> list[str]:
+    sy, p = r["systems"], r["params"]
+    rows = [[name, _spread(s["samples_per_s"]), f"{s['tokens_per_s']['median'] / 1e6:.2f}"]
+            for name, s in sy.items()]
+    weights = ", ".join(f"{k} {v}" for k, v in p["weights"].items())
+    return [f"`format: mixture` of three `tokens` datasets (weights {weights}) against one "
+            f"plain `tokens` dataset over the same files, seq_len {p['seq_len']}, batch "
+            f"{p['batch_size']}, {p['workers']} server workers: mixture / plain samples/s "
+            f"**{r['ratio_mix_over_plain']:.3f}** (goal >= 0.9).", "",
+            *_table(["system", "samples/s median [min, max]", "M tokens/s"], rows)]
+
+
 def token_budgets(r: dict[str, Any], plots: Path) -> list[str]:
     p, sy = r["params"], r["systems"]
     rows = [[f"batch_tokens={s['batch_tokens']}" if name == "tokens"
@@ -284,6 +296,7 @@ SECTIONS: list[tuple[str, str, Section]] = [
     ("scale", "Scale", scale),
     ("s3", "S3: local disk vs object store", s3),
     ("packing", "Sequence packing", packing),
+    ("mixture", "Mixtures", mixture),
     ("token_budgets", "Token budgets", token_budgets),
 ]
 

@@ -1,14 +1,17 @@
 """A small GPT trained on packed text: documents tokenized and packed by a data server.
 
     python examples/gpt.py [--steps 300] [--seq-len 128] [--batch-size 16] [--workers 1]
+    python examples/gpt.py --mixture 0.7   # two sources, drawn 70/30 (docs/mixtures.md)
 
 Writes a corpus of made-up documents (JSON lines), starts `stoker serve` with `format: text`
 (byte tokenizer, EOS after each document, rows of seq_len), and trains a 2-layer decoder
 from RemoteLoader. Each row holds several documents: attention is block-causal
 (`stoker.client.packing.block_causal_mask` over `document_ids`), positions restart with
 every document (`position_ids`), and labels are -100 where the next token belongs to another
-document. Exits non-zero if the loss did not fall (the last 20 steps' mean >= 0.7 x the first
-20 steps') or the server did not shut down cleanly.
+document. With `--mixture W` it writes a second corpus (other words: another source) and
+trains from `format: mixture` over the two, the first drawn with weight W, and prints the
+share of rows each source gave. Exits non-zero if the loss did not fall (the last 20 steps'
+mean >= 0.7 x the first 20 steps') or the server did not shut down cleanly.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ from stoker.server import ServerProcess, write_config
 
 VOCAB = 259  # the byte tokenizer: 256 bytes, BOS 256, EOS 257, PAD 258
 LOSS_RATIO = 0.7
+
+
+def text_dataset(source: Path, seq_len: int) -> dict:
+    return {"format": "text", "source": str(source), "field": "text", "tokenizer": "byte",
+            "seq_len": seq_len, "eos": True}
 
 
 def make_corpus(path: Path, documents: int, seed: int = 0) -> None:
@@ -88,8 +96,9 @@ def train(address: str, args: argparse.Namespace) -> tuple[list[float], dict]:
     model = TinyGPT(args.seq_len)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses: list[float] = []
-    with RemoteLoader(address, "corpus", batch_size=args.batch_size, seed=args.seed,
-                      prefetch=8, timeout=120) as loader:
+    sources = torch.zeros(2, dtype=torch.int64)  # rows of each source (--mixture)
+    with RemoteLoader(address, "mix" if args.mixture else "corpus", batch_size=args.batch_size,
+                      seed=args.seed, prefetch=8, timeout=120) as loader:
         while len(losses) < args.steps:
             for batch in loader:
                 logits = model(batch["input_ids"], batch["position_ids"], batch["document_ids"])
@@ -99,11 +108,17 @@ def train(address: str, args: argparse.Namespace) -> tuple[list[float], dict]:
                 loss.backward()
                 opt.step()
                 losses.append(loss.item())
+                if args.mixture:
+                    sources += torch.bincount(batch["source"], minlength=2)
                 if len(losses) % args.log_every == 0:
                     print(f"step {len(losses):4d}  loss {losses[-1]:.3f}", flush=True)
                 if len(losses) >= args.steps:
                     break
         stats = loader.stats()
+    if args.mixture:
+        share = (sources / sources.sum()).tolist()
+        print(f"rows by source: corpus {share[0]:.1%}, other {share[1]:.1%} (weights "
+              f"{args.mixture:g} and {1 - args.mixture:g})", flush=True)
     return losses, stats
 
 
@@ -117,7 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--mixture", type=float, default=None, metavar="W",
+                   help="train from a mixture of two corpora, the first with weight W (0..1)")
     args = p.parse_args(argv)
+    if args.mixture is not None and not 0 < args.mixture < 1:
+        p.error("--mixture takes the first corpus's weight, between 0 and 1")
     if args.steps < 40:
         p.error("--steps must be >= 40 (the loss check compares the first and last 20)")
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - args.workers))
@@ -125,11 +144,16 @@ def main(argv: list[str] | None = None) -> int:
         corpus = Path(tmp) / "corpus"
         corpus.mkdir()
         make_corpus(corpus / "docs.jsonl", args.documents, args.seed)
+        datasets = {"corpus": text_dataset(corpus, args.seq_len)}
+        if args.mixture:  # another source (another vocabulary), and the mixture of the two
+            other = Path(tmp) / "other"
+            other.mkdir()
+            make_corpus(other / "docs.jsonl", args.documents // 2, args.seed + 1)
+            datasets["other"] = text_dataset(other, args.seq_len)
+            datasets["mix"] = {"format": "mixture", "components": {
+                "corpus": args.mixture, "other": 1 - args.mixture}}
         config = write_config(Path(tmp) / "stoker.yaml", {
-            "cache": {"dir": str(Path(tmp) / "cache")},
-            "datasets": {"corpus": {"format": "text", "source": str(corpus), "field": "text",
-                                    "tokenizer": "byte", "seq_len": args.seq_len,
-                                    "eos": True}}})
+            "cache": {"dir": str(Path(tmp) / "cache")}, "datasets": datasets})
         t0 = time.perf_counter()
         with ServerProcess(config, workers=args.workers) as server:
             print(f"data server ready at {server.address} ({time.perf_counter() - t0:.1f}s, "

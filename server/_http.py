@@ -72,6 +72,8 @@ class Dataset(BaseModel):
     num_samples: int
     fields: list[Field]
     fingerprint: Fingerprint | None = None
+    # A mixture: its components, in the order of the `source` field's values.
+    components: list[str] = []
 
 
 class Readiness(BaseModel):
@@ -86,6 +88,8 @@ class DatasetRates(BaseModel):
     bytes_per_s: float
     streams: int = 0
     client_stalls: list[float] = []
+    # A mixture: samples built of each component since the server started.
+    components: dict[str, int] = {}
 
 
 class Stats(BaseModel):
@@ -133,7 +137,8 @@ def make_app(service: Any = None, token: bytes | None = None) -> FastAPI:
                               fingerprint=None if meta.fingerprint is None else Fingerprint(
                                   digest=meta.fingerprint.digest,
                                   objects=meta.fingerprint.objects,
-                                  bytes=meta.fingerprint.bytes))
+                                  bytes=meta.fingerprint.bytes),
+                              components=list(getattr(meta.ordering, "names", ())))
                 for name, meta in sorted(service.meta.items())}
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)

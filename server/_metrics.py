@@ -35,6 +35,8 @@ class Metrics:
                              "data_socket) or lent (shm)", ["dataset", "transport"], registry=r)
         self.errors = Counter("stoker_batch_errors", "Batches answered with an error",
                               ["dataset", "kind"], registry=r)
+        self.drawn = Counter("stoker_mixture_samples", "Samples of a mixture built, by "
+                             "component", ["dataset", "component"], registry=r)
         self.skipped = Counter("stoker_skipped_samples", "Bad samples replaced under "
                                "on_error: skip", ["dataset"], registry=r)
         self.build = Histogram("stoker_batch_build_seconds", "Worker time to build a batch",
@@ -92,6 +94,16 @@ class Metrics:
         self.cache_bytes.inc(fetched)
         if skipped:
             self.skipped.labels(dataset).inc(skipped)
+
+    def mixed(self, dataset: str, ordering: Any, indices: Any) -> None:
+        """A batch of `indices` was built for `dataset`: for a mixture (an ordering with
+        `names` and `counts`, server/_mixture.py), count its samples by component."""
+        counts = getattr(ordering, "counts", None)
+        if counts is None:
+            return
+        for name, n in zip(ordering.names, counts(indices).tolist(), strict=True):
+            if n:
+                self.drawn.labels(dataset, name).inc(n)
 
     def client_report(self, stream: int, dataset: str, wait_s: float, loop_s: float) -> None:
         if not (math.isfinite(wait_s) and math.isfinite(loop_s)):
@@ -151,6 +163,11 @@ class Metrics:
             d["bytes_per_s"] += nbytes / span
         for dataset, stall, _ in reports.values():
             out[dataset].setdefault("client_stalls", []).append(stall)
+        for metric in self.drawn.collect():  # since the start, not over the window
+            for s in metric.samples:
+                if s.name.endswith("_total"):
+                    out[s.labels["dataset"]].setdefault("components", {})[
+                        s.labels["component"]] = int(s.value)
         for metric in self.streams.collect():
             for s in metric.samples:
                 if s.value or s.labels["dataset"] in out:

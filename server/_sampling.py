@@ -106,7 +106,8 @@ class OrderCache:
         self.max_bytes = max_bytes
         self._items: collections.OrderedDict[Hashable, np.ndarray] = collections.OrderedDict()
         self._lock = threading.Lock()  # guards _items and nbytes
-        self._computing = threading.Lock()
+        # Reentrant: a mixture's epoch order is computed from its components' (_mixture.py).
+        self._computing = threading.RLock()
         self.nbytes = 0
 
     def get(self, key: Hashable, compute: Callable[[], np.ndarray]) -> np.ndarray:
@@ -171,6 +172,14 @@ class Ordering:
             return self._order(seed, epoch, shuffle)
         return ORDERS.get((self, seed, epoch), lambda: self._order(seed, epoch, shuffle))
 
+    def indices(self, positions: np.ndarray, seed: int, epoch: int, shuffle: bool
+                ) -> np.ndarray:
+        """The dataset indices at an epoch's `positions` (a mixture's ordering maps them
+        through its components instead: server/_mixture.py)."""
+        if not shuffle:
+            return positions
+        return self.epoch(seed, epoch, shuffle)[positions]
+
     def _order(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
         n = self.num_samples
         if not shuffle:
@@ -229,6 +238,4 @@ def batch_samples(ordering: Ordering, c: Coordinates, batch_index: int) -> np.nd
     stop = min(first + c.batch_size, samples_per_rank(ordering.num_samples, c))
     # This rank's j-th sample is at position start + rank + j * world_size of the epoch's order.
     positions = c.start + c.rank + c.world_size * np.arange(first, stop, dtype=np.int64)
-    if not c.shuffle:
-        return positions
-    return ordering.epoch(c.seed, c.epoch, c.shuffle)[positions]
+    return ordering.indices(positions, c.seed, c.epoch, c.shuffle)

@@ -420,6 +420,8 @@ class StreamSession:
             return
         self._service.metrics.built(coords.dataset, batch.build_seconds, batch.skipped,
                                     batch.cache)
+        self._service.metrics.mixed(coords.dataset, self._service.meta[coords.dataset].ordering,
+                                    indices)
         admission = self._service.admission
         if (why := admission.over(self._client, batch.payload_bytes)):
             pool.release(batch)  # never held: back to its worker at once

@@ -52,14 +52,14 @@ def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int,
     datasets: dict[str, DatasetParts] = {}
     meta: dict[str, msg.DatasetMeta] = {}
     prints: dict[str, Fingerprint] = {}
-    for name in config.datasets:
+    for name in opening_order(config):
         try:
-            datasets[name] = ds = DatasetParts.of(open_dataset(name, config, cache))
+            datasets[name] = ds = DatasetParts.of(open_dataset(name, config, cache, datasets))
             # Before the probe, which only this worker makes: every worker's view is of
             # the same steps.
             prints[name] = fingerprint(config.datasets[name], ds)
             if probe:
-                meta[name] = _describe(ds, config.datasets[name], prints[name])
+                meta[name] = _describe(name, ds, config, prints[name], meta)
         except Exception as e:
             # The user's traceback (their factory, their module's import) in the server's
             # log; the server's one-line error names the dataset and the exception.
@@ -67,7 +67,8 @@ def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int,
                 log.error("dataset %r did not open:\n%s", name, tb)
             conn.send(msg.OpenFailed(f"dataset {name!r}: {type(e).__name__}: {e}"))
             return
-    conn.send(msg.Opened(meta if probe else None, prints))
+    in_config_order = {n: meta[n] for n in config.datasets if n in meta}
+    conn.send(msg.Opened(in_config_order if probe else None, prints))
     builder = _Builder(config, datasets, cache, progress)
     while True:
         try:
@@ -89,7 +90,20 @@ def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int,
                 raise TypeError(f"a worker cannot handle {message!r}")
 
 
-def _describe(ds: DatasetParts, cfg: Any, fp: Fingerprint) -> msg.DatasetMeta:
+def opening_order(config: Any) -> list[str]:
+    """The config's datasets, mixtures after the datasets they draw from (which they share)."""
+    names = list(config.datasets)
+    return ([n for n in names if config.datasets[n].format != "mixture"]
+            + [n for n in names if config.datasets[n].format == "mixture"])
+
+
+def _describe(name: str, ds: DatasetParts, config: Any, fp: Fingerprint,
+              described: dict[str, msg.DatasetMeta]) -> msg.DatasetMeta:
+    """`described`: the datasets before it in opening_order (a mixture's components)."""
+    cfg = config.datasets[name]
+    if cfg.format == "mixture":
+        ordering: Any = ds.dataset.ordering([described[c].ordering for c in cfg.components])
+        return msg.DatasetMeta(ordering.num_samples, probe_fields(ds), ordering, fp)
     ordering = Ordering(len(ds.dataset), ds.shard_starts,
                         getattr(cfg, "shuffle", "global") == "block",
                         getattr(cfg, "shuffle_window", 1))
@@ -196,7 +210,11 @@ class _Builder:
         `error` from their code on. The front end logs the full text (`detail`) for the
         failures it warns about; an UNAVAILABLE one is logged here, once per message."""
         cfg = self.config.datasets[task.dataset]
-        users = cfg.format == "python" or getattr(cfg, "transform", None) is not None
+        # A mixture runs its components' code.
+        own = [self.config.datasets[c] for c in cfg.components] if cfg.format == "mixture" \
+            else [cfg]
+        users = any(c.format == "python" or getattr(c, "transform", None) is not None
+                    for c in own)
         tb = _tracebacks.user_traceback(error) if error is not None and users else ""
         shown = self.redact.apply(task.dataset, message)
         if tb:
@@ -259,6 +277,9 @@ class _Redact:
                 rules.append((re.compile(re.escape(spelling) + "/+"), relative))
                 rules.append((re.compile(re.escape(spelling) + r"(?![\w.-])"), bare))
             self.rules[name] = rules
+        for name, cfg in config.datasets.items():  # a mixture's messages name its components'
+            if cfg.format == "mixture":
+                self.rules[name] = [r for c in cfg.components for r in self.rules[c]]
 
     def apply(self, dataset: str, message: str) -> str:
         for pattern, replacement in self.rules.get(dataset, ()):

@@ -37,6 +37,9 @@ SECTIONS: dict[type[BaseModel], str] = {
     c.MdsDataset: "#### Migrating from Mosaic Streaming and LitData",
     c.LitdataDataset: "#### Migrating from Mosaic Streaming and LitData",
     c.ColumnField: "#### Migrating from Mosaic Streaming and LitData",
+    c.MixtureDataset: "#### `format: mixture`",
+    c.MixtureComponent: "#### `format: mixture`",
+    c.MixtureStep: "#### `format: mixture`",
 }
 
 
@@ -75,6 +78,6 @@ def test_every_dataset_format_has_a_section() -> None:
     union = typing.get_args(c.DatasetConfig)[0]
     formats = {typing.get_args(m.model_fields["format"].annotation)[0]
                for m in typing.get_args(union)}
-    assert len(formats) == 10
+    assert len(formats) == 11
     for f in formats:
         assert f"#### `format: {f}`" in DOC, f

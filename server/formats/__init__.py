@@ -24,12 +24,22 @@ _READERS = {"image-folder": ("image_folder", "ImageFolder"), "jsonl": ("jsonl", 
             "tar": ("tar", "Tar"), "parquet": ("parquet", "Parquet"),
             "text": ("text", "Text"), "mds": ("mds", "Mds"),
             "litdata": ("litdata", "Litdata")}
+# `mixture` is not a reader of storage: open_dataset builds it from the datasets it draws from.
 
 
-def open_dataset(name: str, config: Any, cache: Any = None) -> Dataset:
+def open_dataset(name: str, config: Any, cache: Any = None,
+                 opened: dict[str, DatasetParts] | None = None) -> Dataset:
     """Open dataset `name` of a validated Config (in the calling process). `cache` is the
-    process's DiskCache (needed for s3:// sources)."""
+    process's DiskCache (needed for s3:// sources). A mixture's components are taken from
+    `opened` (datasets this process opened already), else opened here."""
     cfg = config.datasets[name]
+    if cfg.format == "mixture":
+        from .mixture import Mixture
+
+        opened = opened or {}
+        components = {c: opened.get(c) or DatasetParts.of(open_dataset(c, config, cache))
+                      for c in cfg.components}
+        return Mixture(cfg, components, {c: config.datasets[c] for c in cfg.components})
     if cfg.format == "python":
         from .python import open_python
 
