@@ -118,6 +118,10 @@ class RemoteLoader:
         self._stats = {"batches": 0, "bytes": 0, "wait_seconds": 0.0, "loop_seconds": 0.0,
                        "failovers": 0, "hedges": 0}
         self._loop_started: float | None = None  # while an iteration runs
+        # A mixture's samples by component (`source`): of batches handed out, and of batches
+        # received (by (epoch, batch), from receive threads) and not handed out yet.
+        self._sources: dict[int, int] = {}
+        self._batch_sources: dict[tuple[int, int], list[int]] = {}
         self._started = time.perf_counter()
 
     # -- positions -------------------------------------------------------------------------
@@ -331,6 +335,9 @@ class RemoteLoader:
                     from .packing import pack_padded
 
                     batch = pack_padded(batch)
+                counts = self._batch_sources.pop((self._epoch, self._next), None)
+                for source, n in enumerate(counts or ()):
+                    self._sources[source] = self._sources.get(source, 0) + n
                 self._next += 1
                 self._stats["batches"] += 1
                 if progress is not None:
@@ -344,6 +351,7 @@ class RemoteLoader:
             if progress is not None:
                 progress.close()
             scheduler.close()
+            self._batch_sources.clear()  # received ahead, never handed out
             self._scheduler = None
             self._stats["bytes"] += scheduler.bytes_received
             self._stats["failovers"] += scheduler.failovers
@@ -383,7 +391,20 @@ class RemoteLoader:
         buf = self._host.acquire(nbytes)
         return buf, buf
 
+    def _count_sources(self, batch: Assembled) -> None:
+        """A mixture's batch: how many of its samples each component gave (its `source`
+        field), read from the host bytes before any copy to a device; stats() adds them up
+        when the batch is handed out."""
+        t = next((t for t in batch.tensors if t.name == "source"), None)
+        if t is None or t.dtype != "int64":
+            return
+        raw = batch.buffer[t.offset : t.offset + t.nbytes]
+        data = raw if isinstance(raw, np.ndarray) else raw.numpy()  # a pinned torch tensor
+        counts = np.bincount(np.frombuffer(np.ascontiguousarray(data), "<i8"))
+        self._batch_sources[(batch.epoch, batch.batch_index)] = counts.tolist()
+
     def _finish(self, batch: Assembled) -> Any:
+        self._count_sources(batch)
         if self._feed is not None:
             return self._feed.to_device(batch.buffer, batch.tensors)
         arrays = numpy_views(batch.buffer, batch.tensors)
@@ -402,7 +423,8 @@ class RemoteLoader:
         (times a server's batches were asked of another because it failed or stalled);
         hedges (times the awaited batch was also asked of a second server); each server's
         state and figures; how many host buffers were allocated (pinned ones with a CUDA device):
-        batches reuse buffers that nothing refers to any more."""
+        batches reuse buffers that nothing refers to any more; for a mixture, `sources`: the
+        samples handed out by component (its index in the mixture's `components:`)."""
         live = self._scheduler
         now = time.perf_counter()
         elapsed = now - self._started
@@ -416,6 +438,7 @@ class RemoteLoader:
                  "hedges": self._stats["hedges"] + (live.hedges if live else 0),
                  "batches_per_second": self._stats["batches"] / elapsed if elapsed else 0.0,
                  "epoch": self._epoch, "start": self._start, "next_batch": self._next,
+                 **({"sources": dict(sorted(self._sources.items()))} if self._sources else {}),
                  "servers": {a: s.stats() for a, s in self._servers.servers.items()}}
         if self._feed is not None:
             stats["pinned_allocations"] = self._feed.pool.allocations

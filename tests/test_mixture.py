@@ -121,6 +121,17 @@ def test_one_server_and_three_give_the_same_sequence(servers) -> None:
             assert (a[k] == b[k]).all()
 
 
+def test_stats_count_the_samples_handed_out_by_component(servers) -> None:
+    with loader(servers[0].address, prefetch=4) as ld:
+        it = iter(ld)
+        got = [next(it)["source"].copy() for _ in range(5)]
+        # Batches fetched ahead are not counted: only the 5 handed out.
+        want = np.bincount(np.concatenate(got), minlength=len(WEIGHTS))
+        counted = {c: n for c, n in ld.stats()["sources"].items() if n}
+        assert counted == {c: int(n) for c, n in enumerate(want) if n}
+        assert sum(ld.stats()["sources"].values()) == 5 * BATCH
+
+
 def test_resume_mid_epoch_continues_exactly(servers) -> None:
     with loader(servers[0].address, rank=1) as ld:
         ld.set_epoch(1)
