@@ -224,30 +224,32 @@ def test_config_errors_name_what_is_wrong(tmp_path: Path, mix: dict, said: str) 
     assert said in str(e.value), str(e.value)
 
 
-def test_a_mixture_saved_at_2_ranks_goes_on_at_3_with_the_rest_of_its_positions(
-        servers, ledger) -> None:
+@pytest.mark.parametrize(("before", "after", "steps"), [(2, 3, 50), (4, 3, 25), (2, 5, 50)])
+def test_a_mixture_saved_at_n_ranks_goes_on_at_m_with_the_rest_of_its_positions(
+        servers, ledger, before: int, after: int, steps: int) -> None:
     address = servers[0].address
     with loader(address, world_size=1) as ld:  # position p of epoch 2 is sample reference[p]
         ld.set_epoch(2)
         reference = np.concatenate([b["sample_index"] for b in ld])
     got: dict[int, int] = {}  # position -> sample_index
-    for rank in range(2):  # 50 global steps at 2 ranks, then stopped
-        with loader(address, rank=rank) as ld:
+    for rank in range(before):  # `steps` global steps at `before` ranks, then stopped
+        with loader(address, rank=rank, world_size=before) as ld:
             ld.set_epoch(2)
             batches = iter(ld)
-            taken = np.concatenate([next(batches)["sample_index"] for _ in range(50)])
+            taken = np.concatenate([next(batches)["sample_index"] for _ in range(steps)])
             state = ld.state_dict()
-        got.update(zip(range(rank, 2 * len(taken), 2), taken.tolist(), strict=True))
-    consumed = 50 * BATCH * 2
-    for rank in range(3):  # every new rank loads rank 1's state: the job's position
-        with loader(address, rank=rank, world_size=3) as ld:
+        got.update(zip(range(rank, before * len(taken), before), taken.tolist(), strict=True))
+    consumed = steps * BATCH * before
+    for rank in range(after):  # every new rank loads the last rank's state: the job's position
+        with loader(address, rank=rank, world_size=after) as ld:
             ld.load_state_dict(state)
             rest = np.concatenate([b["sample_index"] for b in ld])
-        positions = range(consumed + rank, consumed + rank + 3 * len(rest), 3)
+        positions = range(consumed + rank, consumed + rank + after * len(rest), after)
         assert not got.keys() & set(positions)
         got.update(zip(positions, rest.tolist(), strict=True))
-    assert sorted(got) == list(range(len(reference)))  # 3200 - 800 = 2400: 3 divides it
+    # 3200 positions; what is left after the change divides by `after`: nothing is dropped.
+    assert sorted(got) == list(range(len(reference)))
     lost, duplicated = ledger.compare(got.values(), reference.tolist())
     assert [got[p] for p in range(len(reference))] == reference.tolist()
-    ledger.record("clients", "a mixture resumed from 2 ranks at 3 mid-epoch",
+    ledger.record("clients", f"a mixture resumed from {before} ranks at {after} mid-epoch",
                   tried=len(reference), lost=lost, duplicated=duplicated)
