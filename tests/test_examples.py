@@ -19,3 +19,15 @@ def test_small_gpt_learns_from_packed_text(tmp_path: Path) -> None:
                          cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "server exit 0" in out.stdout and "loss: first 20 steps" in out.stdout
+
+
+@pytest.mark.timeout(240)
+def test_a_mixture_run_stopped_at_2_trainers_resumes_at_3(tmp_path: Path) -> None:
+    """docs/mixtures.md's worked example: every slot of the epoch read once across the two
+    jobs, as the unstopped run reads it, but for the tail; the shares hold; the loss falls."""
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "elastic.py"),
+                          "--stop-at", "30"], capture_output=True, text=True, timeout=230,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "0 differ from the unstopped run" in out.stdout, out.stdout
+    assert "3 trainers: the rest of epoch 0 from slot 480" in out.stdout, out.stdout
