@@ -1,6 +1,6 @@
 """A GPT run on a mixture of two sources, stopped at 2 trainers and resumed at 3.
 
-    python examples/elastic.py [--stop-at 40] [--batch-size 8] [--weight 0.7]
+    python examples/elastic.py [--stop-at 40] [--batch-size 8] [--weight 0.7] [--more-epochs 1]
 
 The worked example of docs/mixtures.md, runnable on one machine. One data server serves two
 text corpora and `format: mixture` over them. Data-parallel training is simulated in this
@@ -8,7 +8,7 @@ process: at each global step every rank's loader gives its batch (rank r of worl
 torchrun would run it), and one model takes the step on all of them together (what DDP's
 averaged gradients amount to). After `--stop-at` steps at 2 ranks the job "loses a node": it
 saves rank 0's `loader.state_dict()` with the model, and a new job of 3 ranks loads that same
-state in every rank and trains to the end of the epoch, then one more epoch at 3.
+state in every rank and trains to the end of the epoch, then `--more-epochs` more at 3.
 
 It checks what an elastic resume promises: every (source, sample) of the epoch is read
 exactly once across the two jobs, in the slots a run that never stopped would have read it
@@ -96,11 +96,12 @@ def run(address: str, args: argparse.Namespace) -> int:
         note(list(batches), start, 3, s)
         step(list(batches))
     print(f"3 trainers: the rest of epoch 0 from slot {start}, {rest} steps")
-    for ld in three:
-        ld.set_epoch(1)
-    for batches in zip(*three, strict=True):  # a normal epoch at 3
-        step(list(batches))
-    print(f"3 trainers: epoch 1, {len(three[0])} steps; loss now {losses[-1]:.3f}")
+    for epoch in range(1, 1 + args.more_epochs):  # normal epochs at 3
+        for ld in three:
+            ld.set_epoch(epoch)
+        for batches in zip(*three, strict=True):
+            step(list(batches))
+        print(f"3 trainers: epoch {epoch}, {len(three[0])} steps; loss now {losses[-1]:.3f}")
     for ld in three:
         ld.close()
 
@@ -141,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weight", type=float, default=0.7, help="the first source's weight")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--more-epochs", type=int, default=1, help="normal epochs at 3 afterwards")
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 1))
     with tempfile.TemporaryDirectory(prefix="stoker-elastic-") as tmp:

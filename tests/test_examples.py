@@ -25,8 +25,8 @@ def test_small_gpt_learns_from_packed_text(tmp_path: Path) -> None:
 def test_a_mixture_run_stopped_at_2_trainers_resumes_at_3(tmp_path: Path) -> None:
     """docs/mixtures.md's worked example: every slot of the epoch read once across the two
     jobs, as the unstopped run reads it, but for the tail; the shares hold; the loss falls."""
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "elastic.py"),
-                          "--stop-at", "30"], capture_output=True, text=True, timeout=230,
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "elastic.py"), "--stop-at",
+                          "30", "--more-epochs", "0"], capture_output=True, text=True, timeout=230,
                          cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "0 differ from the unstopped run" in out.stdout, out.stdout
