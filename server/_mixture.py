@@ -12,7 +12,12 @@ components by a binary tree of two-way splits, each one exact in closed form:
 So both the component of a position and its rank among that component's positions are a few
 integer operations per tree level (no table, nothing cached but small per-seed constants),
 and over any t positions each child's count is within one of t*L/S: a leaf at depth d is
-within d samples of its share over any prefix, 2d over any window. Weights are quantized to
+within d samples of its share over any prefix, 2d over any window.
+
+The split's positions are handed out in pieces (PIECE positions, cut at the epochs' and the
+phases' bounds), permuted within each piece, each component's draws in position order
+(`MixtureOrdering.draws`): ranks, which take every world_size-th position, would otherwise
+read one phase of the splits' regular pattern. Weights are quantized to
 integers out of UNITS (2**20) so that the arithmetic is exact (int64) and the same on every
 server; phi comes from (seed, phase, node) under shuffle, else it is S // 2.
 
@@ -39,6 +44,10 @@ import numpy as np
 from ._sampling import ORDERS, CoordinateError, Ordering
 
 UNITS = 1 << 20  # a phase's weights, as integers summing to this
+# Positions are dealt to components in pieces of this many, permuted within each
+# (MixtureOrdering._scramble): every rank's batches carry the shares, not one phase of the
+# splits' pattern, and any window of a few pieces still holds them closely.
+PIECE = 256
 # Positions g are below this, so that (g + 1) * L + phi < 2**63 with L, phi <= UNITS.
 MAX_POSITION = 1 << 42
 
@@ -198,18 +207,51 @@ class MixtureOrdering:
         return out
 
     def draws(self, g: np.ndarray, seed: int, shuffle: bool) -> tuple[np.ndarray, np.ndarray]:
-        """(component, that component's draw number counted from g = 0) of global positions."""
+        """(component, that component's draw number counted from g = 0) of global positions.
+
+        Positions are dealt in pieces: a piece is a block of PIECE positions (in g) cut by
+        the epochs' and the phases' bounds. A piece's positions take the components of the
+        splits' positions over the same range in a permuted order, and each component's
+        draws in position order. So what a piece, a phase or an epoch holds of each component
+        is what the splits give it (the shares over windows a few pieces long hold closely),
+        draws never go back (a component never repeats a sample before all of it is used),
+        and rank r's positions r, r + world_size, ... do not read one phase of the splits'
+        regular pattern: with weights 0.5/0.5 over 2 ranks, rank 0 would otherwise get one
+        component only."""
         phis, bases = self._per_seed(seed, shuffle)
-        comp = np.empty(len(g), dtype=np.int64)
-        draw = np.empty(len(g), dtype=np.int64)
-        for j, (phase, tree) in enumerate(zip(self.phases, self.trees, strict=True)):
-            end = self.phases[j + 1].start if j + 1 < len(self.phases) else MAX_POSITION
-            mine = (g >= phase.start) & (g < end)
-            if not mine.any():
-                continue
-            c, r = tree.assign(g[mine] - phase.start, phis[j])
-            comp[mine], draw[mine] = c, bases[j][c] + r
-        return comp, draw
+        starts = np.array([p.start for p in self.phases], dtype=np.int64)
+        nxt = np.append(starts[1:], MAX_POSITION)
+        n = self.num_samples
+        phase = np.searchsorted(starts, g, side="right") - 1
+        block = g // PIECE * PIECE
+        lo = np.maximum(np.maximum(block, starts[phase]), g // n * n)
+        hi = np.minimum(np.minimum(block + PIECE, nxt[phase]), (g // n + 1) * n)
+        # Every piece the positions touch, whole: piece k holds [pieces[k], pieces[k] + size).
+        pieces, first, where = np.unique(lo, return_index=True, return_inverse=True)
+        sizes, phases = hi[first] - pieces, phase[first]
+        ends = np.cumsum(sizes)
+        piece_of = np.repeat(np.arange(len(pieces)), sizes)
+        t = np.empty(int(ends[-1]) if len(ends) else 0, dtype=np.int64)  # splits' positions
+        before = np.empty((len(pieces), len(self.names)), dtype=np.int64)
+        for k, (start, size, j) in enumerate(zip(pieces.tolist(), sizes.tolist(),
+                                                 phases.tolist(), strict=True)):
+            t0 = start - int(starts[j])
+            rng = np.random.default_rng([seed if shuffle else 0, start, 0x6D6978])
+            t[int(ends[k]) - size:int(ends[k])] = t0 + rng.permutation(size)
+            before[k] = bases[j] + np.asarray(self.trees[j].counts(t0, phis[j]))
+        c_all = np.empty(len(t), dtype=np.int64)
+        for j in np.unique(phases).tolist():
+            mine = phases[piece_of] == j
+            c_all[mine], _ = self.trees[j].assign(t[mine], phis[j])
+        # Each position's rank among its piece's positions of its component, in position order.
+        key = piece_of * len(self.names) + c_all
+        order = np.argsort(key, kind="stable")
+        ranked = np.arange(len(key)) - np.searchsorted(key[order], key[order], side="left")
+        rank = np.empty(len(key), dtype=np.int64)
+        rank[order] = ranked
+        d_all = before[piece_of, c_all] + rank
+        at = ends[where] - sizes[where] + (g - lo)
+        return c_all[at], d_all[at]
 
     def epoch(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
         """The whole epoch's index-space values (read-only), from ORDERS."""

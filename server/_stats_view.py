@@ -127,6 +127,11 @@ def table(stats: dict[str, Any], address: str) -> str:
                  f"{'s' if len(stalls) > 1 else ''})")
         lines.append(f"{name:<24}{d['samples_per_s']:>11.1f}{d['batches_per_s']:>11.1f}"
                      f"{d['bytes_per_s'] / 1e6:>9.2f}{d.get('streams', 0):>9}  {stall}")
+        components = d.get("components") or {}
+        total = sum(components.values())
+        if total:  # a mixture: samples of each component since the server started
+            lines.append("  " + ", ".join(f"{c} {n} ({n / total:.1%})"
+                                          for c, n in components.items()))
     if not stats["datasets"]:
         lines.append("(no traffic yet)")
     return "\n".join(lines)

@@ -4,6 +4,8 @@ schedules (and a changed one refused on resume), fields that do not agree."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -73,18 +75,24 @@ def global_order(address: str | list[str], dataset: str = "mix", epochs: int = 1
 def test_shares_hold_over_every_window_of_100_global_batches(servers) -> None:
     steps = global_order(servers[0].address)
     assert len(steps) == 3200 // (WORLD * BATCH) == 200
-    sources = np.stack([s["source"] for s in steps])  # [step, 16]
+    sources = np.stack([s["source"] for s in steps])  # [step, 16]: rank 0's 8, then rank 1's
     names = list(WEIGHTS)
+    weights = np.array(list(WEIGHTS.values()))
     per_step = np.stack([(sources == c).sum(axis=1) for c in range(len(names))], axis=1)
     window = 100
+    worst = 0.0
     for start in range(len(steps) - window + 1):
         got = per_step[start:start + window].sum(axis=0)
-        for c, name in enumerate(names):
-            expected = window * WORLD * BATCH * WEIGHTS[name]
-            # The issue's bound is one sample a batch (100); the split guarantees a few.
-            assert abs(got[c] - expected) <= 4, (start, name, got[c], expected)
-    # Every single global batch, too, is within 2 samples of its share.
-    assert np.abs(per_step - WORLD * BATCH * np.array(list(WEIGHTS.values()))).max() <= 2
+        worst = max(worst, float(np.abs(got - window * WORLD * BATCH * weights).max()))
+    # The issue's bound: one sample a batch, 100 over 100 global batches. Positions are dealt
+    # in permuted pieces of 256 (server/_mixture.py), so a window is off by at most what its
+    # two partial pieces draw differently from the shares: a few samples.
+    assert worst <= 20, worst
+    # Every rank's batches carry the shares too (not one phase of the splits' pattern).
+    for rank in range(WORLD):
+        mine = sources[:, rank * BATCH:(rank + 1) * BATCH].reshape(-1)
+        share = np.bincount(mine, minlength=len(names)) / len(mine)
+        assert np.abs(share - weights).max() < 0.03, (rank, share)
 
 
 def test_components_are_read_without_replacement_through_their_own_epochs(servers) -> None:
@@ -130,6 +138,14 @@ def test_stats_count_the_samples_handed_out_by_component(servers) -> None:
         counted = {c: n for c, n in ld.stats()["sources"].items() if n}
         assert counted == {c: int(n) for c, n in enumerate(want) if n}
         assert sum(ld.stats()["sources"].values()) == 5 * BATCH
+    # The server's counts, in `stoker stats`: a line of component counts under the mixture.
+    http = f"127.0.0.1:{servers[0].ready['http_port']}"
+    out = subprocess.run([sys.executable, "-m", "stoker.server.cli", "stats", http],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    under = lines[next(i for i, ln in enumerate(lines) if ln.startswith("mix ")) + 1]
+    assert all(f"{name} " in under for name in WEIGHTS) and "%)" in under, out.stdout
 
 
 def test_resume_mid_epoch_continues_exactly(servers) -> None:
