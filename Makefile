@@ -33,7 +33,7 @@ bench: install
 
 ## reliability: the fault, load and bad-input tests; writes docs/reliability.md from their ledger
 reliability: install
-	$(PY) -m pytest -q --reliability-json results/reliability.json
+	$(PY) -m pytest -q --reliability-json=results/reliability.json
 	$(PY) tests/reliability.py results/reliability.json docs/soak.json > docs/reliability.md
 
 ## soak: clients stream for MINUTES (default 30) from 2 servers killed and restarted in turn
