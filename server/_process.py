@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,6 +44,7 @@ class ServerProcess:
         self._ready = threading.Event()
         self._readers: list[threading.Thread] = []
         self._stderr: list[str] = []
+        self._stderr_grew = threading.Condition()  # notified on each line of stderr
 
     @property
     def address(self) -> str:
@@ -116,7 +118,19 @@ class ServerProcess:
     def _read_stderr(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None
         for line in self.proc.stderr:
-            self._stderr.append(line)
+            with self._stderr_grew:
+                self._stderr.append(line)
+                self._stderr_grew.notify_all()
+
+    def wait_for_stderr(self, pattern: str, timeout: float = 30.0) -> str:
+        """stderr once a line matches the regular expression `pattern` (re.MULTILINE);
+        TimeoutError, with stderr, if none does within `timeout` s."""
+        regex = re.compile(pattern, re.MULTILINE)
+        with self._stderr_grew:
+            if not self._stderr_grew.wait_for(lambda: regex.search(self.stderr), timeout):
+                raise TimeoutError(f"no line of the server's stderr matches {pattern!r} in "
+                                   f"{timeout:g}s:\n{self.stderr}")
+        return self.stderr
 
     def __enter__(self) -> ServerProcess:
         return self.start() if self.proc is None else self

@@ -51,11 +51,7 @@ def read(url: str) -> tuple[int, str, bytes]:
 def logged(server: ServerProcess, pattern: str, timeout: float = 30.0) -> str:
     """The server's stderr once a line matches `pattern` (it is written a moment after the
     event: a stream's end reaches the server's loop after the client has let go)."""
-    deadline = time.monotonic() + timeout
-    while not re.search(pattern, server.stderr, re.MULTILINE):
-        assert time.monotonic() < deadline, f"no log line matches {pattern!r}:\n{server.stderr}"
-        time.sleep(0.05)
-    return server.stderr
+    return server.wait_for_stderr(pattern, timeout)
 
 
 def children_of(pid: int) -> list[int]:
