@@ -29,13 +29,15 @@ measure fewer images than it counts, so any failure stops the epoch with its err
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 from stoker.server.images import rrc_box
 
@@ -43,12 +45,18 @@ MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 SCALE, RATIO = (0.08, 1.0), (3 / 4, 4 / 3)  # RandomResizedCrop's defaults, as pipeline.py
 
 
+@cache
 def unavailable() -> str | None:
-    """Why SPDL cannot run here (its import error), or None when it can."""
+    """Why SPDL cannot run here, or None when it can: it decodes one small JPEG. (spdl.io
+    loads its FFmpeg extension lazily: the import alone succeeds without the libraries.)"""
     try:
         import spdl.io
-        import spdl.pipeline  # noqa: F401
-    except Exception as e:  # ImportError, or OSError when FFmpeg's libraries are missing
+        import spdl.pipeline
+
+        jpeg = io.BytesIO()
+        Image.new("RGB", (16, 8), (200, 30, 30)).save(jpeg, "JPEG")
+        spdl.io.decode_packets(spdl.io.demux_image(jpeg.getvalue()))
+    except Exception as e:  # ImportError, or RuntimeError when FFmpeg's libraries are missing
         return (f"spdl is not importable ({type(e).__name__}: {e}); pip install -e "
                 "'.[bench]' and apt-get install libavcodec59 libavformat59 libavfilter8 "
                 "libavutil57 libavdevice59")
