@@ -271,6 +271,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         measure_w(args, data_dir, tmp, w,
                                   res["spdl"].get("threads", []) if w == spdl_w else [])
                         for w in args.workers]
+        if "skipped" not in res["spdl"]:
+            _spdl_best(res)
     res["check_problems"] = [p for s in res["sweep"] for p in s["problems"]]
     res["server_exit_code"] = 0  # per-W exit codes are checked into check_problems
     return res
@@ -289,19 +291,25 @@ def _spdl_plan(args: argparse.Namespace, spdl_w: int) -> dict[str, Any]:
     return {"version": spdl_version(), "threads": args.spdl_threads, "at_workers": spdl_w}
 
 
+def _spdl_best(res: dict[str, Any]) -> None:
+    """res["spdl"] gains SPDL's best thread count, its images/s, and every other system's
+    images/s over it, in the block it ran beside."""
+    plan = res["spdl"]
+    block = next(s for s in res["sweep"] if s["workers"] == plan["at_workers"])
+    rate = block[block["spdl"]["best"]]["images_per_s"]["median"]
+    plan.update(best=block["spdl"]["best"], images_per_s=rate, others_over_best={
+        n: block[n]["images_per_s"]["median"] / rate for n in SYSTEMS if n in block})
+
+
 def spdl_summary(res: dict[str, Any]) -> str:
     """One sentence: SPDL's best thread count against the other systems at its W."""
-    plan = res.get("spdl", {"skipped": "not part of this run's version of the scenario"})
+    plan = res["spdl"]
     if "skipped" in plan:
         return f"SPDL not measured: {plan['skipped']}."
-    block = next(s for s in res["sweep"] if s["workers"] == plan["at_workers"])
-    best = block["spdl"]["best"]
-    rate = block[best]["images_per_s"]["median"]
-    others = ", ".join(f"{_label(n)} {block[n]['images_per_s']['median'] / rate:.2f}x"
-                       for n in SYSTEMS if n in block)
-    tried = "/".join(str(t) for t in plan["threads"])
-    return (f"SPDL {plan['version']} best of {tried} threads: {_label(best)}, {rate:.1f} "
-            f"images/s at W={plan['at_workers']}; against it: {others}.")
+    others = ", ".join(f"{_label(n)} {x:.2f}x" for n, x in plan["others_over_best"].items())
+    return (f"SPDL {plan['version']} best of {'/'.join(map(str, plan['threads']))} threads: "
+            f"{_label(plan['best'])}, {plan['images_per_s']:.1f} images/s at "
+            f"W={plan['at_workers']}; the others' images/s over it: {others}.")
 
 
 def report(res: dict[str, Any]) -> str:

@@ -99,24 +99,19 @@ def _spdl_note(r: dict[str, Any]) -> str:
     plan = r.get("spdl", {"skipped": "this run predates the SPDL peer"})
     if "skipped" in plan:
         return f"SPDL not measured: {plan['skipped']}."
-    s = next(s for s in r["sweep"] if s["workers"] == plan["at_workers"])
-    best = s["spdl"]["best"]
-    rate = s[best]["images_per_s"]["median"]
-    where = (", where every system has all cores"
-             if plan["at_workers"] >= r["machine"]["cpus_usable"] else
-             f" (fewer workers than the {r['machine']['cpus_usable']} cores: SPDL's threads "
-             "may use them all)")
-    against = ", ".join(f"{label} {s[n]['images_per_s']['median'] / rate:.2f}x"
-                        for n, label in (("dataloader", "DataLoader"),
-                                         ("stateful", "StatefulDataLoader"), ("stoker", "stoker"),
-                                         ("stoker_uint8", "stoker uint8")) if n in s)
+    cores = r["machine"]["cpus_usable"]
+    where = (", where every system has all cores" if plan["at_workers"] >= cores else
+             f" (fewer workers than the {cores} cores: SPDL's threads may use them all)")
+    short = {"dataloader": "DataLoader", "stateful": "StatefulDataLoader", "stoker": "stoker",
+             "stoker_uint8": "stoker uint8"}
+    against = ", ".join(f"{short[n]} {x:.2f}x" for n, x in plan["others_over_best"].items())
     return (f"SPDL {plan['version']} (benchmarks/spdl_peer.py: its thread pipeline, FFmpeg "
             "decode with a crop/scale/flip filter graph, `aggregate`, one conversion and "
             "normalisation per batch) runs on threads of the training process, so it is "
             f"measured beside W={plan['at_workers']}{where}, at "
             f"{'/'.join(map(str, plan['threads']))} threads. Its best, "
-            f"{_spdl_label(best, '')} at {rate:.0f} images/s, against the others there "
-            f"(their images/s / SPDL's): {against}.")
+            f"{_spdl_label(plan['best'], '')} at {plan['images_per_s']:.0f} images/s, against "
+            f"the others there (their images/s / SPDL's): {against}.")
 
 
 def trainer_cpu(r: dict[str, Any], plots: Path) -> list[str]:
