@@ -28,6 +28,9 @@ lint: install
 	$(PY) -m ruff check .
 
 ## bench: every benchmark scenario; writes results/*.json and docs/benchmarks.md
+## (the SPDL peer also needs FFmpeg 5.1's libraries: apt-get install libavcodec59
+## libavformat59 libavfilter8 libavutil57 libavdevice59; without them the pipeline scenarios
+## leave it out and say so on the page)
 bench: install
 	$(PY) -m benchmarks
 

@@ -17,6 +17,10 @@ horizontal flip (p 0.5) -> normalize (ImageNet mean/std) -> float32 CHW, batches
 - stoker uint8: the same without `normalize` on the server: uint8 images on the wire (4x
   fewer bytes), normalised by RemoteLoader(normalize=...) after they arrive (on a GPU that
   runs on the device; here, on the trainer's CPU, and counted).
+- SPDL (Meta's thread pipeline, benchmarks/spdl_peer.py): FFmpeg decode + crop/scale/flip
+  filter graph on T threads of the training process, one conversion per batch. Threads are
+  not worker processes, so it runs in the largest-W block only (all cores, as every system
+  there), once per T in --spdl-threads; all T are reported and the best is its figure.
 
 Both run on the same cores, alternating, medians over repeats. The offload itself (decode on
 other machines) cannot show on one machine: this is images/s per CPU, side by side.
@@ -49,6 +53,7 @@ from _measure import (
 )
 from loader_vs_dataloader import ROLES, time_epoch
 from PIL import Image
+from spdl_peer import SpdlImageLoader, spdl_version, unavailable
 from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -67,6 +72,23 @@ TRANSPORTS = {"shm": {"shared_memory": True}, "grpc": {"shared_memory": False},
 
 LABELS = {"dataloader": "torch DataLoader", "stateful": "torchdata StatefulDataLoader",
           "stoker": "stoker RemoteLoader", "stoker_uint8": "stoker, uint8 + client normalize"}
+
+
+def spdl_name(threads: int) -> str:
+    return f"spdl_t{threads}"
+
+
+def systems_in(block: dict[str, Any]) -> list[str]:
+    """The systems one W block of the sweep measured, SPDL's thread counts last."""
+    return ([n for n in SYSTEMS if n in block]
+            + list(block.get("spdl", {}).get("ratio_images_per_s", {})))
+
+
+def _label(name: str) -> str:
+    if name.startswith("spdl_t"):
+        t = int(name.removeprefix("spdl_t"))
+        return f"SPDL, {t} thread{'s' * (t > 1)}"
+    return LABELS[name]
 
 
 class PillowPipeline(Dataset):
@@ -143,9 +165,10 @@ def measure_w0(args: argparse.Namespace, data_dir: Path) -> dict[str, Any]:
             "ratio_images_per_s": {}, "trainer_cpu_vs_dataloader_node": {}}
 
 
-def measure_w(args: argparse.Namespace, data_dir: Path, cfg_dir: Path, w: int
-              ) -> dict[str, Any]:
-    """Both systems at W workers: alternating epochs, `repeats` each."""
+def measure_w(args: argparse.Namespace, data_dir: Path, cfg_dir: Path, w: int,
+              spdl_threads: list[int]) -> dict[str, Any]:
+    """Every system at W workers (and SPDL at each of `spdl_threads`): alternating
+    epochs, `repeats` each."""
     config = write_config(cfg_dir / f"config-w{w}.yaml", {"datasets": {
         "imgs": {"format": "image-folder", "source": str(data_dir), "transforms": TRANSFORMS},
         "imgs_uint8": {"format": "image-folder", "source": str(data_dir),
@@ -170,14 +193,18 @@ def measure_w(args: argparse.Namespace, data_dir: Path, cfg_dir: Path, w: int
                                      seed=args.seed, shuffle=True, drop_last=True,
                                      prefetch=args.prefetch, normalize={"image": (MEAN, STD)},
                                      **TRANSPORTS[args.transport])}
-    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in SYSTEMS}
+    spdl = [spdl_name(t) for t in spdl_threads]
+    for t, name in zip(spdl_threads, spdl, strict=True):
+        loaders[name] = SpdlImageLoader(data_dir, args.batch_size, t, seed=args.seed)
+    systems = SYSTEMS + tuple(spdl)
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in systems}
     problems: list[str] = []
     firsts: dict[str, Any] = {}
     try:
         for r in range(args.repeats):
-            order = SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]
+            order = systems if r % 2 == 0 else systems[::-1]
             for name in order:
-                if name.startswith("stoker"):
+                if name.startswith(("stoker", "spdl")):
                     loaders[name].set_epoch(r)
                 m = time_epoch(loaders[name], server.proc.pid)
                 first = m.pop("first")
@@ -190,7 +217,7 @@ def measure_w(args: argparse.Namespace, data_dir: Path, cfg_dir: Path, w: int
                 m["images_per_s"] = m["batches_per_s"] * args.batch_size
                 runs[name].append(m)
                 if not args.json_only:
-                    print(f"  W={w} repeat {r} {LABELS[name]:<20} {m['images_per_s']:8.1f} "
+                    print(f"  W={w} repeat {r} {_label(name):<20} {m['images_per_s']:8.1f} "
                           f"images/s  {m['cpu_ms_per_batch']:7.1f} CPU ms/batch", flush=True)
         # Same seed and epoch: the server's normalize and the client's give the same pixels.
         if not torch.allclose(firsts["stoker"], firsts["stoker_uint8"], atol=1e-4):
@@ -204,7 +231,7 @@ def measure_w(args: argparse.Namespace, data_dir: Path, cfg_dir: Path, w: int
     if code != 0:
         problems.append(f"W={w}: server exit code {code}: {server.stderr[-2000:]}")
     out: dict[str, Any] = {"workers": w, "server_start_s": start_s, "problems": problems}
-    for name in SYSTEMS:
+    for name in systems:
         out[name] = _summary(runs[name])
     # The training node's CPU: DataLoader's main process and workers, against what stoker's
     # client spends there (its servers run elsewhere in a deployment).
@@ -215,6 +242,12 @@ def measure_w(args: argparse.Namespace, data_dir: Path, cfg_dir: Path, w: int
     out["ratio_images_per_s"] = {
         name: out[name]["images_per_s"]["median"] / out["dataloader"]["images_per_s"]["median"]
         for name in SYSTEMS[1:]}
+    if spdl:
+        best = max(spdl, key=lambda n: out[n]["images_per_s"]["median"])
+        dl = out["dataloader"]["images_per_s"]["median"]
+        out["spdl"] = {"threads": spdl_threads, "best": best,
+                       "ratio_images_per_s": {n: out[n]["images_per_s"]["median"] / dl
+                                              for n in spdl}}
     return out
 
 
@@ -232,11 +265,51 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         jpegs = list(data_dir.glob("class_*/*.jpg"))
         res["data"] = {"images": len(jpegs),
                        "mean_jpeg_bytes": sum(p.stat().st_size for p in jpegs) / len(jpegs)}
+        spdl_w = max(args.workers)
+        res["spdl"] = _spdl_plan(args, spdl_w)
         res["sweep"] = [measure_w0(args, data_dir) if w == 0 else
-                        measure_w(args, data_dir, tmp, w) for w in args.workers]
+                        measure_w(args, data_dir, tmp, w,
+                                  res["spdl"].get("threads", []) if w == spdl_w else [])
+                        for w in args.workers]
+        if "skipped" not in res["spdl"]:
+            _spdl_best(res)
     res["check_problems"] = [p for s in res["sweep"] for p in s["problems"]]
     res["server_exit_code"] = 0  # per-W exit codes are checked into check_problems
     return res
+
+
+def _spdl_plan(args: argparse.Namespace, spdl_w: int) -> dict[str, Any]:
+    """Where and how SPDL runs in this sweep, or why it does not."""
+    if not args.spdl_threads:
+        return {"skipped": "--spdl-threads 0"}
+    if spdl_w == 0:
+        return {"skipped": "no W >= 1 in --workers (SPDL runs beside the largest W)"}
+    reason = unavailable()
+    if reason:
+        print(f"SPDL left out: {reason}", file=sys.stderr, flush=True)
+        return {"skipped": reason}
+    return {"version": spdl_version(), "threads": args.spdl_threads, "at_workers": spdl_w}
+
+
+def _spdl_best(res: dict[str, Any]) -> None:
+    """res["spdl"] gains SPDL's best thread count, its images/s, and every other system's
+    images/s over it, in the block it ran beside."""
+    plan = res["spdl"]
+    block = next(s for s in res["sweep"] if s["workers"] == plan["at_workers"])
+    rate = block[block["spdl"]["best"]]["images_per_s"]["median"]
+    plan.update(best=block["spdl"]["best"], images_per_s=rate, others_over_best={
+        n: block[n]["images_per_s"]["median"] / rate for n in SYSTEMS if n in block})
+
+
+def spdl_summary(res: dict[str, Any]) -> str:
+    """One sentence: SPDL's best thread count against the other systems at its W."""
+    plan = res["spdl"]
+    if "skipped" in plan:
+        return f"SPDL not measured: {plan['skipped']}."
+    others = ", ".join(f"{_label(n)} {x:.2f}x" for n, x in plan["others_over_best"].items())
+    return (f"SPDL {plan['version']} best of {'/'.join(map(str, plan['threads']))} threads: "
+            f"{_label(plan['best'])}, {plan['images_per_s']:.1f} images/s at "
+            f"W={plan['at_workers']}; the others' images/s over it: {others}.")
 
 
 def report(res: dict[str, Any]) -> str:
@@ -252,13 +325,15 @@ def report(res: dict[str, Any]) -> str:
              "", f"{'W':>3}  {'system':<34}{'images/s':>10}{'[min, max]':>18}"
              f"{'vs DataLoader':>15}{'CPU ms/batch':>14}"]
     for s in res["sweep"]:
-        for name in (n for n in SYSTEMS if n in s):
+        ratios = {**s["ratio_images_per_s"], **s.get("spdl", {}).get("ratio_images_per_s", {})}
+        for name in systems_in(s):
             i = s[name]["images_per_s"]
-            ratio = f"{s['ratio_images_per_s'][name]:.2f}x" if name != "dataloader" else ""
+            ratio = f"{ratios[name]:.2f}x" if name != "dataloader" else ""
             spread = f"[{i['min']:.0f}, {i['max']:.0f}]"
-            lines.append(f"{s['workers']:>3}  {LABELS[name]:<34}{i['median']:>10.1f}"
+            lines.append(f"{s['workers']:>3}  {_label(name):<34}{i['median']:>10.1f}"
                          f"{spread:>18}{ratio:>15}"
                          f"{s[name]['cpu_ms_per_batch']['median']:>14.1f}")
+    lines += ["", spdl_summary(res)]
     lines += ["", "training-node CPU: stoker's client process / DataLoader's main process + "
                   "workers, CPU ms per batch:"]
     for s in res["sweep"]:
@@ -269,9 +344,9 @@ def report(res: dict[str, Any]) -> str:
             s["trainer_cpu_vs_dataloader_node"].items()))
     lines += ["", "CPU ms/batch by role (medians):"]
     for s in res["sweep"]:
-        for name in (n for n in SYSTEMS if n in s):
+        for name in systems_in(s):
             roles = s[name]["cpu_ms_per_batch_by_role"]
-            lines.append(f"  W={s['workers']} {LABELS[name]:<34}" + ", ".join(
+            lines.append(f"  W={s['workers']} {_label(name):<34}" + ", ".join(
                 f"{r} {roles[r]:.1f}" for r in ROLES if roles[r] >= 0.05))
     if res["check_problems"]:
         lines += ["", "CHECK FAILED:"] + [f"  - {x}" for x in res["check_problems"]]
@@ -292,12 +367,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="how stoker batches reach this process: shm (same-host shared memory, "
                          "the default on one host), grpc (frames, as between machines without "
                          "the data socket), socket (data_socket=True, as between machines)")
+    ap.add_argument("--spdl-threads", type=int, nargs="+", default=[1, 2, 4, 8],
+                    help="SPDL's thread counts, each measured beside the largest W (0: leave "
+                         "SPDL out)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data-dir", help="use (or fill) this folder of JPEGs")
     args = ap.parse_args(argv)
     settle(args, QUICK, FULL)
     if min(args.workers) < 0:
         ap.error("--workers values must be >= 0")
+    if min(args.spdl_threads) < 0 or (0 in args.spdl_threads and len(args.spdl_threads) > 1):
+        ap.error("--spdl-threads: thread counts >= 1, or 0 alone to leave SPDL out")
+    args.spdl_threads = [t for t in args.spdl_threads if t > 0]
     if args.images // args.batch_size < 2:
         ap.error("need at least 2 batches per epoch (one warm-up, one timed)")
     return args

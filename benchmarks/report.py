@@ -52,24 +52,30 @@ def _plot_name(stem: str, parameters: dict[str, Any]) -> str:
 def pipeline(r: dict[str, Any], plots: Path) -> list[str]:
     labels = {"dataloader": "torch DataLoader", "stateful": "torchdata StatefulDataLoader",
               "stoker": "stoker", "stoker_uint8": "stoker, uint8 + client normalize"}
-    rows, series = [], {}
+    rows, series, legend = [], {}, dict(labels)
     for s in r["sweep"]:
-        for name, label in labels.items():
+        spdl = s.get("spdl", {})  # SPDL's thread counts, in the block it ran beside
+        ratios = {**s["ratio_images_per_s"], **spdl.get("ratio_images_per_s", {})}
+        for name in [*labels, *spdl.get("ratio_images_per_s", {})]:
             if name not in s:
                 continue
-            ratio = s["ratio_images_per_s"].get(name)
+            label = labels.get(name) or _spdl_label(name, spdl["best"])
+            ratio = ratios.get(name)
             rows.append([s["workers"], label, _spread(s[name]["images_per_s"]),
                          f"{ratio:.2f}x" if ratio else "",
                          f"{s[name]['cpu_ms_per_batch']['median']:.1f}"])
-            series.setdefault(name, []).append((s["workers"], s[name]["images_per_s"]))
+            if name in labels or name == spdl["best"]:  # the plot: SPDL's best only
+                legend[name] = label
+                series.setdefault(name, []).append((s["workers"], s[name]["images_per_s"]))
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     for name, pts in series.items():
         w = [p[0] for p in pts]
         med = [p[1]["median"] for p in pts]
         err = [[p[1]["median"] - p[1]["min"] for p in pts],
                [p[1]["max"] - p[1]["median"] for p in pts]]
-        ax.errorbar(w, med, yerr=err, marker="o", capsize=4, label=labels[name])
-    ax.set_xlabel("worker processes W")
+        ax.errorbar(w, med, yerr=err, marker="o" if len(pts) > 1 else "D", capsize=4,
+                    label=legend[name])
+    ax.set_xlabel("worker processes W (SPDL: threads in the training process, all cores)")
     ax.set_ylabel("images/s (median, min-max)")
     ax.set_xticks(sorted({s["workers"] for s in r["sweep"]}))
     ax.legend()
@@ -80,7 +86,32 @@ def pipeline(r: dict[str, Any], plots: Path) -> list[str]:
             f"stoker batches via {TRANSPORT_LABELS[transport_of(p)]}.",
             "", *_table(["W", "system", "images/s median [min, max]", "vs DataLoader",
                          "CPU ms/batch, all processes"], rows),
-            _save(fig, plots, _plot_name("pipeline", p)), ""]
+            _spdl_note(r), "", _save(fig, plots, _plot_name("pipeline", p)), ""]
+
+
+def _spdl_label(name: str, best: str) -> str:
+    t = int(name.removeprefix("spdl_t"))
+    return f"SPDL, {t} thread{'s' * (t > 1)}" + (" (best)" if name == best else "")
+
+
+def _spdl_note(r: dict[str, Any]) -> str:
+    """How SPDL ran in this pipeline run, and its best thread count against the others."""
+    plan = r.get("spdl", {"skipped": "this run predates the SPDL peer"})
+    if "skipped" in plan:
+        return f"SPDL not measured: {plan['skipped']}."
+    cores = r["machine"]["cpus_usable"]
+    where = (", where every system has all cores" if plan["at_workers"] >= cores else
+             f" (fewer workers than the {cores} cores: SPDL's threads may use them all)")
+    short = {"dataloader": "DataLoader", "stateful": "StatefulDataLoader", "stoker": "stoker",
+             "stoker_uint8": "stoker uint8"}
+    against = ", ".join(f"{short[n]} {x:.2f}x" for n, x in plan["others_over_best"].items())
+    return (f"SPDL {plan['version']} (benchmarks/spdl_peer.py: its thread pipeline, FFmpeg "
+            "decode with a crop/scale/flip filter graph, `aggregate`, one conversion and "
+            "normalisation per batch) runs on threads of the training process, so it is "
+            f"measured beside W={plan['at_workers']}{where}, at "
+            f"{'/'.join(map(str, plan['threads']))} threads. Its best, "
+            f"{_spdl_label(plan['best'], '')} at {plan['images_per_s']:.0f} images/s, against "
+            f"the others there (their images/s / SPDL's): {against}.")
 
 
 def trainer_cpu(r: dict[str, Any], plots: Path) -> list[str]:
@@ -311,10 +342,10 @@ def write_report(results: Path, page: Path) -> Path:
              "per scenario, on the machine described here. Machines differ and are noisy: "
              "compare ratios, not absolute rates, across machines.", "",
              "Peers: torch `DataLoader` and torchdata's `StatefulDataLoader` run the same "
-             "pipelines. SPDL (`spdl`, `spdl_io` 0.8 install from the registry) is not included "
-             "yet: its thread pipeline would need the same transforms written in its own API "
-             "around `spdl.io`'s decoder, which has not been done; torchdata's nodes API is "
-             "a composition layer over the same workers and is left out as a duplicate.", "",
+             "pipelines; in the image pipeline, so does Meta's SPDL 0.8 (its thread pipeline "
+             "around `spdl.io`'s FFmpeg decoder and filter graphs, swept over its thread "
+             "count). torchdata's nodes API is a composition layer over the same workers and "
+             "is left out as a duplicate.", "",
              f"Machine: {machine.get('cpus_usable', '?')} usable CPUs, "
              f"{machine.get('platform', '?')}, Python {machine.get('python', '?')}.", ""]
     for key, title, section in SECTIONS:
