@@ -192,3 +192,12 @@ def test_a_python_dataset_with_prepare_and_its_own_sample_is_refused(tmp_path: P
         "prepare": "prefix_datasets:prepare"}}})
     with pytest.raises(RuntimeError, match="prepare"):
         ServerProcess(config, workers=1, env=server_env()).start()
+
+
+def test_a_misspelled_cache_key_is_named_with_the_closest_one(tmp_path: Path) -> None:
+    from stoker.server import ConfigError, load_config
+
+    config = write_config(tmp_path / "c.yaml", {"cache": {"decoded_byte": "1GiB"}, "datasets": {
+        "a": {"format": "python", "factory": "m:f"}}})
+    with pytest.raises(ConfigError, match=r"cache\.decoded_byte: .*did you mean 'decoded_bytes'"):
+        load_config(config)
