@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from ._shm import _alive  # the same test as for segments: a server that is gone
 from .sources.cache import file_lock
 
 log = logging.getLogger("stoker.server")
@@ -105,16 +106,6 @@ def sweep(settings: Any) -> int:
                 shutil.rmtree(path, ignore_errors=True)
                 removed += 1
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _pages(n: int) -> int:
