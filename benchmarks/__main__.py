@@ -35,6 +35,10 @@ SCENARIOS: dict[str, tuple[str, list[str], list[str]]] = {
     "stall": ("stall.py", [], ["--quick"]),
     "startup": ("startup.py", [], ["--quick"]),
     "memory": ("memory.py", [], ["--quick"]),
+    # The same server's memory with the prefix cache filled by an image dataset (issue 17).
+    "memory_prefix_cache": ("memory.py", ["--prefix-cache"], ["--quick", "--prefix-cache"]),
+    # The held-out pipeline's epoch 0 (cold) against epoch 1 (prefix cache warm).
+    "prefix_cache": ("prefix_cache.py", [], ["--quick"]),
     "scale": ("scale.py", [], ["--quick"]),
     "s3": ("storage.py", [], ["--quick"]),
     "packing": ("packing.py", [], ["--quick"]),

@@ -91,6 +91,13 @@ class CacheSettings(_Strict):
     # Objects each worker fetches ahead of the batches that need them (the epoch's order is
     # known), at most this many bytes in flight.
     prefetch_bytes: ByteSize = Field(ByteSize(256 << 20), ge=0)
+    # -- issue 17, the prefix cache (server/_prefix_cache.py): what each pipeline computes
+    # before its first random step (decoded, resized pixels; a python dataset's `prepare`),
+    # kept across epochs and jobs, shared by the workers. 0: none kept in memory.
+    decoded_bytes: ByteSize = Field(ByteSize(0), ge=0, description="in /dev/shm, e.g. 8GiB")
+    # Entries evicted from memory go to disk, up to spill_bytes (0: they are dropped).
+    spill_bytes: ByteSize = Field(ByteSize(0), ge=0, description="e.g. 100GiB")
+    spill_dir: ConfigPath | None = Field(None, description="local disk; default: dir/prefix")
 
 
 # fn(sample: dict of arrays, rng: numpy Generator) -> dict, applied to every sample after the
@@ -156,6 +163,10 @@ class PythonDataset(_Strict):
     factory: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$",
                          description='"module:callable", importable on the server')
     options: dict[str, Any] = Field(default_factory=dict)
+    # fn(dataset[i]) -> a sample: deterministic work (decode, resize) whose output the prefix
+    # cache keeps (cache.decoded_bytes); `transform:` then runs on it every epoch.
+    prepare: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$",
+                                description='"module:callable", importable on the server')
     # The names of the values a sample tuple holds, in order (default "0", "1", ...).
     fields: Annotated[list[str] | None, AfterValidator(_field_names)] = None
     on_error: Literal["raise", "skip"] = "raise"

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 REPORT_TTL = 60.0  # seconds a client's stall report counts after it was sent
 WINDOW = 10.0  # seconds over which /v1/stats computes live rates
@@ -66,6 +67,7 @@ class Metrics:
         building = Gauge("stoker_building_batches", "Batches handed to workers", registry=r)
         building.set_function(lambda: status()["building"])
         r.register(_PoolCounters(status))
+        r.register(_PrefixCacheMetrics(os.getpid()))
         self._lock = threading.Lock()
         self._reports: dict[int, tuple[str, float, float]] = {}  # stream -> dataset, stall, t
         self._stall_datasets: set[str] = set()  # datasets that ever had a stall reported
@@ -188,3 +190,34 @@ class _PoolCounters:
         yield CounterMetricFamily("stoker_worker_timeouts", "Workers killed and replaced for "
                                   "a batch not built within batch_timeout_seconds",
                                   value=self._status().get("timeouts", 0))
+
+
+class _PrefixCacheMetrics:
+    """The prefix cache's counters (server/_prefix_cache.py), by tier: the workers keep them
+    in shared files, read at each scrape. Absent while the server keeps no prefix cache."""
+
+    def __init__(self, server_pid: int) -> None:
+        self._pid = server_pid
+
+    def describe(self) -> list[Any]:
+        return []  # known only at a scrape: the cache may or may not be configured
+
+    def collect(self) -> Any:
+        from ._prefix_cache import read_stats
+
+        stats = read_stats(self._pid)
+        if not stats:
+            return
+        tiers = ("memory", "disk")
+        for what, doc in (("hits", "Prefixes read from the prefix cache"),
+                          ("misses", "Prefixes looked for in the prefix cache and not found")):
+            family = CounterMetricFamily(f"stoker_prefix_cache_{what}", f"{doc}, by tier",
+                                         labels=["tier"])
+            for tier in tiers:
+                family.add_metric([tier], stats[f"{tier}_{what}"])
+            yield family
+        held = GaugeMetricFamily("stoker_prefix_cache_bytes", "Bytes the prefix cache holds, "
+                                 "by tier", labels=["tier"])
+        for tier in tiers:
+            held.add_metric([tier], stats[f"{tier}_bytes"])
+        yield held

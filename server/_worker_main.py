@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _messages as msg
-from . import _shm, _tracebacks
+from . import _prefix_cache, _shm, _tracebacks
 from ._batch import BatchTooLarge, SampleError, build_batch, probe_fields
 from ._fingerprint import Fingerprint, fingerprint
 from ._sampling import Ordering
@@ -49,6 +49,7 @@ def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int,
         from .sources.cache import DiskCache
 
         cache = DiskCache(config.cache.dir, int(config.cache.max_bytes))
+    prefix_cache = _prefix_cache.open_for_worker(config.cache)  # None: not configured
     datasets: dict[str, DatasetParts] = {}
     meta: dict[str, msg.DatasetMeta] = {}
     prints: dict[str, Fingerprint] = {}
@@ -58,6 +59,8 @@ def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int,
             # Before the probe, which only this worker makes: every worker's view is of
             # the same steps.
             prints[name] = fingerprint(config.datasets[name], ds)
+            if prefix_cache is not None and ds.use_prefix_cache is not None:
+                ds.use_prefix_cache(prefix_cache.scope(prints[name].digest))
             if probe:
                 meta[name] = _describe(name, ds, config, prints[name], meta)
         except Exception as e:

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _shm
+from . import _prefix_cache, _shm
 from ._batch import BuiltBatch
 from ._fingerprint import Fingerprint
 from ._messages import (
@@ -136,6 +136,7 @@ class WorkerPool:
 
         Raises StartError; call close() in any case, to stop those that did start."""
         orphans = _shm.sweep()
+        _prefix_cache.sweep(self._config.cache)  # issue 17: caches of servers that died
         if orphans:
             log.warning("removed %d shared-memory segments left by servers that died", orphans)
         for i in range(self._n):
@@ -195,6 +196,7 @@ class WorkerPool:
             self._queue.clear()
         # Whatever a stream or a worker still held: nothing of ours outlives the server.
         _shm.sweep(os.getpid())
+        _prefix_cache.remove(self._config.cache, os.getpid())
 
     def release(self, batch: BuiltBatch, reuse: bool = True) -> None:
         """The front end is done with a built batch (sent, or nobody wants it): its segment

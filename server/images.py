@@ -22,6 +22,16 @@ torchvision's default), bilinear when enlarging or with `antialias: false`; it m
 whole source pixels (a shift of under half a pixel). `horizontal_flip` mirrors the planned
 box; `normalize` writes float CHW straight from the uint8 pixels, one pass per channel.
 
+The pipeline is cut at its first random step (`random_resized_crop`, `horizontal_flip`): the
+prefix (the decode and the `resize` and `center_crop` steps listed before it) is planned and
+resampled as above, into uint8 pixels; the rest is planned on those pixels and resampled once
+more. The prefix depends on the image alone, so the server may keep its pixels across epochs
+and jobs (cache.decoded_bytes, server/_prefix_cache.py); the cut is made whether or not a
+cache is configured, so that the output is the same either way. So a JPEG is decoded at
+reduced DCT scale only as far as the prefix allows (a random crop is taken from the decoded
+pixels), and `resize` then `random_resized_crop` resamples twice. `normalize` is never in the
+prefix: uint8 pixels are a quarter of float32's bytes, and it costs one pass.
+
 Randomness comes only from the generator passed in, which the server seeds from (seed, epoch,
 sample index): the same sample in the same epoch is augmented identically everywhere.
 """
@@ -189,25 +199,39 @@ def _resample(pixels: np.ndarray, box: tuple[float, float, float, float], width:
                       interpolation=cv2.INTER_AREA if shrink else cv2.INTER_LINEAR)
 
 
+# Steps that draw nothing from the generator: a pipeline's leading run of them is its prefix.
+DETERMINISTIC = frozenset({"resize", "center_crop"})
+PREFIX_VERSION = 1  # part of every cache key: a change to how the prefix is computed
+
+
 class ImagePipeline:
     """Encoded image bytes -> the output array of a `transforms:` list (or a plain resize).
 
     `steps`: (name, arguments) pairs, validated by the config (see _config.py): geometric
     steps in any order, `normalize` at most once and last; none at all: the image at its
     native size. `layout` applies to uint8 output; normalized output is always CHW.
-    Thread-safe: holds no mutable state.
+    Thread-safe, apart from `use_cache`, called once before any sample.
 
     Unless a step fixes the output size (`center_crop`, `random_resized_crop`, `resize` to
     [height, width]), images keep sizes of their own: `fixed_size` is False, the output is a
     `Padded` array (padded to the batch's largest when collated, see _batch.py), and `write`
     adds the field `<name>_size`, the image's (height, width) before padding.
+
+    The prefix (see the module's docstring) is `prefix(data)`; `cached(index)` is sample
+    `index`'s prefix from the cache given to `use_cache`, if there.
     """
 
     def __init__(self, steps: Sequence[tuple[str, Any]], layout: str = "chw") -> None:
-        self.geometry = [(_GEOMETRY[name], args) for name, args in steps if name != "normalize"]
+        geometry = [(name, args) for name, args in steps if name != "normalize"]
+        cut = next((i for i, (name, _) in enumerate(geometry) if name not in DETERMINISTIC),
+                   len(geometry))
+        self.head = [(_GEOMETRY[name], args) for name, args in geometry[:cut]]
+        self.tail = [(_GEOMETRY[name], args) for name, args in geometry[cut:]]
         norm = [args for name, args in steps if name == "normalize"]
-        # One resample serves every step: antialiased unless a step says otherwise.
+        # Every resample, the prefix's and the rest's: antialiased unless a step says otherwise.
         self.antialias = all(getattr(args, "antialias", True) for _, args in steps)
+        # What the prefix computes, for cache keys: equal text, equal pixels.
+        self.prefix_spec = repr((PREFIX_VERSION, geometry[:cut], self.antialias))
         self.layout = "chw" if norm else layout
         self.dtype = np.dtype(norm[0].dtype) if norm else np.dtype(np.uint8)
         if norm:
@@ -220,34 +244,70 @@ class ImagePipeline:
         self.fixed_size = any(name in ("center_crop", "random_resized_crop")
                               or (name == "resize" and not isinstance(args.size, int))
                               for name, args in steps)
+        self.cache: Any = None  # a _prefix_cache.Scope, given by use_cache
+
+    def use_cache(self, scope: Any) -> None:
+        """Keep prefixes in `scope` (a _prefix_cache.Scope), by sample index."""
+        self.cache = scope
 
     def output_names(self, name: str) -> list[str]:
         """The fields `write` adds for an image field called `name`."""
         return [name] if self.fixed_size else [name, f"{name}_size"]
 
-    def write(self, out: dict[str, Any], name: str, data: bytes,
-              rng: np.random.Generator) -> None:
+    def cached(self, index: int) -> np.ndarray | None:
+        """Sample `index`'s prefix, if the cache holds it (None without a cache)."""
+        if self.cache is None:
+            return None
+        hit = self.cache.get(index)
+        return None if hit is None else hit["pixels"]
+
+    def write(self, out: dict[str, Any], name: str, data: bytes | None,
+              rng: np.random.Generator, index: int | None = None,
+              prefix: np.ndarray | None = None) -> None:
         """Decode and transform `data` into `out[name]`, and, when sizes vary, its (height,
-        width) into `out[name + "_size"]` (int64[2])."""
-        image = self(data, rng)
+        width) into `out[name + "_size"]` (int64[2]). `prefix`: the prefix, as `cached(index)`
+        gave it (then `data` is not read); else it is computed from `data` and, with a cache,
+        kept under `index`."""
+        if prefix is None:
+            if data is None:
+                raise ValueError("no image bytes")
+            prefix = self.prefix(data)
+            if self.cache is not None and index is not None:
+                self.cache.put(index, {"pixels": prefix})
+        image = self.rest(prefix, rng)
         out[name] = image
         if not self.fixed_size:
             h, w = image.shape[1:] if self.layout == "chw" else image.shape[:2]
             out[f"{name}_size"] = np.array([h, w], np.int64)
 
     def __call__(self, data: bytes, rng: np.random.Generator) -> np.ndarray:
+        return self.rest(self.prefix(data), rng)
+
+    def prefix(self, data: bytes) -> np.ndarray:
+        """The prefix's RGB uint8 HWC pixels: one plan of the leading deterministic steps,
+        decoded at the largest DCT scale that plan allows, resampled once."""
         width, height, jpeg = _source_size(data)
         plan = _Plan((0.0, 0.0, float(width), float(height)), width, height)
-        for step, args in self.geometry:
-            step(plan, args, rng)
+        for step, args in self.head:
+            step(plan, args, None)  # deterministic steps draw nothing
         x0, y0, x1, y1 = plan.box
         # The largest DCT scale that still leaves the box at least as large as the output.
         factor = next((f for f in DCT_FACTORS if (x1 - x0) / f >= plan.width
                        and (y1 - y0) / f >= plan.height), 1)
         pixels = _decode(data, width, height, jpeg, factor)
         sx, sy = pixels.shape[1] / width, pixels.shape[0] / height
-        pixels = _resample(pixels, (x0 * sx, y0 * sy, x1 * sx, y1 * sy), plan.width,
-                           plan.height, self.antialias)
+        return _resample(pixels, (x0 * sx, y0 * sy, x1 * sx, y1 * sy), plan.width,
+                         plan.height, self.antialias)
+
+    def rest(self, pixels: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """The output array from the prefix's pixels: the steps from the first random one
+        on, planned on those pixels, one resample (none if they keep the size), normalize."""
+        height, width = pixels.shape[:2]
+        plan = _Plan((0.0, 0.0, float(width), float(height)), width, height)
+        for step, args in self.tail:
+            step(plan, args, rng)
+        if self.tail:
+            pixels = _resample(pixels, plan.box, plan.width, plan.height, self.antialias)
         if plan.flip:
             pixels = pixels[:, ::-1]
         out = self._output(pixels)
@@ -259,7 +319,9 @@ class ImagePipeline:
         """RGB HWC pixels -> the output array."""
         if not self.normalize:
             out = hwc.transpose(2, 0, 1) if self.layout == "chw" else hwc
-            return np.ascontiguousarray(out)  # also writable: torch warns on read-only arrays
+            # Writable (torch warns on read-only arrays): cached prefixes are mapped
+            # copy-on-write, so they are too.
+            return np.ascontiguousarray(out)
         out = np.empty((3, *hwc.shape[:2]), self.dtype)
         for c in range(3):  # one pass per channel, no float HWC temporary
             np.multiply(hwc[:, :, c], self.scale[c], out=out[c], casting="unsafe")

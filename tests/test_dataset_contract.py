@@ -25,16 +25,17 @@ from stoker.server.formats import _READERS, OPTIONAL, DatasetParts, open_dataset
 
 # The optional parts each format has; a new format says here which it has.
 SHARDED = {"source_of", "shard_starts", "objects_of", "storage"}
+IMAGES = {"sample", "use_prefix_cache"}  # formats that may hold images (issue 17)
 EXPECTED = {
-    "image-folder": {"sample", "source_of", "objects_of", "storage"},
+    "image-folder": {"source_of", "objects_of", "storage"} | IMAGES,
     "jsonl": SHARDED,
     "tokens": SHARDED,
     "memmap": SHARDED,
-    "tar": SHARDED | {"sample"},
-    "parquet": SHARDED | {"sample"},
+    "tar": SHARDED | IMAGES,
+    "parquet": SHARDED | IMAGES,
     "text": {"sample", "source_of", "objects_of", "storage"},
-    "mds": SHARDED | {"sample"},
-    "litdata": SHARDED | {"sample"},
+    "mds": SHARDED | IMAGES,
+    "litdata": SHARDED | IMAGES,
 }
 
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from .._prefix_cache import use_cache
 from .._sampling import EpochKey
 from ..images import image_pipeline
 from ..sources import Storage
@@ -126,11 +127,15 @@ class _Field:
         self.output_names = ([name, f"{name}_length"] if text
                              else self.pipeline.output_names(name) if self.pipeline else [name])
 
-    def convert(self, data: bytes, out: dict[str, Any], rng: np.random.Generator) -> None:
-        value = self.column.decode(data)
+    def convert(self, data: bytes, out: dict[str, Any], rng: np.random.Generator,
+                index: int = 0) -> None:
         if self.pipeline is not None:
-            self.pipeline.write(out, self.name, value, rng)
-        elif self.max_bytes is not None:
+            prefix = self.pipeline.cached(index)
+            value = None if prefix is not None else self.column.decode(data)
+            self.pipeline.write(out, self.name, value, rng, index, prefix)
+            return
+        value = self.column.decode(data)
+        if self.max_bytes is not None:
             if len(value) > self.max_bytes:  # cut, at a character boundary for str columns
                 value = value[: self.max_bytes]
                 if self.column.encoding in ("str", "text"):
@@ -250,12 +255,15 @@ class ChunkedDataset:
         out: dict[str, Any] = {}
         for field, p in zip(self.fields, self._positions, strict=True):
             try:
-                field.convert(bytes(parts[p]), out, rng)
+                field.convert(bytes(parts[p]), out, rng, index)
             except Exception as e:
                 c = field.column
                 raise ValueError(f"{where}: column {c.name!r} (encoding {c.encoding!r}): "
                                  f"{type(e).__name__}: {e}") from e
         return out
+
+    def use_prefix_cache(self, scope: Any) -> None:
+        use_cache(scope, [(f.name, f.pipeline) for f in self.fields])
 
     def source_of(self, index: int) -> str:
         shard, pos = self.shards.locate(index)

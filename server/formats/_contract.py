@@ -59,6 +59,11 @@ class DatasetParts:
     # at open (jsonl and parquet with `length_column`); called once, by the worker that
     # describes the dataset. Token budgets (`batch_tokens`, server/_token_batches.py) need it.
     sample_lengths: Callable[[], np.ndarray] | None = None
+    # use_prefix_cache(scope): keep what the dataset computes before its first random step
+    # (image decodes, a python dataset's `prepare`) in the server's prefix cache, where
+    # scope(stage, spec) -> a _prefix_cache.Scope of one stage's entries (`spec`: its config).
+    # Given once, after the fingerprint is known (server/_prefix_cache.py).
+    use_prefix_cache: Callable[[Callable[[str, str], Any]], None] | None = None
 
     @classmethod
     def of(cls, dataset: Dataset) -> DatasetParts:

@@ -138,13 +138,17 @@ class ImageFolder:
 
     def sample(self, index: int, key: EpochKey) -> dict[str, np.ndarray | np.int64]:
         out: dict[str, np.ndarray | np.int64] = {}
-        self.pipeline.write(out, "image", self.storage.read(str(self.keys[index])),
-                            key.rng(index))
+        prefix = self.pipeline.cached(index)  # then the file is not read
+        data = None if prefix is not None else self.storage.read(str(self.keys[index]))
+        self.pipeline.write(out, "image", data, key.rng(index), index, prefix)
         out["label"] = self.labels[index]
         return out
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray | np.int64]:
         return self.sample(index, EpochKey())
+
+    def use_prefix_cache(self, scope: Any) -> None:
+        self.pipeline.use_cache(scope("image", self.pipeline.prefix_spec))
 
     def source_of(self, index: int) -> str:
         return self.storage.where(str(self.keys[index]))

@@ -389,7 +389,9 @@ class Parquet:
                                  f"not fit {field.dtype}")
             if field.pipeline is not None:
                 try:
-                    field.pipeline.write(out, field.name, column.values[row].as_py(), rng)
+                    prefix = field.pipeline.cached(index)
+                    data = None if prefix is not None else column.values[row].as_py()
+                    field.pipeline.write(out, field.name, data, rng, index, prefix)
                 except Exception as e:
                     raise ValueError(f"field {field.name!r}: column {field.col!r}: cannot "
                                      f"decode image: {type(e).__name__}: {e}") from e
@@ -405,6 +407,11 @@ class Parquet:
             else:
                 out[field.name] = column.values[row].copy()  # the row group is dropped later
         return out
+
+    def use_prefix_cache(self, scope: Any) -> None:
+        from .._prefix_cache import use_cache
+
+        use_cache(scope, [(f.name, f.pipeline) for f in self.fields])
 
     def source_of(self, index: int) -> str:
         g, row = self.groups.locate(index)

@@ -75,24 +75,52 @@ def open_python(cfg: Any) -> Any:
                         "(sample i by dataset[i])") if hasattr(dataset, "__iter__") else ""
             raise ValueError(f"factory {cfg.factory!r} returned {type(dataset).__name__}, "
                              f"which has no {method}{streamed}")
-    return Samples(dataset, getattr(cfg, "fields", None))
+    prepare = getattr(cfg, "prepare", None)
+    if prepare is not None and callable(getattr(dataset, "sample", None)):
+        raise ValueError(f"factory {cfg.factory!r} returned a dataset with its own "
+                         "sample(i, key), whose samples may change with the epoch: `prepare:` "
+                         "takes dataset[i], which must not. Move the random part into "
+                         "`transform:`, or drop `prepare:`")
+    return Samples(dataset, getattr(cfg, "fields", None),
+                   load_callable(prepare, "prepare") if prepare else None)
 
 
 class Samples:
     """The user's dataset, its samples turned into dicts of numpy arrays and numbers (see the
-    module's docstring); `fields`: the names of a tuple's values, in order."""
+    module's docstring); `fields`: the names of a tuple's values, in order.
 
-    def __init__(self, dataset: Any, fields: Sequence[str] | None = None) -> None:
+    With `prepare`, sample i is `prepare(dataset[i])`, its values as numpy arrays (Python
+    numbers become 0-d arrays, cached or not): deterministic, so the server's prefix cache
+    may keep it (see use_prefix_cache)."""
+
+    def __init__(self, dataset: Any, fields: Sequence[str] | None = None,
+                 prepare: Any = None) -> None:
         self.dataset = dataset
         self.fields = list(fields) if fields else None
         own = getattr(dataset, "sample", None)  # the optional sample(i, key), if it has one
         self._read = own if callable(own) else (lambda i, key: dataset[i])
+        self.prepare = prepare
+        self.cache: Any = None  # a _prefix_cache.Scope, with prepare only
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def sample(self, index: int, key: EpochKey) -> dict[str, Any]:
-        return as_fields(self._read(index, key), self.fields)
+        if self.prepare is None:
+            return as_fields(self._read(index, key), self.fields)
+        hit = self.cache.get(index) if self.cache is not None else None
+        if hit is not None:
+            return hit
+        out = {k: np.asarray(v) for k, v in
+               as_fields(self.prepare(self.dataset[index]), self.fields).items()}
+        if self.cache is not None:
+            self.cache.put(index, out)
+        return out
+
+    def use_prefix_cache(self, scope: Any) -> None:
+        if self.prepare is not None:
+            spec = f"{self.prepare.__module__}:{self.prepare.__qualname__}"
+            self.cache = scope("prepare", spec)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.sample(index, FIRST_EPOCH)

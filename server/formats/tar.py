@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from .._prefix_cache import use_cache
 from .._sampling import EpochKey
 from ..images import image_pipeline
 from ..sources import ObjectInfo, Storage
@@ -113,12 +114,13 @@ class _Field:
         utf8 = self.decode == "utf8" or (self.json is not None and self.json.utf8)
         return [self.name, f"{self.name}_length"] if utf8 else [self.name]
 
-    def convert(self, data: bytes, out: dict[str, Any], rng: np.random.Generator,
-                parsed: dict[int, Any]) -> None:
+    def convert(self, data: bytes | None, out: dict[str, Any], rng: np.random.Generator,
+                parsed: dict[int, Any], index: int, prefix: np.ndarray | None = None) -> None:
         """Decode `data` into `out`; `parsed` holds JSON documents already parsed, by member
-        id, for fields that read the same member."""
+        id, for fields that read the same member. `prefix`: an image's cached prefix (then
+        `data` is None)."""
         if self.pipeline is not None:
-            self.pipeline.write(out, self.name, data, rng)
+            self.pipeline.write(out, self.name, data, rng, index, prefix)
         elif self.json is not None:
             if id(data) not in parsed:
                 parsed[id(data)] = json.loads(data)
@@ -351,7 +353,8 @@ class Tar:
         parsed: dict[int, Any] = {}
         for field, m in zip(self.fields, self.member_of, strict=True):
             member = f"{key}.{field.ext}"
-            if m not in members:
+            prefix = field.pipeline.cached(index) if field.pipeline is not None else None
+            if prefix is None and m not in members:
                 size = int(self.sizes[index, m])
                 if size < 0:
                     raise ValueError(f"sample {key!r} has no member {member!r}")
@@ -363,11 +366,14 @@ class Tar:
                                    f"byte {int(self.offsets[index, m])}; the shard is "
                                    "truncated")
             try:
-                field.convert(members[m], out, rng, parsed)
+                field.convert(members.get(m), out, rng, parsed, index, prefix)
             except Exception as e:
                 raise ValueError(f"member {member!r}: cannot decode {field.decode}: "
                                  f"{type(e).__name__}: {e}") from e
         return out
+
+    def use_prefix_cache(self, scope: Any) -> None:
+        use_cache(scope, [(f.name, f.pipeline) for f in self.fields])
 
     @staticmethod
     def _pread(fd: _Fd, size: int, offset: int) -> bytes:
