@@ -201,6 +201,18 @@ class ResizeArgs(_Strict):
         description="int: the shorter side (aspect kept); [height, width]: exactly")
     antialias: bool = Field(True, description="false: plain bilinear, faster, aliases")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _short(cls, v: Any) -> Any:
+        """`short: 256` is `size: 256` (the shorter side, FFCV's "max resolution" spelling)."""
+        if isinstance(v, dict) and "short" in v:
+            if "size" in v:
+                raise ValueError("give either size or short, not both")
+            if not isinstance(v["short"], int) or isinstance(v["short"], bool):
+                raise ValueError(f"short: the shorter side in pixels, one int, got {v['short']!r}")
+            v = {("size" if k == "short" else k): x for k, x in v.items()}
+        return v
+
     @field_validator("size")
     @classmethod
     def _positive(cls, v: Any) -> Any:

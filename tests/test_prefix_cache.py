@@ -61,7 +61,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                    root / "parquet" / "0.parquet", row_group_size=5)
     return {
         "folder": {"format": "image-folder", "source": str(root / "folder"),
-                   "transforms": [{"resize": {"size": 32}}, *AUGMENT]},
+                   "transforms": [{"resize": {"short": 32}}, *AUGMENT]},
         "native": {"format": "image-folder", "source": str(root / "folder")},
         "tar": {"format": "tar", "source": str(root / "tar"), "fields": {
             "image": {"ext": "jpg", "decode": "image", "transforms": AUGMENT},
