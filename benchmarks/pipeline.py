@@ -68,7 +68,7 @@ QUICK = {"images": 192, "batch_size": 16, "repeats": 1}
 SYSTEMS = ("dataloader", "stateful", "stoker", "stoker_uint8")
 # --transport: the RemoteLoader arguments for each way batches can reach the trainer.
 TRANSPORTS = {"shm": {"shared_memory": True}, "grpc": {"shared_memory": False},
-              "socket": {"shared_memory": False, "data_socket": True}}
+              "socket": {"shared_memory": False}}  # the default between machines
 
 LABELS = {"dataloader": "torch DataLoader", "stateful": "torchdata StatefulDataLoader",
           "stoker": "stoker RemoteLoader", "stoker_uint8": "stoker, uint8 + client normalize"}
@@ -366,7 +366,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--transport", choices=sorted(TRANSPORTS), default="shm",
                     help="how stoker batches reach this process: shm (same-host shared memory, "
                          "the default on one host), grpc (frames, as between machines without "
-                         "the data socket), socket (data_socket=True, as between machines)")
+                         "the data socket), socket (shared_memory=False: the default path "
+                         "between machines, the data connection)")
     ap.add_argument("--spdl-threads", type=int, nargs="+", default=[1, 2, 4, 8],
                     help="SPDL's thread counts, each measured beside the largest W (0: leave "
                          "SPDL out)")

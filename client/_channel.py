@@ -9,7 +9,7 @@
 
 The token (argument, else the STOKER_TOKEN environment variable) goes out as
 `authorization: Bearer <token>` metadata on every call, by a client interceptor, so no call
-site can forget it.
+site can forget it. The data connections (client/_datalink.py) use the same settings.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
+from ._datalink import DataLink, client_context
 
 TOKEN_ENV = "STOKER_TOKEN"
 TLS_KEYS = ("ca", "cert", "key", "server_name")
@@ -96,6 +98,10 @@ class ChannelMaker:
                  token: str | None = None) -> None:
         self.credentials, self._tls_options = credentials(tls)
         self.token = resolve_token(token)
+        # The data connections: the same roots, client certificate, server name and token.
+        self.link = DataLink(client_context(tls),
+                             str(tls["server_name"]) if isinstance(tls, Mapping)
+                             and tls.get("server_name") else None, self.token)
 
     @property
     def tls(self) -> bool:

@@ -2,7 +2,9 @@
 
 Servers put `data` first on the wire (see server/_frames.py): the payload is sliced out of the
 received message without a parse copy and copied straight into the batch's buffer. Any other
-field order still decodes, through protobuf.
+field order still decodes, through protobuf. On the data connection a batch is one record
+(a 4-byte length, its frame, its payload): the payload is received straight into the batch's
+buffer (`recv_into`; pinned when batches go to a GPU), no copy in Python.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +26,6 @@ from ._errors import ProtocolError
 from ._samehost import read_segment
 
 log = logging.getLogger("stoker.client")
-CONNECT_TIMEOUT = 5.0  # seconds to reach a server's data socket
 # No batch is this large: a header claiming more is corrupt, and is refused before anything
 # is allocated for it.
 MAX_PAYLOAD_BYTES = 1 << 36
@@ -31,6 +33,8 @@ _MAX_DIMS = 32  # numpy's limit is 64; no dataset field comes near
 _KINDS = "biufc"  # bool, integers, floats, complex: what a server may send
 
 _DATA_TAG = 0x0A
+_LENGTH = struct.Struct("<I")  # a record's frame length, on the data connection
+MAX_RECORD_FRAME = 1 << 24  # a record's frame holds headers only: never near this
 
 
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:
@@ -123,33 +127,46 @@ class Assembler:
         self._allocate = allocate
         self._release = release  # a same-host segment, once copied out
         self._zstd: Any = None
-        self.host = ""  # the server's host, for its data socket
-        self.sock: socket.socket | None = None  # the data socket, once connected
+        self.sock: socket.socket | None = None  # the data connection, once connected
         self._current: tuple[pb.BatchFrame, Any, np.ndarray, int] | None = None
-
-    def _connect(self, offer: pb.DataSocket) -> None:
-        """Connect to the server's data socket and present the token. If that fails, the
-        server sends the payloads in frames after a few seconds: nothing else to do."""
-        sock = None
-        try:
-            sock = socket.create_connection((self.host, offer.port), timeout=CONNECT_TIMEOUT)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(offer.token)
-            sock.settimeout(None)  # a stalled server is the scheduler's to judge (close())
-        except OSError as e:
-            if sock is not None:
-                sock.close()
-            log.warning("cannot connect to the data socket %s:%d (%s); batches come in "
-                        "frames", self.host, offer.port, e)
-            return
-        self.sock = sock
+        self._length = bytearray(_LENGTH.size)
+        self.record_bytes = 0  # of the last record receive() read, its framing included
 
     def close(self) -> None:
-        """Unblock a receive waiting on the data socket, and close it (any thread)."""
+        """Unblock a receive waiting on the data connection, and close it (any thread)."""
         if self.sock is not None:
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)
             self.sock.close()
+
+    def receive(self, sock: socket.socket) -> Assembled | pb.BatchFrame | None:
+        """Read one record from the data connection: the batch it holds, or its frame when
+        it answers a batch with an error; None when the server closed the connection between
+        records. ProtocolError for a record the protocol does not allow, OSError (or
+        ProtocolError, mid-record) when the connection breaks. Threading: one thread."""
+        if not _recv_exactly(sock, memoryview(self._length), eof_ok=True):
+            return None
+        n = _LENGTH.unpack(self._length)[0]
+        if n > MAX_RECORD_FRAME:
+            raise ProtocolError(f"a record's frame claims {n} bytes")
+        raw = bytearray(n)
+        _recv_exactly(sock, memoryview(raw))
+        try:
+            head = pb.BatchFrame.FromString(bytes(raw))
+        except DecodeError as e:
+            raise ProtocolError(f"a record that is not a BatchFrame: {e}") from None
+        self.record_bytes = _LENGTH.size + n
+        if head.HasField("error"):
+            return head
+        if not head.via_socket or head.data or head.shm_name or head.offset:
+            raise ProtocolError(f"batch {head.batch_index}: a record on the data connection "
+                                "must be a whole batch (via_socket, no data, offset 0)")
+        check_header(head)  # before allocating what it claims
+        owner, view = self._allocate(head.payload_bytes)
+        _recv_exactly(sock, memoryview(view[: head.payload_bytes]).cast("B"))
+        self.record_bytes += head.payload_bytes
+        return Assembled(head.batch_index, head.epoch, owner, list(head.tensors),
+                         head.payload_bytes)
 
     def _decompress(self, kind: str, data: memoryview, limit: int) -> bytes:
         """`data` decompressed: at most `limit` bytes (what the batch still lacks)."""
@@ -168,26 +185,20 @@ class Assembler:
         except zstandard.ZstdError as e:
             raise ProtocolError(f"a zstd frame that does not decompress: {e}") from None
 
-    def feed(self, raw: bytes) -> Assembled | pb.BatchFrame | None:
-        """Take one frame; return the batch it completes, if any, or the frame itself when it
-        answers its batch with an error. ProtocolError for a frame the protocol does not
-        allow."""
+    def feed(self, raw: bytes) -> Assembled | pb.BatchFrame | pb.DataSocket | None:
+        """Take one frame; return the batch it completes, if any, the frame itself when it
+        answers its batch with an error, or the data connection it offers. ProtocolError for
+        a frame the protocol does not allow."""
         data, head = split_frame(raw)
         if head.HasField("error"):
             return head
         if head.HasField("data_socket"):  # the stream's offer, before any batch
-            self._connect(head.data_socket)
-            return None
-        if head.via_socket or head.shm_name or head.offset == 0:
+            return head.data_socket
+        if head.via_socket:
+            raise ProtocolError(f"batch {head.batch_index}: a data connection's record came "
+                                "as a gRPC frame")
+        if head.shm_name or head.offset == 0:
             check_header(head)  # before allocating what it claims
-        if head.via_socket:  # the payload follows on the data socket, in order
-            if self.sock is None:
-                raise ProtocolError(f"batch {head.batch_index} was sent on a data socket that "
-                                    "this client has not connected")
-            owner, view = self._allocate(head.payload_bytes)
-            _recv_exactly(self.sock, memoryview(view[: head.payload_bytes]).cast("B"))
-            return Assembled(head.batch_index, head.epoch, owner, list(head.tensors),
-                             head.payload_bytes, shared=True)
         if head.shm_name:  # same host: the whole payload is in the server's segment
             owner, view = self._allocate(head.payload_bytes)
             try:
@@ -228,13 +239,19 @@ class Assembler:
                          first.payload_bytes)
 
 
-def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+def _recv_exactly(sock: socket.socket, view: memoryview, eof_ok: bool = False) -> bool:
+    """Fill `view` from `sock`; False if the connection ended before its first byte and
+    `eof_ok`, ProtocolError if it ended anywhere else."""
     got = 0
     while got < len(view):
         n = sock.recv_into(view[got:])
         if n == 0:
-            raise ProtocolError(f"the data socket closed after {got} of {len(view)} bytes")
+            if eof_ok and got == 0:
+                return False
+            raise ProtocolError(f"the data connection closed after {got} of {len(view)} "
+                                "bytes")
         got += n
+    return True
 
 
 def numpy_views(payload: np.ndarray, tensors: list[pb.TensorInfo]) -> dict[str, np.ndarray]:

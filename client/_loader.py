@@ -20,6 +20,7 @@ from . import _samehost as samehost
 from ._buffers import HostBuffers
 from ._channel import ChannelMaker
 from ._contact import first_contact
+from ._datalink import Transports
 from ._errors import DataMismatch, RemoteError
 from ._frames import Assembled, numpy_views
 from ._log import say
@@ -76,7 +77,7 @@ class RemoteLoader:
                  normalize: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
                  normalize_dtype: str = "float32", shared_memory: bool = True,
                  progress: bool = False, log_every: float | None = None,
-                 compression: str | None = None, data_socket: bool = False,
+                 compression: str | None = None, data_socket: bool = True,
                  tls: bool | Mapping[str, Any] = False, token: str | None = None) -> None:
         rank, world_size = default_rank_world(rank, world_size)
         self._options = o = LoaderOptions(
@@ -123,6 +124,7 @@ class RemoteLoader:
         self._sources: dict[int, int] = {}
         self._batch_sources: dict[tuple[int, int], list[int]] = {}
         self._started = time.perf_counter()
+        self._transports = Transports()  # each server's path, for stats()
 
     # -- positions -------------------------------------------------------------------------
     def coordinates(self) -> pb.Coordinates:
@@ -306,7 +308,8 @@ class RemoteLoader:
             return
         spec = StreamSpec(self.coordinates(), self._allocate, self._finish,
                           shm_probe=samehost.probe() if o.shared_memory else None,
-                          compression=o.compression or "", data_socket=o.data_socket)
+                          compression=o.compression or "", data_socket=o.data_socket,
+                          link=o.channels.link, transports=self._transports)
         scheduler = Scheduler(self._servers, spec, total=total, start=self._next,
                               window=self._window, timeout=o.timeout)
         self._scheduler = scheduler
@@ -439,7 +442,8 @@ class RemoteLoader:
                  "batches_per_second": self._stats["batches"] / elapsed if elapsed else 0.0,
                  "epoch": self._epoch, "start": self._start, "next_batch": self._next,
                  **({"sources": dict(sorted(self._sources.items()))} if self._sources else {}),
-                 "servers": {a: s.stats() for a, s in self._servers.servers.items()}}
+                 "servers": {a: s.stats() for a, s in self._servers.servers.items()},
+                 **self._transports.stats()}
         if self._feed is not None:
             stats["pinned_allocations"] = self._feed.pool.allocations
         else:

@@ -64,7 +64,7 @@ class LoaderOptions:
     progress: bool = False
     log_every: float | None = None
     compression: str | None = None
-    data_socket: bool = False
+    data_socket: bool = True
     batch_tokens: int | None = None
     token_cost: str = "tokens"
     pack: bool = False
@@ -99,9 +99,6 @@ class LoaderOptions:
             if self.output == "numpy" and self.normalize_dtype == "bfloat16":
                 raise ValueError("normalize_dtype='bfloat16' needs output='torch' "
                                  "(numpy has none)")
-        if self.data_socket and self.channels.tls:
-            raise ValueError("data_socket=True sends payloads over plain TCP; with tls, "
-                             "batches travel in gRPC frames (leave data_socket False)")
         if self.log_every is not None and self.log_every <= 0:
             raise ValueError(f"log_every must be > 0 seconds or None, got {self.log_every}")
         if self.compression not in (None, "zstd"):

@@ -32,7 +32,7 @@ from grpc_reflection.v1alpha import reflection
 from . import _limits, _sampling, _shm, _tls
 from ._auth import TokenInterceptor, read_token
 from ._config import Config
-from ._datasocket import DataSockets
+from ._datasocket import DataSockets, server_context
 from ._http import HttpLimits, HttpServer
 from ._listen import address, taken
 from ._service import SERVICE_NAME, DataService, client_of
@@ -91,7 +91,7 @@ class Started:
     health: health.aio.HealthServicer
     grpc_port: int
     http_port: int
-    data_port: int | None  # None: no data socket (under TLS)
+    data_port: int | None  # the data connections' port
     auth: bool  # calls must carry the bearer token
     nofile: int  # the soft limit on open files, raised to the hard one
 
@@ -134,15 +134,15 @@ async def start(config: Config, stack: contextlib.AsyncExitStack,
     if (small := _shm.capacity_warning(meta, settings)) is not None:
         log.warning("%s", small)
     service = DataService(config, pool, meta)
-    # The data socket is plain TCP: under TLS it is not offered (clients that ask for one get
-    # their payloads in gRPC frames, encrypted like the rest). It listens before gRPC does:
-    # the first stream may ask for it, and streams end before it closes.
-    if settings.tls is None:
-        service.data_sockets = _listening(
-            "data socket", settings.host, settings.data_port,
-            lambda: DataSockets(settings.host, settings.data_port))
-        service.data_sockets.start()
-        stack.callback(service.data_sockets.close)
+    # The data connections (TLS under server.tls, the bearer token's proof with a token)
+    # listen before gRPC does: the first stream may ask for one, and streams end before
+    # they close.
+    service.data_sockets = _listening(
+        "data socket", settings.host, settings.data_port,
+        lambda: DataSockets(settings.host, settings.data_port, tls=settings.tls and
+                            server_context(settings.tls), bearer=token))
+    service.data_sockets.start()
+    stack.callback(service.data_sockets.close)
     grpc_server, health_servicer, grpc_port = await _start_grpc(stack, config, service, token)
     http = _listening("HTTP", settings.host, settings.http_port,
                       lambda: HttpServer(settings.host, settings.http_port, service, token=token,
@@ -266,9 +266,8 @@ def _check_ports(settings: Any) -> None:
     operator moving off a taken gRPC port should not meet the HTTP one next. A check, not a
     reservation: each part binds its own port later, and fails there as before if another
     process takes it in between."""
-    ports = [("gRPC", settings.port), ("HTTP", settings.http_port)]
-    if settings.tls is None:
-        ports.append(("data socket", settings.data_port))
+    ports = [("gRPC", settings.port), ("HTTP", settings.http_port),
+             ("data socket", settings.data_port)]
     problems = [f"cannot listen on {address(settings.host, port)} ({what}): {why}"
                 for what, port in ports if port and (why := taken(settings.host, port))]
     for i, (what, port) in enumerate(ports):

@@ -46,16 +46,17 @@ def encode_shm_frame(batch: BuiltBatch, batch_index: int, epoch: int) -> bytes:
 
 
 def encode_socket_frame(batch: BuiltBatch, batch_index: int, epoch: int) -> bytes:
-    """The one frame of a batch whose payload follows on the stream's data socket."""
+    """The frame of a batch's record on the data connection (its payload follows it)."""
     return pb.BatchFrame(batch_index=batch_index, epoch=epoch, offset=0,
                          payload_bytes=batch.payload_bytes, tensors=tensor_infos(batch),
                          via_socket=True).SerializeToString()
 
 
-def encode_socket_offer(port: int, token: bytes) -> bytes:
-    """A stream's first frame when its client asked for a data socket."""
-    return pb.BatchFrame(batch_index=-1, data_socket=pb.DataSocket(port=port, token=token)
-                         ).SerializeToString()
+def encode_socket_offer(port: int, token: bytes, proof: bool = False) -> bytes:
+    """A stream's first frame when its client asked for a data connection; `proof`: its claim
+    must carry the proof of the bearer token."""
+    return pb.BatchFrame(batch_index=-1, data_socket=pb.DataSocket(
+        port=port, token=token, proof=proof)).SerializeToString()
 
 
 def encode_error(batch_index: int, epoch: int, code: int, message: str) -> bytes:

@@ -213,8 +213,9 @@ class StreamSession:
                     if code in WARNED:
                         log.warning("%s: batch %d of epoch %d answered %s: %s", self._who(),
                                     batch_index, epoch, code.name, detail or message)
-                    if not await write(context, encode_error(batch_index, epoch,
-                                                             code.value[0], message)):
+                    frame = encode_error(batch_index, epoch, code.value[0], message)
+                    if not await (self.transport.send_frame(context, frame) if self.transport
+                                  else write(context, frame)):
                         self._ended = gone
                         return
                 case Offer(frame):
@@ -305,6 +306,8 @@ class StreamSession:
                 if self.transport is not None:
                     for name in req.released:
                         self.transport.returned(name)
+                if req.data_socket_unreachable and self._offer is not None:
+                    self._offer.unreachable()  # frames at once, not after SOCKET_WAIT
                 if coords is None:
                     self._handshake(req, asked)
                 if req.HasField("coordinates"):

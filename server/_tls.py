@@ -5,7 +5,7 @@ naming the file, instead of every handshake failing later. With `client_ca_file`
 require a client certificate that CA signed (mutual TLS); the HTTP port too, so its probes
 then need one as well (docs/security.md says what to probe with).
 
-The data socket is never offered under TLS: it is plain TCP (see _app.py).
+The data connections use the same files and rule (_datasocket.server_context).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -125,7 +126,9 @@ def run_stream(channel: grpc.Channel, requests: list[pb.StreamRequest]) -> list[
     call = channel.stream_stream(SERVICE + "StreamBatches",
                                  request_serializer=pb.StreamRequest.SerializeToString,
                                  response_deserializer=pb.BatchFrame.FromString)
-    frames, sock = [], None
+    frames: list[pb.BatchFrame] = []
+    sock, reader = None, None
+    records: list[pb.BatchFrame] = []
     try:
         for frame in call(iter(requests), timeout=DEADLINE):
             frames.append(frame)
@@ -134,22 +137,43 @@ def run_stream(channel: grpc.Channel, requests: list[pb.StreamRequest]) -> list[
                 assert sock is None, "a second data socket offer"
                 sock = socket.create_connection(("127.0.0.1", frame.data_socket.port), timeout=10)
                 sock.sendall(frame.data_socket.token)
+                reader = threading.Thread(target=read_records, args=(sock, records))
+                reader.start()
             elif frame.HasField("error"):
                 assert frame.error.code in IN_BAND, frame.error
                 assert frame.error.message.startswith(f"batch {frame.batch_index}:")
-            elif frame.via_socket:
-                assert sock is not None
-                got = 0
-                while got < frame.payload_bytes:
-                    more = sock.recv(frame.payload_bytes - got)
-                    assert more, "the data socket closed mid-payload"
-                    got += len(more)
             else:
+                assert not frame.via_socket, "a data connection's record in a gRPC frame"
                 assert 0 <= frame.offset <= frame.payload_bytes
     finally:
-        if sock is not None:
+        if reader is not None:
+            assert sock is not None
+            reader.join(DEADLINE)  # the server closes the connection as the call ends
             sock.close()
-    return frames
+    for record in records:
+        if record.HasField("error"):
+            assert record.error.code in IN_BAND, record.error
+            assert record.error.message.startswith(f"batch {record.batch_index}:")
+    return frames + records
+
+
+def read_records(sock: socket.socket, into: list[pb.BatchFrame]) -> None:
+    """The data connection's records (length, frame, payload) until the server closes it."""
+    def exactly(n: int) -> bytes | None:
+        out = b""
+        while len(out) < n:
+            more = sock.recv(n - len(out))
+            if not more:
+                assert not out, "the data connection closed mid-record"
+                return None
+            out += more
+        return out
+
+    while (length := exactly(4)) is not None:
+        head = pb.BatchFrame.FromString(exactly(int.from_bytes(length, "little")) or b"")
+        if head.via_socket:
+            assert head.payload_bytes == 0 or exactly(head.payload_bytes) is not None
+        into.append(head)
 
 
 def answered(requests: list[pb.StreamRequest], frames: list[pb.BatchFrame]) -> None:

@@ -5,7 +5,7 @@ nothing: the sequence equals the failure-free one element for element. A permane
 error naming the address within the client's retry window (`timeout`, set small here).
 
 Payloads go through the proxy: shared_memory=False (on one host the client would otherwise
-read batches from /dev/shm, beside the path under test). The data socket (data_socket=True)
+read batches from /dev/shm, beside the path under test). The data connection (the default)
 would bypass a proxy in front of gRPC alone: the client learns only its *port* from the
 stream's first frame and dials the host it reached gRPC on at that port. So the data socket
 tests put both proxies on 127.0.0.2, the data one at the server's own data port (free there:
@@ -36,8 +36,10 @@ pytestmark = pytest.mark.timeout(60)
 N, BS, SEED = 40, 2, 11
 DATASETS = {"toy": {"format": "python", "factory": "toy_datasets:toy",
                     "options": {"n": N, "delay": 0.01}}}
+# data_socket=False: these faults are on gRPC frames through `proxies`; the default path (the
+# data connection, dialled past a proxy in front of gRPC alone) is under `data_proxies`.
 KW: dict[str, Any] = dict(batch_size=BS, seed=SEED, shuffle=True, output="numpy", prefetch=4,
-                          timeout=20, shared_memory=False)
+                          timeout=20, shared_memory=False, data_socket=False)
 HEAL_AFTER = 0.6  # seconds a temporary fault lasts
 REFERENCE = np.random.default_rng([SEED, 0]).permutation(N).tolist()
 
@@ -249,8 +251,8 @@ def data_proxies(two: list[ServerProcess]) -> Iterator[list[tuple[TcpProxy, TcpP
             p.close()
 
 
-# (A data socket refused outright is not here: the server waits SOCKET_WAIT, 5 s, for it,
-# then sends payloads in frames; test_datasocket.py covers that fallback.)
+# (A data port refused outright is not here: the client falls back to frames within 0.5 s;
+# test_wire.py covers that.)
 @pytest.mark.parametrize(("mode", "kw"), [("truncate", {"limit": 300}), ("stall", {})])
 @pytest.mark.parametrize("where", ["one of 2", "the only server"])
 def test_a_broken_data_socket_loses_and_repeats_nothing(two, data_proxies, ledger, mode: str,

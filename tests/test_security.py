@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
+import socket
 import ssl
 import subprocess
 import sys
@@ -132,27 +135,76 @@ def test_a_plain_client_against_a_tls_server_fails_with_a_clear_error(tls_server
                   detail="refused at the handshake; the error suggests tls=")
 
 
-def test_the_data_socket_is_not_offered_under_tls(tls_server, pki, ledger) -> None:
-    assert tls_server.ready["data_port"] is None
-    with pytest.raises(ValueError, match="data_socket"):
-        RemoteLoader(tls_server.address, "noise", batch_size=3, tls={"ca": str(pki["ca"])},
-                     data_socket=True)
-    # A client that asks anyway (not through RemoteLoader) gets its payload in frames.
+def test_batches_travel_on_a_tls_data_connection_under_tls(tls_server, pki, ledger) -> None:
+    """Under TLS the data connection is TLS too, with the same certificate: the loader gets
+    byte-identical batches on it; a plain-TCP claim and a TLS claim without the bearer
+    token's proof get no byte of a batch."""
+    tls = {"ca": str(pki["ca"])}
+    shared = epoch(tls_server.address, tls=tls, token=TOKEN)
+    with RemoteLoader(tls_server.address, "noise", batch_size=3, output="numpy", shuffle=False,
+                      tls=tls, token=TOKEN, shared_memory=False, timeout=30) as loader:
+        batches = list(loader)
+        stats = loader.stats()
+    assert stats["transport"] == "data_socket"
+    assert stats["transports"][tls_server.address]["why"] == "TLS"
+    for k in shared:
+        assert np.array_equal(shared[k], np.concatenate([b[k] for b in batches]))
     with tls_channel(tls_server, pki) as channel:
-        frame = next(raw_stream(channel, pb.StreamRequest(
-            coordinates=coords(), batch_indices=[0], data_socket=True),
-            metadata=[("authorization", f"Bearer {TOKEN}")]))
-    assert frame.batch_index == 0 and not frame.via_socket and len(frame.data) > 0
-    ledger.record("security", "data socket (plain TCP) asked for under TLS", tried=2,
-                  detail="loader refuses the combination; server never offers it")
+        call = raw_stream(channel, pb.StreamRequest(coordinates=coords(), batch_indices=[0],
+                                                    data_socket=True),
+                          metadata=[("authorization", f"Bearer {TOKEN}")])
+        offer = next(call).data_socket
+        assert offer.proof and offer.port == tls_server.ready["data_port"]
+        token = bytes(offer.token)
+        proof = hmac.new(TOKEN.encode(), token, hashlib.sha256).digest()
+        # Plain TCP: the handshake fails; at most a TLS alert comes back, never a record.
+        with socket.create_connection(("127.0.0.1", offer.port), timeout=30) as sock:
+            sock.sendall(token + proof)
+            reply = _read_all(sock)
+            assert len(reply) < 64 and (not reply or reply[0] == 0x15), reply[:20]
+        context = ssl.create_default_context(cafile=str(pki["ca"]))
+        with context.wrap_socket(socket.create_connection(("127.0.0.1", offer.port),
+                                                          timeout=30),
+                                 server_hostname="localhost") as sock:
+            sock.sendall(token + bytes(32))  # the token, a wrong proof
+            assert _read_all(sock) == b""
+        call.cancel()
+    ledger.record("security", "data connection under TLS: a plain-TCP claim, a TLS claim "
+                  "with a wrong proof of the token", tried=2,
+                  detail="no byte of a batch to either; the loader's batches equal shm's")
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    """Whatever the server sends until it closes (a reset counts as closed)."""
+    out = b""
+    try:
+        while more := sock.recv(1 << 16):
+            out += more
+    except (ConnectionResetError, ssl.SSLError):
+        pass
+    return out
 
 
 def test_mutual_tls_lets_in_only_clients_with_a_certificate_its_ca_signed(
         mtls_server, pki, ledger) -> None:
     client = pki["client"]
-    got = epoch(mtls_server.address, tls={"ca": str(pki["ca"]), "cert": str(client.cert),
-                                          "key": str(client.key)})
+    tls = {"ca": str(pki["ca"]), "cert": str(client.cert), "key": str(client.key)}
+    got = epoch(mtls_server.address, tls=tls)
     assert len(got["sample_index"]) == 12
+    # The data connection asks for the client certificate too: batches identical on it.
+    with RemoteLoader(mtls_server.address, "noise", batch_size=3, output="numpy",
+                      shuffle=False, tls=tls, shared_memory=False, timeout=30) as loader:
+        wired = [b for b in loader]
+        assert loader.stats()["transport"] == "data_socket"
+    for k in got:
+        assert np.array_equal(got[k], np.concatenate([b[k] for b in wired]))
+    bare = ssl.create_default_context(cafile=str(pki["ca"]))
+    with pytest.raises((ssl.SSLError, ConnectionError)), bare.wrap_socket(
+            socket.create_connection(("127.0.0.1", mtls_server.ready["data_port"]),
+                                     timeout=30), server_hostname="localhost") as sock:
+        sock.sendall(bytes(16))
+        if not sock.recv(1):  # TLS 1.3: the refusal comes with the first read
+            raise ConnectionError("closed")
     refused = [{"ca": str(pki["ca"])},
                {"ca": str(pki["ca"]), "cert": str(pki["stranger"].cert),
                 "key": str(pki["stranger"].key)}]
@@ -172,7 +224,7 @@ def test_mutual_tls_lets_in_only_clients_with_a_certificate_its_ca_signed(
                                 context=context) as r:
         assert r.status == 200
     ledger.record("security", "mutual TLS: no client certificate, or one another CA signed",
-                  tried=3, detail="handshake refused (gRPC and HTTP)")
+                  tried=4, detail="handshake refused (gRPC, HTTP and the data connection)")
 
 
 # -- the token ---------------------------------------------------------------------------------

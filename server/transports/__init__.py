@@ -7,8 +7,8 @@ by side:
 
 - frames (frames.py): the payload in gRPC frames of `frame_bytes`, zstd-compressed if asked;
 - shm (shm.py): one header frame; the client, on the same host, maps the worker's segment;
-- data socket (datasocket.py): one header frame; the payload on a plain TCP connection beside
-  the stream, or by another transport if the client never connects.
+- data connection (datasocket.py): every answer as a record (header, payload) on a TCP (or
+  TLS) connection beside the stream, or by another transport if the client cannot connect.
 
 A new transport is a module here implementing `Transport`, and one more branch in `choose`.
 
@@ -44,6 +44,11 @@ class Transport(Protocol):
                    batch_index: int, epoch: int) -> bool:
         """Send one batch; False if the client went away (the stream then ends)."""
         ...
+
+    async def send_frame(self, context: grpc.aio.ServicerContext, frame: bytes) -> bool:
+        """Send an answer that carries no payload (a batch's error), on the path this
+        transport's batches take; False if the client went away."""
+        return await write(context, frame)
 
     def returned(self, shm_name: str) -> None:
         """The client is done with a lent batch (a name in `StreamRequest.released`); a name

@@ -1,15 +1,25 @@
-"""The data socket: each batch's header in a frame, its payload on a plain TCP connection.
+"""The data connection: every answer of a stream on a TCP connection of its own.
 
 The connection is the stream's own, claimed with the token of a `SocketOffer` (the listener
-and the claiming are in server/_datasocket.py). Payloads go straight from the worker's shared
-memory (`loop.sock_sendall`, no copy in Python), in the order of their header frames.
+and the claiming are in server/_datasocket.py). Once it is there, each answer is one record
+on it: a 4-byte little-endian length, the BatchFrame (no `data`), and for a batch
+(`via_socket`) its payload straight from the worker's shared memory, no copy in Python. No
+gRPC message per batch: the gRPC stream carries the offer and, at its end, the call's status.
+
+Plain TCP is sent on the event loop (`sendmsg` of the record's head and payload, waiting for
+room when the socket buffer is full); TLS on a thread of the stream's own (SSL_write
+encrypts from shared memory with the GIL released, and blocks; the loop goes on).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
+import ssl
+import struct
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import grpc
@@ -25,35 +35,76 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("stoker.server")
 
-# Seconds a stream waits for the data socket its client asked for before sending payloads in
-# frames instead (a firewall, a client that could not connect).
+# Seconds a stream waits for the data connection its client asked for before sending in
+# frames instead. A client of this version says at once when it cannot connect
+# (StreamRequest.data_socket_unreachable): this bound is for one that never says.
 SOCKET_WAIT = 5.0
+_LENGTH = struct.Struct("<I")
 
 
 class SocketOffer:
-    """A data socket offered to one stream: a token good for one connection, and the frame
-    that tells the client where to connect. Made once per stream, when the client asks;
-    closed when the stream ends, which refuses a connection that comes later."""
+    """A data connection offered to one stream: a token good for one connection, and the
+    frame that tells the client where to connect. Made once per stream, when the client
+    asks; closed when the stream ends, which refuses a connection that comes later."""
 
     def __init__(self, sockets: DataSockets) -> None:
         self._sockets = sockets
         self._token, self._connection = sockets.expect()
-        self.frame = encode_socket_offer(sockets.port, self._token)
+        self.frame = encode_socket_offer(sockets.port, self._token, sockets.proof)
 
     async def connection(self) -> socket.socket | None:
-        """The client's connection; None if it did not come within SOCKET_WAIT (the token
-        is then forgotten)."""
+        """The client's connection; None if the client said it cannot connect, or did not
+        within SOCKET_WAIT (the token is then forgotten)."""
         try:
             async with asyncio.timeout(SOCKET_WAIT):
-                return await self._connection
+                return await asyncio.shield(self._connection)
         except TimeoutError:
             self._sockets.forget(self._token)
             return None
 
+    def unreachable(self) -> None:
+        """The client cannot reach the data port: frames, at once."""
+        self._sockets.unreachable(self._token)
+
     def close(self) -> None:
         self._sockets.forget(self._token)
         if self._connection.done() and not self._connection.cancelled():
-            self._connection.result().close()
+            sock = self._connection.result()
+            if sock is not None:
+                with contextlib.suppress(OSError):  # a TLS send blocked on it returns
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+
+
+def _wake(room: asyncio.Future[None]) -> None:
+    if not room.done():
+        room.set_result(None)
+
+
+async def _sendmsg_all(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                       buffers: list[memoryview]) -> None:
+    """Send every byte of `buffers` on non-blocking `sock`, one sendmsg while they fit, then
+    as room frees up. OSError if the connection breaks."""
+    views = [b for b in buffers if len(b)]
+    while views:
+        try:
+            n = sock.sendmsg(views)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        while n and views:
+            if n >= len(views[0]):
+                n -= len(views.pop(0))
+            else:
+                views[0] = views[0][n:]
+                n = 0
+        if views:
+            room: asyncio.Future[None] = loop.create_future()
+            fd = sock.fileno()
+            loop.add_writer(fd, _wake, room)
+            try:
+                await room
+            finally:
+                loop.remove_writer(fd)
 
 
 class SocketTransport(Transport):
@@ -65,6 +116,7 @@ class SocketTransport(Transport):
         self._fallback = fallback
         self._sock: socket.socket | None = None
         self._instead: Transport | None = None  # the fallback, once the socket did not come
+        self._thread: ThreadPoolExecutor | None = None  # sends under TLS
 
     @property
     def label(self) -> str:  # type: ignore[override]
@@ -72,41 +124,84 @@ class SocketTransport(Transport):
         # batch counted under it, and the rest under the fallback.
         return self._instead.label if self._instead is not None else "data_socket"
 
-    async def send(self, context: grpc.aio.ServicerContext, batch: BuiltBatch,
-                   batch_index: int, epoch: int) -> bool:
-        """The batch's header as a frame, its payload on the data socket, straight from
-        shared memory; False if the client went away. The first batch waits for the client's
-        connection; if it never comes, this and every later batch go by the fallback."""
+    async def _connected(self, batch: BuiltBatch | None) -> bool:
+        """Wait for the client's connection once; True if answers go on it."""
         if self._sock is None and self._instead is None:
             try:
                 self._sock = await self._offer.connection()
             except asyncio.CancelledError:
-                self._pool.release(batch)  # the stream ended while it waited
+                if batch is not None:
+                    self._pool.release(batch)  # the stream ended while it waited
                 raise
             if self._sock is None:
-                log.warning("a client asked for a data socket and did not connect within "
-                            "%.0f s: its batches go in frames", SOCKET_WAIT)
+                log.warning("a client asked for a data connection and did not connect (it "
+                            "could not reach the data port, or waited %.0f s): its batches "
+                            "go in gRPC frames", SOCKET_WAIT)
                 self._instead = self._fallback
-        if self._instead is not None:
+            elif isinstance(self._sock, ssl.SSLSocket):
+                self._thread = ThreadPoolExecutor(1, thread_name_prefix="stoker-data-send")
+        return self._instead is None
+
+    async def send(self, context: grpc.aio.ServicerContext, batch: BuiltBatch,
+                   batch_index: int, epoch: int) -> bool:
+        """The batch as one record on the data connection, its payload straight from shared
+        memory; False if the client went away. The first answer waits for the client's
+        connection; if it never comes, this and every later batch go by the fallback."""
+        if not await self._connected(batch):
+            assert self._instead is not None
             return await self._instead.send(context, batch, batch_index, epoch)
         try:
-            if not await write(context, encode_socket_frame(batch, batch_index, epoch)):
-                return False
+            head = encode_socket_frame(batch, batch_index, epoch)
             segment = self._mappings.get(batch.shm_name, batch.payload_bytes)
             with memoryview(segment) as view:
                 payload = view[: batch.payload_bytes]
                 try:
-                    await asyncio.get_running_loop().sock_sendall(self._sock, payload)
-                except OSError:
-                    return False  # the client closed its socket: the stream ends too
+                    return await self._put(_LENGTH.pack(len(head)) + head, payload)
                 finally:
                     payload.release()
-            return True
         finally:
             self._pool.release(batch)  # on the wire, or nobody wants it
+
+    async def send_frame(self, context: grpc.aio.ServicerContext, frame: bytes) -> bool:
+        """An answer without payload (a batch's error), in order with the batches."""
+        if not await self._connected(None):
+            return await write(context, frame)
+        return await self._put(_LENGTH.pack(len(frame)) + frame, memoryview(b""))
+
+    async def _put(self, head: bytes, payload: memoryview) -> bool:
+        """`head` then `payload` on the connection; False if it broke (the stream then ends:
+        the client fails over)."""
+        sock, loop = self._sock, asyncio.get_running_loop()
+        assert sock is not None
+        try:
+            if self._thread is None:
+                await _sendmsg_all(loop, sock, [memoryview(head), payload])
+                return True
+
+            def put() -> None:
+                sock.sendall(head)
+                if len(payload):
+                    sock.sendall(payload)
+
+            sent = loop.run_in_executor(self._thread, put)
+            try:
+                await asyncio.shield(sent)
+            except asyncio.CancelledError:
+                # The thread reads `payload`, in a segment the caller is about to hand back:
+                # break the connection, and wait until the thread has let go of it.
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                with contextlib.suppress(Exception):
+                    await sent
+                raise
+        except OSError:
+            return False  # the client closed its connection: the stream ends too
+        return True
 
     def returned(self, shm_name: str) -> None:
         self._fallback.returned(shm_name)
 
     def close(self) -> None:
         self._fallback.close()  # the offer and its connection: the stream closes them
+        if self._thread is not None:
+            self._thread.shutdown(wait=False)

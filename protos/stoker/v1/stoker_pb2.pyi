@@ -103,7 +103,7 @@ class DescribeDatasetResponse(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., format: _Optional[str] = ..., num_samples: _Optional[int] = ..., samples_per_rank: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., max_credits: _Optional[int] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("coordinates", "batch_indices", "shm_probe", "released", "report", "compression", "data_socket")
+    __slots__ = ("coordinates", "batch_indices", "shm_probe", "released", "report", "compression", "data_socket", "data_socket_unreachable")
     COORDINATES_FIELD_NUMBER: _ClassVar[int]
     BATCH_INDICES_FIELD_NUMBER: _ClassVar[int]
     SHM_PROBE_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class StreamRequest(_message.Message):
     REPORT_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    DATA_SOCKET_UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     coordinates: Coordinates
     batch_indices: _containers.RepeatedScalarFieldContainer[int]
     shm_probe: SharedMemoryProbe
@@ -118,15 +119,18 @@ class StreamRequest(_message.Message):
     report: ClientReport
     compression: str
     data_socket: bool
-    def __init__(self, coordinates: _Optional[_Union[Coordinates, _Mapping]] = ..., batch_indices: _Optional[_Iterable[int]] = ..., shm_probe: _Optional[_Union[SharedMemoryProbe, _Mapping]] = ..., released: _Optional[_Iterable[str]] = ..., report: _Optional[_Union[ClientReport, _Mapping]] = ..., compression: _Optional[str] = ..., data_socket: _Optional[bool] = ...) -> None: ...
+    data_socket_unreachable: bool
+    def __init__(self, coordinates: _Optional[_Union[Coordinates, _Mapping]] = ..., batch_indices: _Optional[_Iterable[int]] = ..., shm_probe: _Optional[_Union[SharedMemoryProbe, _Mapping]] = ..., released: _Optional[_Iterable[str]] = ..., report: _Optional[_Union[ClientReport, _Mapping]] = ..., compression: _Optional[str] = ..., data_socket: _Optional[bool] = ..., data_socket_unreachable: _Optional[bool] = ...) -> None: ...
 
 class DataSocket(_message.Message):
-    __slots__ = ("port", "token")
+    __slots__ = ("port", "token", "proof")
     PORT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     port: int
     token: bytes
-    def __init__(self, port: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+    proof: bool
+    def __init__(self, port: _Optional[int] = ..., token: _Optional[bytes] = ..., proof: _Optional[bool] = ...) -> None: ...
 
 class ClientReport(_message.Message):
     __slots__ = ("wait_seconds", "loop_seconds")
