@@ -7,6 +7,9 @@ against the HPA, and all of them against the metric a server exports."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -286,3 +289,28 @@ def test_the_stall_autoscalers_replace_the_cpu_hpa_one_for_one(folder: Path) -> 
         cpu["spec"]["minReplicas"], cpu["spec"]["maxReplicas"])
     assert scaled["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == (
         hpa["spec"]["behavior"])
+
+
+@pytest.mark.parametrize("autoscaler", [KEDA, EXTERNAL_HPA], ids=lambda p: p.name)
+@pytest.mark.parametrize("folder", SETS, ids=lambda p: p.name)
+def test_a_set_builds_with_a_stall_autoscaler_in_place_of_the_cpu_hpa(
+        tmp_path: Path, folder: Path, autoscaler: Path) -> None:
+    """The one-line swap docs/deployment.md shows, built by kustomize (kubectl's)."""
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl (its kustomize) is not installed")
+    copy = tmp_path / "kubernetes"
+    shutil.copytree(DEMO, copy)
+    root = copy / folder.relative_to(DEMO)
+    kustomization = root / "kustomization.yaml"
+    swapped = kustomization.read_text().replace(
+        "  - hpa.yaml\n", f"  - {os.path.relpath(autoscaler, folder)}\n")
+    assert swapped != kustomization.read_text()
+    kustomization.write_text(swapped)
+    built = subprocess.run(["kubectl", "kustomize", str(root)], capture_output=True, text=True,
+                           timeout=60)
+    assert built.returncode == 0, built.stderr
+    kinds = [(d["kind"], d["metadata"].get("namespace")) for d in yaml.safe_load_all(built.stdout)]
+    namespace = yaml.safe_load(kustomization.read_text())["namespace"]
+    want = "ScaledObject" if autoscaler is KEDA else "HorizontalPodAutoscaler"
+    assert [k for k in kinds if k[0] in ("ScaledObject", "HorizontalPodAutoscaler")] == [
+        (want, namespace)]
