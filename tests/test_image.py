@@ -5,7 +5,8 @@ Machines without a Docker engine or a registry (development, CI) build and run i
 podman/buildah in chroot isolation, on a local stand-in for the `python:3.11-slim` base that
 `../shared/tools/container-base.sh` builds once per machine (`.ci/run` runs it; its header has
 the commands used here). Only the FROM image is a stand-in: every step after it runs for real.
-The container shares the host's network, so its ports are host ports.
+The container shares the host's network, so its ports are host ports, and the host's /dev/shm,
+where a segment of another user's dead server waits for the unprivileged server to trip on.
 
 What skips, and what fails: this test skips only where images cannot be built or run here at
 all (podman or buildah missing, no base image, podman unable to use its storage). Once those
@@ -170,6 +171,21 @@ def uids(pid: int) -> list[str]:
 
 
 @pytest.fixture
+def foreign_leftover() -> Iterator[Path]:
+    """A shared-memory segment of another user's server that died. The container shares the
+    host's /dev/shm (chroot isolation, as `docker run --ipc=host` does), and its server, as
+    another user, cannot remove it: it must start all the same (it once died of the
+    PermissionError). A server of this user on the host may remove it first (it is gone)."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid: a server that is gone
+    path = Path("/dev/shm") / f"stoker_{gone.pid}_0_1"
+    path.write_bytes(b"\0" * 4096)
+    path.chmod(0o600)
+    yield path
+    path.unlink(missing_ok=True)
+
+
+@pytest.fixture
 def container(image: Built) -> Iterator[str]:
     name = subprocess.run(["buildah", "from", "--pull-never", image.id], capture_output=True,
                           text=True, check=True, timeout=120).stdout.strip()
@@ -178,7 +194,8 @@ def container(image: Built) -> Iterator[str]:
 
 
 def test_the_server_image_serves_an_exact_epoch_and_stops_cleanly(
-        image: Built, container: str, tmp_path: Path) -> None:
+        image: Built, container: str, foreign_leftover: Path, tmp_path: Path,
+        ledger) -> None:
     # What the Dockerfile promises: an unprivileged user, and the config where CMD reads it.
     assert image.user == USER
     assert image.command[:2] == ["stoker", "serve"]
@@ -209,6 +226,11 @@ def test_the_server_image_serves_an_exact_epoch_and_stops_cleanly(
                 name, want = expected[image.tobytes()]
                 assert label == want, name
                 seen[name] += 1
+        lost, duplicated = ledger.compare(seen.elements(), [name for name, _ in
+                                                            expected.values()])
+        ledger.record("servers", "the server image, unprivileged, beside another user's dead "
+                      "server's shared memory: an epoch streamed from outside",
+                      lost=lost, duplicated=duplicated)
         assert sorted(indices) == list(range(N))
         assert len(seen) == N and set(seen.values()) == {1}, seen  # every sample, once
     finally:
