@@ -332,7 +332,10 @@ def sweep(server_pid: int | None = None) -> int:
             continue
         pid = int(match.group(1))
         if (pid == server_pid) if server_pid is not None else not _alive(pid):
-            unlink(entry.name)
+            try:
+                unlink(entry.name)
+            except PermissionError:  # another user's, in a /dev/shm shared with them
+                continue
             removed += 1
     return removed
 
