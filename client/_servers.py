@@ -97,19 +97,25 @@ class Server:
         if self.state is ServerState.STALLED:
             self.state = ServerState.UP
 
+    # A gone server stays gone whatever its stream does (a server taken off its name is
+    # usually drained next): only its name listing it again brings it back (mark_back).
+    def _down(self) -> ServerState:
+        return ServerState.GONE if self.state is ServerState.GONE else ServerState.DOWN
+
     def mark_draining(self, reason: str = "") -> None:
-        self.state = ServerState.DRAINING
+        if self.state is not ServerState.GONE:
+            self.state = ServerState.DRAINING
         self.refused = reason or self.refused
 
     def mark_drained(self, now: float) -> None:
         """Done with what it took while draining: let go (the caller closes the stream) and
         try it again after DRAIN_RETRY (it may be restarting)."""
-        self.stream, self.state = None, ServerState.DOWN
+        self.stream, self.state = None, self._down()
         self.retry_at, self.last_error = now + DRAIN_RETRY, "draining"
 
     def mark_down(self, error: Any, now: float) -> None:
         """Its stream failed: try it again after the backoff, which doubles each time."""
-        self.state, self.stream = ServerState.DOWN, None
+        self.state, self.stream = self._down(), None
         self.last_error = str(error)
         self.errors += 1
         self.retry_at = now + self.backoff

@@ -34,14 +34,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-STALL_GAUGE = "stoker_client_data_stall_max"
-SCRAPE_TIMEOUT = 2.0  # seconds for one /metrics read; a server that takes longer is skipped
-
 
 class Action(enum.Enum):
+    """What a tick decides; the value is what the trace prints."""
+
     ADD = "add"
     REMOVE = "remove"
     HOLD = "hold"
+
+
+STALL_GAUGE = "stoker_client_data_stall_max"
+SCRAPE_TIMEOUT = 2.0  # seconds for one /metrics read; a server that takes longer is skipped
 
 
 @dataclass(frozen=True)

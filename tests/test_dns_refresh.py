@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from stoker.client import RemoteLoader
+from stoker.client._servers import ServerSet, ServerState
 from stoker.server import ServerProcess, write_config
 
 from conftest import server_env
@@ -118,3 +119,23 @@ def test_a_resolver_that_cannot_tell_keeps_the_servers_known(toy_server) -> None
         got = [i for batch in loader for i in batch["sample_index"].tolist()]
         assert loader.stats()["servers"][toy_server.address]["state"] == "up"
     assert got == list(range(100))
+
+
+def test_a_server_off_its_name_stays_gone_whatever_its_stream_does() -> None:
+    """Taken off the name, then drained or cut: not retried until the name lists it again
+    (a drained server that was retried would hold credits while it refuses connections)."""
+    names = Names("127.0.0.1:1")
+    servers = ServerSet("dns:///trainers-data:50051", dns_refresh=1, resolver=names)
+    try:
+        (server,) = servers.servers.values()
+        names.set()
+        servers.refresh(time.monotonic() + 2)
+        for change in (lambda: server.mark_draining("draining"),
+                       lambda: server.mark_drained(0.0), lambda: server.mark_down("cut", 0.0)):
+            change()
+            assert server.state is ServerState.GONE and not server.usable(1e9)
+        names.set("127.0.0.1:1")
+        servers.refresh(time.monotonic() + 4)
+        assert server.state is ServerState.UP
+    finally:
+        servers.close()
