@@ -44,6 +44,7 @@ SCENARIOS: dict[str, tuple[str, list[str], list[str]]] = {
     "packing": ("packing.py", [], ["--quick"]),
     "mixture": ("mixture.py", [], ["--quick"]),
     "token_budgets": ("token_budgets.py", [], ["--quick"]),
+    "elastic": ("elastic.py", [], ["--quick"]),
 }
 
 

@@ -16,15 +16,20 @@ def spin(seconds: float) -> None:
 
 
 class Costly:
-    """Sample i: a small array, after `sample_ms` of CPU work. Map-style: DataLoader and a
-    stoker server (`format: python`, factory `_sim:Costly`) both take it."""
+    """Sample i: a small array, after `sample_ms` of CPU work (or, busy=False, of waiting:
+    a server that stands for a CPU node of its own, whose work shares no core with others
+    on this machine). Map-style: DataLoader and a stoker server (`format: python`, factory
+    `_sim:Costly`) both take it."""
 
-    def __init__(self, n: int, sample_ms: float) -> None:
-        self.n, self.seconds = n, sample_ms / 1000
+    def __init__(self, n: int, sample_ms: float, busy: bool = True) -> None:
+        self.n, self.seconds, self.busy = n, sample_ms / 1000, busy
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        spin(self.seconds)
+        if self.busy:
+            spin(self.seconds)
+        else:
+            time.sleep(self.seconds)
         return {"x": np.full(256, i, np.float32)}

@@ -338,6 +338,75 @@ def prefix_cache(r: dict[str, Any], plots: Path) -> list[str]:
             *_table(["run", "samples/s median [min, max]"], rows), ""]
 
 
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{x:.1%}"
+
+
+def _servers_axis(ax: Any, rows: list[dict[str, Any]]) -> None:
+    """The server count as a step line on a right-hand axis of `ax`."""
+    right = ax.twinx()
+    right.step([b["t"] for b in rows], [b["servers"] for b in rows], where="mid", color="grey",
+               ls="--", label="servers")
+    right.set_ylabel("servers")
+    right.set_ylim(0, max(b["servers"] for b in rows) + 1)
+    right.set_yticks(range(0, max(b["servers"] for b in rows) + 2))
+
+
+def elastic(r: dict[str, Any], plots: Path) -> list[str]:
+    p, m, s, c = r["parameters"], r["model"], r["scripted"], r["control"]
+    rows = [[ph["phase"], _pct(ph.get("stall")), f"{ph.get('step_ms', 0):.1f}",
+             f"{ph.get('batches_per_s', 0):.1f}", f"{ph.get('samples_per_s', 0):.0f}",
+             f"{ph['efficiency']:.2f}" if "efficiency" in ph else "",
+             f"{ph['added_server_efficiency']:.2f}" if "added_server_efficiency" in ph else ""]
+            for ph in s["phases"]]
+    fig, axes = plt.subplots(2, 1, figsize=(6.4, 5.6), sharex=False)
+    for ax, part, title in ((axes[0], s, "servers join, then one drains"),
+                            (axes[1], c, f"stoker autoscale, target {p['target']:.0%}")):
+        b = part["bins"]
+        ax.plot([x["t"] for x in b], [100 * x["stall"] for x in b], label="stall %")
+        ax.plot([x["t"] for x in b], [x["step_ms"] for x in b], label="step ms (median)")
+        ax.axhline(p["compute_ms"], color="C1", lw=0.8, ls=":")
+        ax.set_ylabel("stall %, step ms")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        _servers_axis(ax, b)
+        ax.legend(loc="upper right", fontsize=8)
+    axes[1].set_xlabel("seconds")
+    for x in c["trace"]:
+        if x["action"] != "hold":
+            axes[1].axvline(x["t"], color="red", lw=0.6, alpha=0.5)
+    trace = [[f"{x['t']:.0f}", x["servers"], _pct(x["stall"]), _pct(x["decided_on"]),
+              x["action"], x["reason"]] for x in c["trace"] if x["action"] != "hold"]
+    chk = [[part, r[part]["check"]["samples"], r[part]["check"]["lost"],
+            r[part]["check"]["duplicated"], "yes" if r[part]["check"]["in_order"] else "NO"]
+           for part in ("scripted", "control")]
+    settled = c["settled_stall"]
+    return [f"A trainer whose steps need more data than one server makes: it wants "
+            f"{m['demand_batches_per_s']:.0f} batches/s ({p['compute_ms']:g} ms of compute a "
+            f"step), one server of one worker makes {m['server_batches_per_s']:.1f} "
+            f"({p['data_ms']:g} ms a batch of {p['batch_size']}, "
+            + ("waiting: each server stands for a CPU node of its own" if p["work"] == "sleep"
+               else "CPU work on this machine's cores") + "). It finds its servers through a "
+            f"`dns:///` target re-resolved every {p['dns_refresh']:g} s by a resolver that "
+            "reads an address file (`RemoteLoader(dns_refresh=..., resolver=...)`). Scripted: "
+            f"a server joins every {p['phase_s']:g} s, then the first leaves (off the list "
+            f"and SIGTERM: it drains). Phase figures leave out the first {r['settle_s']:g} s "
+            "after each change. Efficiency: batches/s over (one server's x servers); per "
+            "added server: the gain over one server's batches/s (a trainer that no longer "
+            "waits can gain no more).", "",
+            *_table(["servers", "stall", "step ms (median)", "batches/s", "samples/s",
+                     "efficiency", "added server"], rows),
+            *_table(["run", "samples", "lost", "duplicated", "in order"], chk),
+            _save(fig, plots, "elastic.png"), "",
+            f"Control loop (`stoker autoscale --target-stall {p['target']:g} --cooldown "
+            f"{p['cooldown']:g} --window {p['window']:g}`): it ended at **{c['final_servers']} "
+            f"servers** (from {c['converged_at_s']:.0f} s on; the demand/capacity model says "
+            f"{m['fewest_servers']}), the trainer's stall since then "
+            f"{_pct(settled) or 'n/a'}. Its decisions (every tick's row is in the JSON):", "",
+            *_table(["s", "servers", "stall seen", "median judged", "action", "reason"],
+                    trace)]
+
+
 # (results file, title, renderer): a file may feed several sections.
 SECTIONS: list[tuple[str, str, Section]] = [
     ("pipeline", "Image pipeline: stoker vs DataLoader", pipeline),
@@ -355,6 +424,7 @@ SECTIONS: list[tuple[str, str, Section]] = [
     ("packing", "Sequence packing", packing),
     ("mixture", "Mixtures", mixture),
     ("token_budgets", "Token budgets", token_budgets),
+    ("elastic", "Elastic: servers join and leave a running trainer", elastic),
 ]
 
 

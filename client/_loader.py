@@ -6,6 +6,7 @@ thread per stream assembles batches, so at most `prefetch` batches wait in host 
 
 from __future__ import annotations
 
+import collections
 import logging
 import operator
 import time
@@ -28,7 +29,7 @@ from ._options import LoaderOptions, default_rank_world
 from ._pinning import Pin, describe_each, mismatch, short
 from ._progress import Progress
 from ._scheduler import FATAL, Scheduler
-from ._servers import ServerSet
+from ._servers import RESOLVE_EVERY, Resolver, ServerSet
 from ._sizes import check_epoch, credit_window, say_dropped
 from ._stream import StreamSpec
 
@@ -44,6 +45,10 @@ ELASTIC = ("rank", "world_size", "batch_size", "start")
 # (a loop stuck waiting is the stall an autoscaler must see), and at the start of each pass
 # (a new stream) once there is something to say, so that short epochs report too.
 REPORT_FIRST, REPORT_EVERY = 1.0, 5.0
+# A report covers the loop's last REPORT_WINDOW to REPORT_WINDOW + REPORT_EVERY seconds (all
+# of it while it is younger), not the time since the loader began: a stall that added servers
+# ended must leave the servers' gauge within a window, or an autoscaler keeps adding more.
+REPORT_WINDOW = 10.0
 SAY_WAITING = 3.0  # seconds the loop waits for one batch before an INFO line says why
 MASK = "attention_mask"  # what pack=True packs by: the datasets' mask of real tokens
 
@@ -78,7 +83,8 @@ class RemoteLoader:
                  normalize_dtype: str = "float32", shared_memory: bool = True,
                  progress: bool = False, log_every: float | None = None,
                  compression: str | None = None, data_socket: bool = True,
-                 tls: bool | Mapping[str, Any] = False, token: str | None = None) -> None:
+                 tls: bool | Mapping[str, Any] = False, token: str | None = None,
+                 dns_refresh: float = RESOLVE_EVERY, resolver: Resolver | None = None) -> None:
         rank, world_size = default_rank_world(rank, world_size)
         self._options = o = LoaderOptions(
             dataset, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank,
@@ -89,7 +95,8 @@ class RemoteLoader:
             batch_tokens=batch_tokens, token_cost=token_cost, pack=pack,
             channels=ChannelMaker(tls, token))
         self._normalize = o.normalizer()
-        self._servers = ServerSet(address, o.channels)
+        self._servers = ServerSet(address, o.channels, dns_refresh=dns_refresh,
+                                  resolver=resolver)
         self.address = self._servers.describe()
         self.dataset = dataset
         self._coords = o.coordinates
@@ -115,6 +122,7 @@ class RemoteLoader:
         self._scheduler: Scheduler | None = None
         self._window = o.prefetch  # under every server's max_credits once they said it
         self._next_report: float | None = None  # when the stall goes to the servers next
+        self._reported: collections.deque[tuple[float, float]] = collections.deque()
         self._said_waiting = (-1, -1)  # (epoch, batch) whose long wait was logged
         self._stats = {"batches": 0, "bytes": 0, "wait_seconds": 0.0, "loop_seconds": 0.0,
                        "failovers": 0, "hedges": 0}
@@ -380,13 +388,19 @@ class RemoteLoader:
             self._report(scheduler, now - waiting_since if waiting_since is not None else 0.0)
 
     def _report(self, scheduler: Scheduler, waiting: float) -> None:
-        """The servers' stoker_client_data_stall: totals since the loader began, with the
-        wait still running."""
+        """The servers' stoker_client_data_stall: the wait and loop seconds of about the
+        last REPORT_WINDOW s of the loop, with the wait still running."""
         now = time.perf_counter()
         self._next_report = now + REPORT_EVERY
         loop = self._stats["loop_seconds"] + (now - self._loop_started
                                               if self._loop_started is not None else 0.0)
-        scheduler.report(self._stats["wait_seconds"] + waiting, loop)
+        wait = self._stats["wait_seconds"] + waiting
+        sent = self._reported  # (wait, loop) totals of earlier reports, oldest first
+        while len(sent) > 1 and loop - sent[1][1] >= REPORT_WINDOW:
+            sent.popleft()
+        base = sent[0] if sent and loop - sent[0][1] >= REPORT_WINDOW else (0.0, 0.0)
+        sent.append((wait, loop))
+        scheduler.report(wait - base[0], loop - base[1])
 
     def _allocate(self, nbytes: int) -> tuple[Any, np.ndarray]:
         if self._feed is not None:

@@ -2,7 +2,9 @@
 
 Addresses are "host:port" strings, or one "dns:///name:port" target whose A/AAAA records are
 the servers (a Kubernetes headless service, `docker compose --scale`); it is re-resolved
-every RESOLVE_EVERY seconds, so servers added later are used and removed ones drained.
+every `dns_refresh` seconds (RESOLVE_EVERY by default), so servers added later are used and
+removed ones drained. A `Resolver` replaces the system's DNS for such a target: a service
+registry, or a file of addresses that a local autoscaler writes (`stoker autoscale`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import grpc
 
 from ._stream import BatchStream
 
-RESOLVE_EVERY = 15.0
+RESOLVE_EVERY = 15.0  # seconds between resolutions of a dns: target, by default
 BACKOFF_FIRST, BACKOFF_MAX = 0.05, 2.0  # seconds before a failed server is tried again
 DRAIN_RETRY = 1.0  # seconds before a server that drained is tried again
 
@@ -95,19 +97,25 @@ class Server:
         if self.state is ServerState.STALLED:
             self.state = ServerState.UP
 
+    # A gone server stays gone whatever its stream does (a server taken off its name is
+    # usually drained next): only its name listing it again brings it back (mark_back).
+    def _down(self) -> ServerState:
+        return ServerState.GONE if self.state is ServerState.GONE else ServerState.DOWN
+
     def mark_draining(self, reason: str = "") -> None:
-        self.state = ServerState.DRAINING
+        if self.state is not ServerState.GONE:
+            self.state = ServerState.DRAINING
         self.refused = reason or self.refused
 
     def mark_drained(self, now: float) -> None:
         """Done with what it took while draining: let go (the caller closes the stream) and
         try it again after DRAIN_RETRY (it may be restarting)."""
-        self.stream, self.state = None, ServerState.DOWN
+        self.stream, self.state = None, self._down()
         self.retry_at, self.last_error = now + DRAIN_RETRY, "draining"
 
     def mark_down(self, error: Any, now: float) -> None:
         """Its stream failed: try it again after the backoff, which doubles each time."""
-        self.state, self.stream = ServerState.DOWN, None
+        self.state, self.stream = self._down(), None
         self.last_error = str(error)
         self.errors += 1
         self.retry_at = now + self.backoff
@@ -142,8 +150,15 @@ def parse_addresses(address: str | Sequence[str]) -> tuple[list[str], str | None
     return (addresses, None) if not dns else ([], dns[0])
 
 
+# resolver(target) -> the "host:port" addresses a "dns:///name:port" target names now. It
+# runs on the loop's thread under the scheduler's lock: it must return quickly. OSError
+# means "cannot tell now" (the servers known stay); other exceptions reach the loop.
+Resolver = Callable[[str], Sequence[str]]
+
+
 def resolve(target: str) -> list[str]:
-    """The "ip:port" addresses a dns:///name:port target names now (sorted, deduplicated)."""
+    """The "ip:port" addresses a dns:///name:port target names now (sorted, deduplicated),
+    from the system's resolver: the default `Resolver`."""
     host, _, port = target.removeprefix("dns:///").removeprefix("dns:").rpartition(":")
     infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
     found = set()
@@ -158,26 +173,46 @@ class ServerSet:
     scheduler calls it under its lock."""
 
     def __init__(self, address: str | Sequence[str],
-                 channel: Callable[[str, list[tuple[str, Any]]], grpc.Channel] | None = None
+                 channel: Callable[[str, list[tuple[str, Any]]], grpc.Channel] | None = None,
+                 *, dns_refresh: float = RESOLVE_EVERY, resolver: Resolver | None = None
                  ) -> None:
         """`channel(address, options)` makes a server's channel (TLS, token: _channel.py);
-        default: plain TCP."""
+        default: plain TCP. A dns: target is resolved by `resolver` (default: the system's)
+        every `dns_refresh` seconds; ValueError if either is given wrong."""
         self._fixed, self._dns = parse_addresses(address)
+        if not (isinstance(dns_refresh, (int, float)) and dns_refresh > 0):
+            raise ValueError(f"dns_refresh must be > 0 seconds, got {dns_refresh!r}")
+        if resolver is not None and self._dns is None:
+            raise ValueError(f"resolver applies to a 'dns:///name:port' address, got "
+                             f"{self._fixed}")
+        if resolver is not None and not callable(resolver):
+            raise ValueError(f"resolver must be a callable(target) -> ['host:port', ...], "
+                             f"got {resolver!r}")
         self._channel = channel or (lambda a, o: grpc.insecure_channel(a, options=o))
+        self._resolver = resolver or resolve
+        self._every = float(dns_refresh)
         self.servers: dict[str, Server] = {}
-        self._resolved_at = -RESOLVE_EVERY
+        self._resolved_at = -self._every
         self.refresh(time.monotonic())
 
     def describe(self) -> str:
         return self._dns or ", ".join(self._fixed)
 
     def refresh(self, now: float) -> None:
+        """Resolve the dns target if due; let go of gone servers that hold nothing."""
+        for server in self.servers.values():
+            if server.state is ServerState.GONE and server.stream is not None \
+                    and not server.outstanding:
+                # Off the name and done with what it held: close our stream now, so that
+                # its drain (a pod taken off a Service, then SIGTERM) need not wait for us.
+                server.stream.close(wait=False)
+                server.stream = None
         if self._dns is None:
             wanted = self._fixed
-        elif now - self._resolved_at >= RESOLVE_EVERY:
+        elif now - self._resolved_at >= self._every:
             self._resolved_at = now
             try:
-                wanted = resolve(self._dns)
+                wanted = self._resolved(self._dns)
             except OSError:
                 return  # keep what we have; the name may come back
         else:
@@ -192,6 +227,23 @@ class ServerSet:
         for address, server in self.servers.items():
             if address not in wanted:
                 server.mark_gone()  # no new credits; what it holds still counts
+
+    def _resolved(self, target: str) -> list[str]:
+        """What the resolver says `target` names, checked: a resolver's mistake is a
+        ValueError naming what it returned, not a channel to nowhere."""
+        found = self._resolver(target)
+        if isinstance(found, str) or not all(isinstance(a, str) for a in found):
+            raise ValueError(f"resolver returned {found!r} for {target!r}: expected a list "
+                             f"of 'host:port' strings")
+        addresses = sorted(set(found))
+        try:
+            fixed, dns = parse_addresses(addresses) if addresses else ([], None)
+        except ValueError as e:
+            dns, fixed = str(e), []
+        if dns is not None:
+            raise ValueError(f"resolver returned {addresses} for {target!r}: expected "
+                             f"'host:port' addresses")
+        return fixed
 
     def close(self) -> None:
         for server in self.servers.values():

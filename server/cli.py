@@ -5,6 +5,9 @@
     stoker datasets ADDRESS         what a running server serves            (the client extra)
     stoker inspect ADDRESS DATASET  one batch of a dataset, summarised      (the client extra)
     stoker stats HTTP_ADDRESS       a running server's /v1/stats            (the client extra)
+    stoker autoscale --config FILE --addresses FILE
+                                    local servers started and drained on the
+                                    data stall their trainers report        (the server extra)
 
 This module imports nothing beyond the standard library at its top: a trainer node has only
 the client extra (no pyyaml, pydantic, FastAPI), and the commands it runs must start there.
@@ -79,7 +82,7 @@ def version() -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    from . import _inspect, _stats_view
+    from . import _autoscale, _inspect, _stats_view
 
     p = argparse.ArgumentParser(prog="stoker", description="Remote data serving for ML "
                                 "training.")
@@ -100,6 +103,7 @@ def parser() -> argparse.ArgumentParser:
     check.set_defaults(func=_check)
     _inspect.add_commands(sub)
     _stats_view.add_command(sub)
+    _autoscale.add_command(sub)
     return p
 
 
