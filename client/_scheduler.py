@@ -122,7 +122,10 @@ class Scheduler:
                     on_wait()
             item = self._ready.pop(index)
             self._next = index + 1
-            self._assign(self._clock())
+            now = self._clock()
+            # A loop that never waits must still see servers join and leave a dns name.
+            self._servers.refresh(now)
+            self._assign(now)
         if isinstance(item, RemoteError):
             raise item
         return item

@@ -192,8 +192,11 @@ class ServerSet:
         self._resolver = resolver or resolve
         self._every = float(dns_refresh)
         self.servers: dict[str, Server] = {}
-        self._resolved_at = -self._every
+        self._resolved_at: float | None = -self._every
         self.refresh(time.monotonic())
+        # The first refresh() by the caller's clock (the scheduler's, which a test may drive)
+        # resolves again and starts the period on that clock.
+        self._resolved_at = None
 
     def describe(self) -> str:
         return self._dns or ", ".join(self._fixed)
@@ -209,7 +212,7 @@ class ServerSet:
                 server.stream = None
         if self._dns is None:
             wanted = self._fixed
-        elif now - self._resolved_at >= self._every:
+        elif self._resolved_at is None or now - self._resolved_at >= self._every:
             self._resolved_at = now
             try:
                 wanted = self._resolved(self._dns)

@@ -101,10 +101,14 @@ def run() -> Any:
     """(clock, streams, servers, scheduler) for 20 batches from servers a and b, window 4."""
     made: list[tuple[ServerSet, Scheduler]] = []
 
-    def start(addresses: tuple[str, ...] = (A, B), total: int = 20, window: int = 4
-              ) -> tuple[Clock, Streams, ServerSet, Scheduler]:
+    def start(addresses: tuple[str, ...] = (A, B), total: int = 20, window: int = 4,
+              resolver: Any = None) -> tuple[Clock, Streams, ServerSet, Scheduler]:
+        """`resolver`: the servers are a dns target's, resolved by it (every 0.05 s)."""
         clock, streams = Clock(), Streams()
-        servers = ServerSet(list(addresses), channel=lambda address, options: Channel())
+        servers = (ServerSet(list(addresses), channel=lambda address, options: Channel())
+                   if resolver is None else
+                   ServerSet("dns:///toy:1", channel=lambda address, options: Channel(),
+                             resolver=resolver, dns_refresh=0.05))
         spec = StreamSpec(pb.Coordinates(dataset="toy", batch_size=2, world_size=1),
                           allocate=unused, finish=unused)
         scheduler = Scheduler(servers, spec, total=total, start=0, window=window,
@@ -192,6 +196,30 @@ def test_the_awaited_batch_is_hedged_once_after_hedge_min_and_the_late_duplicate
     b.deliver(1)  # the duplicate
     assert state(servers, B)["batches"] == 0  # counted nowhere, handed out never
     assert state(servers, C)["batches"] == 1
+
+
+def test_a_loop_that_never_waits_still_sees_a_server_leave_its_name(run) -> None:
+    # Every batch is ready before the loop asks for it, so take() never waits (and never
+    # polls): the dns name is still re-resolved, and b, off it, gets no new credit.
+    listed = [A, B]
+    clock, streams, servers, sched = run(total=40, window=4, resolver=lambda t: list(listed))
+
+    def answer_all() -> None:
+        for address in (A, B):
+            stream = streams.last(address)
+            for k in stream.credits:
+                stream.deliver(k)  # answered twice: the second is a dropped duplicate
+
+    answer_all()
+    sched.take(0)
+    listed.remove(B)
+    clock.at(1.0)  # past dns_refresh
+    for i in range(1, 40):
+        answer_all()
+        assert i in sched._ready  # the loop does not wait
+        sched.take(i)
+    assert state(servers, B)["state"] == "gone"
+    assert max(streams.last(B).credits) < 8  # nothing new once it left
 
 
 def test_a_failed_streams_batches_go_to_the_other_and_it_is_retried_after_its_backoff(
