@@ -137,9 +137,9 @@ def trainer_cpu(r: dict[str, Any], plots: Path) -> list[str]:
 
 
 def wire(r: dict[str, Any], plots: Path) -> list[str]:
-    rows, xs = [], []
-    ys: dict[str, list[float]] = {"tcp": [], "stoker": [], "stoker_sock": [], "stoker_shm": [],
-                                  "memcpy": []}
+    rows, tls_rows, xs = [], [], []
+    ys: dict[str, list[float]] = {"tcp": [], "tls": [], "stoker": [], "stoker_sock": [],
+                                  "stoker_tls": [], "stoker_shm": [], "memcpy": []}
     for s in r["sizes"]:
         sy = s["systems"]
         rows.append([f"{s['size'] / 2**20:g} MiB", f"{sy['tcp']['gb_per_s']['median']:.2f}",
@@ -152,6 +152,17 @@ def wire(r: dict[str, Any], plots: Path) -> list[str]:
                      if "stoker_shm" in sy else "",
                      f"{s['ratio_stoker_shm_over_tcp']:.2f}" if "stoker_shm" in sy else "",
                      f"{sy['memcpy']['gb_per_s']['median']:.1f}"])
+        if "stoker_tls" in sy:  # results from before TLS was measured lack these
+            cpu = {k: sy[k]["client_cpu_s_per_gb"]["median"]
+                   for k in ("tcp", "tls", "stoker_sock", "stoker_tls")}
+            tls_rows.append([f"{s['size'] / 2**20:g} MiB",
+                             f"{sy['tls']['gb_per_s']['median']:.2f}",
+                             f"{sy['stoker_tls']['gb_per_s']['median']:.2f}",
+                             f"{s['ratio_stoker_tls_over_tls']:.2f}",
+                             f"{cpu['tcp']:.2f}", f"{cpu['stoker_sock']:.2f}",
+                             f"{s['ratio_client_cpu_sock_over_tcp']:.2f}",
+                             f"{cpu['tls']:.2f}", f"{cpu['stoker_tls']:.2f}",
+                             f"{s['ratio_client_cpu_tls_over_tls']:.2f}"])
         xs.append(s["size"])
         for k in ys:
             if k in sy:
@@ -166,13 +177,21 @@ def wire(r: dict[str, Any], plots: Path) -> list[str]:
     ax.set_ylabel("GB/s into client memory")
     ax.legend()
     ax.grid(alpha=0.3)
-    return ["Ready batches into client memory (numpy): stoker through gRPC on loopback, with "
-            "a data socket (payloads on TCP beside gRPC), through shared memory (same host), a "
-            "raw TCP stream between two Python processes, and memcpy.", "",
-            *_table(["batch", "raw TCP GB/s", "stoker gRPC GB/s", "gRPC / TCP",
-                     "stoker data socket GB/s", "socket / TCP", "stoker shm GB/s",
-                     "shm / TCP", "memcpy GB/s"], rows),
-            _save(fig, plots, "wire.png"), ""]
+    out = ["Ready batches into client memory (numpy): stoker through gRPC on loopback, with "
+           "a data socket (payloads on TCP beside gRPC), through shared memory (same host), a "
+           "raw TCP stream between two Python processes, and memcpy.", "",
+           *_table(["batch", "raw TCP GB/s", "stoker gRPC GB/s", "gRPC / TCP",
+                    "stoker data socket GB/s", "socket / TCP", "stoker shm GB/s",
+                    "shm / TCP", "memcpy GB/s"], rows), ""]
+    if tls_rows:
+        out += ["With TLS: the default path to a server with `server.tls` against a raw TLS "
+                "socket between two Python processes; and the trainer process's CPU seconds "
+                "per GB received, stoker's default path beside raw TCP's receiver (goal: at "
+                "most 1.5x) and stoker TLS beside raw TLS's.", "",
+                *_table(["batch", "raw TLS GB/s", "stoker TLS GB/s", "stoker TLS / raw TLS",
+                         "trainer CPU s/GB: raw TCP", "stoker default", "default / TCP",
+                         "raw TLS", "stoker TLS", "TLS / raw TLS"], tls_rows), ""]
+    return [*out, _save(fig, plots, "wire.png"), ""]
 
 
 def stall(r: dict[str, Any], plots: Path) -> list[str]:

@@ -17,9 +17,13 @@ Three ways to move the same bytes, batch by batch, on this machine:
   buffer. The default path; its ratio to raw TCP is the `sock/TCP` column.
 - stoker shm: the same loader with its default same-host delivery: payloads read from the
   workers' shared memory, gRPC for control only (docs/protocol.md#same-host-delivery).
+- stoker TLS: the default path to a second server with `server.tls` (a self-signed
+  certificate made for this run): the data connection is TLS, as between machines.
 - raw TCP: a sender process sock.sendall()s the same number of bytes per batch from a
   preallocated buffer; this process recv_into()s them into a preallocated bytearray. The
   physical limit of the wire here, with Python at both ends.
+- raw TLS: the same, on a loopback socket wrapped with `ssl` (the TLS server's certificate
+  and key are the stoker TLS server's): the limit for stoker TLS.
 - memcpy: numpy copies the same number of bytes between two preallocated arrays, in this
   process. The limit of any copy.
 
@@ -35,6 +39,7 @@ import multiprocessing as mp
 import os
 import resource
 import socket
+import ssl
 import sys
 import tempfile
 import time
@@ -50,9 +55,11 @@ from stoker.client import RemoteLoader
 from stoker.server import ServerProcess, write_config
 
 BENCHMARKS = Path(__file__).resolve().parent
-SYSTEMS = ("tcp", "stoker", "stoker_sock", "stoker_shm", "memcpy")
-LABELS = {"tcp": "raw TCP", "stoker": "stoker frames", "stoker_sock": "stoker default",
+SYSTEMS = ("tcp", "tls", "stoker", "stoker_sock", "stoker_tls", "stoker_shm", "memcpy")
+LABELS = {"tcp": "raw TCP", "tls": "raw TLS", "stoker": "stoker frames",
+          "stoker_sock": "stoker default", "stoker_tls": "stoker TLS",
           "stoker_shm": "stoker shm", "memcpy": "memcpy"}
+STOKERS = ("stoker", "stoker_sock", "stoker_tls", "stoker_shm")
 GB = 1e9  # GB/s means 10^9 bytes per second throughout
 SIZES = "64K,1M,4M,16M,64M"
 # Cores kept busy by processes outside this run above which the output warns of noise.
@@ -208,15 +215,64 @@ class LoadMeter:
         return max((b[1] - a[1]) - (b[2] - a[2]), 0.0) / wall if wall > 0 else float("nan")
 
 
-# -- the three systems -----------------------------------------------------------------------
-def _tcp_sender(port: int, payload: int, batches: int) -> None:
-    """Child process: connect, send `batches` x `payload` bytes from one buffer, close."""
+# -- TLS: one self-signed certificate for the run ---------------------------------------------
+def self_signed(folder: Path) -> tuple[Path, Path]:
+    """(cert, key) PEM files for 127.0.0.1, self-signed: the TLS server's certificate and the
+    client's CA in one. Needs `cryptography` (the dev extra)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "stoker wire benchmark")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = folder / "wire.crt", folder / "wire.key"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_file, key_file
+
+
+def tls_contexts(cert: Path, key: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """(server side, client side): as stoker's data connection makes them (server/
+    _datasocket.server_context, client/_datalink.client_context)."""
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(cert, key)
+    return server, ssl.create_default_context(cafile=str(cert))
+
+
+# -- the systems -----------------------------------------------------------------------------
+def _tcp_sender(port: int, payload: int, batches: int,
+                tls: tuple[str, str] | None = None) -> None:
+    """Child process: connect, send `batches` x `payload` bytes from one buffer, close.
+    `tls` (cert, key): the connection is TLS, this process its server side, as stoker's
+    server is on the data connection."""
     buf = memoryview(pattern(payload))
     with socket.create_connection(("127.0.0.1", port)) as sock:
+        if tls is not None:
+            sock = tls_contexts(Path(tls[0]), Path(tls[1]))[0].wrap_socket(sock,
+                                                                          server_side=True)
         for _ in range(batches):
             sock.sendall(buf)
-        sock.shutdown(socket.SHUT_WR)
-        sock.recv(1)  # wait until the receiver has everything and closes
+        if tls is None:
+            sock.shutdown(socket.SHUT_WR)
+            sock.recv(1)  # wait until the receiver has everything and closes
+        else:  # no half-close under TLS: the receiver's one byte says it has everything
+            sock.recv(1)
+        sock.close()
 
 
 def _recv_exactly(sock: socket.socket, view: memoryview) -> int:
@@ -242,18 +298,25 @@ def _accept(listener: socket.socket, sender: Any) -> socket.socket:
                                    ) from None
 
 
-def run_tcp(p: dict[str, int], ctx: Any) -> dict[str, Any]:
-    """One repeat: a fresh sender process, warm-up batch untimed, then the timed batches."""
+def run_tcp(p: dict[str, int], ctx: Any,
+            tls: tuple[Path, Path] | None = None) -> dict[str, Any]:
+    """One repeat: a fresh sender process, warm-up batch untimed, then the timed batches.
+    `tls` (cert, key): over TLS, this process the client side (the TLS handshake is done
+    before the clock starts)."""
     payload, timed = p["payload_bytes"], p["timed_batches"]
     buf = bytearray(payload)
     view = memoryview(buf)
     problems: list[str] = []
     with socket.create_server(("127.0.0.1", 0)) as listener:
         sender = ctx.Process(target=_tcp_sender, daemon=True,
-                             args=(listener.getsockname()[1], payload, timed + 1))
+                             args=(listener.getsockname()[1], payload, timed + 1,
+                                   tuple(map(str, tls)) if tls else None))
         sender.start()
         try:
             conn = _accept(listener, sender)
+            if tls is not None:
+                conn.settimeout(60)
+                conn = tls_contexts(*tls)[1].wrap_socket(conn, server_hostname="127.0.0.1")
             with conn:
                 meter = Meter({"sender": sender.pid})
                 m0 = meter.mark()  # from the connection on: the sender's start-up is not ours
@@ -265,7 +328,11 @@ def run_tcp(p: dict[str, int], ctx: Any) -> dict[str, Any]:
                 for _ in range(timed):
                     received += _recv_exactly(conn, view)
                 m2 = meter.mark()
-                extra = conn.recv(1)
+                if tls is not None:  # no EOF to read: tell the sender we are done
+                    extra = b""
+                    conn.sendall(b"x")
+                else:
+                    extra = conn.recv(1)
                 if received != timed * payload or extra:
                     problems.append(f"timed batches: {received + len(extra)} bytes, wanted "
                                     f"{timed * payload}")
@@ -383,19 +450,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cfg_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="stoker-wire-")))
         config = write_config(cfg_dir / "config.yaml", {"server": settings,
                                                         "datasets": datasets})
-        # Started once, before any timing: one server serves every size.
+        cert, key = self_signed(cfg_dir)
+        tls_config = write_config(cfg_dir / "tls.yaml", {
+            "server": {**settings, "tls": {"cert_file": str(cert), "key_file": str(key)}},
+            "datasets": datasets})
+        # Started once, before any timing: one server serves every size, a second one (the
+        # same, with TLS) the stoker TLS system.
         t0 = time.perf_counter()
         server = ServerProcess(config, workers=args.workers, env=server_env()).start()
         results["server_start_s"] = time.perf_counter() - t0
+        tls_server = stack.enter_context(ServerProcess(tls_config, workers=args.workers,
+                                                       env=server_env()))
         try:
             meter = Meter({"server": server.proc.pid})
+            tls_meter = Meter({"server": tls_server.proc.pid})
             for p in plans:
                 loaders = {name: RemoteLoader(
-                    server.address, f"b{p['size']}", batch_size=p["batch_size"], shuffle=False,
+                    (tls_server if name == "stoker_tls" else server).address,
+                    f"b{p['size']}", batch_size=p["batch_size"], shuffle=False,
                     drop_last=True, output="numpy", prefetch=args.prefetch,
                     shared_memory=name == "stoker_shm",
-                    **({"data_socket": False} if name == "stoker" else {}))
-                    for name in ("stoker", "stoker_sock", "stoker_shm")}
+                    **({"data_socket": False} if name == "stoker" else {}),
+                    **({"tls": {"ca": str(cert)}} if name == "stoker_tls" else {}))
+                    for name in STOKERS}
                 repeats: dict[str, list[dict[str, Any]]] = {name: [] for name in SYSTEMS}
                 load0 = LoadMeter.mark()
                 try:
@@ -410,8 +487,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         for position, name in enumerate(order):
                             if name == "tcp":
                                 m = run_tcp(p, ctx)
+                            elif name == "tls":
+                                m = run_tcp(p, ctx, (cert, key))
                             elif name.startswith("stoker"):
-                                m = run_stoker(p, loaders[name], r, meter)
+                                m = run_stoker(p, loaders[name], r,
+                                               tls_meter if name == "stoker_tls" else meter)
                             else:
                                 m = run_memcpy(p)
                             m.update(repeat=r, position=position)
@@ -447,16 +527,22 @@ def summarise_size(repeats: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         if "peer_cpu_s_per_gb" in rs[0]:
             s["peer_cpu_s_per_gb"] = summarise([m["peer_cpu_s_per_gb"] for m in rs])
             s["peer_root_cpu_s_per_gb"] = summarise([m["peer_root_cpu_s_per_gb"] for m in rs])
-        if name.startswith("stoker"):
+        if name in STOKERS:
             s["wire_bytes_per_payload_byte"] = rs[0]["wire_bytes_per_payload_byte"]
             s["first_batch_s"] = summarise([m["first_batch_s"] for m in rs])
         systems[name] = s
     med = {name: systems[name]["gb_per_s"]["median"] for name in SYSTEMS}
+    cpu = {name: systems[name]["client_cpu_s_per_gb"]["median"] for name in SYSTEMS}
     return {"systems": systems,
             "ratio_stoker_over_tcp": med["stoker"] / med["tcp"],
             "ratio_stoker_shm_over_tcp": med["stoker_shm"] / med["tcp"],
             "ratio_stoker_sock_over_tcp": med["stoker_sock"] / med["tcp"],
-            "ratio_stoker_over_memcpy": med["stoker"] / med["memcpy"]}
+            "ratio_stoker_tls_over_tls": med["stoker_tls"] / med["tls"],
+            "ratio_stoker_over_memcpy": med["stoker"] / med["memcpy"],
+            # The trainer's CPU per GB received on the default path against raw TCP's
+            # receiver (the issue's goal: at most 1.5x), and with TLS against raw TLS's.
+            "ratio_client_cpu_sock_over_tcp": cpu["stoker_sock"] / cpu["tcp"],
+            "ratio_client_cpu_tls_over_tls": cpu["stoker_tls"] / cpu["tls"]}
 
 
 NOTES = [
@@ -469,6 +555,10 @@ NOTES = [
     "(prefetched batches, filled socket buffers) is counted once. client: this process "
     "(getrusage, all threads); server: `stoker serve` and its workers (/proc, 10 ms ticks); "
     "for raw TCP the same columns are the receiver (this process) and the sender process.",
+    "stoker TLS and raw TLS: the same loader and sender over TLS (a self-signed "
+    "certificate made for the run; the stoker TLS server is a second server, the same but "
+    "for server.tls). The trainer's CPU s/GB table sets this process's CPU per GB received "
+    "on each path beside raw TCP's and raw TLS's receiver.",
     "stoker's data path here: worker collates samples into shared memory -> front end frames "
     "it and gRPC sends it -> client receive thread assembles frames into a numpy buffer (reused "
     "once the loop drops the batch).",
@@ -517,25 +607,42 @@ def report(res: dict[str, Any]) -> str:
             f"{st['peer_cpu_s_per_gb']['median']:>10.3f}"
             f"   {tc['client_cpu_s_per_gb']['median']:>7.3f}"
             f"{tc['peer_cpu_s_per_gb']['median']:>8.3f}")
+    lines += ["", "TLS, and the trainer's CPU (this process) per GB received, medians:",
+              f"{'batch':>9}{'raw TLS':>10}{'stoker':>9}{'stoker TLS/':>13}"
+              f"   {'trainer CPU s/GB:':<17}{'raw TCP':>9}{'raw TLS':>9}{'default':>9}"
+              f"{'def/TCP':>9}{'TLS':>8}{'TLS/TLS':>9}",
+              f"{'':>9}{'GB/s':>10}{'TLS GB/s':>9}{'raw TLS':>13}"]
+    for s in res["sizes"]:
+        sy = s["systems"]
+        c = {n: sy[n]["client_cpu_s_per_gb"]["median"] for n in SYSTEMS}
+        lines.append(
+            f"{human(s['size']):>9}{sy['tls']['gb_per_s']['median']:>10.3f}"
+            f"{sy['stoker_tls']['gb_per_s']['median']:>9.3f}"
+            f"{s['ratio_stoker_tls_over_tls']:>13.2f}   {'':<17}{c['tcp']:>9.3f}"
+            f"{c['tls']:>9.3f}{c['stoker_sock']:>9.3f}"
+            f"{s['ratio_client_cpu_sock_over_tcp']:>9.2f}{c['stoker_tls']:>8.3f}"
+            f"{s['ratio_client_cpu_tls_over_tls']:>9.2f}")
     lines += ["", "spread over repeats, GB/s [min, max]:"]
     for s in res["sizes"]:
         lines.append(f"  {human(s['size']):>8}  " + "  ".join(
             f"{LABELS[n]} [{s['systems'][n]['gb_per_s']['min']:.3f}, "
             f"{s['systems'][n]['gb_per_s']['max']:.3f}]" for n in SYSTEMS))
-    lines += ["", "stoker per size (medians): batches/s, first batch of an epoch, server CPU s/GB "
-                  "split into front end and workers, wire bytes per payload byte:"]
+    lines += ["", "stoker per size and path (medians): batches/s, first batch of an epoch, server "
+                  "CPU s/GB split into front end and workers, wire bytes per payload byte:"]
     for s in res["sizes"]:
-        st = s["systems"]["stoker"]
-        front = st["peer_root_cpu_s_per_gb"]["median"]
-        lines.append(f"  {human(s['size']):>8}  {st['batches_per_s']['median']:9.1f} batches/s"
-                     f"  first batch {1000 * st['first_batch_s']['median']:6.1f} ms"
-                     f"  server: front end {front:6.3f}, workers "
-                     f"{st['peer_cpu_s_per_gb']['median'] - front:6.3f}"
-                     f"  wire/payload {st['wire_bytes_per_payload_byte']:.5f}")
+        for name in STOKERS:
+            st = s["systems"][name]
+            front = st["peer_root_cpu_s_per_gb"]["median"]
+            lines.append(f"  {human(s['size']):>8} {LABELS[name]:<15}"
+                         f"{st['batches_per_s']['median']:9.1f} batches/s"
+                         f"  first batch {1000 * st['first_batch_s']['median']:6.1f} ms"
+                         f"  server: front end {front:6.3f}, workers "
+                         f"{st['peer_cpu_s_per_gb']['median'] - front:6.3f}"
+                         f"  wire/payload {st['wire_bytes_per_payload_byte']:.5f}")
     lines += ["", "GB/s, median; bars scaled to the fastest raw TCP figure:"]
     best = max(s["systems"]["tcp"]["gb_per_s"]["median"] for s in res["sizes"])
     for s in res["sizes"]:
-        for name in ("tcp", "stoker", "stoker_sock", "stoker_shm"):
+        for name in ("tcp", "tls", "stoker", "stoker_sock", "stoker_tls", "stoker_shm"):
             v = s["systems"][name]["gb_per_s"]["median"]
             label = human(s["size"]) if name == "tcp" else ""
             bar = "#" * min(60, max(1, round(40 * v / best)))

@@ -116,6 +116,9 @@ class WorkerPool:
         self._workers: list[_Worker] = []
         self._queue: collections.deque[_Job] = collections.deque()
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
+        # A wake-up is in the pipe and the dispatcher has not taken it yet: submit() and
+        # release() then write none (one pipe write, not one per batch; see _wake).
+        self._woken = False
         self._next_id = 0
         self._closing = False
         self._broken = False  # the dispatcher thread died of a bug
@@ -204,14 +207,16 @@ class WorkerPool:
         reuse=False: unlinked in any case (a client may still be reading it: its mapping
         stays valid, and the worker will not write into it again). Any thread."""
         name = batch.shm_name
+        wake = False
         with self._lock:
             self._lent.discard(name)
             w = None if self._closing else self._by_pid.get(_shm.worker_of(name) or -1)
             if w is not None:
                 (w.freed if reuse else w.dropped).append(name)
+                wake = self._wake()
         if w is None or not reuse:
             _shm.unlink(name)
-        if w is not None:
+        if wake:
             self._wake_w.send_bytes(b"x")
 
     def status(self) -> dict[str, int]:
@@ -248,8 +253,19 @@ class WorkerPool:
                                   "the server's worker dispatcher failed (see its log)")
             self._next_id += 1
             self._queue.append(_Job(Task(self._next_id, dataset, indices, ahead, key), fut))
-        self._wake_w.send_bytes(b"x")
+            wake = self._wake()
+        if wake:
+            self._wake_w.send_bytes(b"x")
         return fut
+
+    def _wake(self) -> bool:
+        """Whether the caller, having queued work under the lock, must write a wake-up:
+        not if one is already in the pipe. The dispatcher clears the flag under the lock
+        before it looks at the work, so what was queued before is seen then, and what comes
+        after writes again. Saves a pipe write (and a dispatcher round) per batch when
+        credits and releases come faster than the dispatcher turns."""
+        woken, self._woken = self._woken, True
+        return not woken
 
     # -- the dispatcher thread -------------------------------------------------------------
     def _spawn(self, probe: bool, slot: int) -> _Worker:
@@ -292,6 +308,8 @@ class WorkerPool:
                 owner[w.conn] = owner[w.process.sentinel] = w
             for ready in mpc.wait([self._wake_r, *owner], self._until_deadline()):
                 if ready is self._wake_r:
+                    with self._lock:
+                        self._woken = False  # before _assign looks at the queue (_wake)
                     self._wake_r.recv_bytes()
                     continue
                 w = owner[ready]

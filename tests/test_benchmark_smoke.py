@@ -44,7 +44,8 @@ def test_quick_wire_benchmark_measures_every_system(tmp_path: Path) -> None:
     assert res["check_problems"] == [] and res["server_exit_code"] == 0
     assert [s["size"] for s in res["sizes"]] == [64 << 10, 4 << 20]
     for size in res["sizes"]:
-        for name in ("tcp", "stoker", "stoker_sock", "stoker_shm", "memcpy"):
+        for name in ("tcp", "tls", "stoker", "stoker_sock", "stoker_tls", "stoker_shm",
+                     "memcpy"):
             system = size["systems"][name]
             assert len(system["repeats"]) == 1
             assert system["gb_per_s"]["median"] > 0
