@@ -6,7 +6,7 @@ of each batch. A request for (coordinates, batch index) is answered, in this ord
 preference, by a batch
 - kept from a build a little earlier (`cached`): built batches are kept for
   `cache.shared_seconds`, within `cache.shared_batches` bytes of shared memory (and at most
-  1/8 of /dev/shm), oldest dropped first;
+  1/8 of /dev/shm, and MAX_KEPT batches), oldest dropped first;
 - being built for another stream (`joined`): the request waits for that build;
 - built for it (`built`).
 
@@ -50,6 +50,9 @@ __all__ = ["Outcome", "SharedBatches"]
 # The cache takes at most this share of /dev/shm, whatever cache.shared_batches says: the
 # workers' segments and the batches streams hold need the rest.
 SHM_SHARE = 8
+# At most this many batches kept, however small: each holds a segment, which the front end
+# keeps mapped (a descriptor each) and the first mapping of a new one checks all the others.
+MAX_KEPT = 1024
 
 BatchKey = tuple[Coordinates, int]  # coordinates, batch index: all a batch's bytes depend on
 
@@ -79,6 +82,7 @@ class _Refs:
     batch: BuiltBatch
     count: int
     reuse: bool = True  # False once any holder said a client may still read the segment
+    kept_as: BatchKey | None = None  # the cache's key, while the cache holds one reference
 
 
 @dataclass(frozen=True)
@@ -145,8 +149,12 @@ class SharedBatches:
         if refs is None:  # not handed out here
             self.pool.release(batch, reuse=reuse)
             return
-        refs.reuse = refs.reuse and reuse
         refs.count -= 1
+        if not reuse:
+            refs.reuse = False
+            if refs.kept_as is not None:  # not kept either: unlinked once nobody holds it
+                self._drop(refs.kept_as)
+                return
         if refs.count <= 0:
             del self._refs[batch.shm_name]
             self.pool.release(batch, reuse=refs.reuse)
@@ -212,21 +220,25 @@ class SharedBatches:
     def _keep(self, key: BatchKey, batch: BuiltBatch) -> None:
         loop = asyncio.get_running_loop()
         kept = _Kept(batch, loop.time() + self._seconds, _footprint(batch))
-        old = self._kept.pop(key, None)
-        if old is not None:  # built again (it was evicted while a build was in flight)
-            self.kept_bytes -= old.nbytes
-            self.release(old.batch)
+        if key in self._kept:  # built again (its first build lost all its waiters)
+            self._drop(key)
         self._kept[key] = kept
+        self._refs[batch.shm_name].kept_as = key
         self.kept_bytes += kept.nbytes
-        while self.kept_bytes > self.budget:
+        while self.kept_bytes > self.budget or len(self._kept) > MAX_KEPT:
             self._drop_oldest()
         self._published()
         if self._timer is None:
             self._timer = loop.call_at(kept.until, self._expire)
 
     def _drop_oldest(self) -> None:
-        _, kept = self._kept.popitem(last=False)
+        self._drop(next(iter(self._kept)))
+
+    def _drop(self, key: BatchKey) -> None:
+        """The cache lets go of a batch (its reference released)."""
+        kept = self._kept.pop(key)
         self.kept_bytes -= kept.nbytes
+        self._refs[kept.batch.shm_name].kept_as = None
         self.release(kept.batch)
         self._published()
 
