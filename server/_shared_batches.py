@@ -12,9 +12,10 @@ preference, by a batch
 
 Sharing is reference counting of the batch's segment: each stream given the batch holds one
 reference, the cache one while it keeps it, and the segment goes back to its worker
-(WorkerPool.release) when the last is released. A release asking for no reuse (a client may
-still be reading the segment) is remembered and applied then. A lone job's batch takes the
-path it took before: built once, one reference, never copied.
+(WorkerPool.release) when the last is released. A release asking for no reuse (a stream ended
+with the segment lent to its client, who may still read it) is remembered and applied then:
+the segment is unlinked, not reused; until then it is served as it is (never written again).
+A lone job's batch takes the path it took before: built once, one reference, never copied.
 
 A waiter that goes away (its stream closed) drops out; the build is cancelled only once
 nobody waits for it. A failed build fails every waiter and is not kept: the next request
@@ -82,7 +83,6 @@ class _Refs:
     batch: BuiltBatch
     count: int
     reuse: bool = True  # False once any holder said a client may still read the segment
-    kept_as: BatchKey | None = None  # the cache's key, while the cache holds one reference
 
 
 @dataclass(frozen=True)
@@ -149,12 +149,8 @@ class SharedBatches:
         if refs is None:  # not handed out here
             self.pool.release(batch, reuse=reuse)
             return
+        refs.reuse = refs.reuse and reuse
         refs.count -= 1
-        if not reuse:
-            refs.reuse = False
-            if refs.kept_as is not None:  # not kept either: unlinked once nobody holds it
-                self._drop(refs.kept_as)
-                return
         if refs.count <= 0:
             del self._refs[batch.shm_name]
             self.pool.release(batch, reuse=refs.reuse)
@@ -223,7 +219,6 @@ class SharedBatches:
         if key in self._kept:  # built again (its first build lost all its waiters)
             self._drop(key)
         self._kept[key] = kept
-        self._refs[batch.shm_name].kept_as = key
         self.kept_bytes += kept.nbytes
         while self.kept_bytes > self.budget or len(self._kept) > MAX_KEPT:
             self._drop_oldest()
@@ -238,7 +233,6 @@ class SharedBatches:
         """The cache lets go of a batch (its reference released)."""
         kept = self._kept.pop(key)
         self.kept_bytes -= kept.nbytes
-        self._refs[kept.batch.shm_name].kept_as = None
         self.release(kept.batch)
         self._published()
 

@@ -314,12 +314,15 @@ def test_the_cache_keeps_within_its_bytes_oldest_out_first() -> None:
         pool.submitted[3].set_result(batch("stoker_1_2_3", 3 * seg))
         shared.release((await too_big)[0])
         assert pool.released[-1] == ("stoker_1_2_3", True)  # larger than the cache: not kept
-        # Lent to a client that never gave it back (its stream ended): no longer kept, and
-        # unlinked once nobody holds it.
+        # Lent to a client that never gave it back (its stream ended): still served, then
+        # unlinked (not reused) once the cache lets go of it.
         got, how = await shared.get(COORDS, 1, NO, NO)
         assert how is Outcome.CACHED
         shared.release(got, reuse=False)
-        assert pool.released[-1] == ("stoker_1_2_1", False) and shared.kept_bytes == seg
+        assert pool.released[-1] == ("stoker_1_2_3", True)
+        got, how = await shared.get(COORDS, 1, NO, NO)
+        assert how is Outcome.CACHED
+        shared.release(got)
         shared.clear()
         assert shared.kept_bytes == 0 and pool.released == [
             ("stoker_1_2_0", True), ("stoker_1_2_3", True), ("stoker_1_2_1", False),
