@@ -45,6 +45,8 @@ SCENARIOS: dict[str, tuple[str, list[str], list[str]]] = {
     "mixture": ("mixture.py", [], ["--quick"]),
     "token_budgets": ("token_budgets.py", [], ["--quick"]),
     "elastic": ("elastic.py", [], ["--quick"]),
+    # Four identical jobs at once against one server, against one job (issue 17).
+    "sweep": ("sweep.py", [], ["--quick"]),
 }
 
 

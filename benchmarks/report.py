@@ -426,6 +426,34 @@ def elastic(r: dict[str, Any], plots: Path) -> list[str]:
                     trace)]
 
 
+def sweep(r: dict[str, Any], plots: Path) -> list[str]:
+    p = r["parameters"]
+    reps = r["repeats"]
+
+    def med(run: str, key: str) -> float:
+        return float(sorted(x[run][key] for x in reps)[len(reps) // 2])
+
+    last = reps[-1]["sweep"]["outcomes"]
+    same = "yes" if not r["check_problems"] else "; ".join(r["check_problems"])
+    rows = [["1 job", f"{med('lone', 'server_cpu_s'):.2f}",
+             f"{med('lone', 'images_per_s_per_job'):.0f}"],
+            [f"{p['jobs']} jobs at once", f"{med('sweep', 'server_cpu_s'):.2f}",
+             f"{med('sweep', 'images_per_s_per_job'):.0f}"]]
+    return [f"The image pipeline (JPEG ~375x500 -> random resized crop 224 -> flip -> "
+            f"normalize, float32), {p['images']} images in batches of {p['batch_size']}, one "
+            f"server of {p['workers']} workers, batches by {TRANSPORT_LABELS[p['transport']]}. "
+            f"{p['jobs']} jobs with the same coordinates read an epoch at once, against one "
+            "job alone on a server of the same config (a new epoch each repeat, so nothing is "
+            "kept from the one before). Server CPU is the CPU time of the server's processes "
+            f"(front end and workers) over the epoch: {p['jobs']} jobs / 1 job "
+            f"**{_spread(r['cpu_ratio'], '.2f')}** (goal <= {r['goal']}). Every job's batches "
+            f"identical to the lone job's: {same}. In the last repeat the server built "
+            f"{last['built']:.0f} of the {r['batches_per_epoch']} batches an epoch asks for, "
+            f"joined {last['joined']:.0f} requests to a build in flight and served "
+            f"{last['cached']:.0f} from the batches it keeps (`cache.shared_batches`).", "",
+            *_table(["run", "server CPU s (median)", "images/s per job (median)"], rows)]
+
+
 # (results file, title, renderer): a file may feed several sections.
 SECTIONS: list[tuple[str, str, Section]] = [
     ("pipeline", "Image pipeline: stoker vs DataLoader", pipeline),
@@ -444,6 +472,9 @@ SECTIONS: list[tuple[str, str, Section]] = [
     ("mixture", "Mixtures", mixture),
     ("token_budgets", "Token budgets", token_budgets),
     ("elastic", "Elastic: servers join and leave a running trainer", elastic),
+
+
+    ("sweep", "Sweep: jobs sharing batches", sweep),
 ]
 
 

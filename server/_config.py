@@ -98,6 +98,13 @@ class CacheSettings(_Strict):
     # Entries evicted from memory go to disk, up to spill_bytes (0: they are dropped).
     spill_bytes: ByteSize = Field(ByteSize(0), ge=0, description="e.g. 100GiB")
     spill_dir: ConfigPath | None = Field(None, description="local disk; default: dir/prefix")
+    # -- issue 17, batches shared across jobs (server/_shared_batches.py): requests in flight
+    # for the same coordinates and batch index always wait for one build; a batch built is
+    # also kept this many bytes of shared memory (at most 1/8 of /dev/shm) for this many
+    # seconds, for the jobs of a sweep that ask for it a little later. 0 bytes: no keeping.
+    shared_batches: ByteSize = Field(ByteSize(256 << 20), ge=0, description="e.g. 1GiB; 0: off")
+    shared_seconds: float = Field(30.0, gt=0, le=3600)
+    # -- end of "batches shared across jobs"
 
 
 # fn(sample: dict of arrays, rng: numpy Generator) -> dict, applied to every sample after the

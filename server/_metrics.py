@@ -60,6 +60,15 @@ class Metrics:
                                "reports", ["dataset"], registry=r)
         self.reporting = Gauge("stoker_client_streams_reporting", "Streams whose client "
                                "reported a stall in the last minute", ["dataset"], registry=r)
+        # -- issue 17, batches shared across jobs (server/_shared_batches.py)
+        self.shared = Counter("stoker_shared_batches", "Batches asked for, by how they were "
+                              "had: built, joined (a build in flight for another stream) or "
+                              "cached (kept from an earlier build)", ["dataset", "outcome"],
+                              registry=r)
+        self.shared_kept = Gauge("stoker_shared_kept_bytes", "Shared memory of the built "
+                                 "batches kept for other jobs (cache.shared_batches)",
+                                 registry=r)
+        # -- end of "batches shared across jobs"
         workers = Gauge("stoker_workers", "Worker processes ready", registry=r)
         workers.set_function(lambda: status()["workers"])
         queued = Gauge("stoker_queued_batches", "Batches waiting for a worker", registry=r)
@@ -96,6 +105,10 @@ class Metrics:
         self.cache_bytes.inc(fetched)
         if skipped:
             self.skipped.labels(dataset).inc(skipped)
+
+    def shared_batch(self, dataset: str, outcome: str) -> None:
+        """A stream got a batch: `outcome` built, joined or cached (server/_shared_batches.py)."""
+        self.shared.labels(dataset, outcome).inc()
 
     def mixed(self, dataset: str, ordering: Any, indices: Any) -> None:
         """A batch of `indices` was built for `dataset`: for a mixture (an ordering with

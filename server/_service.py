@@ -29,6 +29,7 @@ from ._limits import Admission, Kind, Refused
 from ._metrics import Metrics
 from ._sampling import CoordinateError, Coordinates
 from ._session import FINGERPRINT_KEY, Abort, StreamSession, epoch_size
+from ._shared_batches import SharedBatches
 from ._workers import DEPTH, DatasetMeta, WorkerPool
 
 log = logging.getLogger("stoker.server")
@@ -92,6 +93,8 @@ class DataService:
         self.draining = False
         # Open streams and health watches, held shared memory: per client and in all.
         self.admission = Admission(self.settings)
+        # Built batches, shared by the streams that ask for the same ones (issue 17).
+        self.shared = SharedBatches(pool, config.cache, self.metrics)
 
     # -- read by the HTTP control plane (another thread) ------------------------------------
     @property

@@ -33,11 +33,11 @@ from ._limits import HeldPool
 from ._sampling import (
     CoordinateError,
     Coordinates,
-    EpochKey,
     batch_samples,
     batches_per_epoch,
     samples_per_rank,
 )
+from ._shared_batches import Outcome
 from ._workers import BatchFailed, DatasetMeta, FailureKind
 from .transports import Handshake, Transport, choose, write
 from .transports.datasocket import SocketOffer
@@ -155,7 +155,7 @@ class StreamSession:
         # they arrive until they go back to the pool, which the transport and close() do
         # through this view of it.
         self._client = client
-        self._pool = HeldPool(service.pool, service.admission, client)
+        self._pool = HeldPool(service.shared, service.admission, client)
         self._last_payload = 0  # bytes of this stream's last batch: the next one's estimate
         # Coordinates whose epoch order a thread has made (cached in _sampling.ORDERS): later
         # credits under them are sliced on the loop (see _credit).
@@ -418,25 +418,20 @@ class StreamSession:
 
     async def _build(self, coords: Coordinates, index: int, indices: np.ndarray,
                      ahead: np.ndarray) -> None:
-        pool = self._service.pool
+        # Shared with every stream that asks for the same batch (server/_shared_batches.py);
+        # this stream holds its reference from here on, released like any batch.
+        pool = self._service.shared
         try:
-            fut = pool.submit(coords.dataset, indices, ahead,
-                              EpochKey(coords.seed, coords.epoch, coords.shuffle))
-            try:
-                batch: BuiltBatch = await asyncio.wrap_future(fut)
-            except asyncio.CancelledError:
-                # Built just as the stream went away: nobody else will free it.
-                if not fut.cancel() and fut.exception() is None:
-                    pool.release(fut.result())
-                raise
+            batch, outcome = await pool.get(coords, index, indices, ahead)
         except BatchFailed as e:
             self._ready.put_nowait(Failed(index, coords.epoch, FAILURE_CODE[e.kind],
                                           f"batch {index}: {e}", e.detail))
             return
-        self._service.metrics.built(coords.dataset, batch.build_seconds, batch.skipped,
-                                    batch.cache)
-        self._service.metrics.mixed(coords.dataset, self._service.meta[coords.dataset].ordering,
-                                    indices)
+        if outcome is Outcome.BUILT:  # the worker's figures, once per build
+            self._service.metrics.built(coords.dataset, batch.build_seconds, batch.skipped,
+                                        batch.cache)
+            self._service.metrics.mixed(coords.dataset,
+                                        self._service.meta[coords.dataset].ordering, indices)
         admission = self._service.admission
         if (why := admission.over(self._client, batch.payload_bytes)):
             pool.release(batch)  # never held: back to its worker at once

@@ -66,9 +66,11 @@ def _starter(tmp_path: Path) -> Iterator[StartServer]:
     started: list[ServerProcess] = []
 
     def start(datasets: dict[str, Any], workers: int = 1, server: dict[str, Any] | None = None,
-              env: dict[str, str] | None = None, wrap: Sequence[str] = ()) -> ServerProcess:
+              env: dict[str, str] | None = None, wrap: Sequence[str] = (),
+              cache: dict[str, Any] | None = None) -> ServerProcess:
         config = write_config(tmp_path / f"config-{len(started)}.yaml",
-                              {"server": server or {}, "datasets": datasets})
+                              {"server": server or {}, "cache": cache or {},
+                               "datasets": datasets})
         proc = ServerProcess(config, workers=workers, env=env or server_env(), wrap=wrap)
         started.append(proc)
         return proc.start()
@@ -80,7 +82,7 @@ def _starter(tmp_path: Path) -> Iterator[StartServer]:
 
 @pytest.fixture
 def start_server(tmp_path: Path) -> Iterator[StartServer]:
-    """start_server(datasets, workers=1, server={...}) -> a ready ServerProcess."""
+    """start_server(datasets, workers=1, server={...}, cache={...}) -> a ready ServerProcess."""
     yield from _starter(tmp_path)
 
 

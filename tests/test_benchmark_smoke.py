@@ -141,3 +141,21 @@ def test_the_suite_runs_scenarios_and_generates_the_page(tmp_path: Path) -> None
     assert "## Stall: simulated training" in text and "## Start-up" in text
     assert "Not measured in this run (no wire.json in results/)" in text
     assert (page.parent / "benchmarks" / "stall.png").stat().st_size > 1000
+
+
+@pytest.mark.timeout(120)
+def test_quick_sweep_benchmark_checks_every_jobs_bytes(tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "sweep.py"), "--quick", "--images", "64",
+         "--json", str(out)], capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    res = json.loads(out.read_text())
+    assert res["check_problems"] == [] and res["server_exit_code"] == 0
+    rep = res["repeats"][0]
+    assert len(rep["sweep"]["jobs"]) == 4 and rep["lone"]["server_cpu_s"] > 0
+    # Every batch of the 4 jobs' epoch was built once; the other requests shared it.
+    counts = rep["sweep"]["outcomes"]
+    assert counts["built"] == res["batches_per_epoch"] == 4
+    assert counts["joined"] + counts["cached"] == 3 * 4
+    assert "identical to the lone job's: yes" in result.stdout

@@ -88,7 +88,9 @@ def start_child(address: str, path: str) -> subprocess.Popen:
 @pytest.mark.parametrize("path", ["shm", "frames", "data"])
 def test_a_killed_client_gives_back_what_it_held(start_server: StartServer, ledger,
                                                  path: str) -> None:
-    server = start_server({"big": BIG}, workers=WORKERS, server={"grace_seconds": 1})
+    # No batches kept for later jobs: what is left is the workers' pools alone.
+    server = start_server({"big": BIG}, workers=WORKERS, server={"grace_seconds": 1},
+                          cache={"shared_batches": 0})
     assert server.proc is not None
     baseline = rss_anon(server.proc.pid) // 1024
     child = start_child(server.address, path)

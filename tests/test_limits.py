@@ -320,7 +320,8 @@ def test_a_frozen_shared_memory_client_holds_at_most_its_cap(start_server: Start
     from stoker.client._samehost import probe
 
     server = start_server(NOISE, server={"max_held_bytes_per_client": "2MiB",
-                                         "max_credits": CREDITS})
+                                         "max_credits": CREDITS},
+                          cache={"shared_batches": 0})  # /dev/shm: what streams hold, alone
     pid = server.proc.pid
     answers: list[pb.BatchFrame] = []
     with grpc.insecure_channel(server.address) as channel:

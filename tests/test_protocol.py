@@ -31,7 +31,9 @@ def test_generated_code_is_fresh() -> None:
 
 @pytest.fixture(scope="module")
 def framed(start_server_module):
-    return start_server_module(NOISE, server={"frame_bytes": FRAME})
+    # No batches kept for later jobs: the segment counts below are the workers' pools alone.
+    return start_server_module(NOISE, server={"frame_bytes": FRAME},
+                               cache={"shared_batches": 0})
 
 
 def noise_stream(channel: grpc.Channel, batch_indices: list[int]) -> Any:

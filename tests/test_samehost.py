@@ -105,7 +105,8 @@ def test_a_server_configured_without_shared_memory_sends_bytes(start_server) -> 
 
 def test_segments_a_client_never_released_are_unlinked_when_its_stream_ends(
         start_server) -> None:
-    server = start_server(NOISE)
+    # No batches kept for later jobs (they would be unlinked when the server lets go of them).
+    server = start_server(NOISE, cache={"shared_batches": 0})
     hold = threading.Event()
     channel, call = raw_stream(server.address, [0, 1, 2], probe(), hold)
     with channel:

@@ -1,0 +1,256 @@
+"""Batches shared across jobs: one build per batch, however many streams ask for it.
+
+A batch is a pure function of its coordinates and index (docs/design.md), so the streams of
+a hyper-parameter sweep (jobs reading one dataset with one seed) can all be served one build
+of each batch. A request for (coordinates, batch index) is answered, in this order of
+preference, by a batch
+- kept from a build a little earlier (`cached`): built batches are kept for
+  `cache.shared_seconds`, within `cache.shared_batches` bytes of shared memory (and at most
+  1/8 of /dev/shm, and MAX_KEPT batches), oldest dropped first;
+- being built for another stream (`joined`): the request waits for that build;
+- built for it (`built`).
+
+Sharing is reference counting of the batch's segment: each stream given the batch holds one
+reference, the cache one while it keeps it, and the segment goes back to its worker
+(WorkerPool.release) when the last is released. A release asking for no reuse (a stream ended
+with the segment lent to its client, who may still read it) is remembered and applied then:
+the segment is unlinked, not reused; until then it is served as it is (never written again).
+A lone job's batch takes the path it took before: built once, one reference, never copied.
+
+A waiter that goes away (its stream closed) drops out; the build is cancelled only once
+nobody waits for it. A failed build fails every waiter and is not kept: the next request
+builds again.
+
+Threading contract: everything here runs on the server's one asyncio loop; the pool's
+futures are awaited through asyncio.wrap_future.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from . import _shm
+from ._messages import FailureKind
+from ._sampling import Coordinates, EpochKey
+
+if TYPE_CHECKING:
+    from ._batch import BuiltBatch
+    from ._config import CacheSettings
+    from ._metrics import Metrics
+    from ._workers import WorkerPool
+
+__all__ = ["Outcome", "SharedBatches"]
+
+# The cache takes at most this share of /dev/shm, whatever cache.shared_batches says: the
+# workers' segments and the batches streams hold need the rest.
+SHM_SHARE = 8
+# At most this many batches kept, however small: each holds a segment, which the front end
+# keeps mapped (a descriptor each) and the first mapping of a new one checks all the others.
+MAX_KEPT = 1024
+
+BatchKey = tuple[Coordinates, int]  # coordinates, batch index: all a batch's bytes depend on
+
+
+class Outcome(enum.Enum):
+    """How a request got its batch (the `outcome` label of stoker_shared_batches_total)."""
+
+    BUILT = "built"
+    JOINED = "joined"
+    CACHED = "cached"
+
+
+@dataclass
+class _Build:
+    """A build in flight: the pool's future, and how many requests wait for it."""
+
+    source: concurrent.futures.Future[BuiltBatch]  # the pool's
+    result: asyncio.Future[BuiltBatch]  # the same, on the loop
+    waiters: int = 1
+    settled: bool = False  # its references are counted (see SharedBatches._settle)
+
+
+@dataclass
+class _Refs:
+    """A built batch handed out: how many holders have yet to release it."""
+
+    batch: BuiltBatch
+    count: int
+    reuse: bool = True  # False once any holder said a client may still read the segment
+
+
+@dataclass(frozen=True)
+class _Kept:
+    batch: BuiltBatch
+    until: float  # loop time it is dropped at
+    nbytes: int  # the shared memory it takes
+
+
+class SharedBatches:
+    """The server's builds, shared by every stream; one per server (see the module doc).
+    `metrics`: where outcomes and the cache's bytes are counted (None: nowhere)."""
+
+    def __init__(self, pool: WorkerPool, settings: CacheSettings,
+                 metrics: Metrics | None = None) -> None:
+        self.pool = pool
+        self._seconds = float(settings.shared_seconds)
+        total = _shm.capacity()[0]  # 0 where /dev/shm cannot be read
+        wanted = int(settings.shared_batches)
+        self.budget = min(wanted, total // SHM_SHARE) if total else wanted
+        self._metrics = metrics
+        self._building: dict[BatchKey, _Build] = {}
+        self._refs: dict[str, _Refs] = {}  # by segment name
+        self._kept: collections.OrderedDict[BatchKey, _Kept] = collections.OrderedDict()
+        self.kept_bytes = 0  # of the batches in _kept (oldest first)
+        self._timer: asyncio.TimerHandle | None = None  # at the oldest one's time
+
+    async def get(self, coords: Coordinates, index: int, indices: np.ndarray,
+                  ahead: np.ndarray) -> tuple[BuiltBatch, Outcome]:
+        """Batch `index` of `coords` (its samples `indices`; `ahead`: samples a later batch
+        will need, a hint for the workers), held by the caller until it calls release().
+
+        Raises BatchFailed (the build failed; every waiter gets it)."""
+        key = (coords, index)
+        kept = self._kept.get(key)
+        if kept is not None:
+            self._refs[kept.batch.shm_name].count += 1
+            return kept.batch, self._count(coords, Outcome.CACHED)
+        build = self._building.get(key)
+        if build is not None:
+            build.waiters += 1
+            outcome = self._count(coords, Outcome.JOINED)
+        else:
+            source = self.pool.submit(coords.dataset, indices, ahead,
+                                      EpochKey(coords.seed, coords.epoch, coords.shuffle))
+            build = self._building[key] = _Build(source, asyncio.wrap_future(source))
+            build.result.add_done_callback(lambda _, k=key, b=build: self._settle(k, b))
+            outcome = self._count(coords, Outcome.BUILT)
+        try:
+            # Shielded: one waiter going away must not cancel the others' build.
+            batch = await asyncio.shield(build.result)
+        except asyncio.CancelledError:
+            self._leave(key, build)
+            raise
+        # An await of a future already done returns at once, maybe before its callback ran:
+        # the references are counted before the caller can release its own.
+        self._settle(key, build)
+        return batch, outcome
+
+    def release(self, batch: BuiltBatch, reuse: bool = True) -> None:
+        """One holder is done with `batch`; the last one's release hands its segment back to
+        the pool (reuse=False from any holder: unlinked, never reused)."""
+        refs = self._refs.get(batch.shm_name)
+        if refs is None:  # not handed out here
+            self.pool.release(batch, reuse=reuse)
+            return
+        refs.reuse = refs.reuse and reuse
+        refs.count -= 1
+        if refs.count <= 0:
+            del self._refs[batch.shm_name]
+            self.pool.release(batch, reuse=refs.reuse)
+
+    def clear(self) -> None:
+        """Drop every kept batch (their memory goes back as soon as no stream holds them)."""
+        while self._kept:
+            self._drop_oldest()
+
+    # -- builds ----------------------------------------------------------------------------
+    def _settle(self, key: BatchKey, build: _Build) -> None:
+        """A build ended: its batch gets one reference per waiter, plus the cache's. Once
+        per build (later calls return): its done callback, or a waiter that got there first."""
+        if build.settled:
+            return
+        build.settled = True
+        if self._building.get(key) is build:
+            del self._building[key]
+        fut = build.result
+        if fut.cancelled():
+            return  # every waiter went away, and the pool dropped the task
+        error = fut.exception()  # also marks it retrieved
+        if error is not None:
+            if getattr(error, "kind", None) is FailureKind.UNAVAILABLE:
+                self.clear()  # e.g. /dev/shm is full: new batches need the room more
+            return
+        batch = fut.result()
+        keep = self._fits(batch)
+        count = build.waiters + keep
+        if count == 0:  # built just as the last waiter went away
+            self.pool.release(batch)
+            return
+        self._refs[batch.shm_name] = _Refs(batch, count)
+        if keep:
+            self._keep(key, batch)
+
+    def _leave(self, key: BatchKey, build: _Build) -> None:
+        """A waiter went away (its stream closed)."""
+        fut = build.result
+        if fut.done():
+            self._settle(key, build)
+        if build.settled:  # this waiter holds a reference, or nothing (it failed)
+            if not fut.cancelled() and fut.exception() is None:
+                self.release(fut.result())
+            return
+        build.waiters -= 1
+        if build.waiters == 0:  # nobody wants it: not built if not started yet
+            if self._building.get(key) is build:
+                del self._building[key]
+            build.source.cancel()  # if too late, _settle releases what comes
+
+    def _count(self, coords: Coordinates, outcome: Outcome) -> Outcome:
+        """Count a request by how it is answered (as it is decided: a build that fails, or
+        that its waiters leave, counts too)."""
+        if self._metrics is not None:
+            self._metrics.shared_batch(coords.dataset, outcome.value)
+        return outcome
+
+    # -- the cache -------------------------------------------------------------------------
+    def _fits(self, batch: BuiltBatch) -> bool:
+        return 0 < _footprint(batch) <= self.budget
+
+    def _keep(self, key: BatchKey, batch: BuiltBatch) -> None:
+        loop = asyncio.get_running_loop()
+        kept = _Kept(batch, loop.time() + self._seconds, _footprint(batch))
+        if key in self._kept:  # built again (its first build lost all its waiters)
+            self._drop(key)
+        self._kept[key] = kept
+        self.kept_bytes += kept.nbytes
+        while self.kept_bytes > self.budget or len(self._kept) > MAX_KEPT:
+            self._drop_oldest()
+        self._published()
+        if self._timer is None:
+            self._timer = loop.call_at(kept.until, self._expire)
+
+    def _drop_oldest(self) -> None:
+        self._drop(next(iter(self._kept)))
+
+    def _drop(self, key: BatchKey) -> None:
+        """The cache lets go of a batch (its reference released)."""
+        kept = self._kept.pop(key)
+        self.kept_bytes -= kept.nbytes
+        self.release(kept.batch)
+        self._published()
+
+    def _expire(self) -> None:
+        """Drop the batches past their time; wake again when the next one is."""
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        while self._kept and next(iter(self._kept.values())).until <= now:
+            self._drop_oldest()
+        if self._kept:
+            self._timer = loop.call_at(next(iter(self._kept.values())).until, self._expire)
+
+    def _published(self) -> None:
+        if self._metrics is not None:
+            self._metrics.shared_kept.set(self.kept_bytes)
+
+
+def _footprint(batch: BuiltBatch) -> int:
+    """The shared memory a batch's segment takes: its payload, rounded up as segments are."""
+    return max(-(-batch.payload_bytes // _shm.ROUND) * _shm.ROUND, _shm.ROUND)
