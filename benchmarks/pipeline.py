@@ -67,7 +67,8 @@ FULL = {"images": 1024, "batch_size": 32, "repeats": 3}
 QUICK = {"images": 192, "batch_size": 16, "repeats": 1}
 SYSTEMS = ("dataloader", "stateful", "stoker", "stoker_uint8")
 # --transport: the RemoteLoader arguments for each way batches can reach the trainer.
-TRANSPORTS = {"shm": {"shared_memory": True}, "grpc": {"shared_memory": False, "data_socket": False},
+TRANSPORTS = {"shm": {"shared_memory": True},
+              "grpc": {"shared_memory": False, "data_socket": False},
               "socket": {"shared_memory": False}}  # the default between machines
 
 LABELS = {"dataloader": "torch DataLoader", "stateful": "torchdata StatefulDataLoader",
