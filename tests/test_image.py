@@ -49,7 +49,8 @@ pytestmark = pytest.mark.timeout(BUILD_TIMEOUT + 120)
 
 def podman_or_skip() -> None:
     """Skip, naming what is missing, where podman/buildah cannot build or run images here."""
-    setup = "run ../shared/tools/container-base.sh (as root) first"
+    setup = ("run tools/container-base.sh (as root; or the machine's "
+             "../shared/tools/container-base.sh) first")
     missing = [tool for tool in ("podman", "buildah") if shutil.which(tool) is None]
     if missing:
         pytest.skip(f"{' and '.join(missing)} not installed: {setup}")
