@@ -316,7 +316,10 @@ class RemoteLoader:
             return
         spec = StreamSpec(self.coordinates(), self._allocate, self._finish,
                           shm_probe=samehost.probe() if o.shared_memory else None,
-                          compression=o.compression or "", data_socket=o.data_socket,
+                          compression=o.compression or "",
+                          # compressed frames: for links slower than the CPUs; the data
+                          # connection sends payloads as they are
+                          data_socket=o.data_socket and not o.compression,
                           link=o.channels.link, transports=self._transports)
         scheduler = Scheduler(self._servers, spec, total=total, start=self._next,
                               window=self._window, timeout=o.timeout)

@@ -275,7 +275,10 @@ def test_files_changed_after_listing_fail_their_samples(tmp_path: Path, ledger) 
     changed = {"jsonl": "x.jsonl", "skipping": "x.jsonl", "tokens": "a.bin",
                "memmap": "x.npy", "tar": "s.tar", "parquet": "p.parquet",
                "images": "cats/3.png"}
-    config = write_config(tmp_path / "c.yaml", {"datasets": datasets})
+    # shared_batches 0: each read goes to the files (batches kept for other jobs would serve
+    # the bytes as listed, which is right, but not what this test is about)
+    config = write_config(tmp_path / "c.yaml", {"cache": {"shared_batches": 0},
+                                                "datasets": datasets})
 
     def first_epoch(server: ServerProcess, name: str) -> list[Any]:
         with RemoteLoader(server.address, name, batch_size=2, shuffle=False, output="numpy",

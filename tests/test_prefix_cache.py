@@ -77,7 +77,10 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def serve(tmp: Path, datasets: dict[str, Any], cache: dict[str, Any],
           workers: int = 2) -> ServerProcess:
     config = write_config(tmp / "config.yaml", {
-        "cache": {"dir": str(tmp / "cache"), **cache}, "datasets": datasets})
+        # shared_batches 0: every epoch goes through the pipeline (and the prefix cache), not
+        # served from the batches kept for other jobs
+        "cache": {"dir": str(tmp / "cache"), "shared_batches": 0, **cache},
+        "datasets": datasets})
     return ServerProcess(config, workers=workers, env=server_env()).start()
 
 

@@ -366,7 +366,9 @@ def test_a_server_reads_an_image_folder_from_s3_through_faults(
     config = write_config(tmp_path / "config.yaml", {
         "s3": {"endpoint_url": fault_proxy.url, "region": "us-east-1", "max_attempts": 4,
                "connect_timeout": 2, "read_timeout": 2},
-        "cache": {"dir": str(tmp_path / "cache"), "max_bytes": "64MiB"},
+        # shared_batches 0: the second epoch is read again (from the disk cache), not served
+        # from the batches kept for other jobs
+        "cache": {"dir": str(tmp_path / "cache"), "max_bytes": "64MiB", "shared_batches": 0},
         "datasets": {
             "remote": {"format": "image-folder", "source": f"s3://{bucket}/pics", "size": 6},
             "local": {"format": "image-folder", "source": str(local), "size": 6}}})
