@@ -58,13 +58,16 @@ class Client(threading.Thread):
         self.waits: list[float] = []
         self.max_gap = 0.0
         self.error: str | None = None
+        self.transport = ""  # what its last stream used: stats()["transport"]
 
     def run(self) -> None:
         try:
-            # Even clients read shared memory, odd ones take payloads in gRPC frames.
+            # Clients 0, 4, ... read shared memory; 2, 6, ... take payloads in gRPC frames;
+            # the odd ones (half) take the path between machines, the data connection.
             with RemoteLoader(self.addresses, "toy", batch_size=BS, seed=self.k,
                               output="numpy", prefetch=4, timeout=120,
-                              shared_memory=self.k % 2 == 0) as loader:
+                              shared_memory=self.k % 4 == 0,
+                              data_socket=self.k % 4 != 2) as loader:
                 while not self.stop.is_set():
                     epoch = loader.state_dict()["epoch"]
                     got: list[int] = []
@@ -83,6 +86,7 @@ class Client(threading.Thread):
                         self.lost += sum((want - have).values())
                         self.duplicated += sum((have - want).values())
                         self.epochs += 1
+                    self.transport = str(loader.stats().get("transport", ""))
         except Exception as e:  # reported, and the run fails
             self.error = f"{type(e).__name__}: {e}"
 
@@ -167,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         "samples_checked": sum(c.epochs for c in clients) * (N // BS) * BS,
         "lost": sum(c.lost for c in clients), "duplicated": sum(c.duplicated for c in clients),
         "client_errors": [c.error for c in clients if c.error],
+        "transports": dict(Counter(c.transport for c in clients)),
         "batches_per_s": round(sum(c.batches for c in clients) / elapsed, 1),
         "wait_ms": {"p50": round(float(np.percentile(waits, 50)) * 1000, 2),
                     "p99": round(float(np.percentile(waits, 99)) * 1000, 2),
