@@ -149,7 +149,10 @@ def _soak(r: dict[str, Any]) -> list[str]:
         f"The last soak run (`tests/soak.py`, `make soak MINUTES=30`; its JSON is "
         f"docs/soak.json): {r['minutes']:g} minutes, {r['clients']} clients on "
         f"{r['servers']} servers of {r['workers_per_server']} workers, one server killed and "
-        f"restarted every {r['fault_every_s']:g} s ({r['faults_injected']} faults).", "",
+        f"restarted every {r['fault_every_s']:g} s ({r['faults_injected']} faults)"
+        + (". Clients by transport: " + ", ".join(f"{n} {t or 'unknown'}" for t, n in
+                                                 sorted(r["transports"].items()))
+           if r.get("transports") else "") + ".", "",
         "| epochs | samples checked | lost | duplicated | client errors | batches/s | "
         "wait p50 / p99 ms | server RssAnon first → last quarter | /dev/shm after stop | ok |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- | --- |",
