@@ -92,7 +92,10 @@ def test_manifests_agree_with_the_server(tmp_path: Path, folder: Path) -> None:
     server = raw["server"]
     pod = deployment["spec"]["template"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": server["port"], "http": server["http_port"]}
+    # The data port fixed (not 0, a free one), so that the pod, the Service and a
+    # NetworkPolicy can name it: batches between machines travel on it.
+    assert ports == {"grpc": server["port"], "data": server["data_port"],
+                     "http": server["http_port"]}
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     # One worker per requested core; the drain ends before Kubernetes kills.
@@ -106,7 +109,7 @@ def test_manifests_agree_with_the_server(tmp_path: Path, folder: Path) -> None:
         assert selector.items() <= labels.items(), kind
     service = k["Service", "stoker-server"]["spec"]
     assert service["clusterIP"] == "None"  # headless: DNS lists every replica
-    assert {p["name"] for p in service["ports"]} == {"grpc", "http"}
+    assert {p["name"] for p in service["ports"]} == {"grpc", "data", "http"}
     hpa = k["HorizontalPodAutoscaler", "stoker-server"]["spec"]
     assert hpa["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
     # Every config file the server reads is inside a volume mounted into the container.
@@ -153,15 +156,16 @@ def test_production_has_tls_a_token_and_a_network_policy() -> None:
     for name, ds in config["datasets"].items():
         claim = volume_of(ds["source"])["persistentVolumeClaim"]["claimName"]
         assert ("PersistentVolumeClaim", claim) in k, name
-    # Only trainers reach gRPC, only the monitoring namespace reaches HTTP.
+    # Only trainers reach gRPC and the data port, only the monitoring namespace reaches HTTP.
     policy = k["NetworkPolicy", "stoker-server"]["spec"]
     assert policy["podSelector"]["matchLabels"].items() <= (
         deployment["spec"]["template"]["metadata"]["labels"].items())
     assert policy["policyTypes"] == ["Ingress"]
     allowed = {p["port"]: rule["from"] for rule in policy["ingress"] for p in rule["ports"]}
-    assert set(allowed) == {"grpc", "http"}
-    assert allowed["grpc"] == [{"namespaceSelector": {},
-                                "podSelector": {"matchLabels": {"stoker-client": "true"}}}]
+    assert set(allowed) == {"grpc", "data", "http"}
+    for port in ("grpc", "data"):  # trainers reach both: batches travel on the data port
+        assert allowed[port] == [{"namespaceSelector": {},
+                                  "podSelector": {"matchLabels": {"stoker-client": "true"}}}]
     assert allowed["http"] == [{"namespaceSelector": {"matchLabels": {
         "kubernetes.io/metadata.name": "monitoring"}}}]
 
