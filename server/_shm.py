@@ -134,9 +134,9 @@ class ReadMappings:
         if new:
             self._new += 1
             self._new_bytes += size
-        if self._gets >= self.SWEEP_EVERY or new and (
+        if self._gets >= self.SWEEP_EVERY or (new and (
                 self._new * self.SWEEP_SHARE >= len(self._maps)
-                or self._new_bytes >= self.SWEEP_BYTES):
+                or self._new_bytes >= self.SWEEP_BYTES)):
             self._drop_unlinked()
         held = self._maps.get(name)
         if held is not None and len(held[1]) >= size:

@@ -363,13 +363,17 @@ class WorkerPool:
             self._replace(w, hung=(task.task_id, message))
 
     def _assign(self) -> None:
+        """Send each worker, in one pipe message, the segments given back and the tasks it
+        has room for: a pipe write (and a wake-up of the worker) per round, not one per
+        message (in steady state a freed segment and a task per batch: half the writes)."""
         with self._lock:
+            out: dict[int, list[ToWorker]] = {id(w): [] for w in self._workers}
             for w in self._workers:
                 if w.freed:
-                    _send(w, GiveBack(w.freed))
+                    out[id(w)].append(GiveBack(w.freed))
                     w.freed = []
                 if w.dropped:
-                    _send(w, Discard(w.dropped))
+                    out[id(w)].append(Discard(w.dropped))
                     w.dropped = []
             for w in sorted(self._workers, key=lambda w: len(w.jobs)):
                 while w.ready and len(w.jobs) < DEPTH and self._queue:
@@ -380,8 +384,10 @@ class WorkerPool:
                     if not w.jobs:
                         w.head_since = time.monotonic()
                     w.jobs[job.task.task_id] = job
-                    if not _send(w, job.task):
-                        break
+                    out[id(w)].append(job.task)
+            for w in self._workers:
+                if (messages := out[id(w)]):
+                    _send(w, messages[0] if len(messages) == 1 else tuple(messages))
 
     def _receive(self, w: _Worker) -> None:
         try:
@@ -522,9 +528,10 @@ def _views(a: str, fa: Fingerprint | None, b: str, fb: Fingerprint) -> str:
             + (f"; {changes}" if changes else ""))
 
 
-def _send(w: _Worker, message: ToWorker) -> bool:
-    """Send to a worker; False if its pipe is broken: it died, and its sentinel will say so
-    on the dispatcher's next wait (where _replace handles its tasks)."""
+def _send(w: _Worker, message: ToWorker | tuple[ToWorker, ...]) -> bool:
+    """Send to a worker (a tuple: several messages in one pipe write, taken in order);
+    False if its pipe is broken: it died, and its sentinel will say so on the dispatcher's
+    next wait (where _replace handles its tasks)."""
     try:
         w.conn.send(message)
     except OSError:
