@@ -114,8 +114,10 @@ class ReadMappings:
     _shared_batches.py: a lone job's every batch is then a new segment), a check per new
     segment cost an fstat per kept batch per batch (a quarter of the front end's time at
     64 KiB batches): a new mapping then checks only once the new mappings since the last
-    check are an eighth of those held, or SWEEP_BYTES. An unlinked segment's memory is held
-    at most about that much longer (segments are unlinked as new ones are made).
+    check are an eighth of those held, or SWEEP_BYTES, and the periodic check comes every
+    eighth of those held gets if that is longer: at most SWEEP_SHARE fstats per get. An
+    unlinked segment's memory is held at most about that much longer (segments are
+    unlinked as new ones are made).
     """
 
     SWEEP_EVERY = 64
@@ -134,9 +136,10 @@ class ReadMappings:
         if new:
             self._new += 1
             self._new_bytes += size
-        if self._gets >= self.SWEEP_EVERY or (new and (
-                self._new * self.SWEEP_SHARE >= len(self._maps)
-                or self._new_bytes >= self.SWEEP_BYTES)):
+        held = len(self._maps)
+        if (self._gets >= max(self.SWEEP_EVERY, held // self.SWEEP_SHARE)
+                or (new and (self._new * self.SWEEP_SHARE >= held
+                             or self._new_bytes >= self.SWEEP_BYTES))):
             self._drop_unlinked()
         held = self._maps.get(name)
         if held is not None and len(held[1]) >= size:
