@@ -136,9 +136,9 @@ class ReadMappings:
         if new:
             self._new += 1
             self._new_bytes += size
-        held = len(self._maps)
-        if (self._gets >= max(self.SWEEP_EVERY, held // self.SWEEP_SHARE)
-                or (new and (self._new * self.SWEEP_SHARE >= held
+        count = len(self._maps)
+        if (self._gets >= max(self.SWEEP_EVERY, count // self.SWEEP_SHARE)
+                or (new and (self._new * self.SWEEP_SHARE >= count
                              or self._new_bytes >= self.SWEEP_BYTES))):
             self._drop_unlinked()
         held = self._maps.get(name)
