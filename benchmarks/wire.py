@@ -490,7 +490,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             elif name == "tls":
                                 m = run_tcp(p, ctx, (cert, key))
                             elif name.startswith("stoker"):
-                                m = run_stoker(p, loaders[name], r,
+                                # An epoch of its own per system and repeat: the
+                                # server keeps built batches for other jobs
+                                # (cache.shared_batches), and a system timed on another's
+                                # epoch would be timed on cache hits, not on builds.
+                                m = run_stoker(p, loaders[name],
+                                               r * len(STOKERS) + STOKERS.index(name),
                                                tls_meter if name == "stoker_tls" else meter)
                             else:
                                 m = run_memcpy(p)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import socket
+import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ CALL_GRACE = 1.0
 # Seconds the call's end waits for the data connection's records already sent (a drain).
 DRAIN_WAIT = 10.0
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
+_COUNT = struct.Struct("<I")  # a credit record on the data connection: its count of indices
 
 # on_batch(stream, batch_index, finished batch | RemoteError for that batch)
 OnBatch = Callable[["BatchStream", int, Any], None]
@@ -85,6 +87,10 @@ class BatchStream:
         self._noted = False  # the path this stream's batches take, told to spec.transports
         self._data: threading.Thread | None = None  # reads the data connection
         self._data_error: RemoteError | None = None  # why the data connection broke
+        # The data connection, once up, where the server reads credits on it (plain TCP):
+        # credits go there, a few bytes from the caller's thread, not in a gRPC message.
+        self._credit_sock: socket.socket | None = None
+        self._credit_lock = threading.Lock()  # one record at a time
         self._ended_for_data = False  # the call was cancelled because it broke
         self._call_over = threading.Event()
         self._thread = threading.Thread(target=self._receive, name="stoker-receive", daemon=True)
@@ -98,8 +104,18 @@ class BatchStream:
     def credit(self, batch_indices: Iterable[int]) -> None:
         """Ask for these batches (each is answered once)."""
         indices = list(batch_indices)
-        if indices:
-            self._requests.put(pb.StreamRequest(batch_indices=indices))
+        if not indices:
+            return
+        sock = self._credit_sock
+        if sock is not None:
+            record = _COUNT.pack(len(indices)) + struct.pack(f"<{len(indices)}q", *indices)
+            try:
+                with self._credit_lock:
+                    sock.sendall(record)
+                return
+            except OSError:  # the connection broke (its reader says so): gRPC takes it
+                self._credit_sock = None
+        self._requests.put(pb.StreamRequest(batch_indices=indices))
 
     def report(self, wait_seconds: float, loop_seconds: float) -> None:
         """Tell the server how the training loop is doing (its data stall metric)."""
@@ -161,6 +177,8 @@ class BatchStream:
             self._assembler.close()
             return
         self._note("data_socket", "TLS" if link.tls is not None else "plain TCP")
+        if offer.credits and link.tls is None:
+            self._credit_sock = sock
         self._data = threading.Thread(target=self._read_data, args=(sock,),
                                       name="stoker-receive-data", daemon=True)
         self._data.start()

@@ -93,6 +93,13 @@ class DataSockets:
         return token, fut
 
     @property
+    def credits(self) -> bool:
+        """Streams read credits on their connections: plain TCP only (a TLS connection is
+        a blocking ssl.SSLSocket written by a thread; an SSL object is not read and written
+        from two threads at once)."""
+        return self._tls is None
+
+    @property
     def proof(self) -> bool:
         """Claims carry a proof of the bearer token."""
         return self._bearer is not None

@@ -52,11 +52,12 @@ def encode_socket_frame(batch: BuiltBatch, batch_index: int, epoch: int) -> byte
                          via_socket=True).SerializeToString()
 
 
-def encode_socket_offer(port: int, token: bytes, proof: bool = False) -> bytes:
+def encode_socket_offer(port: int, token: bytes, proof: bool = False,
+                        credits: bool = False) -> bytes:
     """A stream's first frame when its client asked for a data connection; `proof`: its claim
-    must carry the proof of the bearer token."""
+    must carry the proof of the bearer token; `credits`: credits may come on the connection."""
     return pb.BatchFrame(batch_index=-1, data_socket=pb.DataSocket(
-        port=port, token=token, proof=proof)).SerializeToString()
+        port=port, token=token, proof=proof, credits=credits)).SerializeToString()
 
 
 def encode_error(batch_index: int, epoch: int, code: int, message: str) -> bytes:

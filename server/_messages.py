@@ -4,7 +4,8 @@ Each message is a small frozen dataclass, pickled by the pipe; receivers tell th
 `match`. They stay small: a batch's payload travels in shared memory (see _batch.py), and a
 `Built` carries only its segment's name and layout.
 
-    pool -> worker:  Task | GiveBack | Discard | Stop
+    pool -> worker:  Task | GiveBack | Discard | Stop, or a tuple of them (one pipe write
+                     for what one dispatcher round has for a worker, taken in order)
     worker -> pool:  Opened | OpenFailed (once, at start), then Built | BuildFailed per Task
 """
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import struct
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -46,6 +47,11 @@ if TYPE_CHECKING:
     from ._service import DataService
 
 log = logging.getLogger("stoker.server")
+
+# A credit record on the data connection: its count of batch indices, then the indices.
+_COUNT = struct.Struct("<I")
+_INDEX = 8  # bytes of one little-endian int64 batch index
+_READ = 1 << 16  # bytes read from the data connection at once
 
 # BatchFailed.kind -> the status its batch is answered with.
 FAILURE_CODE = {FailureKind.DATA_LOSS: grpc.StatusCode.DATA_LOSS,
@@ -162,6 +168,10 @@ class StreamSession:
         self._warm: Coordinates | None = None
         self._ready: asyncio.Queue[Ready] = asyncio.Queue()
         self._reader: asyncio.Task | None = None
+        self._socket_reader: asyncio.Task | None = None  # credits on the data connection
+        # Credits from gRPC and the data connection are taken one message at a time.
+        self._crediting = asyncio.Lock()
+        self._meta: DatasetMeta | None = None  # of the latest coordinates accepted
         self._jobs: set[asyncio.Task] = set()  # builds under way
         self.outstanding = 0  # credits not answered yet
         self.transport: Transport | None = None  # chosen with the first coordinates
@@ -256,7 +266,7 @@ class StreamSession:
         """Free what the stream still holds, in steps."""
         # 1. Stop reading credits and building; a build that completes now is released by
         #    _build itself.
-        tasks = [t for t in (self._reader, *self._jobs) if t is not None]
+        tasks = [t for t in (self._reader, self._socket_reader, *self._jobs) if t is not None]
         for task in tasks:
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -315,7 +325,7 @@ class StreamSession:
                     self._handshake(req, asked)
                 if req.HasField("coordinates"):
                     coords, meta = service.coordinates(req.coordinates)
-                    self._coords = coords
+                    self._coords, self._meta = coords, meta
                     self._epochs = (coords.epoch if self._epochs is None else self._epochs[0],
                                     coords.epoch)
                     if self.transport is None:  # the handshake is over
@@ -339,7 +349,8 @@ class StreamSession:
                     if coords is None or meta is None:
                         raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     "coordinates: required in the first message of a stream")
-                    await self._credit(coords, meta, req.batch_indices)
+                    async with self._crediting:
+                        await self._credit(coords, meta, req.batch_indices)
         except Abort as e:
             self._ready.put_nowait(Refused(e.code, str(e), e.trailers))
             return
@@ -364,6 +375,49 @@ class StreamSession:
                 and service.data_sockets is not None):
             self._offer = asked.offer = SocketOffer(service.data_sockets)
             self._ready.put_nowait(Offer(self._offer.frame))
+            if self._offer.credits:
+                self._socket_reader = asyncio.create_task(self._read_socket_credits())
+
+    async def _read_socket_credits(self) -> None:
+        """Credits the client sends on the data connection (plain TCP): records of a count
+        and that many batch indices, taken like a StreamRequest's batch_indices under the
+        stream's latest coordinates. Saves a gRPC message per credit at both ends (the
+        client's request thread, this loop's decoding of it). A bad record ends the stream
+        as a bad StreamRequest does; the connection's end ends only this reader (the
+        sender finds out by itself)."""
+        assert self._offer is not None
+        sock = await self._offer.claimed()
+        if sock is None:
+            return
+        loop = asyncio.get_running_loop()
+        limit = self._service.settings.max_credits
+        pending = b""
+        try:
+            while more := await loop.sock_recv(sock, _READ):
+                pending += more
+                while len(pending) >= _COUNT.size:
+                    n = _COUNT.unpack_from(pending)[0]
+                    if not 0 < n <= limit:
+                        raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"data connection: a credit record of {n} batch indices "
+                                    f"(1 to max_credits={limit})")
+                    end = _COUNT.size + n * _INDEX
+                    if len(pending) < end:
+                        break
+                    indices = np.frombuffer(pending, "<i8", n, _COUNT.size).tolist()
+                    pending = pending[end:]
+                    if self._coords is None or self._meta is None:
+                        raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    "coordinates: required in the first message of a stream")
+                    async with self._crediting:
+                        await self._credit(self._coords, self._meta, indices)
+        except Abort as e:
+            self._ready.put_nowait(Refused(e.code, str(e), e.trailers))
+        except OSError:
+            pass  # the connection broke: the sender's next write says so
+        except Exception as e:  # a bug here must end the stream, not leave it waiting
+            log.exception("stream reader (data connection) failed")
+            self._ready.put_nowait(Refused(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"))
 
     async def _credit(self, coords: Coordinates, meta: DatasetMeta,
                       batch_indices: list[int]) -> None:

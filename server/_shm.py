@@ -110,19 +110,36 @@ class ReadMappings:
 
     The check for unlinked segments (an fstat per mapping) runs when a segment is mapped for
     the first time, which is when workers turn their segments over, and every SWEEP_EVERY
-    gets otherwise: a dropped segment's memory is held at most that many batches longer.
+    gets in any case. Where many segments are mapped (batches kept for other jobs, see
+    _shared_batches.py: a lone job's every batch is then a new segment), a check per new
+    segment cost an fstat per kept batch per batch (a quarter of the front end's time at
+    64 KiB batches): a new mapping then checks only once the new mappings since the last
+    check are an eighth of those held, or SWEEP_BYTES, and the periodic check comes every
+    eighth of those held gets if that is longer: at most SWEEP_SHARE fstats per get. An
+    unlinked segment's memory is held at most about that much longer (segments are
+    unlinked as new ones are made).
     """
 
     SWEEP_EVERY = 64
+    SWEEP_BYTES = 64 << 20
+    SWEEP_SHARE = 8  # a new mapping checks once new ones are 1/8 of those held
 
     def __init__(self) -> None:
         self._maps: dict[str, tuple[int, mmap.mmap]] = {}  # name -> (fd, mapping)
-        self._gets = 0
+        self._gets = 0  # since the last check
+        self._new = self._new_bytes = 0  # segments (and their bytes) mapped since then
 
     def get(self, name: str, size: int) -> mmap.mmap:
         """A read-only mapping of at least the first `size` bytes of segment `name`."""
         self._gets += 1
-        if name not in self._maps or self._gets % self.SWEEP_EVERY == 0:
+        new = name not in self._maps
+        if new:
+            self._new += 1
+            self._new_bytes += size
+        count = len(self._maps)
+        if (self._gets >= max(self.SWEEP_EVERY, count // self.SWEEP_SHARE)
+                or (new and (self._new * self.SWEEP_SHARE >= count
+                             or self._new_bytes >= self.SWEEP_BYTES))):
             self._drop_unlinked()
         held = self._maps.get(name)
         if held is not None and len(held[1]) >= size:
@@ -139,6 +156,7 @@ class ReadMappings:
         return mm
 
     def _drop_unlinked(self) -> None:
+        self._gets = self._new = self._new_bytes = 0
         for name in [n for n, (fd, _) in self._maps.items() if os.fstat(fd).st_nlink == 0]:
             self._close(name)
 

@@ -75,22 +75,24 @@ def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int,
     builder = _Builder(config, datasets, cache, progress)
     while True:
         try:
-            message = conn.recv()
+            received = conn.recv()
         except (EOFError, OSError):
             return
-        match message:
-            case msg.Task():
-                conn.send(builder.build(message))
-            case msg.GiveBack(segments):  # the front end has sent these batches: reuse them
-                for segment in segments:
-                    builder.segments.give_back(segment)
-            case msg.Discard(segments):  # a client may still read these: never write them again
-                for segment in segments:
-                    builder.segments.discard(segment)
-            case msg.Stop():
-                return
-            case _:
-                raise TypeError(f"a worker cannot handle {message!r}")
+        # The pool sends what it has for this worker in one pipe write: a tuple, in order.
+        for message in received if isinstance(received, tuple) else (received,):
+            match message:
+                case msg.Task():
+                    conn.send(builder.build(message))
+                case msg.GiveBack(segments):  # the front end has sent these: reuse them
+                    for segment in segments:
+                        builder.segments.give_back(segment)
+                case msg.Discard(segments):  # a client may still read these: never rewrite
+                    for segment in segments:
+                        builder.segments.discard(segment)
+                case msg.Stop():
+                    return
+                case _:
+                    raise TypeError(f"a worker cannot handle {message!r}")
 
 
 def opening_order(config: Any) -> list[str]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import queue
 import secrets
 import socket
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 
 from stoker.client import RemoteLoader
+from stoker.client._frames import Assembler
 from stoker.server._datasocket import MAX_CLAIMS, TOKEN_WAIT
 from stoker.server._workers import KEEP_SEGMENTS
 from stoker.v1 import stoker_pb2 as pb
@@ -98,3 +101,38 @@ def test_segments_go_back_to_the_workers_after_the_socket_sends_them(server) -> 
         epoch(server, data_socket=True)
     held = list(Path("/dev/shm").glob(f"stoker_{pid}_*"))
     assert len(held) <= 2 * KEEP_SEGMENTS  # the two workers' pools, nothing more
+
+
+def test_credits_on_the_data_connection_are_answered_there_and_a_bad_record_ends_the_call(
+        server, ledger) -> None:
+    coords = pb.Coordinates(dataset="noise", seed=0, epoch=0, shuffle=False, rank=0,
+                            world_size=1, batch_size=3, drop_last=True)
+    requests: queue.SimpleQueue[pb.StreamRequest | None] = queue.SimpleQueue()
+    requests.put(pb.StreamRequest(coordinates=coords, data_socket=True))  # no credit in gRPC
+    with grpc.insecure_channel(server.address) as channel:
+        call = channel.stream_stream(
+            "/stoker.v1.DataService/StreamBatches",
+            request_serializer=pb.StreamRequest.SerializeToString,
+            response_deserializer=pb.BatchFrame.FromString)(iter(requests.get, None),
+                                                             timeout=60)
+        try:
+            offer = next(call).data_socket
+            assert offer.credits  # plain TCP: the server reads credits there
+            with socket.create_connection(("127.0.0.1", offer.port), timeout=30) as sock:
+                sock.sendall(offer.token)
+                # Two records, the second cut in two: batches 0, 1 and 3.
+                sock.sendall(struct.pack("<Iqq", 2, 0, 1) + struct.pack("<I", 1))
+                sock.sendall(struct.pack("<q", 3))
+                assembler = Assembler(lambda n: (None, np.empty(n, np.uint8)))
+                got = sorted(assembler.receive(sock).batch_index for _ in range(3))
+                assert got == [0, 1, 3]
+                sock.sendall(struct.pack("<I", 0))  # a record of no credit: refused
+                with pytest.raises(grpc.RpcError) as refused:
+                    next(call)
+        finally:
+            requests.put(None)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "credit record of 0 batch indices" in refused.value.details()
+    ledger.record("bad requests", "data connection: a credit record of 0 indices after good "
+                  "ones", tried=1, detail="good credits answered on the connection; the bad "
+                  "record ended the call with INVALID_ARGUMENT")

@@ -50,7 +50,9 @@ class SocketOffer:
     def __init__(self, sockets: DataSockets) -> None:
         self._sockets = sockets
         self._token, self._connection = sockets.expect()
-        self.frame = encode_socket_offer(sockets.port, self._token, sockets.proof)
+        self.credits = sockets.credits  # the stream reads credits on the connection
+        self.frame = encode_socket_offer(sockets.port, self._token, sockets.proof,
+                                         self.credits)
 
     async def connection(self) -> socket.socket | None:
         """The client's connection; None if the client said it cannot connect, or did not
@@ -61,6 +63,17 @@ class SocketOffer:
         except TimeoutError:
             self._sockets.forget(self._token)
             return None
+
+    async def claimed(self) -> socket.socket | None:
+        """The client's connection once claimed, however long that takes; None if it never
+        is (connection() gave up, or the client cannot connect). Unlike connection(), forgets
+        nothing: for a second waiter beside the sender's."""
+        try:
+            return await asyncio.shield(self._connection)
+        except asyncio.CancelledError:
+            if self._connection.cancelled():  # forgotten: this waiter was not cancelled
+                return None
+            raise
 
     def unreachable(self) -> None:
         """The client cannot reach the data port: frames, at once."""

@@ -123,14 +123,16 @@ class StreamRequest(_message.Message):
     def __init__(self, coordinates: _Optional[_Union[Coordinates, _Mapping]] = ..., batch_indices: _Optional[_Iterable[int]] = ..., shm_probe: _Optional[_Union[SharedMemoryProbe, _Mapping]] = ..., released: _Optional[_Iterable[str]] = ..., report: _Optional[_Union[ClientReport, _Mapping]] = ..., compression: _Optional[str] = ..., data_socket: _Optional[bool] = ..., data_socket_unreachable: _Optional[bool] = ...) -> None: ...
 
 class DataSocket(_message.Message):
-    __slots__ = ("port", "token", "proof")
+    __slots__ = ("port", "token", "proof", "credits")
     PORT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     PROOF_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_FIELD_NUMBER: _ClassVar[int]
     port: int
     token: bytes
     proof: bool
-    def __init__(self, port: _Optional[int] = ..., token: _Optional[bytes] = ..., proof: _Optional[bool] = ...) -> None: ...
+    credits: bool
+    def __init__(self, port: _Optional[int] = ..., token: _Optional[bytes] = ..., proof: _Optional[bool] = ..., credits: _Optional[bool] = ...) -> None: ...
 
 class ClientReport(_message.Message):
     __slots__ = ("wait_seconds", "loop_seconds")
