@@ -53,6 +53,15 @@ def open_streams(server: Any) -> float:
     return 0.0
 
 
+def kept_bytes(server: Any) -> float:
+    """stoker_shared_kept_bytes, from the server's /metrics."""
+    with urllib.request.urlopen(server.http_url + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("stoker_shared_kept_bytes "):
+                return float(line.split()[-1])
+    raise AssertionError("no stoker_shared_kept_bytes in /metrics")
+
+
 def epoch(address: str, **kw: Any) -> dict[str, np.ndarray]:
     with RemoteLoader(address, "noise", batch_size=3, output="numpy", timeout=60, **kw) as ld:
         batches = list(ld)
@@ -123,3 +132,23 @@ def test_segments_a_client_never_released_are_unlinked_when_its_stream_ends(
     assert not any((Path("/dev/shm") / n).exists() for n in names)
     # ...and the server goes on serving, over shared memory.
     assert len(epoch(server.address)["sample_index"]) == 12
+
+
+def test_a_batch_asked_twice_on_one_stream_is_let_go_twice(start_server) -> None:
+    # One stream credits batch 0 twice: both answers name one segment (one build, shared),
+    # lent twice. Once the stream ends and the server stops keeping the batch for other
+    # jobs, nothing holds it: unlinked. (Lent segments were kept by name, once: the second
+    # reference was never released and the segment stayed for the server's life.)
+    server = start_server(NOISE, cache={"shared_seconds": 1})
+    hold = threading.Event()
+    channel, call = raw_stream(server.address, [0, 0], probe(), hold)
+    with channel:
+        names = [next(call).shm_name for _ in range(2)]  # read, never released
+        assert names[0] == names[1] != "", names
+        call.cancel()
+        hold.set()
+    deadline = time.monotonic() + 30
+    while (open_streams(server) or kept_bytes(server)) and time.monotonic() < deadline:
+        pass
+    assert open_streams(server) == 0 and kept_bytes(server) == 0
+    assert not (Path("/dev/shm") / names[0]).exists()

@@ -24,20 +24,27 @@ class ShmTransport(Transport):
 
     def __init__(self, pool: WorkerPool) -> None:
         self._pool = pool
-        self._lent: dict[str, BuiltBatch] = {}  # by segment name: not yet released
+        # By segment name, each time it was lent and not yet released: a stream that asks
+        # for one batch twice is lent one (shared) segment twice, and holds two references.
+        self._lent: dict[str, list[BuiltBatch]] = {}
 
     async def send(self, context: grpc.aio.ServicerContext, batch: BuiltBatch,
                    batch_index: int, epoch: int) -> bool:
-        self._lent[batch.shm_name] = batch  # until the client releases it, or the stream ends
+        # Until the client releases it, or the stream ends.
+        self._lent.setdefault(batch.shm_name, []).append(batch)
         return await write(context, encode_shm_frame(batch, batch_index, epoch))
 
     def returned(self, shm_name: str) -> None:
-        batch = self._lent.pop(shm_name, None)
-        if batch is not None:
+        lent = self._lent.get(shm_name)
+        if lent:
+            batch = lent.pop()
+            if not lent:
+                del self._lent[shm_name]
             self._pool.release(batch)
 
     def close(self) -> None:
         """Lent segments are unlinked, not reused: the client may be reading one still."""
-        for batch in self._lent.values():
-            self._pool.release(batch, reuse=False)
+        for lent in self._lent.values():
+            for batch in lent:
+                self._pool.release(batch, reuse=False)
         self._lent.clear()
