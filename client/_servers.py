@@ -9,8 +9,10 @@ registry, or a file of addresses that a local autoscaler writes (`stoker autosca
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +25,12 @@ from ._stream import BatchStream
 RESOLVE_EVERY = 15.0  # seconds between resolutions of a dns: target, by default
 BACKOFF_FIRST, BACKOFF_MAX = 0.05, 2.0  # seconds before a failed server is tried again
 DRAIN_RETRY = 1.0  # seconds before a server that drained is tried again
+# Seconds a refresh waits for its look-up before the loop goes on without it. Look-ups run
+# on a thread of their own: a DNS server that answers in seconds, or not at all (the system
+# resolver's timeouts are 5 s a try), would otherwise hold the training loop (and, under the
+# scheduler's lock, every stream's delivery) that long every dns_refresh seconds. A look-up
+# still running is used by the first refresh after it ends; none other starts meanwhile.
+RESOLVE_WAIT = 0.05
 
 # Servers send frames of at most 32 MiB (server config limit); leave room for the header.
 # Keepalive pings notice a server that stopped answering (frozen, or its host gone) even
@@ -151,8 +159,8 @@ def parse_addresses(address: str | Sequence[str]) -> tuple[list[str], str | None
 
 
 # resolver(target) -> the "host:port" addresses a "dns:///name:port" target names now. It
-# runs on the loop's thread under the scheduler's lock: it must return quickly. OSError
-# means "cannot tell now" (the servers known stay); other exceptions reach the loop.
+# runs on a thread of its own (see RESOLVE_WAIT), one call at a time. OSError means "cannot
+# tell now" (the servers known stay); other exceptions reach the loop.
 Resolver = Callable[[str], Sequence[str]]
 
 
@@ -192,8 +200,9 @@ class ServerSet:
         self._resolver = resolver or resolve
         self._every = float(dns_refresh)
         self.servers: dict[str, Server] = {}
+        self._lookup: concurrent.futures.Future[list[str]] | None = None  # one at a time
         self._resolved_at: float | None = -self._every
-        self.refresh(time.monotonic())
+        self.refresh(time.monotonic(), wait=None)  # the first servers: however long it takes
         # The first refresh() by the caller's clock (the scheduler's, which a test may drive)
         # resolves again and starts the period on that clock.
         self._resolved_at = None
@@ -201,8 +210,9 @@ class ServerSet:
     def describe(self) -> str:
         return self._dns or ", ".join(self._fixed)
 
-    def refresh(self, now: float) -> None:
-        """Resolve the dns target if due; let go of gone servers that hold nothing."""
+    def refresh(self, now: float, wait: float | None = RESOLVE_WAIT) -> None:
+        """Resolve the dns target if due (waiting at most `wait` seconds for the look-up;
+        None: until it ends); let go of gone servers that hold nothing."""
         for server in self.servers.values():
             if server.state is ServerState.GONE and server.stream is not None \
                     and not server.outstanding:
@@ -212,14 +222,26 @@ class ServerSet:
                 server.stream = None
         if self._dns is None:
             wanted = self._fixed
-        elif self._resolved_at is None or now - self._resolved_at >= self._every:
-            self._resolved_at = now
-            try:
-                wanted = self._resolved(self._dns)
-            except OSError:
-                return  # keep what we have; the name may come back
         else:
-            return
+            started = self._lookup is None and (self._resolved_at is None
+                                                or now - self._resolved_at >= self._every)
+            if started:
+                self._resolved_at = now
+                self._lookup = self._start_lookup(self._dns)
+            # Only the refresh that started the look-up waits for it; later ones look.
+            if self._lookup is None or not (started or self._lookup.done()):
+                return
+            try:
+                wanted = self._lookup.result(timeout=wait if started else 0)
+            except concurrent.futures.TimeoutError:
+                return  # still looking: a later refresh takes the answer
+            except OSError:
+                self._lookup = None
+                return  # keep what we have; the name may come back
+            except BaseException:
+                self._lookup = None
+                raise
+            self._lookup = None
         for address in wanted:
             server = self.servers.get(address)
             if server is None:
@@ -230,6 +252,20 @@ class ServerSet:
         for address, server in self.servers.items():
             if address not in wanted:
                 server.mark_gone()  # no new credits; what it holds still counts
+
+    def _start_lookup(self, target: str) -> concurrent.futures.Future[list[str]]:
+        """_resolved(target) on a daemon thread (a look-up that never returns must not keep
+        the process from exiting)."""
+        fut: concurrent.futures.Future[list[str]] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(self._resolved(target))
+            except BaseException as e:  # handed to the loop by result()
+                fut.set_exception(e)
+
+        threading.Thread(target=run, name="stoker-resolve", daemon=True).start()
+        return fut
 
     def _resolved(self, target: str) -> list[str]:
         """What the resolver says `target` names, checked: a resolver's mistake is a

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from stoker.client import RemoteLoader
-from stoker.client._servers import ServerSet, ServerState
+from stoker.client._servers import RESOLVE_WAIT, ServerSet, ServerState
 from stoker.server import ServerProcess, write_config
 
 from conftest import server_env
@@ -138,4 +138,38 @@ def test_a_server_off_its_name_stays_gone_whatever_its_stream_does() -> None:
         servers.refresh(time.monotonic() + 4)
         assert server.state is ServerState.UP
     finally:
+        servers.close()
+
+
+def test_a_look_up_that_hangs_does_not_hold_up_the_loop() -> None:
+    """A DNS server that answers late (or never: the system resolver tries for 5 s a time)
+    must not stall the training loop each dns_refresh: the refresh waits RESOLVE_WAIT at
+    most, and the answer is used by the first refresh after it comes."""
+    names, gate, started = Names("127.0.0.1:1"), threading.Event(), []
+
+    def late(target: str) -> list[str]:
+        started.append(time.monotonic())
+        if names.asked:  # the first look-up answers at once, every later one hangs
+            assert gate.wait(30), "the test never let the look-up answer"
+        return names(target)
+
+    servers = ServerSet("dns:///trainers-data:50051", dns_refresh=1, resolver=late)
+    try:
+        names.set("127.0.0.1:2")
+        t0 = time.monotonic()
+        for k in range(20):  # twenty turns of the loop while the look-up hangs
+            servers.refresh(1000.0 + k)
+        # The refresh that started the look-up waited RESOLVE_WAIT; the others only looked.
+        assert time.monotonic() - t0 < RESOLVE_WAIT + 0.45
+        assert list(servers.servers) == ["127.0.0.1:1"]
+        assert len(started) == 2  # the first, and one that hangs: one look-up at a time
+        gate.set()
+        deadline = time.monotonic() + 10
+        while "127.0.0.1:2" not in servers.servers and time.monotonic() < deadline:
+            servers.refresh(1000.0 + 20)  # within the period: no new look-up, the answer
+        assert servers.servers["127.0.0.1:2"].state is ServerState.UP
+        assert servers.servers["127.0.0.1:1"].state is ServerState.GONE
+        assert names.asked == len(started) == 2
+    finally:
+        gate.set()
         servers.close()
