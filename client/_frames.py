@@ -194,8 +194,11 @@ class Assembler:
             self._ahead[:left] = self._view[self._start : self._end]
             self._start, self._end = 0, left
         if want > len(self._ahead):  # a frame larger than the buffer (many tensors)
-            self._ahead.extend(bytes(want - len(self._ahead)))
-            self._view = memoryview(self._ahead)
+            # A new buffer: one with a view exported (self._view) cannot grow in place.
+            grown = bytearray(want)
+            grown[: self._end] = self._view[: self._end]
+            self._view.release()
+            self._ahead, self._view = grown, memoryview(grown)
         while self._end < want:
             got = sock.recv_into(self._view[self._end :])
             if got == 0:
@@ -277,19 +280,15 @@ class Assembler:
                          first.payload_bytes)
 
 
-def _recv_exactly(sock: socket.socket, view: memoryview, eof_ok: bool = False) -> bool:
-    """Fill `view` from `sock`; False if the connection ended before its first byte and
-    `eof_ok`, ProtocolError if it ended anywhere else."""
+def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` from `sock`; ProtocolError if the connection ends first."""
     got = 0
     while got < len(view):
         n = sock.recv_into(view[got:])
         if n == 0:
-            if eof_ok and got == 0:
-                return False
             raise ProtocolError(f"the data connection closed after {got} of {len(view)} "
                                 "bytes")
         got += n
-    return True
 
 
 def numpy_views(payload: np.ndarray, tensors: list[pb.TensorInfo]) -> dict[str, np.ndarray]:

@@ -10,6 +10,8 @@ gets raw TCP connections with garbage, short and wrong tokens, and keeps serving
 from __future__ import annotations
 
 import socket
+import struct
+import threading
 from typing import Any
 
 import grpc
@@ -21,7 +23,13 @@ from hypothesis import strategies as st
 
 from stoker.client import RemoteLoader
 from stoker.client._errors import ProtocolError
-from stoker.client._frames import MAX_PAYLOAD_BYTES, Assembled, Assembler, numpy_views
+from stoker.client._frames import (
+    MAX_PAYLOAD_BYTES,
+    READ_AHEAD,
+    Assembled,
+    Assembler,
+    numpy_views,
+)
 from stoker.server._frames import _varint
 from stoker.v1 import stoker_pb2 as pb
 
@@ -221,6 +229,33 @@ def test_a_header_claiming_a_petabyte_is_refused_before_allocating() -> None:
                                                 nbytes=1 << 50)])
     with pytest.raises(ProtocolError, match=r"payload_bytes \d+ is not in"):
         Assembler(allocate).feed(head.SerializeToString())
+
+
+def test_a_record_whose_frame_outgrows_the_read_ahead_buffer_is_read() -> None:
+    # Thousands of tensors make a frame larger than the read-ahead buffer, which then grows
+    # (growing it in place raised BufferError: every such batch broke the connection).
+    def record(index: int, n: int) -> tuple[bytes, bytes]:
+        payload = (np.arange(64 * n) % 251).astype(np.uint8).tobytes()
+        frame = pb.BatchFrame(batch_index=index, epoch=0, offset=0, payload_bytes=64 * n,
+                              via_socket=True, tensors=[
+                                  pb.TensorInfo(name=f"t{i:05d}", dtype="uint8", shape=[64],
+                                                offset=64 * i, nbytes=64) for i in range(n)]
+                              ).SerializeToString()
+        return struct.pack("<I", len(frame)) + frame + payload, payload
+
+    (big, big_payload), (small, small_payload) = record(0, 4000), record(1, 1)
+    assert len(big) - len(big_payload) > READ_AHEAD
+    a, b = socket.socketpair()
+    with a, b:
+        sender = threading.Thread(target=a.sendall, args=(big + small,), daemon=True)
+        sender.start()
+        assembler = Assembler(allocate)
+        got = [assembler.receive(b), assembler.receive(b)]
+        sender.join(10)
+    for done, index, payload in zip(got, (0, 1), (big_payload, small_payload), strict=True):
+        assert isinstance(done, Assembled) and done.batch_index == index
+        assert bytes(done.buffer[: done.payload_bytes]) == payload
+    assert len(got[0].tensors) == 4000
 
 
 # -- the data socket ----------------------------------------------------------------------
