@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from stoker.v1 import stoker_pb2 as pb
@@ -30,8 +31,22 @@ log = logging.getLogger("stoker.client")
 
 # Seconds from the offer to the decision: connected and claimed, or frames.
 CONNECT_BUDGET = 0.5
-# Socket buffer asked for on the data connection: a few large records in flight.
+# Socket buffer asked for on the data connection: a few large records in flight. Only where
+# the kernel grants it (net.core.rmem_max): a size set by hand also turns off Linux's
+# receive-buffer autotuning, and capped at a stock rmem_max (208 KiB) it would hold a link
+# between machines to less than autotuning gives it.
 RCVBUF = 4 << 20
+
+
+def _rmem_max() -> int:
+    try:
+        with open("/proc/sys/net/core/rmem_max") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 0  # not Linux, or not readable: leave the buffer to the system
+
+
+SET_RCVBUF = _rmem_max() >= RCVBUF
 
 
 def client_context(tls: bool | Mapping[str, Any] | None) -> ssl.SSLContext | None:
@@ -41,9 +56,12 @@ def client_context(tls: bool | Mapping[str, Any] | None) -> ssl.SSLContext | Non
         return None
     if tls is True:
         return ssl.create_default_context()
-    context = ssl.create_default_context(cafile=tls.get("ca"))
+    def path(key: str) -> str | None:  # as _channel reads them: `~` is the home folder
+        return None if tls.get(key) is None else str(Path(tls[key]).expanduser())
+
+    context = ssl.create_default_context(cafile=path("ca"))
     if tls.get("cert") is not None:
-        context.load_cert_chain(tls["cert"], tls["key"])
+        context.load_cert_chain(path("cert"), path("key"))
     return context
 
 
@@ -64,7 +82,8 @@ class DataLink:
         sock = socket.create_connection((host, offer.port), timeout=budget)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF)
+            if SET_RCVBUF:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF)
             claim = bytes(offer.token)
             if offer.proof:
                 if self.bearer is None:

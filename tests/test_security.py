@@ -228,6 +228,25 @@ def test_mutual_tls_lets_in_only_clients_with_a_certificate_its_ca_signed(
 
 
 # -- the token ---------------------------------------------------------------------------------
+def test_tls_files_named_from_the_home_folder_serve_the_data_connection_too(
+        mtls_server, pki, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `~/...` in `tls` is the home folder for gRPC's credentials and for the data
+    # connection's (which handed the raw path to ssl: FileNotFoundError at the loader).
+    folder = Path(pki["ca"]).parent
+    monkeypatch.setenv("HOME", str(folder))
+
+    def home(path: Any) -> str:
+        return "~/" + str(Path(path).relative_to(folder))
+
+    client = pki["client"]
+    tls = {"ca": home(pki["ca"]), "cert": home(client.cert), "key": home(client.key)}
+    with RemoteLoader(mtls_server.address, "noise", batch_size=3, output="numpy",
+                      shuffle=False, tls=tls, shared_memory=False, timeout=30) as loader:
+        got = [i for b in loader for i in b["sample_index"].tolist()]
+        assert loader.stats()["transport"] == "data_socket"
+    assert got == list(range(12))
+
+
 def test_a_missing_or_wrong_token_is_unauthenticated_and_names_no_dataset(
         tls_server, pki, ledger) -> None:
     tls = {"ca": str(pki["ca"])}
