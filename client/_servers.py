@@ -213,6 +213,8 @@ class ServerSet:
     def refresh(self, now: float, wait: float | None = RESOLVE_WAIT) -> None:
         """Resolve the dns target if due (waiting at most `wait` seconds for the look-up;
         None: until it ends); let go of gone servers that hold nothing."""
+        if self._dns is None and self.servers:
+            return  # a fixed list: made once, and none of it ever gone (called per batch)
         for server in self.servers.values():
             if server.state is ServerState.GONE and server.stream is not None \
                     and not server.outstanding:
