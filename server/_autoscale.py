@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import enum
 import json
+import logging
 import math
 import os
 import signal
@@ -33,6 +34,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
+
+log = logging.getLogger("stoker.server")
 
 
 class Action(enum.Enum):
@@ -113,6 +116,23 @@ def _settled_median(observations: Sequence[Observation], since: float, until: fl
     settled = [o for o in observations if o.t >= since + policy.cooldown]
     stalls = [o.stall for o in settled if o.stall is not None and o.t >= until - policy.window]
     return statistics.median(stalls) if len(stalls) >= policy.samples else None
+
+
+def forget(history: Sequence[Observation], policy: Policy) -> list[Observation]:
+    """`history` less what decide() can no longer use: runs at one server count that ended
+    over `memory` ago, and in each run the observations before its last `window` s (the run's
+    first is kept: its time starts the cooldown). decide() says the same on either; a loop
+    that ticks for days keeps a bounded list."""
+    now = history[-1].t
+    runs = list(_segments(history))
+    kept: list[Observation] = []
+    for k, (_, _, run) in enumerate(runs):
+        end = run[-1].t
+        if k < len(runs) - 1 and now - end > policy.memory:
+            continue
+        kept.append(run[0])
+        kept.extend(o for o in run[1:] if o.t >= end - policy.window)
+    return kept
 
 
 def decide(history: Sequence[Observation], policy: Policy) -> Decision:
@@ -252,6 +272,7 @@ class Autoscaler:
                 now = time.monotonic()
                 self.history.append(self.observe(now - started))
                 decision = decide(self.history, self.policy)
+                self.history = forget(self.history, self.policy)
                 last = self.history[-1]
                 self.trace({"t": round(last.t, 3), "servers": last.servers,
                             "stall": last.stall, "decided_on": decision.stall,
@@ -262,8 +283,12 @@ class Autoscaler:
                     codes.append(self._remove())
                 self._stopping.wait(max(0.0, self.interval - (time.monotonic() - now)))
         finally:
-            while self.servers:
-                codes.append(self._remove())
+            while self.servers:  # every one, whatever one of them does
+                try:
+                    codes.append(self._remove())
+                except Exception:
+                    log.exception("a server did not stop")
+                    codes.append(1)
         return 0 if all(c == 0 for c in codes) else 1
 
 

@@ -13,11 +13,19 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from stoker.client import RemoteLoader
 from stoker.server import write_config
-from stoker.server._autoscale import Action, Observation, Policy, decide, parse_gauge
+from stoker.server._autoscale import (
+    Action,
+    Observation,
+    Policy,
+    decide,
+    forget,
+    parse_gauge,
+)
 
 from conftest import server_env
 
@@ -85,6 +93,29 @@ def test_a_stall_under_target_but_close_to_it_holds() -> None:
 def test_the_median_ignores_one_outlier() -> None:
     h = history((2, 14, 0.01), (2, 1, 0.9))
     assert decide(h, P).action is Action.REMOVE
+
+
+def test_what_the_loop_forgets_changes_no_decision_and_keeps_its_history_bounded() -> None:
+    # A loop of 5,000 ticks whose decisions are followed (the server count moves) and whose
+    # stall is random, sometimes unreported, sometimes at a tick's fraction: every decision on
+    # the forgetting history is the one on the whole history, which the loop no longer keeps.
+    rng = np.random.default_rng(7)
+    whole: list[Observation] = []
+    kept: list[Observation] = []
+    servers, longest, t = 2, 0, 0.0
+    for _ in range(5_000):
+        t += float(rng.choice([1.0, 0.5, 1.7]))
+        stall = None if rng.random() < 0.1 else float(rng.choice([0.0, 0.02, 0.04, 0.3]))
+        seen = Observation(t, servers, stall)
+        whole.append(seen)
+        kept.append(seen)
+        decision = decide(whole, P)
+        assert decide(kept, P) == decision, (t, decision)
+        kept = forget(kept, P)
+        longest = max(longest, len(kept))
+        servers += {Action.ADD: 1, Action.REMOVE: -1}.get(decision.action, 0)
+    assert {o.servers for o in whole} >= {1, 2, 3, 4}  # the count did move
+    assert longest < 200  # runs within memory=100 s, their last window=5 s each
 
 
 def test_bad_policies_and_gauges() -> None:
