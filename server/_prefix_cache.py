@@ -37,6 +37,7 @@ are no longer running.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -156,6 +157,7 @@ class _Tier:
         self.entries = folder / _ENTRIES
         self.entries.mkdir(parents=True, exist_ok=True)
         self.totals, self.slot, self.below = totals, slot, below
+        self._warned: set[int | None] = set()  # errnos of failed adds, logged once each
 
     def open(self, key: str) -> int | None:
         """A descriptor of entry `key`, marked recently used; None if absent."""
@@ -185,11 +187,16 @@ class _Tier:
                 self.totals[self.slot] += size
             return True
         except OSError as e:
-            tmp.unlink(missing_ok=True)
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            log.warning("prefix cache %s tier: no room left in %s: %s", self.name,
-                        self.folder, e)
+            # A cache that cannot keep an entry is a miss next time, never a failed sample:
+            # a full disk, or a spill folder gone read-only or away. Said once per cause.
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            if e.errno not in self._warned:
+                self._warned.add(e.errno)
+                why = ("no room left" if e.errno in (errno.ENOSPC, errno.EDQUOT)
+                       else "cannot write")
+                log.warning("prefix cache %s tier: %s in %s: %s (entries it cannot keep are "
+                            "computed again; said once)", self.name, why, self.folder, e)
             return False
 
     def _evict(self, need: int) -> None:
@@ -201,19 +208,17 @@ class _Tier:
                 st = entry.stat()
             except FileNotFoundError:
                 continue
-            if entry.name.startswith(_TMP):
+            if entry.name.startswith(_TMP):  # not counted: its writer adds it at rename
                 pid = entry.name[len(_TMP):].split("-", 1)[0]
                 if pid.isdigit() and not _alive(int(pid)):  # a writer that died mid-write
                     os.unlink(entry.path)
-                    continue
+                continue
             found.append((st.st_mtime_ns, _pages(st.st_size), entry.name, entry.path))
         total = sum(f[1] for f in found)
         target = int(self.bound * EVICT_TO) - need
         for _, size, name, path in sorted(found):
             if total <= target:
                 break
-            if name.startswith(_TMP):
-                continue  # another writer's, in flight
             if self.below is not None:
                 self.below.add(name, lambda dst, src=path: _copy(src, dst))
             try:

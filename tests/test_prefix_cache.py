@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import signal
 import tarfile
 import urllib.request
@@ -187,6 +188,27 @@ def test_tiers_stay_within_their_bounds_evict_the_least_recently_used_and_spill(
     finally:
         remove(settings(tmp_path, 0, 0), pid)
     assert not memory_dir(pid).exists()
+
+
+def test_a_spill_folder_that_cannot_be_written_is_a_miss_said_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Only a disk tier, whose folder goes away under it (an unmounted disk, a cleaner): an
+    # entry it cannot keep is computed again next time, never a failed sample.
+    pid = os.getpid()
+    try:
+        cache = PrefixCache(settings(tmp_path, 0, 1 << 20), pid)
+        scope = cache.scope("sha256:test")("field image", "spec")
+        scope.put(0, entry(0))
+        assert scope.get(0) is not None
+        shutil.rmtree(tmp_path / f"stoker-prefix-{pid}")
+        with caplog.at_level("WARNING", logger="stoker.server"):
+            for i in range(1, 4):
+                scope.put(i, entry(i))  # no exception: not kept
+                assert scope.get(i) is None
+        said = [r.getMessage() for r in caplog.records if "cannot write" in r.getMessage()]
+        assert len(said) == 1 and "disk tier" in said[0], said
+    finally:
+        remove(settings(tmp_path, 0, 0), pid)
 
 
 def test_a_python_dataset_with_prepare_and_its_own_sample_is_refused(tmp_path: Path) -> None:
