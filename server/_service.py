@@ -14,7 +14,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -31,6 +31,11 @@ from ._sampling import CoordinateError, Coordinates
 from ._session import FINGERPRINT_KEY, Abort, StreamSession, epoch_size
 from ._shared_batches import SharedBatches
 from ._workers import DEPTH, DatasetMeta, WorkerPool
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ._batch import BuiltBatch
 
 log = logging.getLogger("stoker.server")
 
@@ -94,7 +99,13 @@ class DataService:
         # Open streams and health watches, held shared memory: per client and in all.
         self.admission = Admission(self.settings)
         # Built batches, shared by the streams that ask for the same ones (issue 17).
-        self.shared = SharedBatches(pool, config.cache, self.metrics)
+        self.shared = SharedBatches(pool, config.cache, self.metrics, self._built)
+
+    def _built(self, coords: Coordinates, indices: np.ndarray, batch: BuiltBatch) -> None:
+        """A build ended well (once per build, however many streams share it): the worker's
+        figures, and a mixture's samples by component."""
+        self.metrics.built(coords.dataset, batch.build_seconds, batch.skipped, batch.cache)
+        self.metrics.mixed(coords.dataset, self._meta[coords.dataset].ordering, indices)
 
     # -- read by the HTTP control plane (another thread) ------------------------------------
     @property

@@ -38,7 +38,6 @@ from ._sampling import (
     batches_per_epoch,
     samples_per_rank,
 )
-from ._shared_batches import Outcome
 from ._workers import BatchFailed, DatasetMeta, FailureKind
 from .transports import Handshake, Transport, choose, write
 from .transports.datasocket import SocketOffer
@@ -476,16 +475,11 @@ class StreamSession:
         # this stream holds its reference from here on, released like any batch.
         pool = self._service.shared
         try:
-            batch, outcome = await pool.get(coords, index, indices, ahead)
+            batch, _ = await pool.get(coords, index, indices, ahead)
         except BatchFailed as e:
             self._ready.put_nowait(Failed(index, coords.epoch, FAILURE_CODE[e.kind],
                                           f"batch {index}: {e}", e.detail))
             return
-        if outcome is Outcome.BUILT:  # the worker's figures, once per build
-            self._service.metrics.built(coords.dataset, batch.build_seconds, batch.skipped,
-                                        batch.cache)
-            self._service.metrics.mixed(coords.dataset,
-                                        self._service.meta[coords.dataset].ordering, indices)
         admission = self._service.admission
         if (why := admission.over(self._client, batch.payload_bytes)):
             pool.release(batch)  # never held: back to its worker at once

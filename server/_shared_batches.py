@@ -31,6 +31,7 @@ import asyncio
 import collections
 import concurrent.futures
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -72,6 +73,7 @@ class _Build:
 
     source: concurrent.futures.Future[BuiltBatch]  # the pool's
     result: asyncio.Future[BuiltBatch]  # the same, on the loop
+    indices: np.ndarray  # the batch's samples
     waiters: int = 1
     settled: bool = False  # its references are counted (see SharedBatches._settle)
 
@@ -94,11 +96,16 @@ class _Kept:
 
 class SharedBatches:
     """The server's builds, shared by every stream; one per server (see the module doc).
-    `metrics`: where outcomes and the cache's bytes are counted (None: nowhere)."""
+    `metrics`: where outcomes and the cache's bytes are counted (None: nowhere);
+    `on_built(coords, indices, batch)`: called once per build that succeeded, whoever of
+    its waiters is left (the worker's figures are counted there)."""
 
     def __init__(self, pool: WorkerPool, settings: CacheSettings,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None,
+                 on_built: Callable[[Coordinates, np.ndarray, BuiltBatch], None] | None = None
+                 ) -> None:
         self.pool = pool
+        self._on_built = on_built
         self._seconds = float(settings.shared_seconds)
         total = _shm.capacity()[0]  # 0 where /dev/shm cannot be read
         wanted = int(settings.shared_batches)
@@ -128,7 +135,7 @@ class SharedBatches:
         else:
             source = self.pool.submit(coords.dataset, indices, ahead,
                                       EpochKey(coords.seed, coords.epoch, coords.shuffle))
-            build = self._building[key] = _Build(source, asyncio.wrap_future(source))
+            build = self._building[key] = _Build(source, asyncio.wrap_future(source), indices)
             build.result.add_done_callback(lambda _, k=key, b=build: self._settle(k, b))
             outcome = self._count(coords, Outcome.BUILT)
         try:
@@ -178,6 +185,8 @@ class SharedBatches:
                 self.clear()  # e.g. /dev/shm is full: new batches need the room more
             return
         batch = fut.result()
+        if self._on_built is not None:
+            self._on_built(key[0], build.indices, batch)
         keep = self._fits(batch)
         count = build.waiters + keep
         if count == 0:  # built just as the last waiter went away

@@ -233,10 +233,10 @@ COORDS = Coordinates("toy", 1, 0, True, 0, 1, 4, True)
 NO = np.zeros(0, np.int64)
 
 
-def sharing(cache_bytes: int = 0) -> tuple[Pool, SharedBatches]:
+def sharing(cache_bytes: int = 0, on_built: Any = None) -> tuple[Pool, SharedBatches]:
     pool = Pool()
-    return pool, SharedBatches(pool, CacheSettings(shared_batches=cache_bytes,
-                                                   shared_seconds=60))  # type: ignore[arg-type]
+    return pool, SharedBatches(pool, CacheSettings(shared_batches=cache_bytes,  # type: ignore[arg-type]
+                                                   shared_seconds=60), on_built=on_built)
 
 
 def batch(name: str = "stoker_1_2_1", nbytes: int = 100) -> BuiltBatch:
@@ -289,6 +289,34 @@ def test_a_waiter_leaving_keeps_the_build_and_an_error_reaches_every_waiter() ->
         assert len(pool.submitted) == 3
         again.cancel()
         await asyncio.gather(again, return_exceptions=True)
+
+    asyncio.run(go())
+
+
+def test_a_build_is_counted_once_even_when_the_stream_that_asked_first_leaves() -> None:
+    # The worker's figures (build seconds, a mixture's components) are counted per build,
+    # not by the stream whose request started it: that one may be gone when it ends.
+    async def go() -> None:
+        counted: list[tuple[Coordinates, list[int], str]] = []
+        pool, shared = sharing(on_built=lambda c, idx, b: counted.append(
+            (c, idx.tolist(), b.shm_name)))
+        samples = np.arange(4, dtype=np.int64)
+        first = asyncio.ensure_future(shared.get(COORDS, 0, samples, NO))
+        joined = asyncio.ensure_future(shared.get(COORDS, 0, samples, NO))
+        await asyncio.sleep(0)
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        pool.submitted[0].set_result(batch())
+        got, how = await joined
+        assert how is Outcome.JOINED
+        assert counted == [(COORDS, [0, 1, 2, 3], "stoker_1_2_1")]
+        shared.release(got)
+        # A build that fails is not counted as built.
+        failing = asyncio.ensure_future(shared.get(COORDS, 1, samples, NO))
+        await asyncio.sleep(0)
+        pool.submitted[1].set_exception(BatchFailed(FailureKind.DATA_LOSS, "bad"))
+        await asyncio.gather(failing, return_exceptions=True)
+        assert len(counted) == 1
 
     asyncio.run(go())
 
