@@ -248,7 +248,7 @@ def self_signed(folder: Path) -> tuple[Path, Path]:
 
 def tls_contexts(cert: Path, key: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
     """(server side, client side): as stoker's data connection makes them (server/
-    _datasocket.server_context, client/_datalink.client_context)."""
+    _tls.server_context, client/_datalink.client_context)."""
     server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server.load_cert_chain(cert, key)
     return server, ssl.create_default_context(cafile=str(cert))

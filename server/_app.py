@@ -32,7 +32,7 @@ from grpc_reflection.v1alpha import reflection
 from . import _limits, _sampling, _shm, _tls
 from ._auth import TokenInterceptor, read_token
 from ._config import Config
-from ._datasocket import DataSockets, server_context
+from ._datasocket import DataSockets
 from ._http import HttpLimits, HttpServer
 from ._listen import address, taken
 from ._service import SERVICE_NAME, DataService, client_of
@@ -126,8 +126,7 @@ async def start(config: Config, stack: contextlib.AsyncExitStack,
     _sampling.ORDERS.resize(int(settings.max_order_cache_bytes))
     # Secrets and certificates first: a bad one fails the start before any worker runs.
     token = read_token(settings)
-    if settings.tls is not None:
-        _tls.check(settings.tls)
+    tls = _tls.server_context(settings.tls) if settings.tls is not None else None
     _check_ports(settings)  # before the workers: a taken port fails in a moment, not minutes
     pool = WorkerPool(config, settings.worker_count)
     meta = await _start_workers(stack, pool)
@@ -139,8 +138,7 @@ async def start(config: Config, stack: contextlib.AsyncExitStack,
     # they close.
     service.data_sockets = _listening(
         "data socket", settings.host, settings.data_port,
-        lambda: DataSockets(settings.host, settings.data_port, tls=settings.tls and
-                            server_context(settings.tls), bearer=token))
+        lambda: DataSockets(settings.host, settings.data_port, tls=tls, bearer=token))
     service.data_sockets.start()
     stack.callback(service.data_sockets.close)
     grpc_server, health_servicer, grpc_port = await _start_grpc(stack, config, service, token)

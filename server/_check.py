@@ -49,7 +49,7 @@ def _server_files(config: Any) -> list[str]:
         from . import _tls
 
         try:
-            _tls.check(config.server.tls)
+            _tls.server_context(config.server.tls)
         except StartError as e:
             problems.append(str(e))
     return problems

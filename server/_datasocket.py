@@ -27,7 +27,6 @@ import socket
 import ssl
 import threading
 import time
-from typing import Any
 
 from ._listen import listen
 
@@ -48,17 +47,6 @@ WARN_EVERY = 10.0  # seconds between two warnings about evicted claims
 def proof(bearer: bytes, token: bytes) -> bytes:
     """What a claim carries after `token` when the server checks the bearer token."""
     return hmac.new(bearer, token, hashlib.sha256).digest()
-
-
-def server_context(tls: Any) -> ssl.SSLContext:
-    """The data connection's TLS context from the `server.tls` settings: what the gRPC port
-    presents and requires (server/_tls.py checked at start that the files load)."""
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(tls.cert_file, tls.key_file)
-    if tls.client_ca_file is not None:
-        context.load_verify_locations(cafile=tls.client_ca_file)
-        context.verify_mode = ssl.CERT_REQUIRED
-    return context
 
 
 class DataSockets:

@@ -5,7 +5,7 @@ naming the file, instead of every handshake failing later. With `client_ca_file`
 require a client certificate that CA signed (mutual TLS); the HTTP port too, so its probes
 then need one as well (docs/security.md says what to probe with).
 
-The data connections use the same files and rule (_datasocket.server_context).
+The data connections use the same files and rule (server_context).
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ def _read(path: Any, what: str) -> bytes:
         raise StartError(f"tls.{what} {path}: cannot read: {e.strerror}") from None
 
 
-def check(tls: Any) -> None:
-    """Load the files the way the HTTP port will; StartError naming the file if they do not."""
+def server_context(tls: Any) -> ssl.SSLContext:
+    """The files loaded the way the HTTP port will: the context the data connections use
+    (a client certificate required with client_ca_file); StartError naming the file if they
+    do not load."""
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
         context.load_cert_chain(tls.cert_file, tls.key_file)
@@ -39,6 +41,8 @@ def check(tls: Any) -> None:
         except (ssl.SSLError, OSError) as e:
             raise StartError(f"tls: client_ca_file {tls.client_ca_file} does not load: {e}"
                              ) from None
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
 
 
 def grpc_credentials(tls: Any) -> grpc.ServerCredentials:
