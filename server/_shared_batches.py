@@ -262,4 +262,4 @@ class SharedBatches:
 
 def _footprint(batch: BuiltBatch) -> int:
     """The shared memory a batch's segment takes: its payload, rounded up as segments are."""
-    return max(-(-batch.payload_bytes // _shm.ROUND) * _shm.ROUND, _shm.ROUND)
+    return _shm.rounded(batch.payload_bytes)

@@ -226,6 +226,11 @@ def remove_prefixed(name_prefix: str, keep: set[str]) -> int:
 ROUND = 64 << 10  # capacities grow in these steps, so a pool of batches of one size settles
 
 
+def rounded(size: int) -> int:
+    """The capacity of a new segment for `size` bytes: a whole number of ROUND steps."""
+    return max(-(-size // ROUND) * ROUND, ROUND)
+
+
 class SegmentPool:
     """A worker process's segments, reused from batch to batch.
 
@@ -249,7 +254,7 @@ class SegmentPool:
 
         Raises ShmFull when /dev/shm has no room, even after this worker's own idle segments
         were freed to make some."""
-        size = max(-(-size // ROUND) * ROUND, ROUND)
+        size = rounded(size)
         try:
             name, mm = self._take(size)
         except ShmFull:
