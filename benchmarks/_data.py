@@ -7,6 +7,15 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+# The image pipeline of the pipeline, sweep and prefix_cache scenarios (torchvision's
+# ImageNet statistics), and how each transport is asked of a RemoteLoader.
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+TRANSFORMS = [{"random_resized_crop": {"size": 224}}, {"horizontal_flip": {"p": 0.5}},
+              {"normalize": {"mean": list(MEAN), "std": list(STD)}}]
+TRANSPORTS = {"shm": {"shared_memory": True},
+              "grpc": {"shared_memory": False, "data_socket": False},
+              "socket": {"shared_memory": False}}  # the default between machines
+
 
 def make_image_folder(root: Path, images: int, classes: int, source_size: int,
                       seed: int = 0, shape: tuple[int, int] | None = None) -> None:

@@ -42,7 +42,7 @@ import numpy as np
 import PIL
 import simplejpeg
 import torch
-from _data import make_image_folder
+from _data import MEAN, STD, TRANSFORMS, TRANSPORTS, make_image_folder
 from _measure import (
     TRANSPORT_LABELS,
     machine_info,
@@ -60,16 +60,11 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from stoker.client import RemoteLoader
 from stoker.server import ServerProcess, write_config
 
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-TRANSFORMS = [{"random_resized_crop": {"size": 224}}, {"horizontal_flip": {"p": 0.5}},
-              {"normalize": {"mean": list(MEAN), "std": list(STD)}}]
 FULL = {"images": 1024, "batch_size": 32, "repeats": 3}
 QUICK = {"images": 192, "batch_size": 16, "repeats": 1}
 SYSTEMS = ("dataloader", "stateful", "stoker", "stoker_uint8")
-# --transport: the RemoteLoader arguments for each way batches can reach the trainer.
-TRANSPORTS = {"shm": {"shared_memory": True},
-              "grpc": {"shared_memory": False, "data_socket": False},
-              "socket": {"shared_memory": False}}  # the default between machines
+# --transport: TRANSPORTS (_data.py), the RemoteLoader arguments for each way batches
+# can reach the trainer.
 
 LABELS = {"dataloader": "torch DataLoader", "stateful": "torchdata StatefulDataLoader",
           "stoker": "stoker RemoteLoader", "stoker_uint8": "stoker, uint8 + client normalize"}

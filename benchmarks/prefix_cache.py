@@ -28,9 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _data import make_image_folder
+from _data import TRANSFORMS, make_image_folder
 from _measure import machine_info, run_scenario, scenario_parser, settle, summarise
-from pipeline import TRANSFORMS
 
 from stoker.client import RemoteLoader
 from stoker.server import ServerProcess, write_config

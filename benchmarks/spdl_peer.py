@@ -37,11 +37,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from _data import MEAN, STD
 from PIL import Image
 
 from stoker.server.images import rrc_box
 
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 SCALE, RATIO = (0.08, 1.0), (3 / 4, 4 / 3)  # RandomResizedCrop's defaults, as pipeline.py
 
 

@@ -36,22 +36,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _data import make_image_folder
+from _data import TRANSFORMS, TRANSPORTS, make_image_folder
 from _measure import machine_info, run_scenario, scenario_parser, settle, summarise
 from wire import proc_table, tree_cpu
 
 from stoker.server import ServerProcess, write_config
 
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-TRANSFORMS = [{"random_resized_crop": {"size": 224}}, {"horizontal_flip": {"p": 0.5}},
-              {"normalize": {"mean": list(MEAN), "std": list(STD)}}]
 FULL = {"images": 1024, "batch_size": 32, "repeats": 3, "jobs": 4}
 QUICK = {"images": 128, "batch_size": 16, "repeats": 1, "jobs": 4}
 GOAL = 1.3  # issue 17: four jobs at most 1.3x one job's server CPU
-# --transport: the RemoteLoader arguments for each way batches can reach the jobs.
-TRANSPORTS = {"shm": {"shared_memory": True},
-              "grpc": {"shared_memory": False, "data_socket": False},
-              "socket": {"shared_memory": False, "data_socket": True}}
 
 
 def job(address: str, epoch: int, batch_size: int, transport: str,
