@@ -36,7 +36,6 @@ CALL_GRACE = 1.0
 # Seconds the call's end waits for the data connection's records already sent (a drain).
 DRAIN_WAIT = 10.0
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
-_COUNT = struct.Struct("<I")  # a credit record on the data connection: its count of indices
 
 # on_batch(stream, batch_index, finished batch | RemoteError for that batch)
 OnBatch = Callable[["BatchStream", int, Any], None]
@@ -108,7 +107,7 @@ class BatchStream:
             return
         sock = self._credit_sock
         if sock is not None:
-            record = _COUNT.pack(len(indices)) + struct.pack(f"<{len(indices)}q", *indices)
+            record = struct.pack(f"<I{len(indices)}q", len(indices), *indices)  # count, indices
             try:
                 with self._credit_lock:
                     sock.sendall(record)
