@@ -80,9 +80,15 @@ def test_spdl_peer_batches_hold_each_images_crop_flip_and_normalisation(tmp_path
     assert len(seen) == len(set(seen)) == 8  # no image twice
     assert flips == {True, False}  # both branches of the flip ran (fixed seed and epoch)
     # Rows are a function of (seed, epoch, index), not of thread timing: one thread, same rows.
+    # (SPDL hands images on as they finish: with 2 threads, which 2 of the 10 drop_last leaves
+    # out varies, so the rows both runs have are compared: at least 6.)
     rows = {int(i): b["image"][r] for b in batches for r, i in enumerate(b["sample_index"])}
     one = spdl_peer.SpdlImageLoader(tmp_path, batch_size=4, threads=1, seed=3)
     one.set_epoch(1)
+    compared = 0
     for batch in one:
         for r, i in enumerate(batch["sample_index"].tolist()):
-            assert bool((batch["image"][r] == rows[i]).all())
+            if i in rows:
+                assert bool((batch["image"][r] == rows[i]).all())
+                compared += 1
+    assert compared >= 6
