@@ -52,7 +52,9 @@ HEDGE_MIN, STALL_MIN = 0.5, 2.0  # seconds
 # Schedulers whose streams may be open. An iterator that is never closed is finalized during
 # interpreter shutdown, after daemon threads stop where they stand: one may hold a gRPC call's
 # lock, and cancelling that call then blocks for ever (seen as a trainer that never exits).
-# So the streams are closed at exit, while the receive threads still run.
+# So the streams are closed at exit, while the receive threads still run, and their servers'
+# channels too: gRPC's own threads then end before shutdown, with no call's lock held (a
+# client left with its channels open was once seen stuck in a call's __del__ at exit).
 _OPEN: weakref.WeakSet[Scheduler] = weakref.WeakSet()
 
 
@@ -60,6 +62,7 @@ _OPEN: weakref.WeakSet[Scheduler] = weakref.WeakSet()
 def _close_open_schedulers() -> None:
     for scheduler in list(_OPEN):
         scheduler.close()
+        scheduler.close_channels()
 
 
 class Scheduler:
@@ -157,6 +160,10 @@ class Scheduler:
                 server.outstanding.clear()
         for stream in streams:
             stream.close()  # its receive thread reports on_end, which counts its bytes
+
+    def close_channels(self) -> None:
+        """Close every server's channel (at exit: nothing is asked of them after)."""
+        self._servers.close()
 
     def servers_now(self) -> str:
         """Every server, its state and last error (for errors and log lines)."""

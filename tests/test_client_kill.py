@@ -118,7 +118,12 @@ def test_a_killed_client_gives_back_what_it_held(start_server: StartServer, ledg
     assert probes or path != "shm"
     if path == "shm":
         after_it = start_child(server.address, path)
-        after_it.communicate("", timeout=60)  # EOF on stdin: it exits normally
+        try:
+            after_it.communicate("", timeout=60)  # EOF on stdin: it exits normally
+        finally:
+            if after_it.poll() is None:  # hung: not left behind for the tests after this one
+                after_it.kill()
+                after_it.communicate()
         assert after_it.returncode == 0
         assert not any(p.exists() for p in probes)
         assert not list(SHM.glob(f"stoker_client_{after_it.pid}_*"))  # its own, at exit
