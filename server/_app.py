@@ -212,7 +212,7 @@ async def _start_workers(stack: contextlib.AsyncExitStack,
                          pool: WorkerPool) -> dict[str, DatasetMeta]:
     """Start the pool's workers (blocking: on a thread); what each dataset holds."""
     loop = asyncio.get_running_loop()
-    starting = loop.run_in_executor(None, pool.start)
+    starting = loop.run_in_executor(None, pool.start, loop)
 
     async def close() -> None:
         # start() and close() both walk the pool's workers: a start cut short by a

@@ -65,6 +65,25 @@ class Task:
     ahead: np.ndarray
     key: EpochKey
 
+    def __reduce__(self) -> tuple:
+        # One per batch through the pipe: the arrays as raw int64 bytes and the key as its
+        # fields pickle in a third of the time numpy's own reduction takes (about 11 -> 3 µs
+        # here), on the front end's thread that every stream shares.
+        k = self.key
+        return (_task, (self.task_id, self.dataset, _int64(self.indices), _int64(self.ahead),
+                        k.seed, k.epoch, k.shuffle))
+
+
+def _int64(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a, "<i8").tobytes()
+
+
+def _task(task_id: int, dataset: str, indices: bytes, ahead: bytes, seed: int, epoch: int,
+          shuffle: bool) -> Task:
+    """A Task as its __reduce__ sent it (the arrays writable, as pickled ones are)."""
+    return Task(task_id, dataset, np.frombuffer(indices, "<i8").copy(),
+                np.frombuffer(ahead, "<i8").copy(), EpochKey(seed, epoch, shuffle))
+
 
 @dataclass(frozen=True)
 class GiveBack:

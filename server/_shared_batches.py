@@ -22,7 +22,7 @@ nobody waits for it. A failed build fails every waiter and is not kept: the next
 builds again.
 
 Threading contract: everything here runs on the server's one asyncio loop; the pool's
-futures are awaited through asyncio.wrap_future.
+futures are awaited through _on_loop (the pool resolves them on the loop too).
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -135,7 +136,7 @@ class SharedBatches:
         else:
             source = self.pool.submit(coords.dataset, indices, ahead,
                                       EpochKey(coords.seed, coords.epoch, coords.shuffle))
-            build = self._building[key] = _Build(source, asyncio.wrap_future(source), indices)
+            build = self._building[key] = _Build(source, _on_loop(source), indices)
             build.result.add_done_callback(lambda _, k=key, b=build: self._settle(k, b))
             outcome = self._count(coords, Outcome.BUILT)
         try:
@@ -263,3 +264,44 @@ class SharedBatches:
 def _footprint(batch: BuiltBatch) -> int:
     """The shared memory a batch's segment takes: its payload, rounded up as segments are."""
     return _shm.rounded(batch.payload_bytes)
+
+
+T = TypeVar("T")
+
+
+def _on_loop(source: concurrent.futures.Future[T]) -> asyncio.Future[T]:
+    """`source` as a future of the running loop, as asyncio.wrap_future makes, but resolved at
+    once when `source` is resolved on the loop's own thread, as the pool does: wrap_future
+    goes through call_soon_threadsafe, a write to the loop's wake-up pipe per batch, even
+    then. Cancelling the result cancels `source`."""
+    loop = asyncio.get_running_loop()
+    result: asyncio.Future[T] = loop.create_future()
+
+    def copy(src: concurrent.futures.Future[T]) -> None:
+        if result.done():  # cancelled meanwhile
+            return
+        if src.cancelled():
+            result.cancel()
+        elif (error := src.exception()) is not None:
+            result.set_exception(error)
+        else:
+            result.set_result(src.result())
+
+    def done(src: concurrent.futures.Future[T]) -> None:
+        try:
+            here = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            here = False
+        if here:
+            copy(src)
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
+                loop.call_soon_threadsafe(copy, src)
+
+    def cancelled(fut: asyncio.Future[T]) -> None:
+        if fut.cancelled():
+            source.cancel()
+
+    source.add_done_callback(done)
+    result.add_done_callback(cancelled)
+    return result

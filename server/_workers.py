@@ -7,13 +7,22 @@ worker; batch payloads travel in shared memory (see _batch.py), never through th
 
 Threading contract: submit(), release() and status() may be called from any thread; start()
 and close() from the owner's, before the dispatcher thread starts and after it stops. In
-between, the dispatcher owns the pipes and is the only thread that changes the worker list:
-it hands tasks to idle workers (at most DEPTH each, so a slow batch never holds up the queue
-for long), resolves futures, and replaces workers that die, or that hang: a batch not built
-within batch_timeout_seconds fails (INTERNAL, naming the worker and the sample it was at;
-clients retry it) and its worker is killed and replaced. WorkerPool._lock guards what those
-threads share (see WorkerPool); no pipe is read, and no process started or joined, while
-holding it.
+between, the dispatcher thread is the only one that changes the worker list: it starts
+workers, and replaces those that die, or that hang: a batch not built within
+batch_timeout_seconds fails (INTERNAL, naming the worker and the sample it was at; clients
+retry it) and its worker is killed and replaced.
+
+Batches flow on the server's event loop when start() is given it (the server does): the loop
+reads each ready worker's results (loop.add_reader), resolves their futures and hands out the
+next tasks itself, in the thread that submits them; the dispatcher thread then only watches
+the workers' lives. A batch so crosses no thread: no wake-up pipe, no hop back to the loop
+(at 64 KiB batches the dispatcher thread's hops cost about a third of the front end's time
+per batch, and each one contended for the GIL with the loop). A worker's pipe is read by one
+thread at a time: the dispatcher's until the worker is ready, the loop's from then on, and the
+dispatcher's again once it takes the pipe back (_unwatch) to replace or stop the worker.
+Without a loop, the dispatcher does it all. Tasks are sent under _send_lock, by whichever
+thread hands them out. WorkerPool._lock guards what the threads share (see WorkerPool); no
+pipe is read, and no process started or joined, while holding it.
 """
 
 from __future__ import annotations
@@ -23,7 +32,10 @@ import concurrent.futures
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
+import asyncio
+import contextlib
 import os
+import select
 import selectors
 import threading
 import time
@@ -97,7 +109,20 @@ class _Worker:
     head_since: float = 0.0  # monotonic time the first of `jobs` started
     # Shared int64 [task id, sample] the worker writes as it goes (read without the lock).
     progress: Any = None
+    # Its pipe is read by the event loop (set by the dispatcher before the loop's first read,
+    # cleared by _unwatch after its last); `poller` polls the pipe without a new selector.
+    on_loop: bool = False
+    poller: Any = None
 
+
+# Seconds the dispatcher sleeps at most while the loop hands out tasks (it then learns of a
+# batch's deadline only by looking): how late, at most, a hung worker is found.
+LOOK_EVERY = 0.25
+# Seconds a segment given back waits for the next task to ride along with to its worker,
+# before it goes alone (the end of an epoch): one pipe write per batch instead of two.
+GIVE_BACK_WAIT = 0.02
+# Seconds the dispatcher waits for the loop to let go of a worker's pipe (see _unwatch).
+UNWATCH_WAIT = 5.0
 
 _NOTHING = np.zeros(0, np.int64)
 
@@ -133,10 +158,15 @@ class WorkerPool:
         # A batch a worker has been on longer than this: the worker hangs (see _expire).
         self._batch_timeout = float(config.server.batch_timeout_seconds)
         self._timeouts = 0  # workers replaced for it
+        self._loop: asyncio.AbstractEventLoop | None = None  # batches flow on it (module doc)
+        self._send_lock = threading.Lock()  # held while tasks are handed out and sent
+        self._give_back: asyncio.TimerHandle | None = None  # the loop's _assign, pending
 
     # -- lifecycle -------------------------------------------------------------------------
-    def start(self) -> dict[str, DatasetMeta]:
-        """Start the workers and wait until each has opened every dataset.
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> dict[str, DatasetMeta]:
+        """Start the workers and wait until each has opened every dataset. `loop`: the event
+        loop that submits batches, which then reads the workers' results (see the module
+        doc); start() itself may run on another thread.
 
         Raises StartError; call close() in any case, to stop those that did start."""
         orphans = _shm.sweep()
@@ -169,6 +199,10 @@ class WorkerPool:
                         w.ready = True
                 case _:
                     raise StartError(f"a starting worker sent {message!r}")
+        if loop is not None:
+            self._loop = loop
+            for w in self._workers:
+                self._hand_to_loop(w)
         self._thread = threading.Thread(target=self._dispatch, name="stoker-dispatch", daemon=True)
         self._thread.start()
         return self.meta
@@ -182,6 +216,8 @@ class WorkerPool:
             self._thread.join(timeout=30)
         with self._lock:
             workers = list(self._workers)
+        for w in workers:
+            self._unwatch(w)
         for w in workers:
             _send(w, Stop())
         for w in workers:
@@ -208,15 +244,21 @@ class WorkerPool:
         reuse=False: unlinked in any case (a client may still be reading it: its mapping
         stays valid, and the worker will not write into it again). Any thread."""
         name = batch.shm_name
-        wake = False
+        wake = inline = False
         with self._lock:
             self._lent.discard(name)
             w = None if self._closing else self._by_pid.get(_shm.worker_of(name) or -1)
             if w is not None:
                 (w.freed if reuse else w.dropped).append(name)
-                wake = self._wake()
+                inline = self._on_loop_thread()
+                wake = not inline and self._wake()
         if w is None or not reuse:
             _shm.unlink(name)
+        if inline and self._give_back is None:
+            # Sent with the next task (a batch's credit is usually on its way), or alone
+            # once GIVE_BACK_WAIT passes without one.
+            assert self._loop is not None
+            self._give_back = self._loop.call_later(GIVE_BACK_WAIT, self._assign)
         if wake:
             self._wake_w.send_bytes(b"x")
 
@@ -254,10 +296,90 @@ class WorkerPool:
                                   "the server's worker dispatcher failed (see its log)")
             self._next_id += 1
             self._queue.append(_Job(Task(self._next_id, dataset, indices, ahead, key), fut))
-            wake = self._wake()
+            inline = self._on_loop_thread()
+            wake = not inline and self._wake()
+        if inline:
+            self._assign()
         if wake:
             self._wake_w.send_bytes(b"x")
         return fut
+
+    def _on_loop_thread(self) -> bool:
+        """Whether the caller runs on the loop batches flow on: it hands out tasks itself."""
+        if self._loop is None:
+            return False
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
+
+    # -- the loop's side (see the module doc) ------------------------------------------------
+    def _hand_to_loop(self, w: _Worker) -> None:
+        """A ready worker's pipe goes to the loop (from the thread that read it so far, which
+        reads it no more: the dispatcher leaves it out of its next wait)."""
+        assert self._loop is not None
+        w.poller = select.poll()
+        w.poller.register(w.conn.fileno(), select.POLLIN)
+        w.on_loop = True
+        try:
+            self._loop.call_soon_threadsafe(self._watch, w)
+        except RuntimeError:  # the loop has closed: nobody submits any more
+            w.on_loop = False
+
+    def _watch(self, w: _Worker) -> None:
+        """On the loop: read `w`'s results as they come (unless it was taken back since)."""
+        if w.on_loop:
+            assert self._loop is not None
+            self._loop.add_reader(w.conn.fileno(), self._on_readable, w)
+
+    def _on_readable(self, w: _Worker) -> None:
+        """On the loop: settle what `w` has sent, then hand out tasks (it has room now)."""
+        got = False
+        try:
+            while w.poller.poll(0):
+                self._settle(w, w.conn.recv())
+                got = True
+        except (EOFError, OSError):  # it died: the dispatcher's wait sees its sentinel
+            self._stop_reading(w)
+        if got:
+            self._assign()
+
+    def _stop_reading(self, w: _Worker) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(ValueError, OSError, RuntimeError):  # closed pipe, or loop
+            self._loop.remove_reader(w.conn.fileno())
+
+    def _unwatch(self, w: _Worker) -> None:
+        """Take `w`'s pipe back from the loop (any thread but the loop's waits until the loop
+        has let go of it); the caller may read it from then on."""
+        if not w.on_loop:
+            return
+        assert self._loop is not None
+
+        def let_go() -> None:
+            w.on_loop = False
+            self._stop_reading(w)
+
+        if self._on_loop_thread():
+            let_go()
+            return
+        done = threading.Event()
+
+        def on_loop() -> None:
+            try:
+                let_go()
+            finally:
+                done.set()
+
+        try:
+            self._loop.call_soon_threadsafe(on_loop)
+        except RuntimeError:  # the loop has closed: it reads nothing any more
+            w.on_loop = False
+            return
+        if not done.wait(UNWATCH_WAIT):  # the loop is stopped, or stuck: it reads nothing
+            log.warning("the event loop did not let go of worker pid %s's pipe within %.0f s",
+                        w.process.pid, UNWATCH_WAIT)
+            w.on_loop = False
 
     def _wake(self) -> bool:
         """Whether the caller, having queued work under the lock, must write a wake-up:
@@ -310,7 +432,7 @@ class WorkerPool:
                 with self._lock:
                     if self._closing:
                         return
-                workers = tuple((id(w), w.process.pid) for w in self._workers)
+                workers = tuple((id(w), w.process.pid, w.on_loop) for w in self._workers)
                 if selector is None or workers != watched:  # one replaced, or removed
                     if selector is not None:
                         selector.close()
@@ -318,7 +440,8 @@ class WorkerPool:
                     selector.register(self._wake_r, selectors.EVENT_READ)
                     for w in self._workers:
                         owner[w.conn] = owner[w.process.sentinel] = w
-                        selector.register(w.conn, selectors.EVENT_READ)
+                        if not w.on_loop:  # the loop reads it (see the module doc)
+                            selector.register(w.conn, selectors.EVENT_READ)
                         selector.register(w.process.sentinel, selectors.EVENT_READ)
                 found = selector.select(self._until_deadline())
                 if not self._round([key.fileobj for key, _ in found], owner):
@@ -340,7 +463,8 @@ class WorkerPool:
             if w not in self._workers:
                 continue  # replaced earlier in this round
             if obj is w.conn:
-                self._receive(w)
+                if not w.on_loop:  # handed to the loop earlier in this round
+                    self._receive(w)
             elif not w.process.is_alive():
                 with self._lock:
                     if self._closing:
@@ -358,9 +482,12 @@ class WorkerPool:
         """Seconds until the earliest batch deadline of a worker; None: no batch is out."""
         with self._lock:
             started = [w.head_since for w in self._workers if w.jobs]
+        # The loop hands out tasks without waking this thread: it looks now and then.
+        every = LOOK_EVERY if self._loop is not None else None
         if not started:
-            return None
-        return max(0.0, min(started) + self._batch_timeout - time.monotonic())
+            return every
+        left = max(0.0, min(started) + self._batch_timeout - time.monotonic())
+        return left if every is None else min(left, every)
 
     def _expire(self) -> None:
         """Kill and replace each worker whose batch is past batch_timeout_seconds: it hangs
@@ -389,7 +516,15 @@ class WorkerPool:
     def _assign(self) -> None:
         """Send each worker, in one pipe message, the segments given back and the tasks it
         has room for: a pipe write (and a wake-up of the worker) per round, not one per
-        message (in steady state a freed segment and a task per batch: half the writes)."""
+        message (in steady state a freed segment and a task per batch: half the writes).
+        The dispatcher's, or the loop's (see the module doc): one at a time."""
+        with self._send_lock:
+            if self._give_back is not None and self._on_loop_thread():
+                self._give_back.cancel()  # what it would send goes now
+                self._give_back = None
+            self._assign_locked()
+
+    def _assign_locked(self) -> None:
         with self._lock:
             out: dict[int, list[ToWorker]] = {id(w): [] for w in self._workers}
             for w in self._workers:
@@ -438,6 +573,8 @@ class WorkerPool:
                     return
                 with self._lock:
                     w.ready = True
+                if self._loop is not None and not closing:
+                    self._hand_to_loop(w)
             case OpenFailed(reason):
                 with self._lock:
                     closing = self._closing
@@ -488,6 +625,7 @@ class WorkerPool:
         """A worker died: fail the batch it was building, give its queued ones to others,
         and start a new worker (which takes tasks once it reports ready).
         `hung`: (task id, message) when the pool killed it for a batch past its deadline."""
+        self._unwatch(w)
         self._drain(w)
         code = w.process.exitcode
         if hung is None:
@@ -519,6 +657,7 @@ class WorkerPool:
         _shm.remove_prefixed(_shm.worker_prefix(os.getpid(), w.process.pid), keep)
 
     def _remove(self, w: _Worker) -> None:
+        self._unwatch(w)
         with self._lock:
             self._workers.remove(w)
             last = not self._workers
