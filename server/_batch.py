@@ -85,6 +85,10 @@ def padded(array: np.ndarray, axes: tuple[int, ...]) -> Padded:
 
 
 def _as_array(value: Any) -> np.ndarray:
+    if type(value) is np.ndarray:  # the common case first (Padded is a subclass)
+        if value.dtype.kind not in "biuf":
+            raise TypeError(f"dtype {value.dtype} is not a number type")
+        return value
     if isinstance(value, Padded):
         if value.dtype.kind not in "biuf":
             raise TypeError(f"dtype {value.dtype} is not a number type")
@@ -182,6 +186,19 @@ def plan_layout(first: dict[str, np.ndarray], n: int, first_index: int,
     return layout
 
 
+def _like(s: dict[str, np.ndarray], names: set[str],
+          expect: list[tuple[str, tuple[int, ...], np.dtype]]) -> bool:
+    """Whether sample `s` has exactly the fields, shapes and dtypes `expect`s (those of the
+    batch's first sample): _check_like's common case, at a fraction of its cost per sample."""
+    if s.keys() != names:
+        return False
+    for name, shape, dtype in expect:
+        v = s[name]
+        if v.shape != shape or v.dtype != dtype:
+            return False
+    return True
+
+
 def _check_like(s: dict[str, np.ndarray], idx: int, layout: list[TensorLayout],
                 first_index: int) -> None:
     """Sample `idx` has the fields, dtypes and shapes of the batch's first sample."""
@@ -246,10 +263,12 @@ def build_batch(dataset: DatasetParts, indices: np.ndarray, segments: _shm.Segme
         name, segment = segments.acquire(size)
         views = {t.name: np.ndarray(t.shape, np.dtype(t.dtype).newbyteorder("<"), segment,
                                     t.offset) for t in layout}
+        names = {t.name for t in layout[:-1]}
+        expect = [(t.name, t.shape[1:], np.dtype(t.dtype)) for t in layout[:-1]]
         rest = ((pos, fetch(pos, i)) for pos, i in enumerate(todo[len(gathered):],
                                                               len(gathered)))
         for pos, s in itertools.chain(enumerate(gathered), rest):
-            if pos:
+            if pos and not _like(s, names, expect):  # names the difference, if one matters
                 _check_like(s, int(delivered[pos]), layout, first_index)
             for field_name, value in s.items():
                 _write(views[field_name], pos, value)

@@ -7,9 +7,11 @@ an ordinary BatchFrame to any protobuf parser.
 
 from __future__ import annotations
 
+import functools
+
 from stoker.v1 import stoker_pb2 as pb
 
-from ._batch import BuiltBatch
+from ._batch import BuiltBatch, TensorLayout
 
 _DATA_TAG = b"\x0a"  # field 1, wire type 2 (length-delimited)
 
@@ -46,10 +48,20 @@ def encode_shm_frame(batch: BuiltBatch, batch_index: int, epoch: int) -> bytes:
 
 
 def encode_socket_frame(batch: BuiltBatch, batch_index: int, epoch: int) -> bytes:
-    """The frame of a batch's record on the data connection (its payload follows it)."""
-    return pb.BatchFrame(batch_index=batch_index, epoch=epoch, offset=0,
-                         payload_bytes=batch.payload_bytes, tensors=tensor_infos(batch),
-                         via_socket=True).SerializeToString()
+    """The frame of a batch's record on the data connection (its payload follows it).
+
+    Two serialized BatchFrames end to end, which a parser reads as one (protobuf merges
+    them): the index and epoch, then the layout, the same for every batch of a stream (made
+    once per layout: a tenth of the front end's time per batch at 64 KiB batches)."""
+    return (pb.BatchFrame(batch_index=batch_index, epoch=epoch).SerializeToString()
+            + _socket_layout(batch.tensors, batch.payload_bytes))
+
+
+@functools.lru_cache(maxsize=256)
+def _socket_layout(tensors: tuple[TensorLayout, ...], payload_bytes: int) -> bytes:
+    return pb.BatchFrame(payload_bytes=payload_bytes, via_socket=True, tensors=[
+        pb.TensorInfo(name=t.name, dtype=t.dtype, shape=t.shape, offset=t.offset,
+                      nbytes=t.nbytes) for t in tensors]).SerializeToString()
 
 
 def encode_socket_offer(port: int, token: bytes, proof: bool = False,
