@@ -13,7 +13,9 @@ briefly holds its samples twice; the others are written into the payload as they
 
 from __future__ import annotations
 
+import functools
 import itertools
+import math
 import logging
 import time
 from collections.abc import Callable
@@ -176,14 +178,21 @@ def plan_layout(first: dict[str, np.ndarray], n: int, first_index: int,
     if SAMPLE_INDEX in first:
         raise SampleError(f"sample {first_index}: field name {SAMPLE_INDEX!r} is reserved")
     shapes = shapes or {}
-    fields = [(k, v.dtype, shapes.get(k, v.shape)) for k, v in first.items()]
-    fields.append((SAMPLE_INDEX, np.dtype(np.int64), ()))
+    return list(_layout(tuple((k, v.dtype, shapes.get(k, v.shape)) for k, v in first.items()),
+                        n))
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(fields: tuple[tuple[str, np.dtype, tuple[int, ...]], ...], n: int
+            ) -> tuple[TensorLayout, ...]:
+    """plan_layout's result for these (name, dtype, per-sample shape) fields: the same for
+    most batches of a dataset, so made once (a few per cent of a worker's time per batch)."""
     layout, offset = [], 0
-    for name, dtype, shape in fields:
-        nbytes = n * int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    for name, dtype, shape in (*fields, (SAMPLE_INDEX, np.dtype(np.int64), ())):
+        nbytes = n * math.prod(shape) * dtype.itemsize
         layout.append(TensorLayout(name, dtype.name, (n, *shape), offset, nbytes))
         offset += -(-nbytes // ALIGN) * ALIGN
-    return layout
+    return tuple(layout)
 
 
 def _like(s: dict[str, np.ndarray], names: set[str],
