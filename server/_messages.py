@@ -51,6 +51,8 @@ class DatasetMeta:
     # Each sample's token count (int64), where the dataset knows it (DatasetParts.lengths):
     # what token budgets (server/_token_batches.py) plan with.
     lengths: np.ndarray | None = None
+    # Its storage takes prefetch hints (DatasetParts.prefetch): tasks carry `ahead` only then.
+    prefetches: bool = True
 
 
 # -- pool -> worker ----------------------------------------------------------------------------

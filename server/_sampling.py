@@ -237,5 +237,7 @@ def batch_samples(ordering: Ordering, c: Coordinates, batch_index: int) -> np.nd
     first = batch_index * c.batch_size
     stop = min(first + c.batch_size, samples_per_rank(ordering.num_samples, c))
     # This rank's j-th sample is at position start + rank + j * world_size of the epoch's order.
-    positions = c.start + c.rank + c.world_size * np.arange(first, stop, dtype=np.int64)
+    at = c.start + c.rank
+    positions = np.arange(at + first * c.world_size, at + stop * c.world_size, c.world_size,
+                          dtype=np.int64)
     return ordering.indices(positions, c.seed, c.epoch, c.shuffle)

@@ -465,7 +465,7 @@ class StreamSession:
         workers fetch from storage ahead of time."""
         indices = samples_of(meta, coords, index)
         later = index + self._service.lookahead
-        if later < epoch_size(meta, coords)[0]:
+        if meta.prefetches and later < epoch_size(meta, coords)[0]:
             return indices, samples_of(meta, coords, later)
         return indices, indices[:0]
 

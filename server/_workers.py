@@ -258,7 +258,7 @@ class WorkerPool:
             # Sent with the next task (a batch's credit is usually on its way), or alone
             # once GIVE_BACK_WAIT passes without one.
             assert self._loop is not None
-            self._give_back = self._loop.call_later(GIVE_BACK_WAIT, self._assign)
+            self._give_back = self._loop.call_later(GIVE_BACK_WAIT, self._flush)
         if wake:
             self._wake_w.send_bytes(b"x")
 
@@ -299,7 +299,7 @@ class WorkerPool:
             inline = self._on_loop_thread()
             wake = not inline and self._wake()
         if inline:
-            self._assign()
+            self._assign(flush=False)
         if wake:
             self._wake_w.send_bytes(b"x")
         return fut
@@ -342,7 +342,7 @@ class WorkerPool:
         except (EOFError, OSError):  # it died: the dispatcher's wait sees its sentinel
             self._stop_reading(w)
         if got:
-            self._assign()
+            self._assign(flush=False)
 
     def _stop_reading(self, w: _Worker) -> None:
         assert self._loop is not None
@@ -513,27 +513,24 @@ class WorkerPool:
             w.process.join(timeout=10)
             self._replace(w, hung=(task.task_id, message))
 
-    def _assign(self) -> None:
+    def _assign(self, flush: bool = True) -> None:
         """Send each worker, in one pipe message, the segments given back and the tasks it
         has room for: a pipe write (and a wake-up of the worker) per round, not one per
         message (in steady state a freed segment and a task per batch: half the writes).
-        The dispatcher's, or the loop's (see the module doc): one at a time."""
+        The dispatcher's, or the loop's (see the module doc): one at a time. `flush`: the
+        segments given back go to every worker that has some; else only with a task (the
+        loop's, per batch: the rest within GIVE_BACK_WAIT, see release)."""
         with self._send_lock:
-            if self._give_back is not None and self._on_loop_thread():
-                self._give_back.cancel()  # what it would send goes now
-                self._give_back = None
-            self._assign_locked()
+            self._assign_locked(flush)
 
-    def _assign_locked(self) -> None:
+    def _flush(self) -> None:
+        """On the loop: the segments given back that no task took along, alone."""
+        self._give_back = None
+        self._assign(flush=True)
+
+    def _assign_locked(self, flush: bool) -> None:
         with self._lock:
-            out: dict[int, list[ToWorker]] = {id(w): [] for w in self._workers}
-            for w in self._workers:
-                if w.freed:
-                    out[id(w)].append(GiveBack(w.freed))
-                    w.freed = []
-                if w.dropped:
-                    out[id(w)].append(Discard(w.dropped))
-                    w.dropped = []
+            tasks: dict[int, list[ToWorker]] = {id(w): [] for w in self._workers}
             for w in sorted(self._workers, key=lambda w: len(w.jobs)):
                 while w.ready and len(w.jobs) < DEPTH and self._queue:
                     job = self._queue.popleft()
@@ -543,10 +540,23 @@ class WorkerPool:
                     if not w.jobs:
                         w.head_since = time.monotonic()
                     w.jobs[job.task.task_id] = job
-                    out[id(w)].append(job.task)
+                    tasks[id(w)].append(job.task)
+            out: list[tuple[_Worker, list[ToWorker]]] = []
             for w in self._workers:
-                if (messages := out[id(w)]):
-                    _send(w, messages[0] if len(messages) == 1 else tuple(messages))
+                if not (flush or tasks[id(w)]):
+                    continue
+                messages: list[ToWorker] = []
+                out.append((w, messages))
+                if w.freed:  # before the tasks: they may reuse them
+                    messages.append(GiveBack(w.freed))
+                    w.freed = []
+                if w.dropped:
+                    messages.append(Discard(w.dropped))
+                    w.dropped = []
+                messages += tasks[id(w)]
+        for w, messages in out:
+            if messages:
+                _send(w, messages[0] if len(messages) == 1 else tuple(messages))
 
     def _receive(self, w: _Worker) -> None:
         try:
