@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass

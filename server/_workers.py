@@ -27,13 +27,13 @@ pipe is read, and no process started or joined, while holding it.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
-import asyncio
-import contextlib
 import os
 import select
 import selectors
