@@ -635,6 +635,8 @@ class WorkerPool:
         """A worker died: fail the batch it was building, give its queued ones to others,
         and start a new worker (which takes tasks once it reports ready).
         `hung`: (task id, message) when the pool killed it for a batch past its deadline."""
+        with self._lock:
+            w.ready = False  # the loop hands it no more tasks: those it has are settled below
         self._unwatch(w)
         self._drain(w)
         code = w.process.exitcode
@@ -667,6 +669,8 @@ class WorkerPool:
         _shm.remove_prefixed(_shm.worker_prefix(os.getpid(), w.process.pid), keep)
 
     def _remove(self, w: _Worker) -> None:
+        with self._lock:
+            w.ready = False  # no more tasks from the loop
         self._unwatch(w)
         with self._lock:
             self._workers.remove(w)
