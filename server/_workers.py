@@ -218,8 +218,9 @@ class WorkerPool:
             workers = list(self._workers)
         for w in workers:
             self._unwatch(w)
-        for w in workers:
-            _send(w, Stop())
+        with self._send_lock:  # not amid a send of the loop's (its flush timer may fire)
+            for w in workers:
+                _send(w, Stop())
         for w in workers:
             w.process.join(timeout=10)
             if w.process.is_alive():
@@ -530,6 +531,8 @@ class WorkerPool:
 
     def _assign_locked(self, flush: bool) -> None:
         with self._lock:
+            if self._closing:  # close() stops the workers: a task now would be lost
+                return
             tasks: dict[int, list[ToWorker]] = {id(w): [] for w in self._workers}
             for w in sorted(self._workers, key=lambda w: len(w.jobs)):
                 while w.ready and len(w.jobs) < DEPTH and self._queue:
