@@ -159,3 +159,14 @@ def test_quick_sweep_benchmark_checks_every_jobs_bytes(tmp_path: Path) -> None:
     assert counts["built"] == res["batches_per_epoch"] == 4
     assert counts["joined"] + counts["cached"] == 3 * 4
     assert "identical to the lone job's: yes" in result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_per_batch_breakdown_runs_on_the_data_connection(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "per_batch.py"), "--batches", "200",
+         "--repeats", "1"], capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    line = result.stdout.splitlines()[-1]
+    # Two workers' figures, and the path a client told it is on another machine takes.
+    assert "front end" in line and line.count(" + ") == 1 and "(data_socket)" in line, line
