@@ -16,31 +16,23 @@ guide work on the fixed cost per batch (docs/tuning.md).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from wire import batch_shape, parse_size, server_env
+from wire import batch_shape, parse_size, proc_table, self_cpu, server_env, tree_cpu
 
 from stoker.client import RemoteLoader
 from stoker.server import ServerProcess, write_config
 
-TICK = os.sysconf("SC_CLK_TCK")
 
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process `pid` (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def workers_of(pid: int) -> list[int]:
-    """The worker processes of server `pid` (its children named `stoker worker ...`)."""
-    kids = [int(p) for task in Path(f"/proc/{pid}/task").iterdir()
-            for p in (task / "children").read_text().split()]
-    return [k for k in kids if Path(f"/proc/{k}/cmdline").read_bytes().startswith(b"stoker worker")]
+def is_worker(pid: int) -> bool:
+    """Whether `pid` is a stoker worker process (its title says so), not a helper."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"stoker worker")
+    except OSError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,13 +60,14 @@ def main(argv: list[str] | None = None) -> int:
                                   drop_last=True, output="numpy", shared_memory=False)
             batches = iter(loader)
             next(batches)  # the warm-up: stream and data connection start
-            workers = workers_of(front)
-            before = {pid: cpu_seconds(pid) for pid in (front, *workers)}
-            t0, c0, k = time.perf_counter(), time.process_time(), 0
+            before = tree_cpu(proc_table(), front)
+            workers = [pid for pid in before if is_worker(pid)]
+            t0, c0, k = time.perf_counter(), self_cpu(), 0
             for _ in batches:
                 k += 1
-            wall, client = time.perf_counter() - t0, time.process_time() - c0
-            spent = {pid: (cpu_seconds(pid) - before[pid]) / k * 1e6 for pid in before}
+            wall, client = time.perf_counter() - t0, self_cpu() - c0
+            after = tree_cpu(proc_table(), front)
+            spent = {pid: (after[pid] - before[pid]) / k * 1e6 for pid in (front, *workers)}
             print(f"  repeat {repeat}: {k / wall:8.0f} batches/s  front end {spent[front]:6.0f}"
                   f"  workers {' + '.join(f'{spent[p]:.0f}' for p in workers)}"
                   f"  trainer {client / k * 1e6:5.0f}  ({loader.stats()['transport']})")

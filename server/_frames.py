@@ -25,9 +25,9 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-def tensor_infos(batch: BuiltBatch) -> list[pb.TensorInfo]:
+def tensor_infos(tensors: tuple[TensorLayout, ...]) -> list[pb.TensorInfo]:
     return [pb.TensorInfo(name=t.name, dtype=t.dtype, shape=t.shape, offset=t.offset,
-                          nbytes=t.nbytes) for t in batch.tensors]
+                          nbytes=t.nbytes) for t in tensors]
 
 
 def encode_frame(batch: BuiltBatch, data: memoryview | bytes, offset: int, batch_index: int,
@@ -36,14 +36,14 @@ def encode_frame(batch: BuiltBatch, data: memoryview | bytes, offset: int, batch
     first, then the header fields."""
     head = pb.BatchFrame(batch_index=batch_index, epoch=epoch, offset=offset,
                          payload_bytes=batch.payload_bytes, compression=compression,
-                         tensors=tensor_infos(batch) if offset == 0 else ())
+                         tensors=tensor_infos(batch.tensors) if offset == 0 else ())
     return b"".join((_DATA_TAG, _varint(len(data)), data, head.SerializeToString()))
 
 
 def encode_shm_frame(batch: BuiltBatch, batch_index: int, epoch: int) -> bytes:
     """The one frame of a batch the client reads from shared memory itself (same host)."""
     return pb.BatchFrame(batch_index=batch_index, epoch=epoch, offset=0,
-                         payload_bytes=batch.payload_bytes, tensors=tensor_infos(batch),
+                         payload_bytes=batch.payload_bytes, tensors=tensor_infos(batch.tensors),
                          shm_name=batch.shm_name).SerializeToString()
 
 
@@ -59,9 +59,8 @@ def encode_socket_frame(batch: BuiltBatch, batch_index: int, epoch: int) -> byte
 
 @functools.lru_cache(maxsize=256)
 def _socket_layout(tensors: tuple[TensorLayout, ...], payload_bytes: int) -> bytes:
-    return pb.BatchFrame(payload_bytes=payload_bytes, via_socket=True, tensors=[
-        pb.TensorInfo(name=t.name, dtype=t.dtype, shape=t.shape, offset=t.offset,
-                      nbytes=t.nbytes) for t in tensors]).SerializeToString()
+    return pb.BatchFrame(payload_bytes=payload_bytes, via_socket=True,
+                         tensors=tensor_infos(tensors)).SerializeToString()
 
 
 def encode_socket_offer(port: int, token: bytes, proof: bool = False,
