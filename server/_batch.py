@@ -186,7 +186,8 @@ def plan_layout(first: dict[str, np.ndarray], n: int, first_index: int,
 def _layout(fields: tuple[tuple[str, np.dtype, tuple[int, ...]], ...], n: int
             ) -> tuple[TensorLayout, ...]:
     """plan_layout's result for these (name, dtype, per-sample shape) fields: the same for
-    most batches of a dataset, so made once (a few per cent of a worker's time per batch)."""
+    most batches of a dataset, so made once (np.prod per field per batch was a fifth of a
+    worker's time to build a 64 KiB batch of 16 samples)."""
     layout, offset = [], 0
     for name, dtype, shape in (*fields, (SAMPLE_INDEX, np.dtype(np.int64), ())):
         nbytes = n * math.prod(shape) * dtype.itemsize

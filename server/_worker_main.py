@@ -109,7 +109,7 @@ def _describe(name: str, ds: DatasetParts, config: Any, fp: Fingerprint,
     if cfg.format == "mixture":
         ordering: Any = ds.dataset.ordering([described[c].ordering for c in cfg.components])
         return msg.DatasetMeta(ordering.num_samples, probe_fields(ds), ordering, fp,
-                               prefetches=_prefetches(ds))
+                               prefetches=ds.prefetches)
     ordering = Ordering(len(ds.dataset), ds.shard_starts,
                         getattr(cfg, "shuffle", "global") == "block",
                         getattr(cfg, "shuffle_window", 1))
@@ -119,12 +119,7 @@ def _describe(name: str, ds: DatasetParts, config: Any, fp: Fingerprint,
         raise ValueError(f"sample_lengths() gave {lengths.shape[0] if lengths.ndim else 0} "
                          f"lengths for {len(ds.dataset)} samples")
     return msg.DatasetMeta(len(ds.dataset), probe_fields(ds), ordering, fp, lengths,
-                           _prefetches(ds))
-
-
-def _prefetches(ds: DatasetParts) -> bool:
-    """Whether prefetch hints reach the dataset's storage (see DatasetParts.prefetch)."""
-    return ds.objects_of is not None and ds.storage is not None
+                           ds.prefetches)
 
 
 def _changed(ds: DatasetParts, indices: np.ndarray) -> str:

@@ -75,9 +75,15 @@ class DatasetParts:
             return self.sample(index, key)
         return self.dataset[index]
 
+    @property
+    def prefetches(self) -> bool:
+        """Whether prefetch() reaches the storage (the front end sends hints only then)."""
+        return self.objects_of is not None and self.storage is not None
+
     def prefetch(self, indices: np.ndarray) -> None:
         """Ask the storage to fetch what these samples read (a hint; it may raise)."""
-        if self.objects_of is not None and self.storage is not None and len(indices):
+        if self.prefetches and len(indices):
+            assert self.objects_of is not None and self.storage is not None
             self.storage.prefetch(self.objects_of(indices))
 
 
