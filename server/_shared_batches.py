@@ -32,6 +32,7 @@ import collections
 import concurrent.futures
 import contextlib
 import enum
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -56,6 +57,13 @@ SHM_SHARE = 8
 # At most this many batches kept, however small: each holds a segment, which the front end
 # keeps mapped (a descriptor each) and the first mapping of a new one checks all the others.
 MAX_KEPT = 1024
+# A full cache makes room for a new batch by dropping, among its OWNER_SCAN oldest, the oldest
+# whose segment belongs to the worker that built the new one: that worker gets a segment back
+# for the one it took, and reuses it. Strictly oldest-first hands segments back to workers
+# at random: one gets more than it keeps free (unlinked) while another makes new ones, each
+# a fresh segment's page faults (measured at 1 MiB batches: 1 batch in 8 built in a new
+# segment, a third of the workers' time).
+OWNER_SCAN = 16
 
 BatchKey = tuple[Coordinates, int]  # coordinates, batch index: all a batch's bytes depend on
 
@@ -93,6 +101,7 @@ class _Kept:
     batch: BuiltBatch
     until: float  # loop time it is dropped at
     nbytes: int  # the shared memory it takes
+    owner: int | None  # the pid of the worker whose segment it is
 
 
 class SharedBatches:
@@ -225,19 +234,28 @@ class SharedBatches:
 
     def _keep(self, key: BatchKey, batch: BuiltBatch) -> None:
         loop = asyncio.get_running_loop()
-        kept = _Kept(batch, loop.time() + self._seconds, _footprint(batch))
+        kept = _Kept(batch, loop.time() + self._seconds, _footprint(batch),
+                     _shm.worker_of(batch.shm_name))
         if key in self._kept:  # built again (its first build lost all its waiters)
             self._drop(key)
         self._kept[key] = kept
         self.kept_bytes += kept.nbytes
         while self.kept_bytes > self.budget or len(self._kept) > MAX_KEPT:
-            self._drop_oldest()
+            self._drop(self._victim(key, kept.owner))
         self._published()
         if self._timer is None:
             self._timer = loop.call_at(kept.until, self._expire)
 
     def _drop_oldest(self) -> None:
         self._drop(next(iter(self._kept)))
+
+    def _victim(self, new: BatchKey, owner: int | None) -> BatchKey:
+        """The batch to drop for room for batch `new` (the newest): the oldest of `owner`'s
+        among the OWNER_SCAN oldest, else the oldest."""
+        for key, kept in itertools.islice(self._kept.items(), OWNER_SCAN):
+            if kept.owner == owner and key != new:
+                return key
+        return next(iter(self._kept))
 
     def _drop(self, key: BatchKey) -> None:
         """The cache lets go of a batch (its reference released)."""

@@ -357,3 +357,29 @@ def test_the_cache_keeps_within_its_bytes_oldest_out_first() -> None:
             ("stoker_1_2_2", True)]  # each segment back once
 
     asyncio.run(go())
+
+
+def test_a_full_cache_gives_the_building_worker_one_of_its_own_segments_back() -> None:
+    # Workers 2 and 3 (the pids in the names) take turns; with the cache full, each new
+    # batch drops the oldest kept batch of the worker that built it, which then reuses that
+    # segment instead of making a new one.
+    async def go() -> None:
+        seg = 64 << 10
+        pool, shared = sharing(cache_bytes=3 * seg)
+        names = ["stoker_1_2_0", "stoker_1_3_0", "stoker_1_2_1", "stoker_1_3_1",
+                 "stoker_1_3_2", "stoker_1_4_0"]
+        for i, name in enumerate(names):
+            job = asyncio.ensure_future(shared.get(COORDS, i, NO, NO))
+            await asyncio.sleep(0)
+            pool.submitted[i].set_result(batch(name))
+            shared.release((await job)[0])
+        assert pool.released == [
+            ("stoker_1_3_0", True),  # worker 3's oldest, though worker 2's is older
+            ("stoker_1_3_1", True),  # worker 3's again
+            ("stoker_1_2_0", True),  # worker 4 has none kept: the oldest
+        ]
+        for i, name in ((2, "stoker_1_2_1"), (4, "stoker_1_3_2"), (5, "stoker_1_4_0")):
+            got, how = await shared.get(COORDS, i, NO, NO)
+            assert how is Outcome.CACHED and got.shm_name == name
+
+    asyncio.run(go())
