@@ -114,10 +114,11 @@ class ReadMappings:
     _shared_batches.py: a lone job's every batch is then a new segment), a check per new
     segment cost an fstat per kept batch per batch (a quarter of the front end's time at
     64 KiB batches): a new mapping then checks only once the new mappings since the last
-    check are an eighth of those held, or SWEEP_BYTES, and the periodic check comes every
-    eighth of those held gets if that is longer: at most SWEEP_SHARE fstats per get. An
-    unlinked segment's memory is held at most about that much longer (segments are
-    unlinked as new ones are made).
+    check are an eighth of those held, or SWEEP_BYTES (at most SWEEP_SHARE fstats per new
+    mapping); the periodic check comes every as many gets as mappings held if that is
+    longer than SWEEP_EVERY: at most one fstat per get (with 1,024 batches kept, 8 per get
+    had been a twentieth of the front end's time). An unlinked segment's memory is held at
+    most about that much longer (segments are unlinked as new ones are made).
     """
 
     SWEEP_EVERY = 64
@@ -137,7 +138,7 @@ class ReadMappings:
             self._new += 1
             self._new_bytes += size
         count = len(self._maps)
-        if (self._gets >= max(self.SWEEP_EVERY, count // self.SWEEP_SHARE)
+        if (self._gets >= max(self.SWEEP_EVERY, count)
                 or (new and (self._new * self.SWEEP_SHARE >= count
                              or self._new_bytes >= self.SWEEP_BYTES))):
             self._drop_unlinked()
