@@ -78,12 +78,11 @@ class Outcome(enum.Enum):
 
 @dataclass
 class _Build:
-    """A build in flight: the pool's future, and how many requests wait for it."""
+    """A build in flight: the pool's future, and a future per request waiting for it."""
 
     source: concurrent.futures.Future[BuiltBatch]  # the pool's
-    result: asyncio.Future[BuiltBatch]  # the same, on the loop
     indices: np.ndarray  # the batch's samples
-    waiters: int = 1
+    waiters: list[asyncio.Future[BuiltBatch]]  # resolved by _settle; cancelled: gone
     settled: bool = False  # its references are counted (see SharedBatches._settle)
 
 
@@ -138,26 +137,23 @@ class SharedBatches:
         if kept is not None:
             self._refs[kept.batch.shm_name].count += 1
             return kept.batch, self._count(coords, Outcome.CACHED)
+        mine: asyncio.Future[BuiltBatch] = asyncio.get_running_loop().create_future()
         build = self._building.get(key)
         if build is not None:
-            build.waiters += 1
+            build.waiters.append(mine)
             outcome = self._count(coords, Outcome.JOINED)
         else:
             source = self.pool.submit(coords.dataset, indices, ahead,
                                       EpochKey(coords.seed, coords.epoch, coords.shuffle))
-            build = self._building[key] = _Build(source, _on_loop(source), indices)
-            build.result.add_done_callback(lambda _, k=key, b=build: self._settle(k, b))
+            build = self._building[key] = _Build(source, indices, [mine])
+            _on_loop(source, lambda k=key, b=build: self._settle(k, b))
             outcome = self._count(coords, Outcome.BUILT)
         try:
-            # Shielded: one waiter going away must not cancel the others' build.
-            batch = await asyncio.shield(build.result)
+            # Each waiter's own future: one going away does not touch the others' build.
+            return await mine, outcome
         except asyncio.CancelledError:
-            self._leave(key, build)
+            self._leave(key, build, mine)
             raise
-        # An await of a future already done returns at once, maybe before its callback ran:
-        # the references are counted before the caller can release its own.
-        self._settle(key, build)
-        return batch, outcome
 
     def release(self, batch: BuiltBatch, reuse: bool = True) -> None:
         """One holder is done with `batch`; the last one's release hands its segment back to
@@ -179,45 +175,48 @@ class SharedBatches:
 
     # -- builds ----------------------------------------------------------------------------
     def _settle(self, key: BatchKey, build: _Build) -> None:
-        """A build ended: its batch gets one reference per waiter, plus the cache's. Once
-        per build (later calls return): its done callback, or a waiter that got there first."""
-        if build.settled:
-            return
+        """A build ended (on the loop, once): its batch gets one reference per waiter still
+        there, plus the cache's, and each waiter its result (or the build's error)."""
         build.settled = True
         if self._building.get(key) is build:
             del self._building[key]
-        fut = build.result
-        if fut.cancelled():
-            return  # every waiter went away, and the pool dropped the task
-        error = fut.exception()  # also marks it retrieved
+        source = build.source
+        waiting = [w for w in build.waiters if not w.done()]
+        if source.cancelled():  # every waiter went away, and the pool dropped the task
+            for w in waiting:
+                w.cancel()
+            return
+        error = source.exception()
         if error is not None:
             if getattr(error, "kind", None) is FailureKind.UNAVAILABLE:
                 self.clear()  # e.g. /dev/shm is full: new batches need the room more
+            for w in waiting:
+                w.set_exception(error)
             return
-        batch = fut.result()
+        batch = source.result()
         if self._on_built is not None:
             self._on_built(key[0], build.indices, batch)
         keep = self._fits(batch)
-        count = build.waiters + keep
+        count = len(waiting) + keep
         if count == 0:  # built just as the last waiter went away
             self.pool.release(batch)
             return
         self._refs[batch.shm_name] = _Refs(batch, count)
         if keep:
             self._keep(key, batch)
+        for w in waiting:
+            w.set_result(batch)
 
-    def _leave(self, key: BatchKey, build: _Build) -> None:
+    def _leave(self, key: BatchKey, build: _Build, mine: asyncio.Future[BuiltBatch]) -> None:
         """A waiter went away (its stream closed)."""
-        fut = build.result
-        if fut.done():
-            self._settle(key, build)
-        if build.settled:  # this waiter holds a reference, or nothing (it failed)
-            if not fut.cancelled() and fut.exception() is None:
-                self.release(fut.result())
+        if mine.done() and not mine.cancelled():
+            # Given its batch (or error) before it could take it: it holds a reference.
+            if mine.exception() is None:
+                self.release(mine.result())
             return
-        build.waiters -= 1
-        if build.waiters == 0:  # nobody wants it: not built if not started yet
-            if self._building.get(key) is build:
+        build.waiters.remove(mine)
+        if not build.settled and not build.waiters:  # nobody wants it: not built if not
+            if self._building.get(key) is build:  # started yet
                 del self._building[key]
             build.source.cancel()  # if too late, _settle releases what comes
 
@@ -287,39 +286,23 @@ def _footprint(batch: BuiltBatch) -> int:
 T = TypeVar("T")
 
 
-def _on_loop(source: concurrent.futures.Future[T]) -> asyncio.Future[T]:
-    """`source` as a future of the running loop, as asyncio.wrap_future makes, but resolved at
-    once when `source` is resolved on the loop's own thread, as the pool does: wrap_future
-    goes through call_soon_threadsafe, a write to the loop's wake-up pipe per batch, even
-    then. Cancelling the result cancels `source`."""
+def _on_loop(source: concurrent.futures.Future[T], then: Callable[[], None]) -> None:
+    """Call `then()` on the running loop once `source` is done: at once when `source` is
+    resolved on the loop's own thread, as the pool does (asyncio.wrap_future, and a future
+    of the loop per build, cost a write to the loop's wake-up pipe and several callbacks per
+    batch even then); through call_soon_threadsafe from another thread (a worker's death
+    seen by the dispatcher)."""
     loop = asyncio.get_running_loop()
-    result: asyncio.Future[T] = loop.create_future()
 
-    def copy(src: concurrent.futures.Future[T]) -> None:
-        if result.done():  # cancelled meanwhile
-            return
-        if src.cancelled():
-            result.cancel()
-        elif (error := src.exception()) is not None:
-            result.set_exception(error)
-        else:
-            result.set_result(src.result())
-
-    def done(src: concurrent.futures.Future[T]) -> None:
+    def done(_: concurrent.futures.Future[T]) -> None:
         try:
             here = asyncio.get_running_loop() is loop
         except RuntimeError:
             here = False
         if here:
-            copy(src)
+            then()
         else:
             with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
-                loop.call_soon_threadsafe(copy, src)
-
-    def cancelled(fut: asyncio.Future[T]) -> None:
-        if fut.cancelled():
-            source.cancel()
+                loop.call_soon_threadsafe(then)
 
     source.add_done_callback(done)
-    result.add_done_callback(cancelled)
-    return result
