@@ -120,6 +120,8 @@ class SharedBatches:
         wanted = int(settings.shared_batches)
         self.budget = min(wanted, total // SHM_SHARE) if total else wanted
         self._metrics = metrics
+        if metrics is not None:
+            metrics.shared_kept.set_function(lambda: self.kept_bytes)
         self._building: dict[BatchKey, _Build] = {}
         self._refs: dict[str, _Refs] = {}  # by segment name
         self._kept: collections.OrderedDict[BatchKey, _Kept] = collections.OrderedDict()
@@ -241,7 +243,6 @@ class SharedBatches:
         self.kept_bytes += kept.nbytes
         while self.kept_bytes > self.budget or len(self._kept) > MAX_KEPT:
             self._drop(self._victim(key, kept.owner))
-        self._published()
         if self._timer is None:
             self._timer = loop.call_at(kept.until, self._expire)
 
@@ -261,7 +262,6 @@ class SharedBatches:
         kept = self._kept.pop(key)
         self.kept_bytes -= kept.nbytes
         self.release(kept.batch)
-        self._published()
 
     def _expire(self) -> None:
         """Drop the batches past their time; wake again when the next one is."""
@@ -272,10 +272,6 @@ class SharedBatches:
             self._drop_oldest()
         if self._kept:
             self._timer = loop.call_at(next(iter(self._kept.values())).until, self._expire)
-
-    def _published(self) -> None:
-        if self._metrics is not None:
-            self._metrics.shared_kept.set(self.kept_bytes)
 
 
 def _footprint(batch: BuiltBatch) -> int:
