@@ -6,7 +6,7 @@ of each batch. A request for (coordinates, batch index) is answered, in this ord
 preference, by a batch
 - kept from a build a little earlier (`cached`): built batches are kept for
   `cache.shared_seconds`, within `cache.shared_batches` bytes of shared memory (and at most
-  1/8 of /dev/shm, and MAX_KEPT batches), oldest dropped first;
+  1/8 of /dev/shm, and MAX_KEPT batches), oldest dropped first (nearly: see OWNER_SCAN);
 - being built for another stream (`joined`): the request waits for that build;
 - built for it (`built`).
 
@@ -253,7 +253,7 @@ class SharedBatches:
         """The batch to drop for room for batch `new` (the newest): the oldest of `owner`'s
         among the OWNER_SCAN oldest, else the oldest."""
         for key, kept in itertools.islice(self._kept.items(), OWNER_SCAN):
-            if kept.owner == owner and key != new:
+            if kept.owner == owner and key is not new:
                 return key
         return next(iter(self._kept))
 
