@@ -20,8 +20,9 @@ Three ways to move the same bytes, batch by batch, on this machine:
 - stoker TLS: the default path to a second server with `server.tls` (a self-signed
   certificate made for this run): the data connection is TLS, as between machines.
 - raw TCP: a sender process sock.sendall()s the same number of bytes per batch from a
-  preallocated buffer; this process recv_into()s them into a preallocated bytearray. The
-  physical limit of the wire here, with Python at both ends.
+  preallocated buffer; this process recv_into()s them into a preallocated bytearray
+  (MSG_WAITALL, a batch at a time). The physical limit of the wire here, with Python at
+  both ends.
 - raw TLS: the same, on a loopback socket wrapped with `ssl` (the TLS server's certificate
   and key are the stoker TLS server's): the limit for stoker TLS.
 - memcpy: numpy copies the same number of bytes between two preallocated arrays, in this
@@ -276,9 +277,12 @@ def _tcp_sender(port: int, payload: int, batches: int,
 
 
 def _recv_exactly(sock: socket.socket, view: memoryview) -> int:
+    # Plain TCP asks for all of it at once (MSG_WAITALL), as stoker's client does: the
+    # fastest receive a Python process has (an SSLSocket takes no flags).
+    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
     filled = 0
     while filled < len(view):
-        n = sock.recv_into(view[filled:])
+        n = sock.recv_into(view[filled:], 0, flags)
         if n == 0:
             break
         filled += n
