@@ -21,8 +21,8 @@ A waiter that goes away (its stream closed) drops out; the build is cancelled on
 nobody waits for it. A failed build fails every waiter and is not kept: the next request
 builds again.
 
-Threading contract: everything here runs on the server's one asyncio loop; the pool's
-futures are awaited through _on_loop (the pool resolves them on the loop too).
+Threading contract: everything here runs on the server's one asyncio loop; a build's end
+reaches it through _on_loop (the pool resolves its futures on the loop too).
 """
 
 from __future__ import annotations
@@ -83,7 +83,6 @@ class _Build:
     source: concurrent.futures.Future[BuiltBatch]  # the pool's
     indices: np.ndarray  # the batch's samples
     waiters: list[asyncio.Future[BuiltBatch]]  # resolved by _settle; cancelled: gone
-    settled: bool = False  # its references are counted (see SharedBatches._settle)
 
 
 @dataclass
@@ -179,7 +178,6 @@ class SharedBatches:
     def _settle(self, key: BatchKey, build: _Build) -> None:
         """A build ended (on the loop, once): its batch gets one reference per waiter still
         there, plus the cache's, and each waiter its result (or the build's error)."""
-        build.settled = True
         if self._building.get(key) is build:
             del self._building[key]
         source = build.source
@@ -217,10 +215,10 @@ class SharedBatches:
                 self.release(mine.result())
             return
         build.waiters.remove(mine)
-        if not build.settled and not build.waiters:  # nobody wants it: not built if not
-            if self._building.get(key) is build:  # started yet
+        if not build.waiters:  # nobody wants it: not built if not started yet
+            if self._building.get(key) is build:
                 del self._building[key]
-            build.source.cancel()  # if too late, _settle releases what comes
+            build.source.cancel()  # if too late (or done), _settle releases what comes
 
     def _count(self, coords: Coordinates, outcome: Outcome) -> Outcome:
         """Count a request by how it is answered (as it is decided: a build that fails, or
