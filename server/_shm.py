@@ -238,14 +238,19 @@ class SegmentPool:
     Writing a fresh segment costs a page fault per 4 KiB page (about 1 CPU-second per GB
     collated; the wire benchmark measured it as most of the workers' transport cost); a
     segment that was written before costs none. The front end sends a segment back once its
-    batch is on the wire (`give_back`); at most `keep` free ones are kept, the rest unlinked,
-    so a worker holds at most `keep` batches' worth of idle memory.
+    batch is on the wire (`give_back`); at most `keep` free ones are kept (past `keep_min`,
+    only while they hold `keep_bytes` at most), the rest unlinked: a worker's idle memory is
+    bounded.
     Not thread-safe: one per worker process, used by its one building thread.
     """
 
-    def __init__(self, name_prefix: str, keep: int) -> None:
+    def __init__(self, name_prefix: str, keep: int, keep_min: int | None = None,
+                 keep_bytes: int = 0) -> None:
         self._prefix = name_prefix
         self._keep = keep
+        # Past keep_min free segments, more are kept only while they hold keep_bytes at most.
+        self._keep_min = keep if keep_min is None else keep_min
+        self._keep_bytes = keep_bytes
         self._count = 0
         self._free: list[tuple[str, mmap.mmap]] = []
         self._lent: dict[str, mmap.mmap] = {}
@@ -293,7 +298,10 @@ class SegmentPool:
         if mm is None:
             return  # not ours, or already back
         self._free.append((name, mm))
-        if len(self._free) > self._keep:  # the smallest is the least useful
+        if len(self._free) > self._keep or (
+                len(self._free) > self._keep_min
+                and sum(len(m) for _, m in self._free) > self._keep_bytes):
+            # the smallest is the least useful
             small = min(range(len(self._free)), key=lambda i: len(self._free[i][1]))
             _drop_idle(*self._free.pop(small))
         elif capacity()[1] < len(mm):

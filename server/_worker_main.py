@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,6 +28,11 @@ if TYPE_CHECKING:
     from .formats import DatasetParts
 
 log = logging.getLogger("stoker.server")
+
+# Seconds a build may take for the worker to hold its result until the next one is built too
+# (one pipe write for both): past it, a result goes at once, and the front end learns of a
+# slow batch as soon as it is ready.
+HOLD = 0.001
 
 
 def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int,
@@ -79,10 +85,16 @@ def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int,
         except (EOFError, OSError):
             return
         # The pool sends what it has for this worker in one pipe write: a tuple, in order.
+        # Results go back together too (one write, one wake-up of the front end) while
+        # holding them costs little: a result waits at most for builds as quick as HOLD.
+        held: list[msg.Built | msg.BuildFailed] = []
         for message in received if isinstance(received, tuple) else (received,):
             match message:
                 case msg.Task():
-                    conn.send(builder.build(message))
+                    started = time.monotonic()
+                    held.append(builder.build(message))
+                    if time.monotonic() - started > HOLD:  # the next may be as slow
+                        _send_results(conn, held)
                 case msg.GiveBack(segments):  # the front end has sent these: reuse them
                     for segment in segments:
                         builder.segments.give_back(segment)
@@ -90,9 +102,18 @@ def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int,
                     for segment in segments:
                         builder.segments.discard(segment)
                 case msg.Stop():
+                    _send_results(conn, held)
                     return
                 case _:
                     raise TypeError(f"a worker cannot handle {message!r}")
+        _send_results(conn, held)
+
+
+def _send_results(conn: mpc.Connection, held: list[msg.Built | msg.BuildFailed]) -> None:
+    """Send the results held, in one pipe write, and forget them."""
+    if held:
+        conn.send(held[0] if len(held) == 1 else tuple(held))
+        held.clear()
 
 
 def opening_order(config: Any) -> list[str]:
@@ -157,7 +178,7 @@ class _Builder:
         self.datasets = datasets
         self.cache = cache
         self.segments = _shm.SegmentPool(_shm.worker_prefix(os.getppid(), os.getpid()),
-                                         msg.KEEP_SEGMENTS)
+                                         msg.KEEP_SEGMENTS, msg.KEEP_MIN, msg.KEEP_BYTES)
         self.reported = (0, 0, 0)  # the cache's counters as of the last batch sent
         self.shm_warned = False
         self.redact = _Redact(config)

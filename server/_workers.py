@@ -161,6 +161,7 @@ class WorkerPool:
         self._loop: asyncio.AbstractEventLoop | None = None  # batches flow on it (module doc)
         self._send_lock = threading.Lock()  # held while tasks are handed out and sent
         self._give_back: asyncio.TimerHandle | None = None  # the loop's _assign, pending
+        self._assign_soon = False  # _assign_submitted is scheduled on the loop
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> dict[str, DatasetMeta]:
@@ -299,11 +300,19 @@ class WorkerPool:
             self._queue.append(_Job(Task(self._next_id, dataset, indices, ahead, key), fut))
             inline = self._on_loop_thread()
             wake = not inline and self._wake()
-        if inline:
-            self._assign(flush=False)
+        if inline and not self._assign_soon:
+            # Handed out once this turn of the loop is over: the batches of a credit record,
+            # submitted in the same turn, go in one pipe write per worker.
+            self._assign_soon = True
+            assert self._loop is not None
+            self._loop.call_soon(self._assign_submitted)
         if wake:
             self._wake_w.send_bytes(b"x")
         return fut
+
+    def _assign_submitted(self) -> None:
+        self._assign_soon = False
+        self._assign(flush=False)
 
     def _on_loop_thread(self) -> bool:
         """Whether the caller runs on the loop batches flow on: it hands out tasks itself."""
@@ -338,7 +347,7 @@ class WorkerPool:
         got = False
         try:
             while w.poller.poll(0):
-                self._settle(w, w.conn.recv())
+                self._settle_all(w, w.conn.recv())
                 got = True
         except (EOFError, OSError):  # it died: the dispatcher's wait sees its sentinel
             self._stop_reading(w)
@@ -499,9 +508,11 @@ class WorkerPool:
             with self._lock:
                 if not self._overdue(w, now):
                     continue
-                task = next(iter(w.jobs.values())).task
+                # The task it is on: the first of its jobs, or a later one when it holds the
+                # results of those before (see _worker_main.HOLD).
+                at_task, at_sample = w.progress[0], w.progress[1]
+                task = (w.jobs.get(at_task) or next(iter(w.jobs.values()))).task
                 self._timeouts += 1
-            at_task, at_sample = w.progress[0], w.progress[1]
             where = (f"sample {at_sample}" if at_task == task.task_id and at_sample >= 0
                      else "its first sample")
             message = (f"not built within batch_timeout_seconds={self._batch_timeout:g} "
@@ -534,16 +545,21 @@ class WorkerPool:
             if self._closing:  # close() stops the workers: a task now would be lost
                 return
             tasks: dict[int, list[ToWorker]] = {id(w): [] for w in self._workers}
-            for w in sorted(self._workers, key=lambda w: len(w.jobs)):
-                while w.ready and len(w.jobs) < DEPTH and self._queue:
-                    job = self._queue.popleft()
-                    if job.future.cancelled():
-                        continue
-                    # Recorded first: if the worker is dead, _replace deals with the task.
-                    if not w.jobs:
-                        w.head_since = time.monotonic()
-                    w.jobs[job.task.task_id] = job
-                    tasks[id(w)].append(job.task)
+            ready = [w for w in self._workers if w.ready]
+            while self._queue and ready:
+                # The least busy worker takes the next task: a credit record's batches
+                # spread across the workers, and each worker's share goes in one write.
+                w = min(ready, key=lambda w: len(w.jobs))
+                if len(w.jobs) >= DEPTH:
+                    break
+                job = self._queue.popleft()
+                if job.future.cancelled():
+                    continue
+                # Recorded first: if the worker is dead, _replace deals with the task.
+                if not w.jobs:
+                    w.head_since = time.monotonic()
+                w.jobs[job.task.task_id] = job
+                tasks[id(w)].append(job.task)
             out: list[tuple[_Worker, list[ToWorker]]] = []
             for w in self._workers:
                 if not (flush or tasks[id(w)]):
@@ -566,14 +582,19 @@ class WorkerPool:
             message = w.conn.recv()
         except (EOFError, OSError):
             return  # the sentinel reports the death
-        self._settle(w, message)
+        self._settle_all(w, message)
 
     def _drain(self, w: _Worker) -> None:
         try:
             while w.conn.poll():
-                self._settle(w, w.conn.recv())
+                self._settle_all(w, w.conn.recv())
         except (EOFError, OSError):
             pass
+
+    def _settle_all(self, w: _Worker, received: FromWorker | tuple[FromWorker, ...]) -> None:
+        """What one pipe message of `w` carries: a result, or several (a tuple, in order)."""
+        for message in received if isinstance(received, tuple) else (received,):
+            self._settle(w, message)
 
     def _settle(self, w: _Worker, message: FromWorker) -> None:
         match message:
@@ -651,12 +672,13 @@ class WorkerPool:
         with self._lock:
             jobs = list(w.jobs.values())
             w.jobs.clear()
-            # Killed for a hang, but that batch came in just before: it failed none.
-            first = jobs[0] if jobs and (hung is None or jobs[0].task.task_id == hung[0]) \
-                else None
-            self._queue.extendleft(reversed(jobs[1:] if first else jobs))
-        if first is not None:
-            _reject(first.future, BatchFailed(FailureKind.INTERNAL, failed))
+            # The batch it was on fails; the others (queued, or built and held) go to other
+            # workers. Killed for a hang, but that batch came in just before: none fails.
+            on = hung[0] if hung is not None else w.progress[0]
+            building = next((j for j in jobs if j.task.task_id == on), None)
+            self._queue.extendleft(reversed([j for j in jobs if j is not building]))
+        if building is not None:
+            _reject(building.future, BatchFailed(FailureKind.INTERNAL, failed))
         w.conn.close()
         self._forget(w)
         new = self._spawn(probe=False, slot=self._workers.index(w))
