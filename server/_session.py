@@ -200,22 +200,37 @@ class StreamSession:
         context, metrics = self._context, self._service.metrics
         finished = False
         gone = "the client went away"
+        ready = self._ready
+        after: Ready | None = None  # taken from the queue behind batches sent together
         while not (finished and self.outstanding == 0):
-            item = await self._ready.get()
+            item, after = (after, None) if after is not None else (await ready.get(), None)
             if not await self._send_metadata(writes=isinstance(item, Built | Failed | Offer)):
                 self._ended = gone
                 return
             match item:
                 case Built(batch, batch_index, epoch):
-                    # A credit counts as answered once its batch starts out: the client may
-                    # send the next credit as soon as it has the last frame.
-                    self.outstanding -= 1
                     transport = self.transport
                     assert transport is not None and self.dataset is not None
-                    metrics.sent(self.dataset, batch.num_samples, batch.payload_bytes,
-                                 transport.label)
-                    self._sent += 1
-                    if not await transport.send(context, batch, batch_index, epoch):
+                    # Batches that became ready together go out together where the
+                    # transport can (one sendmsg: one system call, one wake-up of the client).
+                    together = [item]
+                    while transport.sends_many and not ready.empty():
+                        more = ready.get_nowait()
+                        if not isinstance(more, Built):
+                            after = more
+                            break
+                        together.append(more)
+                    # A credit counts as answered once its batch starts out: the client may
+                    # send the next credit as soon as it has the last frame.
+                    self.outstanding -= len(together)
+                    for b in together:
+                        metrics.sent(self.dataset, b.batch.num_samples, b.batch.payload_bytes,
+                                     transport.label)
+                    self._sent += len(together)
+                    if not await (transport.send(context, batch, batch_index, epoch)
+                                  if len(together) == 1 else transport.send_many(
+                                      context, [(b.batch, b.batch_index, b.epoch)
+                                                for b in together])):
                         self._ended = gone
                         return
                 case Failed(batch_index, epoch, code, message, detail):

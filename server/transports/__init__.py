@@ -45,6 +45,16 @@ class Transport(Protocol):
         """Send one batch; False if the client went away (the stream then ends)."""
         ...
 
+    # Whether send_many takes several batches at once (else the sender sends one by one).
+    sends_many: bool = False
+
+    async def send_many(self, context: grpc.aio.ServicerContext,
+                        batches: list[tuple[BuiltBatch, int, int]]) -> bool:
+        """Send several batches (batch, batch index, epoch) in order, owning all of them as
+        `send` owns one, cancelled or not; False if the client went away. Only where
+        `sends_many`."""
+        raise NotImplementedError
+
     async def send_frame(self, context: grpc.aio.ServicerContext, frame: bytes) -> bool:
         """Send an answer that carries no payload (a batch's error), on the path this
         transport's batches take; False if the client went away."""
