@@ -68,6 +68,12 @@ class BufferPool(Generic[T]):
             buf = self._allocate(max(_round_up(nbytes), _MIN_BYTES))
         return buf
 
+    def grow(self, max_buffers: int) -> None:
+        """Allow up to `max_buffers` (never fewer than before)."""
+        with self._lock:
+            self._max = max(self._max, max_buffers)
+            self._lock.notify_all()
+
     def release(self, buf: T, event: Event | None = None) -> None:
         """Give `buf` back; it is reused once `event` (the copy reading it) has completed."""
         with self._lock:
@@ -143,6 +149,11 @@ class HostBuffers:
             elif len(self._bufs) < self._max:
                 self._bufs.append(fresh)
             return fresh
+
+    def grow(self, max_buffers: int) -> None:
+        """Keep up to `max_buffers` (never fewer than before)."""
+        with self._lock:
+            self._max = max(self._max, max_buffers)
 
     def clear(self) -> None:
         """Drop the pool's references (batches still held by the caller stay valid)."""

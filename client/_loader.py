@@ -25,12 +25,12 @@ from ._datalink import Transports
 from ._errors import DataMismatch, RemoteError
 from ._frames import Assembled, numpy_views
 from ._log import say
-from ._options import LoaderOptions, default_rank_world
+from ._options import LoaderOptions, default_rank_world, prefetching
 from ._pinning import Pin, describe_each, mismatch, short
 from ._progress import Progress
-from ._scheduler import FATAL, Scheduler
+from ._scheduler import FATAL, Scheduler, group_for
 from ._servers import RESOLVE_EVERY, Resolver, ServerSet
-from ._sizes import check_epoch, credit_window, say_dropped
+from ._sizes import MAX_CREDITS, check_epoch, credit_window, say_dropped
 from ._stream import StreamSpec
 
 _MISSING = object()
@@ -77,8 +77,8 @@ class RemoteLoader:
                  token_cost: str = "tokens", pack: bool = False,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = True,
                  rank: int | None = None, world_size: int | None = None,
-                 device: Any = None, output: str = "torch", prefetch: int = 8,
-                 timeout: float = 300.0, connect_timeout: float = 10.0,
+                 device: Any = None, output: str = "torch", prefetch: int | None = None,
+                 prefetch_bytes: int | None = None, timeout: float = 300.0, connect_timeout: float = 10.0,
                  normalize: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
                  normalize_dtype: str = "float32", shared_memory: bool = True,
                  progress: bool = False, log_every: float | None = None,
@@ -88,7 +88,8 @@ class RemoteLoader:
         rank, world_size = default_rank_world(rank, world_size)
         self._options = o = LoaderOptions(
             dataset, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank,
-            world_size=world_size, device=device, output=output, prefetch=prefetch,
+            world_size=world_size, device=device, output=output,
+            **prefetching(prefetch, prefetch_bytes),
             timeout=timeout, connect_timeout=connect_timeout, normalize=normalize,
             normalize_dtype=normalize_dtype, shared_memory=shared_memory, progress=progress,
             log_every=log_every, compression=compression, data_socket=data_socket,
@@ -121,6 +122,10 @@ class RemoteLoader:
         self._checked = False  # every reachable server asked once for its fingerprint
         self._scheduler: Scheduler | None = None
         self._window = o.prefetch  # under every server's max_credits once they said it
+        self._max_credits = MAX_CREDITS  # the lowest the servers said
+        self._sized = False  # the window is fitted to the batches' size (see _fit_window)
+        self._widened = False  # ... and was widened for small batches
+        self._batch_bytes = 0  # of the latest batch received
         self._next_report: float | None = None  # when the stall goes to the servers next
         self._reported: collections.deque[tuple[float, float]] = collections.deque()
         self._said_waiting = (-1, -1)  # (epoch, batch) whose long wait was logged
@@ -168,6 +173,7 @@ class RemoteLoader:
                 self._pin = Pin.of(described.fingerprint, address)
             self._described[self._start] = described
             self._window = credit_window(self._window, described.max_credits, address)
+            self._note_max_credits(described.max_credits)
             # What every epoch leaves out (token budgets drop at most world_size - 1 samples)
             if not self._start and o.batch_tokens is None:
                 say_dropped(described, o)
@@ -285,6 +291,7 @@ class RemoteLoader:
             if pin.digest and fp.digest and fp.digest != pin.digest:
                 raise mismatch(self.dataset, pin, address, fp.digest, fp)
             self._window = credit_window(self._window, d.max_credits, address)
+            self._note_max_credits(d.max_credits)
 
     def _mismatched(self, address: str, digest: str) -> DataMismatch:
         """The DataMismatch for a server that refused our fingerprint, with its own."""
@@ -322,7 +329,8 @@ class RemoteLoader:
                           data_socket=o.data_socket and not o.compression,
                           link=o.channels.link, transports=self._transports)
         scheduler = Scheduler(self._servers, spec, total=total, start=self._next,
-                              window=self._window, timeout=o.timeout)
+                              window=self._window, timeout=o.timeout,
+                              group=group_for(self._window) if self._widened else 1)
         self._scheduler = scheduler
         progress = None
         if o.progress or o.log_every is not None:
@@ -343,6 +351,8 @@ class RemoteLoader:
                     raise self._mismatched(e.address, e.digest) from None
                 waited = time.perf_counter() - t0
                 self._stats["wait_seconds"] += waited
+                if not self._sized:
+                    self._fit_window(scheduler)
                 if self._feed is not None:
                     batch = self._feed.hand_over(*batch)
                 if o.pack:
@@ -405,7 +415,32 @@ class RemoteLoader:
         sent.append((wait, loop))
         scheduler.report(wait - base[0], loop - base[1])
 
+    def _note_max_credits(self, max_credits: int) -> None:
+        if max_credits:  # 0: a server that did not say
+            self._max_credits = min(self._max_credits, max_credits)
+
+    def _fit_window(self, scheduler: Scheduler) -> None:
+        """Once the first batch's size is known: small batches are kept in flight by
+        prefetch_bytes, not prefetch (each costs the servers a fixed time, which more in
+        flight, asked for in groups, hides); the buffer pools grow to match. Once per
+        loader: batches of one dataset and coordinates keep their size, near enough."""
+        if not self._batch_bytes:
+            return
+        self._sized = True
+        if not self._options.prefetch_bytes:
+            return
+        # Half the servers' max_credits at most: failover and hedges credit on top of it.
+        window = self._options.window_for(self._batch_bytes, self._max_credits // 2)
+        if window > self._window:
+            self._window = window
+            self._widened = True
+            self._host.grow(window + 2)
+            if self._feed is not None:
+                self._feed.pool.grow(window + 2)
+            scheduler.widen(window)
+
     def _allocate(self, nbytes: int) -> tuple[Any, np.ndarray]:
+        self._batch_bytes = nbytes
         if self._feed is not None:
             return self._feed.allocate(nbytes)
         buf = self._host.acquire(nbytes)
@@ -441,7 +476,8 @@ class RemoteLoader:
         caller waited for data and seconds spent iterating (`stall`: their ratio, the share of
         the loop's time it waited for data); batches/s since the loader was made; failovers
         (times a server's batches were asked of another because it failed or stalled);
-        hedges (times the awaited batch was also asked of a second server); each server's
+        hedges (times the awaited batch was also asked of a second server); `prefetch`: the
+        batches requested ahead now (more than prefetch for small batches); each server's
         state and figures; how many host buffers were allocated (pinned ones with a CUDA device):
         batches reuse buffers that nothing refers to any more; for a mixture, `sources`: the
         samples handed out by component (its index in the mixture's `components:`)."""
@@ -458,6 +494,7 @@ class RemoteLoader:
                  "hedges": self._stats["hedges"] + (live.hedges if live else 0),
                  "batches_per_second": self._stats["batches"] / elapsed if elapsed else 0.0,
                  "epoch": self._epoch, "start": self._start, "next_batch": self._next,
+                 "prefetch": self._window,
                  **({"sources": dict(sorted(self._sources.items()))} if self._sources else {}),
                  "servers": {a: s.stats() for a, s in self._servers.servers.items()},
                  **self._transports.stats()}

@@ -16,7 +16,12 @@ from typing import Any
 from ._channel import ChannelMaker
 from ._normalize import Normalizer
 
-__all__ = ["TOKEN_COSTS", "LoaderOptions", "default_rank_world"]
+__all__ = ["TOKEN_COSTS", "LoaderOptions", "default_rank_world", "prefetching"]
+
+# Batches requested ahead of the loop when the loader is not told; and, then, the bytes'
+# worth of small batches requested ahead instead (see LoaderOptions.window_for).
+PREFETCH = 8
+PREFETCH_BYTES = 32 << 20
 
 # What ranks' batches are balanced by under batch_tokens (server/_token_batches.py).
 TOKEN_COSTS = ("tokens", "squares")
@@ -40,6 +45,16 @@ def default_rank_world(rank: int | None, world_size: int | None) -> tuple[int, i
             found[1] if world_size is None else world_size)
 
 
+def prefetching(prefetch: int | None, prefetch_bytes: int | None) -> dict[str, int]:
+    """LoaderOptions' prefetch and prefetch_bytes for RemoteLoader's arguments: a `prefetch`
+    given is the window, exactly, unless prefetch_bytes is given too; neither given: 8
+    batches, more for small ones (PREFETCH_BYTES)."""
+    if prefetch_bytes is None:
+        prefetch_bytes = PREFETCH_BYTES if prefetch is None else 0
+    return {"prefetch": PREFETCH if prefetch is None else prefetch,
+            "prefetch_bytes": prefetch_bytes}
+
+
 @dataclass(frozen=True)
 class LoaderOptions:
     """A loader's settings under their public names (docs/client.md says what each means),
@@ -55,7 +70,8 @@ class LoaderOptions:
     world_size: int = 1
     device: Any = None
     output: str = "torch"
-    prefetch: int = 8
+    prefetch: int = PREFETCH
+    prefetch_bytes: int = 0  # 0: the window is `prefetch`, whatever the batches' size
     timeout: float = 300.0
     connect_timeout: float = 10.0
     normalize: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None
@@ -91,6 +107,8 @@ class LoaderOptions:
             raise ValueError("output='numpy' yields host arrays; device must be None")
         if self.prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
+        if self.prefetch_bytes < 0:
+            raise ValueError(f"prefetch_bytes must be >= 0, got {self.prefetch_bytes}")
         for name in ("timeout", "connect_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
@@ -124,6 +142,11 @@ class LoaderOptions:
         if self.batch_tokens is not None:  # absent otherwise: older state_dicts still match
             coords.update(batch_tokens=self.batch_tokens, token_cost=self.token_cost)
         return coords
+
+    def window_for(self, batch_bytes: int, max_credits: int) -> int:
+        """Batches to keep in flight once they are known to be `batch_bytes` each: as many as
+        prefetch_bytes holds, at most `max_credits` (the caller keeps prefetch if more)."""
+        return min(self.prefetch_bytes // max(batch_bytes, 1), max_credits)
 
     @property
     def on_device(self) -> bool:

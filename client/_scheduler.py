@@ -45,6 +45,8 @@ FATAL = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
          grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED,
          grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE}
 BATCH_RETRIES = 2  # an INTERNAL batch error (a worker died) is tried this many more times
+# A window widened for small batches (widen) credits new indices in groups of window // GROUPS.
+GROUPS = 8
 TICK = 0.1  # while the loop waits: how often to look for stalls, hedges, retries
 HEDGE_MIN, STALL_MIN = 0.5, 2.0  # seconds
 
@@ -65,6 +67,11 @@ def _close_open_schedulers() -> None:
         scheduler.close_channels()
 
 
+def group_for(window: int) -> int:
+    """The credits a widened window asks for at once."""
+    return max(1, window // GROUPS)
+
+
 class Scheduler:
     """Batches [start, total) of one epoch, each asked of the servers with `spec`, at most
     `window` indices ahead of the loop; `timeout` s without progress is an error.
@@ -73,13 +80,14 @@ class Scheduler:
     the time every decision reads (seconds, monotonic)."""
 
     def __init__(self, servers: ServerSet, spec: StreamSpec, *, total: int, start: int,
-                 window: int, timeout: float, stream_factory: StreamFactory = BatchStream,
+                 window: int, timeout: float, group: int = 1, stream_factory: StreamFactory = BatchStream,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._servers = servers
         self._spec = spec
         self._total = total
         self._next = start
         self._window = window
+        self._group = group  # new credits are sent once this many are due (see _assign)
         self._timeout = timeout
         self._open_stream = stream_factory
         self._clock = clock
@@ -199,19 +207,46 @@ class Scheduler:
                     self._hedged.add(waiting_for)
                     self.hedges += 1
 
+    def widen(self, window: int) -> None:
+        """Keep up to `window` batches in flight from now on (more than before), and ask
+        for new ones in groups (see _assign)."""
+        with self._cond:
+            if window > self._window:
+                self._window = window
+                self._group = group_for(window)
+                self._assign(self._clock())
+
     def _assign(self, now: float) -> None:
-        """Credit every index in the window that no live server holds."""
+        """Credit every index in the window that no live server holds. In a widened window,
+        new indices go in groups while servers still hold credits: a server handles a
+        record of several credits in one go (its workers take them in one message, and
+        their batches come back in one write), which is most of a small batch's cost."""
         if self._closed:
             return
-        for index in range(self._next, min(self._next + self._window, self._total)):
+        end = min(self._next + self._window, self._total)
+        new: list[int] = []
+        for index in range(self._next, end):
             if index in self._ready:
                 continue
             holders = self._holders.get(index)
-            if holders and any(s.up for s in holders):
-                continue
-            self._credit(index, now, exclude=holders or set())
+            if holders is None:
+                new.append(index)
+            elif not any(s.up for s in holders):
+                self._credit(index, now, exclude=holders)  # failed over: at once
+        busy = any(s.outstanding for s in self._servers.servers.values() if s.up)
+        if (len(new) < self._group and busy and end < self._total
+                and new and new[0] != self._next):
+            return  # batches come back soon, and this is called again
+        records: dict[BatchStream, list[int]] = {}
+        for index in new:
+            self._credit(index, now, exclude=set(), records=records)
+        for stream, indices in records.items():
+            stream.credit(indices)
 
-    def _credit(self, index: int, now: float, exclude: set[Server]) -> bool:
+    def _credit(self, index: int, now: float, exclude: set[Server],
+                records: dict[BatchStream, list[int]] | None = None) -> bool:
+        """Ask the best usable server for batch `index`: at once, or, given `records`, by
+        adding it to that server's stream's record (the caller sends them)."""
         candidates = [s for s in self._servers.servers.values()
                       if s not in exclude and s.usable(now)]
         if not candidates:
@@ -224,7 +259,10 @@ class Scheduler:
             server.last_progress = now  # patience runs from when it has work
         server.outstanding[index] = now
         self._holders.setdefault(index, set()).add(server)
-        server.stream.credit([index])
+        if records is None:
+            server.stream.credit([index])
+        else:
+            records.setdefault(server.stream, []).append(index)
         return True
 
     def _server_of(self, stream: BatchStream) -> Server | None:

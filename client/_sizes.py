@@ -65,6 +65,11 @@ def say_dropped(d: pb.DescribeDatasetResponse, o: LoaderOptions) -> None:
         "; ".join(parts), which)
 
 
+# What a server allows when it does not say (server.max_credits' default): the most batches
+# prefetch_bytes keeps in flight then.
+MAX_CREDITS = 64
+
+
 def credit_window(prefetch: int, max_credits: int, address: str) -> int:
     """`prefetch`, or the server's `max_credits` where that is lower (0: the server did not
     say), with a warning: one server may hold every credit (when the others fail), and more

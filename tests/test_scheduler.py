@@ -45,11 +45,13 @@ class FakeStream:
         self.address = address
         self.bytes_received = 0
         self.credits: list[int] = []
+        self.records: list[list[int]] = []  # each credit() call: one record on the wire
         self.closed = False
         self._on_batch, self._on_end = on_batch, on_end
 
     def credit(self, indices: Any) -> None:
         self.credits.extend(indices)
+        self.records.append(list(indices))
 
     def report(self, wait_seconds: float, loop_seconds: float) -> None:
         pass
@@ -129,6 +131,26 @@ def state(servers: ServerSet, address: str) -> dict[str, Any]:
 def test_the_window_is_spread_over_the_servers(run) -> None:
     _, streams, _, _ = run()
     assert streams.last(A).credits == [0, 2] and streams.last(B).credits == [1, 3]
+
+
+def test_a_widened_window_asks_for_new_batches_in_groups(run) -> None:
+    _, streams, _, sched = run(addresses=(A,), total=24, window=4)
+    a = streams.last(A)
+    assert a.records == [[0, 1, 2, 3]]  # what is due goes in one record
+    sched.widen(16)  # new ones in groups of 16 // GROUPS = 2 from now on
+    assert a.records[1:] == [list(range(4, 16))]
+    for k in range(5):
+        a.deliver(k)
+        sched.take(k)
+    # Each take makes one more index due: they go two by two while the server holds
+    # credits (the fifth waits for a partner).
+    assert a.records[2:] == [[16, 17], [18, 19]]
+    for k in range(5, 20):
+        a.deliver(k)
+    for k in range(5, 20):
+        sched.take(k)
+    # The epoch's tail goes as it comes due, group or not: nothing is left waiting.
+    assert a.credits == list(range(24))
 
 
 def test_a_stalled_servers_batches_are_asked_elsewhere_and_it_gets_none_until_it_delivers(
