@@ -587,7 +587,7 @@ def report(res: dict[str, Any]) -> str:
         f"machine   {m['cpus_usable']} usable CPUs (cpu_count {m['cpu_count']}), "
         f"{m['platform']}, Python {m['python']}, grpcio {m['grpcio']}",
         f"stoker    one server on 127.0.0.1, --workers {p['workers']}, RemoteLoader "
-        f"output=numpy prefetch={p['prefetch']}, frame_bytes {frame}",
+        f"output=numpy prefetch={p['prefetch'] or 'default'}, frame_bytes {frame}",
         f"          server ({p['workers']} workers + front end), client and TCP peers share "
         f"these {m['cpus_usable']} cores",
         f"repeats   {p['repeats']} per size; each moves >= {human(p['min_bytes'])} and >= "
@@ -685,7 +685,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--min-batches", type=int,
                     help=f"batches timed per repeat, at least ({FULL['min_batches']})")
     ap.add_argument("--workers", type=int, default=2, help="server worker processes (2)")
-    ap.add_argument("--prefetch", type=int, default=8, help="RemoteLoader batches in flight (8)")
+    ap.add_argument("--prefetch", type=int, default=None,
+                    help="RemoteLoader batches in flight (its default: 8, more for small "
+                    "batches, see prefetch_bytes)")
     ap.add_argument("--frame-bytes", type=parse_size,
                     help="server frame_bytes setting (default: the server's default)")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
