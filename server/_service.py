@@ -30,7 +30,7 @@ from ._metrics import Metrics
 from ._sampling import CoordinateError, Coordinates
 from ._session import FINGERPRINT_KEY, Abort, StreamSession, epoch_size
 from ._shared_batches import SharedBatches
-from ._workers import DEPTH, DatasetMeta, WorkerPool
+from ._workers import SHALLOW_DEPTH, DatasetMeta, WorkerPool
 
 if TYPE_CHECKING:
     import numpy as np
@@ -93,8 +93,9 @@ class DataService:
         self.mappings = _shm.ReadMappings()  # of the workers' segments, kept between batches
         self._meta = meta
         self.settings = config.server
-        # Hints reach one round of the workers' queues ahead of the batch being asked for.
-        self.lookahead = self.settings.worker_count * DEPTH
+        # Hints reach about one round of the workers' queues ahead of the batch asked for
+        # (as many as they hold of large batches, which are what storage makes slow).
+        self.lookahead = self.settings.worker_count * SHALLOW_DEPTH
         self.draining = False
         # Open streams and health watches, held shared memory: per client and in all.
         self.admission = Admission(self.settings)

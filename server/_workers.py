@@ -48,6 +48,7 @@ from . import _prefix_cache, _shm
 from ._batch import BuiltBatch
 from ._fingerprint import Fingerprint
 from ._messages import (
+    DEEP_BYTES,
     DEPTH,
     KEEP_SEGMENTS,
     BuildFailed,
@@ -57,6 +58,7 @@ from ._messages import (
     FailureKind,
     FromWorker,
     GiveBack,
+    SHALLOW_DEPTH,
     Opened,
     OpenFailed,
     Stop,
@@ -66,7 +68,7 @@ from ._messages import (
 from ._sampling import FIRST_EPOCH, EpochKey
 from ._worker_main import worker_main
 
-__all__ = ["DEPTH", "KEEP_SEGMENTS", "BatchFailed", "DatasetMeta", "FailureKind", "StartError",
+__all__ = ["DEPTH", "KEEP_SEGMENTS", "SHALLOW_DEPTH", "BatchFailed", "DatasetMeta", "FailureKind", "StartError",
            "WorkerPool"]
 
 log = logging.getLogger("stoker.server")
@@ -162,6 +164,8 @@ class WorkerPool:
         self._send_lock = threading.Lock()  # held while tasks are handed out and sent
         self._give_back: asyncio.TimerHandle | None = None  # the loop's _assign, pending
         self._assign_soon = False  # _assign_submitted is scheduled on the loop
+        # Tasks per worker, by the size of the latest batch built (see _messages.DEPTH).
+        self._depth = SHALLOW_DEPTH
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> dict[str, DatasetMeta]:
@@ -550,7 +554,7 @@ class WorkerPool:
                 # The least busy worker takes the next task: a credit record's batches
                 # spread across the workers, and each worker's share goes in one write.
                 w = min(ready, key=lambda w: len(w.jobs))
-                if len(w.jobs) >= DEPTH:
+                if len(w.jobs) >= self._depth:
                     break
                 job = self._queue.popleft()
                 if job.future.cancelled():
@@ -618,6 +622,7 @@ class WorkerPool:
                     self._remove(w)
             case Built(task_id, batch):
                 with self._lock:
+                    self._depth = DEPTH if batch.payload_bytes <= DEEP_BYTES else SHALLOW_DEPTH
                     job = w.jobs.pop(task_id, None)
                     w.head_since = time.monotonic()  # the next of its jobs starts now
                     self._lent.add(batch.shm_name)
