@@ -21,7 +21,7 @@ from ._fingerprint import Fingerprint
 from ._sampling import EpochKey, Ordering
 
 # Tasks a worker holds at once (the pool sends no more): DEPTH while batches are small
-# (DEEP_BYTES at most), SHALLOW_DEPTH otherwise. Small batches cost mostly their messages and
+# (DEEP_BYTES at most: 1 MiB batches and their sample indices), SHALLOW_DEPTH otherwise. Small batches cost mostly their messages and
 # wake-ups: with several queued, a worker takes them in one pipe read and sends their results
 # in one write (measured at 64 KiB batches, 2 workers: 8 against 2 took the front end's and
 # workers' CPU per batch down by a third). Large ones cost their bytes: two queued let a
@@ -30,7 +30,7 @@ from ._sampling import EpochKey, Ordering
 # over the least busy workers, so a slow batch holds up few others.
 DEPTH = 8
 SHALLOW_DEPTH = 2
-DEEP_BYTES = 1 << 20
+DEEP_BYTES = 2 << 20
 # Free segments a worker keeps for reuse (see _shm.SegmentPool): enough for the batches it
 # has queued plus those on their way out; past KEEP_MIN, only while they hold at most
 # KEEP_BYTES between them (64 MiB batches keep 4, as many as 1 MiB ones keep 10).
