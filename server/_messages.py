@@ -21,13 +21,14 @@ from ._fingerprint import Fingerprint
 from ._sampling import EpochKey, Ordering
 
 # Tasks a worker holds at once (the pool sends no more): DEPTH while batches are small
-# (DEEP_BYTES at most: 1 MiB batches and their sample indices), SHALLOW_DEPTH otherwise. Small batches cost mostly their messages and
-# wake-ups: with several queued, a worker takes them in one pipe read and sends their results
-# in one write (measured at 64 KiB batches, 2 workers: 8 against 2 took the front end's and
-# workers' CPU per batch down by a third). Large ones cost their bytes: two queued let a
-# worker start the next without a round trip, and more only added fresh segments in flight
-# (the image pipeline's 38 MB batches: 4% more CPU per batch at 8). The pool spreads tasks
-# over the least busy workers, so a slow batch holds up few others.
+# (DEEP_BYTES at most: 1 MiB batches and their sample indices), SHALLOW_DEPTH otherwise.
+# Small batches cost mostly their messages and wake-ups: with several queued, a worker takes
+# them in one pipe read and sends their results in one write (measured at 64 KiB batches,
+# 2 workers: 8 against 2 took the front end's and workers' CPU per batch down by a third).
+# Large ones cost their bytes: two queued let a worker start the next without a round trip,
+# and more only added fresh segments in flight (the image pipeline's batches: 4% more CPU
+# per batch at 8). The pool spreads tasks over the least busy workers, so a slow batch
+# holds up few others.
 DEPTH = 8
 SHALLOW_DEPTH = 2
 DEEP_BYTES = 2 << 20
