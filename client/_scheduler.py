@@ -74,13 +74,15 @@ def group_for(window: int) -> int:
 
 class Scheduler:
     """Batches [start, total) of one epoch, each asked of the servers with `spec`, at most
-    `window` indices ahead of the loop; `timeout` s without progress is an error.
+    `window` indices ahead of the loop, new ones `group` at a time while servers hold credits
+    (see _assign); `timeout` s without progress is an error.
 
     `stream_factory` opens a stream to a server (BatchStream, or a test's fake); `clock` is
     the time every decision reads (seconds, monotonic)."""
 
     def __init__(self, servers: ServerSet, spec: StreamSpec, *, total: int, start: int,
-                 window: int, timeout: float, group: int = 1, stream_factory: StreamFactory = BatchStream,
+                 window: int, timeout: float, group: int = 1,
+                 stream_factory: StreamFactory = BatchStream,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._servers = servers
         self._spec = spec

@@ -51,6 +51,7 @@ from ._messages import (
     DEEP_BYTES,
     DEPTH,
     KEEP_SEGMENTS,
+    SHALLOW_DEPTH,
     BuildFailed,
     Built,
     DatasetMeta,
@@ -58,7 +59,6 @@ from ._messages import (
     FailureKind,
     FromWorker,
     GiveBack,
-    SHALLOW_DEPTH,
     Opened,
     OpenFailed,
     Stop,
@@ -68,8 +68,8 @@ from ._messages import (
 from ._sampling import FIRST_EPOCH, EpochKey
 from ._worker_main import worker_main
 
-__all__ = ["DEPTH", "KEEP_SEGMENTS", "SHALLOW_DEPTH", "BatchFailed", "DatasetMeta", "FailureKind", "StartError",
-           "WorkerPool"]
+__all__ = ["DEPTH", "KEEP_SEGMENTS", "SHALLOW_DEPTH", "BatchFailed", "DatasetMeta",
+           "FailureKind", "StartError", "WorkerPool"]
 
 log = logging.getLogger("stoker.server")
 
