@@ -30,7 +30,7 @@ from ._metrics import Metrics
 from ._sampling import CoordinateError, Coordinates
 from ._session import FINGERPRINT_KEY, Abort, StreamSession, epoch_size
 from ._shared_batches import SharedBatches
-from ._workers import SHALLOW_DEPTH, DatasetMeta, WorkerPool
+from ._workers import DatasetMeta, WorkerPool
 
 if TYPE_CHECKING:
     import numpy as np
@@ -93,14 +93,18 @@ class DataService:
         self.mappings = _shm.ReadMappings()  # of the workers' segments, kept between batches
         self._meta = meta
         self.settings = config.server
-        # Hints reach about one round of the workers' queues ahead of the batch asked for
-        # (as many as they hold of large batches, which are what storage makes slow).
-        self.lookahead = self.settings.worker_count * SHALLOW_DEPTH
         self.draining = False
         # Open streams and health watches, held shared memory: per client and in all.
         self.admission = Admission(self.settings)
         # Built batches, shared by the streams that ask for the same ones (issue 17).
         self.shared = SharedBatches(pool, config.cache, self.metrics, self._built)
+
+    @property
+    def lookahead(self) -> int:
+        """Batches ahead of the one asked for whose samples the workers prefetch: one round
+        of the workers' queues (as deep as the pool keeps them now), so a hint names a batch
+        no worker holds yet, not one another worker is already building."""
+        return self.settings.worker_count * self.pool.depth
 
     def _built(self, coords: Coordinates, indices: np.ndarray, batch: BuiltBatch) -> None:
         """A build ended well (once per build, however many streams share it): the worker's

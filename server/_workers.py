@@ -318,6 +318,12 @@ class WorkerPool:
         self._assign_soon = False
         self._assign(flush=False)
 
+    @property
+    def depth(self) -> int:
+        """Tasks each worker holds at most now (DEPTH or SHALLOW_DEPTH, by the batches'
+        size)."""
+        return self._depth
+
     def _on_loop_thread(self) -> bool:
         """Whether the caller runs on the loop batches flow on: it hands out tasks itself."""
         if self._loop is None:
