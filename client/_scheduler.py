@@ -235,9 +235,8 @@ class Scheduler:
                 new.append(index)
             elif not any(s.up for s in holders):
                 self._credit(index, now, exclude=holders)  # failed over: at once
-        busy = any(s.outstanding for s in self._servers.servers.values() if s.up)
-        if (len(new) < self._group and busy and end < self._total
-                and new and new[0] != self._next):
+        if (new and len(new) < self._group and end < self._total and new[0] != self._next
+                and any(s.outstanding for s in self._servers.servers.values() if s.up)):
             return  # batches come back soon, and this is called again
         records: dict[BatchStream, list[int]] = {}
         for index in new:

@@ -164,16 +164,22 @@ class SocketTransport(Transport):
             assert self._instead is not None
             return await self._instead.send(context, batch, batch_index, epoch)
         try:
-            head = encode_socket_frame(batch, batch_index, epoch)
-            segment = self._mappings.get(batch.shm_name, batch.payload_bytes)
-            with memoryview(segment) as view:
-                payload = view[: batch.payload_bytes]
-                try:
-                    return await self._put(_LENGTH.pack(len(head)) + head, payload)
-                finally:
-                    payload.release()
+            head, payload = self._record(batch, batch_index, epoch)
+            try:
+                return await self._put(head, payload)
+            finally:
+                payload.release()
         finally:
             self._pool.release(batch)  # on the wire, or nobody wants it
+
+    def _record(self, batch: BuiltBatch, batch_index: int, epoch: int
+                ) -> tuple[bytes, memoryview]:
+        """A batch's record: its length and frame, and its payload as a view of the shared
+        memory it is in (the caller releases the view)."""
+        head = encode_socket_frame(batch, batch_index, epoch)
+        segment = self._mappings.get(batch.shm_name, batch.payload_bytes)
+        with memoryview(segment) as view:
+            return _LENGTH.pack(len(head)) + head, view[: batch.payload_bytes]
 
     @property
     def sends_many(self) -> bool:  # type: ignore[override]
@@ -188,11 +194,8 @@ class SocketTransport(Transport):
         views: list[memoryview] = []
         try:
             for batch, batch_index, epoch in batches:
-                head = encode_socket_frame(batch, batch_index, epoch)
-                segment = self._mappings.get(batch.shm_name, batch.payload_bytes)
-                views.append(memoryview(_LENGTH.pack(len(head)) + head))
-                with memoryview(segment) as view:
-                    views.append(view[: batch.payload_bytes])
+                head, payload = self._record(batch, batch_index, epoch)
+                views += (memoryview(head), payload)
             try:
                 await _sendmsg_all(asyncio.get_running_loop(), self._sock, views)
             except OSError:
