@@ -173,8 +173,7 @@ class RemoteLoader:
             if self._pin is None:
                 self._pin = Pin.of(described.fingerprint, address)
             self._described[self._start] = described
-            self._window = credit_window(self._window, described.max_credits, address)
-            self._note_max_credits(described.max_credits)
+            self._heed_max_credits(described.max_credits, address)
             # What every epoch leaves out (token budgets drop at most world_size - 1 samples)
             if not self._start and o.batch_tokens is None:
                 say_dropped(described, o)
@@ -291,8 +290,7 @@ class RemoteLoader:
             fp = d.fingerprint
             if pin.digest and fp.digest and fp.digest != pin.digest:
                 raise mismatch(self.dataset, pin, address, fp.digest, fp)
-            self._window = credit_window(self._window, d.max_credits, address)
-            self._note_max_credits(d.max_credits)
+            self._heed_max_credits(d.max_credits, address)
 
     def _mismatched(self, address: str, digest: str) -> DataMismatch:
         """The DataMismatch for a server that refused our fingerprint, with its own."""
@@ -416,8 +414,11 @@ class RemoteLoader:
         sent.append((wait, loop))
         scheduler.report(wait - base[0], loop - base[1])
 
-    def _note_max_credits(self, max_credits: int) -> None:
-        if max_credits:  # 0: a server that did not say
+    def _heed_max_credits(self, max_credits: int, address: str) -> None:
+        """A server said its max_credits: the window stays under it, and so does any
+        widening of it later (0: a server that did not say)."""
+        self._window = credit_window(self._window, max_credits, address)
+        if max_credits:
             self._max_credits = min(self._max_credits, max_credits)
 
     def _fit_window(self, scheduler: Scheduler) -> None:
