@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from stoker.server import ServerProcess
+from stoker.server._workers import KEEP_SEGMENTS  # free segments a worker keeps at most
 
 from conftest import StartServer, rss_anon
 
@@ -25,7 +26,6 @@ pytestmark = pytest.mark.timeout(90)
 
 SHM = Path("/dev/shm")
 WORKERS = 2
-KEEP_SEGMENTS = 4  # a worker keeps at most this many free segments (_workers.KEEP_SEGMENTS)
 # 256 KiB samples, 1 MiB batches: a prefetch window of them is worth noticing.
 BIG = {"format": "python", "factory": "toy_datasets:Noise",
        "options": {"n": 64, "shape": [256, 256]}}
