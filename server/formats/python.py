@@ -134,6 +134,8 @@ class Samples:
 def as_fields(raw: Any, fields: Sequence[str] | None = None) -> dict[str, Any]:
     """One sample as a dict of field name -> numpy array or Python number; TypeError saying
     what to return instead."""
+    if type(raw) is dict:  # the common case, in one pass
+        return {str(k): _value(str(k), v) for k, v in raw.items()}
     if isinstance(raw, Mapping):
         items = [(str(k), v) for k, v in raw.items()]
     elif isinstance(raw, tuple | list):
@@ -152,6 +154,8 @@ def as_fields(raw: Any, fields: Sequence[str] | None = None) -> dict[str, Any]:
 
 def _value(name: str, v: Any) -> Any:
     """A field's value as numpy (or the Python number it is); TypeError naming it if none."""
+    if type(v) is np.ndarray and v.dtype.kind in "biuf":  # the common case first
+        return v
     if isinstance(v, np.ndarray | np.generic | bool | int | float):
         out = v
     elif hasattr(v, "numpy") and callable(v.numpy):  # a tensor: torch, tf, ...
