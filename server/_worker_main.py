@@ -6,6 +6,7 @@ _messages.py). Single-threaded, apart from the storage's prefetch threads.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import multiprocessing.connection as mpc
 import os
@@ -79,6 +80,9 @@ def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int,
     in_config_order = {n: meta[n] for n in config.datasets if n in meta}
     conn.send(msg.Opened(in_config_order if probe else None, prints))
     builder = _Builder(config, datasets, cache, progress)
+    # The datasets opened live as long as this worker (a list of a million file names, say):
+    # the cyclic collector leaves them out of its passes from now on.
+    gc.freeze()
     while True:
         try:
             received = conn.recv()

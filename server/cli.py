@@ -42,6 +42,7 @@ def _needs_server_extra(command: str, e: ModuleNotFoundError) -> int:
 def _serve(args: argparse.Namespace) -> int:
     try:
         import asyncio
+        import gc
 
         from ._app import serve
         from ._config import ConfigError, load_config
@@ -54,6 +55,10 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
+    # This process is the server alone: what it imported lives as long as it does, so the
+    # cyclic collector leaves it out of its passes from now on (perf: the front end spent
+    # about a tenth of its CPU walking those objects at 64 KiB batches).
+    gc.freeze()
     try:
         asyncio.run(serve(config))
     except StartError as e:
