@@ -94,6 +94,7 @@ class Scheduler:
         self._open_stream = stream_factory
         self._clock = clock
         self._cond = threading.Condition()
+        self._waiting: int | None = None  # the index take() waits for: its arrival wakes it
         self._ready: dict[int, Any] = {}
         self._holders: dict[int, set[Server]] = {}  # index -> servers asked for it
         self._hedged: set[int] = set()
@@ -129,10 +130,14 @@ class Scheduler:
         (on this thread, under the lock: it may call report())."""
         with self._cond:
             started = self._clock()
-            while not self.poll(index, started):
-                self._cond.wait(TICK)
-                if on_wait is not None:
-                    on_wait()
+            self._waiting = index
+            try:
+                while not self.poll(index, started):
+                    self._cond.wait(TICK)
+                    if on_wait is not None:
+                        on_wait()
+            finally:
+                self._waiting = None
             item = self._ready.pop(index)
             self._next = index + 1
             now = self._clock()
@@ -227,14 +232,19 @@ class Scheduler:
             return
         end = min(self._next + self._window, self._total)
         new: list[int] = []
-        for index in range(self._next, end):
-            if index in self._ready:
+        ready, held, up = self._ready, self._holders, ServerState.UP
+        for index in range(self._next, end):  # per batch taken: no call but the lookups
+            if index in ready:
                 continue
-            holders = self._holders.get(index)
+            holders = held.get(index)
             if holders is None:
                 new.append(index)
-            elif not any(s.up for s in holders):
-                self._credit(index, now, exclude=holders)  # failed over: at once
+                continue
+            for s in holders:
+                if s.state is up:
+                    break
+            else:  # no holder is up: failed over, at once
+                self._credit(index, now, exclude=holders)
         if (new and len(new) < self._group and end < self._total and new[0] != self._next
                 and any(s.outstanding for s in self._servers.servers.values() if s.up)):
             return  # batches come back soon, and this is called again
@@ -305,7 +315,8 @@ class Scheduler:
             self._ready[index] = item
             self._holders.pop(index, None)
             self._progress = now
-            self._cond.notify_all()
+            if index == self._waiting:  # a batch further on leaves the loop asleep
+                self._cond.notify_all()
 
     def _on_end(self, stream: BatchStream, error: RemoteError | None) -> None:
         with self._cond:
