@@ -128,6 +128,7 @@ class HostBuffers:
 
     def acquire(self, nbytes: int) -> np.ndarray:
         """A uint8 buffer of at least `nbytes` (its start is what the batch uses)."""
+        exact = -(-nbytes // _ROUND) * _ROUND  # no pooled buffer that fits is smaller
         with self._lock:
             best = small = None
             for i in range(len(self._bufs)):
@@ -135,6 +136,8 @@ class HostBuffers:
                 if sys.getrefcount(self._bufs[i]) != _FREE_REFS:
                     continue
                 size = self._bufs[i].nbytes
+                if size == exact:  # the best there is: look no further
+                    return self._bufs[i]
                 if size >= nbytes:
                     if best is None or size < self._bufs[best].nbytes:
                         best = i
@@ -143,7 +146,7 @@ class HostBuffers:
             if best is not None:
                 return self._bufs[best]
             self.allocations += 1
-            fresh = np.empty(-(-nbytes // _ROUND) * _ROUND, np.uint8)
+            fresh = np.empty(exact, np.uint8)
             if small is not None:  # a free buffer too small for this batch: replace it
                 self._bufs[small] = fresh
             elif len(self._bufs) < self._max:

@@ -10,6 +10,7 @@ buffer (`recv_into`; pinned when batches go to a GPU), no copy in Python.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import socket
 import ssl
@@ -81,11 +82,8 @@ def check_header(head: pb.BatchFrame) -> None:
     end = 0
     for t in head.tensors:
         name = f"{where}: tensor {t.name[:100]!r}"
-        try:
-            dtype = np.dtype(t.dtype)
-        except (TypeError, ValueError, SyntaxError):
-            dtype = None
-        if dtype is None or dtype.kind not in _KINDS or dtype.fields or dtype.subdtype:
+        dtype = _numeric_dtype(t.dtype)
+        if dtype is None:
             raise ProtocolError(f"{name}: dtype {t.dtype[:100]!r} is not a numeric numpy dtype")
         if len(t.shape) > _MAX_DIMS or any(d < 0 for d in t.shape):
             raise ProtocolError(f"{name}: shape {list(t.shape)[:_MAX_DIMS + 1]} is not a shape")
@@ -102,6 +100,28 @@ def check_header(head: pb.BatchFrame) -> None:
     if head.tensors and end != head.payload_bytes:
         raise ProtocolError(f"{where}: its tensors end at byte {end}, payload_bytes is "
                             f"{head.payload_bytes}")
+
+
+def _numeric_dtype(name: str) -> np.dtype | None:
+    """The little-endian numpy dtype a header names, or None if it is not a plain numeric
+    one. Cached: a stream's headers name the same few dtypes batch after batch (names as
+    long as no numeric dtype's are not, so a server cannot fill the cache with them)."""
+    return _cached_dtype(name) if len(name) <= 16 else _dtype_of(name)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_dtype(name: str) -> np.dtype | None:
+    return _dtype_of(name)
+
+
+def _dtype_of(name: str) -> np.dtype | None:
+    try:
+        dtype = np.dtype(name)
+    except (TypeError, ValueError, SyntaxError):
+        return None
+    if dtype.kind not in _KINDS or dtype.fields or dtype.subdtype:
+        return None
+    return dtype.newbyteorder("<")
 
 
 @dataclass
@@ -303,7 +323,7 @@ def numpy_views(payload: np.ndarray, tensors: list[pb.TensorInfo]) -> dict[str, 
     """Each tensor as a numpy view into the payload (no copy)."""
     out = {}
     for t in tensors:
-        dtype = np.dtype(t.dtype).newbyteorder("<")
+        dtype = _numeric_dtype(t.dtype)  # checked by check_header as the batch arrived
         arr = payload[t.offset : t.offset + t.nbytes].view(dtype).reshape(tuple(t.shape))
         out[t.name] = arr
     return out
