@@ -94,7 +94,6 @@ class Scheduler:
         self._open_stream = stream_factory
         self._clock = clock
         self._cond = threading.Condition()
-        self._waiting: int | None = None  # the index take() waits for: its arrival wakes it
         self._ready: dict[int, Any] = {}
         self._holders: dict[int, set[Server]] = {}  # index -> servers asked for it
         self._hedged: set[int] = set()
@@ -130,14 +129,10 @@ class Scheduler:
         (on this thread, under the lock: it may call report())."""
         with self._cond:
             started = self._clock()
-            self._waiting = index
-            try:
-                while not self.poll(index, started):
-                    self._cond.wait(TICK)
-                    if on_wait is not None:
-                        on_wait()
-            finally:
-                self._waiting = None
+            while not self.poll(index, started):
+                self._cond.wait(TICK)
+                if on_wait is not None:
+                    on_wait()
             item = self._ready.pop(index)
             self._next = index + 1
             now = self._clock()
@@ -315,7 +310,7 @@ class Scheduler:
             self._ready[index] = item
             self._holders.pop(index, None)
             self._progress = now
-            if index == self._waiting:  # a batch further on leaves the loop asleep
+            if index == self._next:  # the one take() waits for; one further on lets it sleep
                 self._cond.notify_all()
 
     def _on_end(self, stream: BatchStream, error: RemoteError | None) -> None:
