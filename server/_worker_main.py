@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import _malloc, _prefix_cache, _shm, _tracebacks
 from . import _messages as msg
-from . import _prefix_cache, _shm, _tracebacks
 from ._batch import BatchTooLarge, SampleError, build_batch, probe_fields
 from ._fingerprint import Fingerprint, fingerprint
 from ._sampling import Ordering
@@ -42,6 +42,7 @@ def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int,
     `progress`: shared int64 [task id, sample] this worker is at, for the pool's watchdog;
     `slot`: its place in the pool, for its name in `ps`."""
     _name_process(slot, list(config.datasets))
+    _malloc.keep_freed_memory()  # a sample's freed temporaries serve the next one
     # The parent owns shutdown and closes our pipe when it is time (or dies, and the pipe ends).
     # Ctrl-C, or a SIGTERM sent to the whole process group, must not kill us mid-batch first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
