@@ -95,12 +95,19 @@ def test_silent_connections_beyond_the_cap_are_closed_and_serving_goes_on(server
     assert lost == dup == 0
 
 
-def test_segments_go_back_to_the_workers_after_the_socket_sends_them(server) -> None:
+def test_segments_go_back_to_the_workers_after_the_socket_sends_them(start_server) -> None:
+    # No batches kept for other jobs: every segment left is a worker's, or a leak.
+    server = start_server(NOISE, workers=2, cache={"shared_batches": 0})
     pid = server.proc.pid
-    for _ in range(3):  # 3 epochs x 4 batches: a leak would leave a segment per batch
-        epoch(server, data_socket=True)
+    epochs = 2 * KEEP_SEGMENTS // 4 + 4  # x 4 batches: a leak of one a batch would show
+    with RemoteLoader(server.address, "noise", batch_size=3, output="numpy", timeout=60,
+                      shared_memory=False, data_socket=True) as loader:
+        for e in range(epochs):  # each epoch's batches are new ones
+            loader.set_epoch(e)
+            assert len(list(loader)) == 4
+        assert loader.stats()["transport"] == "data_socket"
     held = list(Path("/dev/shm").glob(f"stoker_{pid}_*"))
-    assert len(held) <= 2 * KEEP_SEGMENTS  # the two workers' pools, nothing more
+    assert len(held) <= 2 * KEEP_SEGMENTS < epochs * 4  # the two workers' pools, nothing more
 
 
 def test_credits_on_the_data_connection_are_answered_there_and_a_bad_record_ends_the_call(
