@@ -270,14 +270,16 @@ class WorkerPool:
 
     def status(self) -> dict[str, int]:
         """Workers ready (a worker past its batch's deadline is not), batches queued for a
-        worker, batches handed to workers, workers replaced for a batch past its deadline.
-        Any thread."""
+        worker, batches handed to workers, built batches the front end holds (being sent, or
+        kept for other jobs: their segments are not back with their workers), workers
+        replaced for a batch past its deadline. Any thread."""
         now = time.monotonic()
         with self._lock:
             up = sum(w.ready and not self._overdue(w, now) for w in self._workers)
             return {"workers": up if not self._broken else 0,
                     "queued": len(self._queue),
                     "building": sum(len(w.jobs) for w in self._workers),
+                    "held": len(self._lent),
                     "timeouts": self._timeouts}
 
     def _overdue(self, w: _Worker, now: float) -> bool:

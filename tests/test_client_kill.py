@@ -108,6 +108,8 @@ def test_a_killed_client_gives_back_what_it_held(start_server: StartServer, ledg
     after = stats(server)
     assert after["queued_batches"] == 0
     wait_for(lambda: stats(server)["building_batches"] == 0, "the workers went idle")
+    # Every batch built for it is back with its worker (no cache keeps any here).
+    wait_for(lambda: stats(server)["held_batches"] == 0, "the built batches given back")
     # What it held went back to the workers' pools: at most their keep of free segments.
     # Segments given back travel to their worker with its next task, or alone within
     # GIVE_BACK_WAIT (20 ms): the count settles shortly after the stream closes.

@@ -125,6 +125,8 @@ def test_clients_report_their_data_stall_and_stats_show_live_rates(server) -> No
     slow = seen["stats"]["datasets"]["slow"]
     assert slow["batches_per_s"] > 0 and slow["streams"] == 1 and slow["client_stalls"]
     assert seen["stats"]["workers"] == 2 and seen["stats"]["draining"] is False
+    # Batches built and kept for other jobs (cache.shared_batches, on by default).
+    assert seen["stats"]["held_batches"] >= 1
 
 
 def test_readyz_turns_503_while_draining(start_server) -> None:
