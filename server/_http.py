@@ -98,7 +98,7 @@ class Stats(BaseModel):
     queued_batches: int
     building_batches: int
     # Built batches the front end holds: being sent, or kept for other jobs.
-    held_batches: int = 0
+    held_batches: int
     draining: bool
     # Workers killed and replaced for a batch over batch_timeout_seconds, since the start.
     worker_timeouts: int = 0
@@ -186,7 +186,7 @@ def make_app(service: Any = None, token: bytes | None = None) -> FastAPI:
         live, pool = service.metrics.stats(), service.pool_status()
         return Stats(window_seconds=live["window_seconds"], workers=pool["workers"],
                      queued_batches=pool["queued"], building_batches=pool["building"],
-                     held_batches=pool.get("held", 0),
+                     held_batches=pool["held"],
                      draining=service.draining, worker_timeouts=pool.get("timeouts", 0),
                      datasets={k: DatasetRates(**v) for k, v in live["datasets"].items()})
 

@@ -43,6 +43,17 @@ KEEP_MIN = 4
 KEEP_BYTES = 64 << 20
 
 
+def depth_for(payload_bytes: int) -> int:
+    """Tasks a worker holds at once while batches are of this size."""
+    return DEPTH if payload_bytes <= DEEP_BYTES else SHALLOW_DEPTH
+
+
+def idle_bytes(payload_bytes: int) -> int:
+    """The most a worker's free segments for batches of this size hold (_shm.SegmentPool
+    with KEEP_SEGMENTS, KEEP_MIN and KEEP_BYTES)."""
+    return max(KEEP_MIN * payload_bytes, min(KEEP_SEGMENTS * payload_bytes, KEEP_BYTES))
+
+
 class FailureKind(enum.StrEnum):
     """Why a batch could not be built; the front end maps each to a gRPC status."""
 

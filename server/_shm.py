@@ -408,14 +408,14 @@ def capacity_warning(meta: dict[str, Any], settings: Any, size: int | None = Non
     server, else None. `meta`: each dataset's DatasetMeta; `settings`: the ServerSettings.
 
     A batch B is the largest dataset's NOMINAL_BATCH samples (at most max_batch_bytes). Each
-    worker holds up to DEPTH (small B) or SHALLOW_DEPTH batches building and its idle
-    segments (_messages.KEEP_*), and one stream up to max_credits batches built and not yet
+    worker holds depth_for(B) batches building and idle_bytes(B) of idle segments
+    (_messages), and one stream up to max_credits batches built and not yet
     sent: for large batches about (workers * 6 + max_credits) * B. An estimate, and said as
     one: below it a server serves until /dev/shm fills, then answers the batches that find
     no room UNAVAILABLE."""
     import numpy as np
 
-    from ._messages import DEEP_BYTES, DEPTH, KEEP_BYTES, KEEP_MIN, KEEP_SEGMENTS, SHALLOW_DEPTH
+    from ._messages import depth_for, idle_bytes
 
     total = capacity()[0] if size is None else size
     if not total or not meta:
@@ -425,9 +425,7 @@ def capacity_warning(meta: dict[str, Any], settings: Any, size: int | None = Non
     dataset = max(per_sample, key=lambda k: per_sample[k])
     batch = min(per_sample[dataset] * NOMINAL_BATCH, int(settings.max_batch_bytes))
     workers, credits = settings.worker_count, settings.max_credits
-    building = (DEPTH if batch <= DEEP_BYTES else SHALLOW_DEPTH) * batch
-    idle = max(KEEP_MIN * batch, min(KEEP_SEGMENTS * batch, KEEP_BYTES))
-    need = workers * (building + idle) + credits * batch
+    need = workers * (depth_for(batch) * batch + idle_bytes(batch)) + credits * batch
     if need <= total:
         return None
     return (f"/dev/shm is {_mib(total)}, and this server may need about {_mib(need)} of it: "

@@ -48,7 +48,6 @@ from . import _prefix_cache, _shm
 from ._batch import BuiltBatch
 from ._fingerprint import Fingerprint
 from ._messages import (
-    DEEP_BYTES,
     DEPTH,
     KEEP_SEGMENTS,
     SHALLOW_DEPTH,
@@ -64,6 +63,7 @@ from ._messages import (
     Stop,
     Task,
     ToWorker,
+    depth_for,
 )
 from ._sampling import FIRST_EPOCH, EpochKey
 from ._worker_main import worker_main
@@ -630,7 +630,7 @@ class WorkerPool:
                     self._remove(w)
             case Built(task_id, batch):
                 with self._lock:
-                    self._depth = DEPTH if batch.payload_bytes <= DEEP_BYTES else SHALLOW_DEPTH
+                    self._depth = depth_for(batch.payload_bytes)
                     job = w.jobs.pop(task_id, None)
                     w.head_since = time.monotonic()  # the next of its jobs starts now
                     self._lent.add(batch.shm_name)
