@@ -41,7 +41,7 @@ from _measure import machine_info, run_scenario, scenario_parser, settle
 
 from stoker.client import RemoteLoader
 from stoker.server import ServerProcess, write_config
-from stoker.server._autoscale import write_addresses
+from stoker.server.tools.autoscale import write_addresses
 
 SETTLE = 2.0  # seconds after a change left out of a phase's figures (finding, opening)
 N = 10_000_000  # samples: the trainer never reaches the end of the epoch

@@ -26,10 +26,10 @@ import grpc
 from stoker.v1 import stoker_pb2 as pb
 from stoker.v1 import stoker_pb2_grpc as pb_grpc
 
-from ._channel import hint
 from ._errors import RemoteError
 from ._log import say
 from ._servers import Server, ServerSet
+from .channel import hint
 
 CALL_TIMEOUT = 10.0  # seconds one DescribeDataset may take
 PROBE_TIMEOUT = 1.0  # seconds a diagnostic TCP connect may take

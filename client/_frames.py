@@ -1,6 +1,6 @@
 """Decode BatchFrames and assemble batch payloads, copying each byte once.
 
-Servers put `data` first on the wire (see server/_frames.py): the payload is sliced out of the
+Servers put `data` first on the wire (see server/front/frames.py): the payload is sliced out of the
 received message without a parse copy and copied straight into the batch's buffer. Any other
 field order still decodes, through protobuf. On the data connection a batch is one record
 (a 4-byte length, its frame, its payload): the payload is received straight into the batch's

@@ -19,7 +19,6 @@ from stoker.v1 import stoker_pb2 as pb
 
 from . import _samehost as samehost
 from ._buffers import HostBuffers
-from ._channel import ChannelMaker
 from ._contact import first_contact
 from ._datalink import Transports
 from ._errors import DataMismatch, RemoteError
@@ -32,6 +31,7 @@ from ._scheduler import FATAL, Scheduler, group_for
 from ._servers import RESOLVE_EVERY, Resolver, ServerSet
 from ._sizes import MAX_CREDITS, check_epoch, credit_window, say_dropped
 from ._stream import StreamSpec
+from .channel import ChannelMaker
 
 _MISSING = object()
 

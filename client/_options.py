@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._channel import ChannelMaker
 from ._normalize import Normalizer
+from .channel import ChannelMaker
 
 __all__ = ["TOKEN_COSTS", "LoaderOptions", "default_rank_world", "prefetching"]
 
@@ -23,7 +23,7 @@ __all__ = ["TOKEN_COSTS", "LoaderOptions", "default_rank_world", "prefetching"]
 PREFETCH = 8
 PREFETCH_BYTES = 32 << 20
 
-# What ranks' batches are balanced by under batch_tokens (server/_token_batches.py).
+# What ranks' batches are balanced by under batch_tokens (server/order/token_batches.py).
 TOKEN_COSTS = ("tokens", "squares")
 
 

@@ -184,7 +184,7 @@ class ServerSet:
                  channel: Callable[[str, list[tuple[str, Any]]], grpc.Channel] | None = None,
                  *, dns_refresh: float = RESOLVE_EVERY, resolver: Resolver | None = None
                  ) -> None:
-        """`channel(address, options)` makes a server's channel (TLS, token: _channel.py);
+        """`channel(address, options)` makes a server's channel (TLS, token: channel.py);
         default: plain TCP. A dns: target is resolved by `resolver` (default: the system's)
         every `dns_refresh` seconds; ValueError if either is given wrong."""
         self._fixed, self._dns = parse_addresses(address)

@@ -23,7 +23,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(_config, name)
     if name == "StartError":
-        from ._workers import StartError
+        from ._errors import StartError
 
         return StartError
     if name in ("ServerProcess", "write_config"):

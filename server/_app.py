@@ -29,14 +29,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from . import _limits, _sampling, _shm, _tls
-from ._auth import TokenInterceptor, read_token
 from ._config import Config
-from ._datasocket import DataSockets
-from ._http import HttpLimits, HttpServer
-from ._listen import address, taken
-from ._service import SERVICE_NAME, DataService, client_of
-from ._workers import DatasetMeta, StartError, WorkerPool
+from ._errors import StartError
+from .front import limits, tls
+from .front.auth import TokenInterceptor, read_token
+from .front.datasocket import DataSockets
+from .front.http import HttpLimits, HttpServer
+from .front.listen import address, taken
+from .front.service import SERVICE_NAME, DataService, client_of
+from .order import sampling
+from .pool import depth
+from .pool.workers import DatasetMeta, WorkerPool
 
 __all__ = ["Started", "drain", "serve", "start"]
 
@@ -44,7 +47,7 @@ log = logging.getLogger("stoker.server")
 
 # Frames are at most MAX_FRAME_BYTES; requests are small (their limit, max_request_bytes,
 # comes from the config: grpc.max_receive_message_length; so do the connection limits,
-# _limits.grpc_options). Keepalive pings let a server notice a vanished client (and free what
+# limits.grpc_options). Keepalive pings let a server notice a vanished client (and free what
 # its stream held) without waiting for TCP to time out.
 # No SO_REUSEPORT: a second server on a taken port must fail, not share it silently.
 GRPC_OPTIONS = [
@@ -120,17 +123,17 @@ async def start(config: Config, stack: contextlib.AsyncExitStack,
     settings = config.server
     _on_signals(stack, on_signal)  # first: a signal during the start stops cleanly
     # Before the workers start: they inherit the limit.
-    nofile, nofile_hard = _limits.raise_nofile()
-    if (warning := _limits.nofile_warning(settings, nofile, nofile_hard)) is not None:
+    nofile, nofile_hard = limits.raise_nofile()
+    if (warning := limits.nofile_warning(settings, nofile, nofile_hard)) is not None:
         log.warning("%s", warning)
-    _sampling.ORDERS.resize(int(settings.max_order_cache_bytes))
+    sampling.ORDERS.resize(int(settings.max_order_cache_bytes))
     # Secrets and certificates first: a bad one fails the start before any worker runs.
     token = read_token(settings)
-    tls = _tls.server_context(settings.tls) if settings.tls is not None else None
+    tls_context = tls.server_context(settings.tls) if settings.tls is not None else None
     _check_ports(settings)  # before the workers: a taken port fails in a moment, not minutes
     pool = WorkerPool(config, settings.worker_count)
     meta = await _start_workers(stack, pool)
-    if (small := _shm.capacity_warning(meta, settings)) is not None:
+    if (small := depth.capacity_warning(meta, settings)) is not None:
         log.warning("%s", small)
     service = DataService(config, pool, meta)
     # The data connections (TLS under server.tls, the bearer token's proof with a token)
@@ -138,7 +141,7 @@ async def start(config: Config, stack: contextlib.AsyncExitStack,
     # they close.
     service.data_sockets = _listening(
         "data socket", settings.host, settings.data_port,
-        lambda: DataSockets(settings.host, settings.data_port, tls=tls, bearer=token))
+        lambda: DataSockets(settings.host, settings.data_port, tls=tls_context, bearer=token))
     service.data_sockets.start()
     stack.callback(service.data_sockets.close)
     grpc_server, health_servicer, grpc_port = await _start_grpc(stack, config, service, token)
@@ -228,12 +231,12 @@ async def _start_grpc(stack: contextlib.AsyncExitStack, config: Config, service:
                       token: bytes | None) -> tuple[grpc.aio.Server, Any, int]:
     """The gRPC server, listening: (server, its health servicer, its port)."""
     settings = config.server
-    health_servicer = _limits.LimitedHealth(service.admission, client_of)
+    health_servicer = limits.LimitedHealth(service.admission, client_of)
     server = grpc.aio.server(
-        options=[*GRPC_OPTIONS, *_limits.grpc_options(settings),
+        options=[*GRPC_OPTIONS, *limits.grpc_options(settings),
                  ("grpc.max_receive_message_length", int(settings.max_request_bytes))],
         interceptors=[TokenInterceptor(token)] if token is not None else None,
-        maximum_concurrent_rpcs=_limits.concurrent_rpcs(settings))
+        maximum_concurrent_rpcs=limits.concurrent_rpcs(settings))
     server.add_generic_rpc_handlers([service.handler()])
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     # Reflection: grpcurl and friends discover the services without the .proto file.
@@ -244,7 +247,7 @@ async def _start_grpc(stack: contextlib.AsyncExitStack, config: Config, service:
         if settings.tls is None:
             port = server.add_insecure_port(where)
         else:
-            port = server.add_secure_port(where, _tls.grpc_credentials(settings.tls))
+            port = server.add_secure_port(where, tls.grpc_credentials(settings.tls))
     except RuntimeError as e:
         raise StartError(f"cannot listen on {where} (gRPC): {e}") from None
     await server.start()

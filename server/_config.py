@@ -91,14 +91,14 @@ class CacheSettings(_Strict):
     # Objects each worker fetches ahead of the batches that need them (the epoch's order is
     # known), at most this many bytes in flight.
     prefetch_bytes: ByteSize = Field(ByteSize(256 << 20), ge=0)
-    # -- issue 17, the prefix cache (server/_prefix_cache.py): what each pipeline computes
+    # -- issue 17, the prefix cache (server/pool/prefix_cache.py): what each pipeline computes
     # before its first random step (decoded, resized pixels; a python dataset's `prepare`),
     # kept across epochs and jobs, shared by the workers. 0: none kept in memory.
     decoded_bytes: ByteSize = Field(ByteSize(0), ge=0, description="in /dev/shm, e.g. 8GiB")
     # Entries evicted from memory go to disk, up to spill_bytes (0: they are dropped).
     spill_bytes: ByteSize = Field(ByteSize(0), ge=0, description="e.g. 100GiB")
     spill_dir: ConfigPath | None = Field(None, description="local disk; default: dir/prefix")
-    # -- issue 17, batches shared across jobs (server/_shared_batches.py): requests in flight
+    # -- issue 17, batches shared across jobs (server/front/shared_batches.py): requests in flight
     # for the same coordinates and batch index always wait for one build; a batch built is
     # also kept this many bytes of shared memory (at most 1/8 of /dev/shm) for this many
     # seconds, for the jobs of a sweep that ask for it a little later. 0 bytes: no keeping.
@@ -632,7 +632,7 @@ class TextDataset(_Sourced):
         return self
 
 
-# -- format: mixture (server/_mixture.py, formats/mixture.py) ---------------------------------
+# -- format: mixture (server/order/mixture.py, formats/mixture.py) ---------------------------------
 Weight = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
@@ -768,8 +768,9 @@ class ServerSettings(_Strict):
     # client asks again) and the worker is killed and replaced. Below the client's own
     # timeout (300 s by default), so that the client hears of it before giving up.
     batch_timeout_seconds: float = Field(120.0, gt=0, le=86400)
-    # -- issue 19, package "limits": bounded connections, streams and memory (server/_limits.py;
-    # each is a row of docs/security.md's Limits table, with the error it gives).
+    # -- issue 19, package "limits": bounded connections, streams and memory
+    # (server/front/limits.py; each is a row of docs/security.md's Limits table, with the error
+    # it gives).
     # Batch streams open at once, all clients together: each holds credits, a share of the
     # workers and, when asked, a data socket (one descriptor).
     max_streams: int = Field(1024, ge=1, le=1 << 20)

@@ -46,7 +46,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         from ._app import serve
         from ._config import ConfigError, load_config
-        from ._workers import StartError
+        from ._errors import StartError
     except ModuleNotFoundError as e:
         return _needs_server_extra("serve", e)
     try:
@@ -69,7 +69,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     try:
-        from ._check import check
+        from .tools.check import check
     except ModuleNotFoundError as e:
         return _needs_server_extra("check", e)
     return check(args.config)
@@ -87,7 +87,7 @@ def version() -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    from . import _autoscale, _inspect, _stats_view
+    from .tools import autoscale, inspect, stats_view
 
     p = argparse.ArgumentParser(prog="stoker", description="Remote data serving for ML "
                                 "training.")
@@ -106,9 +106,9 @@ def parser() -> argparse.ArgumentParser:
                            "serving (server extra)")
     check.add_argument("config", help="YAML config file")
     check.set_defaults(func=_check)
-    _inspect.add_commands(sub)
-    _stats_view.add_command(sub)
-    _autoscale.add_command(sub)
+    inspect.add_commands(sub)
+    stats_view.add_command(sub)
+    autoscale.add_command(sub)
     return p
 
 

@@ -26,7 +26,7 @@ The pipeline is cut at its first random step (`random_resized_crop`, `horizontal
 prefix (the decode and the `resize` and `center_crop` steps listed before it) is planned and
 resampled as above, into uint8 pixels; the rest is planned on those pixels and resampled once
 more. The prefix depends on the image alone, so the server may keep its pixels across epochs
-and jobs (cache.decoded_bytes, server/_prefix_cache.py); the cut is made whether or not a
+and jobs (cache.decoded_bytes, server/pool/prefix_cache.py); the cut is made whether or not a
 cache is configured, so that the output is the same either way. So a JPEG is decoded at
 reduced DCT scale only as far as the prefix allows (a random crop is taken from the decoded
 pixels), and `resize` then `random_resized_crop` resamples twice. `normalize` is never in the
@@ -49,7 +49,7 @@ import numpy as np
 import simplejpeg
 from PIL import Image
 
-from ._batch import padded
+from .formats.samples import padded
 
 # Workers are processes, one per core: OpenCV's own thread pool would only compete with them.
 cv2.setNumThreads(1)
@@ -214,7 +214,7 @@ class ImagePipeline:
 
     Unless a step fixes the output size (`center_crop`, `random_resized_crop`, `resize` to
     [height, width]), images keep sizes of their own: `fixed_size` is False, the output is a
-    `Padded` array (padded to the batch's largest when collated, see _batch.py), and `write`
+    `Padded` array (padded to the batch's largest when collated, see pool/batch.py), and `write`
     adds the field `<name>_size`, the image's (height, width) before padding.
 
     The prefix (see the module's docstring) is `prefix(data)`; `cached(index)` is sample

@@ -18,7 +18,7 @@ import pytest
 
 from stoker.client import RemoteLoader
 from stoker.server import write_config
-from stoker.server._autoscale import (
+from stoker.server.tools.autoscale import (
     Action,
     Observation,
     Policy,

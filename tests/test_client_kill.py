@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from stoker.server import ServerProcess
-from stoker.server._workers import KEEP_SEGMENTS  # free segments a worker keeps at most
+from stoker.server.pool.depth import KEEP_SEGMENTS  # free segments a worker keeps at most
 
 from conftest import StartServer, rss_anon
 

@@ -22,7 +22,7 @@ from PIL import Image
 
 from stoker.client import RemoteLoader
 from stoker.server import ServerProcess, write_config
-from stoker.server._batch import replacement
+from stoker.server.pool.batch import replacement
 from stoker.v1 import stoker_pb2 as pb
 
 from conftest import StartServer, server_env

@@ -20,8 +20,8 @@ import pytest
 from PIL import Image
 
 from stoker.server import Config
-from stoker.server._sampling import EpochKey
 from stoker.server.formats import _READERS, OPTIONAL, DatasetParts, open_dataset
+from stoker.server.order.sampling import EpochKey
 
 # The optional parts each format has; a new format says here which it has.
 SHARDED = {"source_of", "shard_starts", "objects_of", "storage"}

@@ -15,8 +15,8 @@ import pytest
 
 from stoker.client import RemoteLoader
 from stoker.client._frames import Assembler
-from stoker.server._datasocket import MAX_CLAIMS, TOKEN_WAIT
-from stoker.server._workers import KEEP_SEGMENTS
+from stoker.server.front.datasocket import MAX_CLAIMS, TOKEN_WAIT
+from stoker.server.pool.depth import KEEP_SEGMENTS
 from stoker.v1 import stoker_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)

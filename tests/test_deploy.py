@@ -21,7 +21,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from stoker.server import load_config
-from stoker.server._metrics import Metrics
+from stoker.server.front.metrics import Metrics
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stoker.client import RemoteError, RemoteLoader
 from stoker.server import ServerProcess
-from stoker.server._batch import replacement
+from stoker.server.pool.batch import replacement
 from stoker.v1 import stoker_pb2 as pb
 from stoker.v1 import stoker_pb2_grpc as pb_grpc
 

@@ -407,7 +407,7 @@ def test_a_server_with_other_data_that_comes_up_later_refuses_the_stream(
 
 def test_a_listing_keeps_what_it_saw_first_and_the_fingerprint_says_what_differs() -> None:
     from stoker.server._config import Config
-    from stoker.server._fingerprint import of_listing
+    from stoker.server.order.fingerprint import of_listing
     from stoker.server.sources import ObjectInfo
     from stoker.server.sources._listing import RECENT, Listing
 

@@ -232,7 +232,7 @@ def test_item9_stats_shows_the_live_pages_table(client_only, plain_server) -> No
 
 def test_item9_grid_tiles_are_captioned_with_sample_index_and_label(
         client_only, plain_server, tmp_path: Path) -> None:
-    from stoker.server._inspect import draw_text
+    from stoker.server.tools.inspect import draw_text
 
     picture = tmp_path / "grid.png"
     out = client_only.stoker("inspect", plain_server.address, "pics", "--batch-size", "8",

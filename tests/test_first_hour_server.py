@@ -123,7 +123,7 @@ def test_item8_logs_say_what_the_server_does_and_user_tracebacks_reach_the_clien
     assert tb is not None and tb.startswith("Traceback (most recent call last):"), str(err)
     assert 'File "first_hour_datasets.py"' in tb and "in _decode" in tb and "in __getitem__" in tb
     assert tb.rstrip().endswith("ValueError: record 7 is truncated")
-    assert str(TESTS) not in str(err) and "_worker_main" not in tb and "_batch.py" not in tb
+    assert str(TESTS) not in str(err) and "pool/worker_main" not in tb and "pool/batch.py" not in tb
     # The server's log: the stream opened and closed, the DATA_LOSS with the full traceback.
     log = logged(server, r"stream \d+ from .*dataset 'broken'.* closed after")
     assert re.search(r"INFO .*stream \d+ from ipv4:127\.0\.0\.1:\d+ \(dataset 'broken', "

@@ -17,7 +17,7 @@ from PIL import Image
 
 from stoker.client import RemoteError, RemoteLoader
 from stoker.server import ServerProcess, write_config
-from stoker.server._batch import replacement
+from stoker.server.pool.batch import replacement
 
 from conftest import StartServer
 

@@ -30,7 +30,7 @@ from stoker.client._frames import (
     Assembler,
     numpy_views,
 )
-from stoker.server._frames import _varint
+from stoker.server.front.frames import _varint
 from stoker.v1 import stoker_pb2 as pb
 
 pytestmark = pytest.mark.timeout(180)

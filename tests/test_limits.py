@@ -24,7 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stoker.client import RemoteError, RemoteLoader
-from stoker.server._workers import DEPTH, KEEP_SEGMENTS
+from stoker.server.pool.depth import DEPTH, KEEP_SEGMENTS
 from stoker.v1 import stoker_pb2 as pb
 
 from conftest import StartServer, rss_anon

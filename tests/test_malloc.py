@@ -1,4 +1,4 @@
-"""A worker keeps the memory a sample freed for the next one (server/_malloc.py): making a
+"""A worker keeps the memory a sample freed for the next one (server/pool/malloc.py): making a
 sample's arrays, hundreds of KiB each, does not fault their pages in again sample after
 sample."""
 

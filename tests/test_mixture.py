@@ -85,7 +85,7 @@ def test_shares_hold_over_every_window_of_100_global_batches(servers) -> None:
         got = per_step[start:start + window].sum(axis=0)
         worst = max(worst, float(np.abs(got - window * WORLD * BATCH * weights).max()))
     # The issue's bound: one sample a batch, 100 over 100 global batches. Positions are dealt
-    # in permuted pieces of 256 (server/_mixture.py), so a window is off by at most what its
+    # in permuted pieces of 256 (server/order/mixture.py), so a window is off by at most what its
     # two partial pieces draw differently from the shares: a few samples.
     assert worst <= 20, worst
     # Every rank's batches carry the shares too (not one phase of the splits' pattern).

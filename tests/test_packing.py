@@ -15,8 +15,8 @@ import pytest
 
 from stoker.client import RemoteLoader
 from stoker.server import Config, ConfigError, ServerProcess, load_config, write_config
-from stoker.server._sampling import EpochKey
 from stoker.server.formats import open_dataset
+from stoker.server.order.sampling import EpochKey
 
 from conftest import server_env
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from stoker.client import RemoteLoader
-from stoker.server._workers import KEEP_SEGMENTS
+from stoker.server.pool.depth import KEEP_SEGMENTS
 from stoker.v1 import stoker_pb2 as pb
 
 from toy_datasets import Noise

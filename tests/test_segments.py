@@ -1,4 +1,4 @@
-"""A worker's shared-memory segments are reused, grown, and bounded (server/_shm.py)."""
+"""A worker's shared-memory segments are reused, grown, and bounded (server/pool/shm.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from stoker.server import _shm
+from stoker.server.pool import shm as _shm
 
 pytestmark = [pytest.mark.timeout(30),
               pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")]

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stoker.server._sampling import Ordering
+from stoker.server.order.sampling import Ordering
 from stoker.server.sources import StorageError, glob_regex, open_storage, split_source
 from stoker.server.sources.cache import DiskCache
 

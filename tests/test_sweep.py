@@ -23,12 +23,12 @@ import pytest
 
 from stoker.client import RemoteError, RemoteLoader
 from stoker.server import ServerProcess, write_config
-from stoker.server._batch import BuiltBatch
 from stoker.server._config import CacheSettings
-from stoker.server._messages import FailureKind
-from stoker.server._sampling import Coordinates
-from stoker.server._shared_batches import Outcome, SharedBatches
-from stoker.server._workers import BatchFailed
+from stoker.server.front.shared_batches import Outcome, SharedBatches
+from stoker.server.order.sampling import Coordinates
+from stoker.server.pool.layout import BuiltBatch
+from stoker.server.pool.messages import FailureKind
+from stoker.server.pool.workers import BatchFailed
 
 from conftest import TOY_DATASETS, server_env
 

@@ -15,8 +15,8 @@ from PIL import Image
 from stoker.client import RemoteLoader
 from stoker.server import ConfigError, ServerProcess, load_config, write_config
 from stoker.server._config import ImageFolderDataset, transform_steps
-from stoker.server._sampling import EpochKey
 from stoker.server.images import ImagePipeline, rrc_box
+from stoker.server.order.sampling import EpochKey
 
 from conftest import server_env
 

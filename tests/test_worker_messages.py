@@ -10,9 +10,9 @@ import grpc
 import numpy as np
 import pytest
 
-from stoker.server import _messages as msg
-from stoker.server._batch import BuiltBatch, TensorLayout
-from stoker.server._sampling import EpochKey, Ordering
+from stoker.server.order.sampling import EpochKey, Ordering
+from stoker.server.pool import messages as msg
+from stoker.server.pool.layout import BuiltBatch, TensorLayout
 
 INDICES = np.arange(1024, dtype=np.int64)
 BATCH = BuiltBatch(shm_name="stoker_1_2_3", payload_bytes=16384, num_samples=1024,
@@ -51,7 +51,7 @@ def test_messages_are_small_beside_what_they_carry() -> None:
 
 
 def test_every_failure_kind_has_the_status_its_batch_is_answered_with() -> None:
-    from stoker.server._session import FAILURE_CODE
+    from stoker.server.front.session import FAILURE_CODE
 
     assert set(FAILURE_CODE) == set(msg.FailureKind)
     assert FAILURE_CODE[msg.FailureKind.UNAVAILABLE] == grpc.StatusCode.UNAVAILABLE

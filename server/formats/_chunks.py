@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from .._prefix_cache import use_cache
-from .._sampling import EpochKey
 from ..images import image_pipeline
+from ..order.sampling import EpochKey
+from ..pool.prefix_cache import use_cache
 from ..sources import Storage
 from ._shards import ShardIndex
 from .memmap import OpenMaps

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .._sampling import EpochKey
+from ..order.sampling import EpochKey
 from ..sources import Storage
 
 
@@ -51,18 +51,18 @@ class DatasetParts:
     storage: Storage | None = None
     # fingerprint() -> str: `format: python` datasets only: a string that changes whenever the
     # data behind the dataset does (a version, a hash of the files it reads). With the config
-    # and len(), it makes the dataset's fingerprint (server/_fingerprint.py), which servers
+    # and len(), it makes the dataset's fingerprint (server/order/fingerprint.py), which servers
     # and clients compare: without it, two servers whose python datasets have the same
     # config and length are taken to serve the same data.
     fingerprint: Callable[[], str] | None = None
     # sample_lengths() -> int64 array [len(dataset)]: each sample's token count, known cheaply
     # at open (jsonl and parquet with `length_column`); called once, by the worker that
-    # describes the dataset. Token budgets (`batch_tokens`, server/_token_batches.py) need it.
+    # describes the dataset. Token budgets (`batch_tokens`, server/order/token_batches.py) need it.
     sample_lengths: Callable[[], np.ndarray] | None = None
     # use_prefix_cache(scope): keep what the dataset computes before its first random step
     # (image decodes, a python dataset's `prepare`) in the server's prefix cache, where
     # scope(stage, spec) -> a _prefix_cache.Scope of one stage's entries (`spec`: its config).
-    # Given once, after the fingerprint is known (server/_prefix_cache.py).
+    # Given once, after the fingerprint is known (server/pool/prefix_cache.py).
     use_prefix_cache: Callable[[Callable[[str, str], Any]], None] | None = None
 
     @classmethod

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from .._sampling import EpochKey
 from ..images import image_pipeline
+from ..order.sampling import EpochKey
 from ..sources import Storage
 
 EXTENSIONS = (".jpg", ".jpeg", ".png")

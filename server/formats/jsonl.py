@@ -36,10 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from .._batch import padded
 from ..sources import Storage
 from ._shards import ShardIndex
 from .memmap import OpenMaps
+from .samples import padded
 
 DEFAULT_PATTERN = "**/*.jsonl"  # a source that names a directory
 CHUNK = 64 << 20  # bytes scanned at a time: the comparison's temporary stays this small

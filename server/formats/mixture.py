@@ -1,4 +1,4 @@
-"""`format: mixture`: other datasets of the config, drawn with weights (see server/_mixture.py
+"""`format: mixture`: other datasets of the config, drawn with weights (see server/order/mixture.py
 for which sample fills each position).
 
 The dataset's indices are the mixture's index space: `component_epoch * period + offset + i`
@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from .._batch import Padded, fetch_sample
-from .._fingerprint import fingerprint
-from .._mixture import MixtureOrdering, Phase, locate, quantize
-from .._sampling import FIRST_EPOCH, EpochKey, Ordering
+from ..order.fingerprint import fingerprint
+from ..order.mixture import MixtureOrdering, Phase, locate, quantize
+from ..order.sampling import FIRST_EPOCH, EpochKey, Ordering
 from ..sources import ObjectInfo
 from ._contract import DatasetParts
+from .samples import Padded, fetch_sample
 
 SOURCE = "source"
 

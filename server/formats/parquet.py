@@ -43,7 +43,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .._sampling import EpochKey
+from ..order.sampling import EpochKey
 from ..sources import Storage
 from ._shards import ShardIndex
 from .jsonl import utf8_padded
@@ -409,7 +409,7 @@ class Parquet:
         return out
 
     def use_prefix_cache(self, scope: Any) -> None:
-        from .._prefix_cache import use_cache
+        from ..pool.prefix_cache import use_cache
 
         use_cache(scope, [(f.name, f.pipeline) for f in self.fields])
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .._sampling import FIRST_EPOCH, EpochKey
+from ..order.sampling import FIRST_EPOCH, EpochKey
 from ._contract import DatasetParts
 
 # What a sample may be, said by every error about one that is not.

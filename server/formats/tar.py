@@ -41,9 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from .._prefix_cache import use_cache
-from .._sampling import EpochKey
 from ..images import image_pipeline
+from ..order.sampling import EpochKey
+from ..pool.prefix_cache import use_cache
 from ..sources import ObjectInfo, Storage
 from ..sources.cache import LOCKS, TMP, file_lock
 from . import jsonl

@@ -67,7 +67,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._sampling import EpochKey
+from ..order.sampling import EpochKey
 from ..sources import ObjectInfo, Storage
 from ..sources.cache import LOCKS, TMP, file_lock
 from .tokenizer import Tokenizer, load_tokenizer

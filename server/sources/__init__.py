@@ -54,7 +54,7 @@ class ObjectInfo:
 class Storage(Protocol):
     url: str  # the root: a directory path, or s3://bucket/prefix
     # Every object list() and info() returned, by key, as first seen: what the dataset's
-    # fingerprint covers (server/_fingerprint.py) and what reads are checked against.
+    # fingerprint covers (server/order/fingerprint.py) and what reads are checked against.
     listed: Listing
 
     def list(self, pattern: str | None = None) -> list[ObjectInfo]:

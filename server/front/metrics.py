@@ -1,0 +1,311 @@
+"""What a server counts, for /metrics (Prometheus text format) and /v1/stats.
+
+One registry per server (not prometheus-client's global one), labelled by dataset. The
+front end's event loop updates the counters; the HTTP thread reads them (prometheus-client's
+metrics are thread-safe; the counters updated per batch are `Tally`s, sums the loop alone
+writes and a scrape copies). Clients report their data stall (the share of their loop's time
+spent waiting for batches) in their streams: the mean and the worst over the streams that
+reported in the last minute are the autoscaling signal (docs/deployment.md); while no client
+reports, those two series are absent (unknown), not 0.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
+
+REPORT_TTL = 60.0  # seconds a client's stall report counts after it was sent
+WINDOW = 10.0  # seconds over which /v1/stats computes live rates
+
+
+class Metrics:
+    def __init__(self, status: Callable[[], dict[str, int]]) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        # transport: frames (gRPC frames), data_socket, shm (lent in shared memory).
+        self.batches = Tally("stoker_batches", "Batches sent, by transport: frames, "
+                             "data_socket or shm", ["dataset", "transport"])
+        self.samples = Tally("stoker_samples", "Samples sent", ["dataset"])
+        self.bytes = Tally("stoker_payload_bytes", "Batch payload bytes sent (frames, "
+                           "data_socket) or lent (shm)", ["dataset", "transport"])
+        self.errors = Counter("stoker_batch_errors", "Batches answered with an error",
+                              ["dataset", "kind"], registry=r)
+        self.drawn = Counter("stoker_mixture_samples", "Samples of a mixture built, by "
+                             "component", ["dataset", "component"], registry=r)
+        self.skipped = Counter("stoker_skipped_samples", "Bad samples replaced under "
+                               "on_error: skip", ["dataset"], registry=r)
+        self.build = TallyHistogram("stoker_batch_build_seconds", "Worker time to build a "
+                                    "batch", ["dataset"], BUILD_BUCKETS)
+        self.busy = Tally("stoker_worker_busy_seconds", "Worker time spent building batches")
+        self.cache_hits = Counter("stoker_cache_hits", "Remote objects read from the disk "
+                                  "cache", registry=r)
+        self.cache_misses = Counter("stoker_cache_misses", "Remote objects fetched into the "
+                                    "disk cache", registry=r)
+        self.cache_bytes = Counter("stoker_cache_fetched_bytes", "Bytes fetched from remote "
+                                   "storage into the disk cache", registry=r)
+        self.streams = Gauge("stoker_active_streams", "Open batch streams", ["dataset"],
+                             registry=r)
+        self.stall = Gauge("stoker_client_data_stall", "Mean data stall the clients report "
+                           "(share of their loop time spent waiting for batches)",
+                           ["dataset"], registry=r)
+        self.stall_max = Gauge("stoker_client_data_stall_max", "Worst data stall a client "
+                               "reports", ["dataset"], registry=r)
+        self.reporting = Gauge("stoker_client_streams_reporting", "Streams whose client "
+                               "reported a stall in the last minute", ["dataset"], registry=r)
+        # -- issue 17, batches shared across jobs (server/front/shared_batches.py)
+        self.shared = Tally("stoker_shared_batches", "Batches asked for, by how they were "
+                            "had: built, joined (a build in flight for another stream) or "
+                            "cached (kept from an earlier build)", ["dataset", "outcome"])
+        self.shared_kept = Gauge("stoker_shared_kept_bytes", "Shared memory of the built "
+                                 "batches kept for other jobs (cache.shared_batches)",
+                                 registry=r)  # its value: set_function, by SharedBatches
+        r.register(_Tallies([self.batches, self.samples, self.bytes, self.busy, self.shared,
+                             self.build]))
+        # -- end of "batches shared across jobs"
+        workers = Gauge("stoker_workers", "Worker processes ready", registry=r)
+        workers.set_function(lambda: status()["workers"])
+        queued = Gauge("stoker_queued_batches", "Batches waiting for a worker", registry=r)
+        queued.set_function(lambda: status()["queued"])
+        building = Gauge("stoker_building_batches", "Batches handed to workers", registry=r)
+        building.set_function(lambda: status()["building"])
+        r.register(_PoolCounters(status))
+        r.register(_PrefixCacheMetrics(os.getpid()))
+        self._lock = threading.Lock()
+        self._reports: dict[int, tuple[str, float, float]] = {}  # stream -> dataset, stall, t
+        self._stall_datasets: set[str] = set()  # datasets that ever had a stall reported
+        self._recent: collections.deque[tuple[float, str, int, int]] = collections.deque()
+        self._started = time.monotonic()
+
+    # -- updates (the event loop) ------------------------------------------------------------
+    def sent(self, dataset: str, samples: int, nbytes: int, transport: str) -> None:
+        """A batch went out; `transport`: its Transport's label."""
+        self.batches.add((dataset, transport), 1)
+        self.samples.add((dataset,), samples)
+        self.bytes.add((dataset, transport), nbytes)
+        now = time.monotonic()
+        # No lock: only the loop changes _recent, and stats() copies it in one C call.
+        recent = self._recent
+        recent.append((now, dataset, samples, nbytes))
+        while recent[0][0] < now - WINDOW:
+            recent.popleft()
+
+    def built(self, dataset: str, seconds: float, skipped: int,
+              cache: tuple[int, int, int] = (0, 0, 0)) -> None:
+        self.build.observe((dataset,), seconds)
+        self.busy.add((), seconds)
+        hits, misses, fetched = cache
+        if hits:
+            self.cache_hits.inc(hits)
+        if misses:
+            self.cache_misses.inc(misses)
+        if fetched:
+            self.cache_bytes.inc(fetched)
+        if skipped:
+            self.skipped.labels(dataset).inc(skipped)
+
+    def shared_batch(self, dataset: str, outcome: str) -> None:
+        """A stream got a batch: `outcome` built, joined or cached (front/shared_batches.py)."""
+        self.shared.add((dataset, outcome), 1)
+
+    def mixed(self, dataset: str, ordering: Any, indices: Any) -> None:
+        """A batch of `indices` was built for `dataset`: for a mixture (an ordering with
+        `names` and `counts`, server/order/mixture.py), count its samples by component."""
+        counts = getattr(ordering, "counts", None)
+        if counts is None:
+            return
+        for name, n in zip(ordering.names, counts(indices).tolist(), strict=True):
+            if n:
+                self.drawn.labels(dataset, name).inc(n)
+
+    def client_report(self, stream: int, dataset: str, wait_s: float, loop_s: float) -> None:
+        if not (math.isfinite(wait_s) and math.isfinite(loop_s)):
+            return  # NaN: a NaN gauge, and null in /v1/stats where its schema says number
+        stall = min(max(wait_s / loop_s, 0.0), 1.0) if loop_s > 0 else 0.0
+        with self._lock:
+            self._reports[stream] = (dataset, stall, time.monotonic())
+        self._publish()
+
+    def stream_ended(self, stream: int) -> None:
+        with self._lock:
+            self._reports.pop(stream, None)
+        self._publish()
+
+    def _publish(self) -> None:
+        now = time.monotonic()
+        by_dataset: dict[str, list[float]] = collections.defaultdict(list)
+        with self._lock:
+            for key, (dataset, stall, t) in list(self._reports.items()):
+                if now - t > REPORT_TTL:
+                    del self._reports[key]
+                else:
+                    by_dataset[dataset].append(stall)
+            self._stall_datasets |= set(by_dataset)
+            known = set(self._stall_datasets)
+        for dataset in known:
+            stalls = by_dataset.get(dataset, [])
+            self.reporting.labels(dataset).set(len(stalls))
+            if stalls:
+                self.stall.labels(dataset).set(sum(stalls) / len(stalls))
+                self.stall_max.labels(dataset).set(max(stalls))
+            else:
+                # No client reports: the stall is unknown, not 0 ("no stall" would let an
+                # autoscaler scale down). An absent series is what Prometheus rules and
+                # adapters treat as "no data" (NaN would poison avg() and comparisons).
+                for gauge in (self.stall, self.stall_max):
+                    try:
+                        gauge.remove(dataset)
+                    except KeyError:
+                        pass
+
+    # -- reads (the HTTP thread) -------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Live figures: rates over the last WINDOW seconds, by dataset."""
+        self._publish()
+        now = time.monotonic()
+        recent = [x for x in list(self._recent) if x[0] >= now - WINDOW]
+        with self._lock:
+            reports = dict(self._reports)
+        span = min(WINDOW, now - self._started) or 1.0
+        out: dict[str, Any] = collections.defaultdict(
+            lambda: {"batches_per_s": 0.0, "samples_per_s": 0.0, "bytes_per_s": 0.0})
+        for _, dataset, samples, nbytes in recent:
+            d = out[dataset]
+            d["batches_per_s"] += 1 / span
+            d["samples_per_s"] += samples / span
+            d["bytes_per_s"] += nbytes / span
+        for dataset, stall, _ in reports.values():
+            out[dataset].setdefault("client_stalls", []).append(stall)
+        for metric in self.drawn.collect():  # since the start, not over the window
+            for s in metric.samples:
+                if s.name.endswith("_total"):
+                    out[s.labels["dataset"]].setdefault("components", {})[
+                        s.labels["component"]] = int(s.value)
+        for metric in self.streams.collect():
+            for s in metric.samples:
+                if s.value or s.labels["dataset"] in out:
+                    out[s.labels["dataset"]]["streams"] = int(s.value)
+        return {"window_seconds": WINDOW, "datasets": dict(out)}
+
+
+BUILD_BUCKETS = (.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 10)
+
+
+class Tally:
+    """A counter updated per batch: sums by label values, exposed like a prometheus Counter
+    (`<name>_total`). A Counter's inc (its checks, a lock, a labelled child looked up) cost
+    a few per cent of the front end's time at small batches; a dict update does not.
+    One writer (the event loop); a scrape reads a copy (made in one C call, under the GIL)."""
+
+    def __init__(self, name: str, doc: str, labels: list[str] | None = None) -> None:
+        self.name, self.doc, self.labels = name, doc, labels or []
+        self.sums: dict[tuple[str, ...], float] = {} if self.labels else {(): 0.0}
+
+    def add(self, key: tuple[str, ...], amount: float) -> None:
+        sums = self.sums
+        sums[key] = sums.get(key, 0) + amount
+
+    def family(self) -> CounterMetricFamily:
+        family = CounterMetricFamily(self.name, self.doc, labels=self.labels)
+        for key, value in list(self.sums.items()):
+            family.add_metric(list(key), value)
+        return family
+
+
+class TallyHistogram:
+    """A histogram updated per batch, as Tally is: counts by bucket, exposed like a
+    prometheus Histogram."""
+
+    def __init__(self, name: str, doc: str, labels: list[str],
+                 buckets: tuple[float, ...]) -> None:
+        self.name, self.doc, self.labels = name, doc, labels
+        self.bounds = list(buckets)
+        # key -> [count per bucket (the last: +Inf), sum]; the sum is its last item.
+        self.counts: dict[tuple[str, ...], list[float]] = {}
+
+    def observe(self, key: tuple[str, ...], value: float) -> None:
+        counts = self.counts.get(key)
+        if counts is None:
+            counts = self.counts[key] = [0] * (len(self.bounds) + 1) + [0.0]
+        counts[bisect.bisect_left(self.bounds, value)] += 1
+        counts[-1] += value
+
+    def family(self) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
+        for key, counts in list(self.counts.items()):
+            counts = list(counts)
+            cumulative, total = [], 0
+            for bound, n in zip([*map(floatToGoString, self.bounds), "+Inf"], counts[:-1],
+                                strict=True):
+                total += n
+                cumulative.append((bound, total))
+            family.add_metric(list(key), cumulative, counts[-1])
+        return family
+
+
+class _Tallies:
+    """The Tallies, for the registry."""
+
+    def __init__(self, tallies: list[Tally | TallyHistogram]) -> None:
+        self._tallies = tallies
+
+    def describe(self) -> list[Any]:
+        return [t.family() for t in self._tallies]
+
+    def collect(self) -> Any:
+        for t in self._tallies:
+            yield t.family()
+
+
+class _PoolCounters:
+    """Counters the worker pool keeps itself (read from its status() at each scrape)."""
+
+    def __init__(self, status: Callable[[], dict[str, int]]) -> None:
+        self._status = status
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return list(self.collect())
+
+    def collect(self) -> Any:
+        yield CounterMetricFamily("stoker_worker_timeouts", "Workers killed and replaced for "
+                                  "a batch not built within batch_timeout_seconds",
+                                  value=self._status().get("timeouts", 0))
+
+
+class _PrefixCacheMetrics:
+    """The prefix cache's counters (server/pool/prefix_cache.py), by tier: the workers keep them
+    in shared files, read at each scrape. Absent while the server keeps no prefix cache."""
+
+    def __init__(self, server_pid: int) -> None:
+        self._pid = server_pid
+
+    def describe(self) -> list[Any]:
+        return []  # known only at a scrape: the cache may or may not be configured
+
+    def collect(self) -> Any:
+        from ..pool.prefix_cache import read_stats
+
+        stats = read_stats(self._pid)
+        if not stats:
+            return
+        tiers = ("memory", "disk")
+        for what, doc in (("hits", "Prefixes read from the prefix cache"),
+                          ("misses", "Prefixes looked for in the prefix cache and not found")):
+            family = CounterMetricFamily(f"stoker_prefix_cache_{what}", f"{doc}, by tier",
+                                         labels=["tier"])
+            for tier in tiers:
+                family.add_metric([tier], stats[f"{tier}_{what}"])
+            yield family
+        held = GaugeMetricFamily("stoker_prefix_cache_bytes", "Bytes the prefix cache holds, "
+                                 "by tier", labels=["tier"])
+        for tier in tiers:
+            held.add_metric([tier], stats[f"{tier}_bytes"])
+        yield held

@@ -1,0 +1,226 @@
+"""The gRPC front end: the DataService methods, on grpc.aio.
+
+This module holds the handler table, the unary methods, the coordinate checks and the
+per-client stream limit; one StreamSession (server/front/session.py) serves each batch stream.
+
+Threading contract: every method runs on the server's one asyncio loop. Batch work happens in
+the worker processes; the front end only validates, schedules and sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from stoker.v1 import stoker_pb2 as pb
+
+from .._config import Config
+from ..order import token_batches
+from ..order.epochs import epoch_size
+from ..order.fingerprint import Fingerprint, short_digest
+from ..order.sampling import CoordinateError, Coordinates
+from ..pool import shm
+from ..pool.workers import DatasetMeta, WorkerPool
+from .limits import Admission, Kind, Refused
+from .metrics import Metrics
+from .session import FINGERPRINT_KEY, Abort, StreamSession
+from .shared_batches import SharedBatches
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..pool.layout import BuiltBatch
+
+log = logging.getLogger("stoker.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DataService"].full_name
+
+
+def client_of(peer: str) -> str:
+    """The client's address without its port: `ipv4:10.0.0.5:41234` -> `ipv4:10.0.0.5`."""
+    host, sep, port = peer.rpartition(":")
+    return host if sep and port.isdigit() else peer
+
+
+def _shorten(name: str, limit: int = 100) -> str:
+    """`name` quoted for a status message, cut to `limit` characters: gRPC refuses a status
+    whose details pass 16 KiB (the client got UNKNOWN "Stream removed" instead)."""
+    return repr(name) if len(name) <= limit else f"{name[:limit]!r}... ({len(name)} characters)"
+
+
+def fingerprint_pb(fp: Fingerprint | None) -> pb.Fingerprint | None:
+    return None if fp is None else pb.Fingerprint(digest=fp.digest, objects=fp.objects,
+                                                   bytes=fp.bytes)
+
+
+def _parse(message: Any, raw: bytes) -> Any:
+    try:
+        return message.FromString(raw)
+    except DecodeError as e:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                    f"request: not a valid {message.DESCRIPTOR.full_name}: {e}") from None
+
+
+def _parsed(method: Any, message: Any) -> Any:
+    """A unary method taking the request's bytes, parsed into `message`."""
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            request = _parse(message, raw)
+        except Abort as e:
+            await context.abort(e.code, str(e))
+        return await method(request, context)
+    return handle
+
+
+class DataService:
+    """The handler table, the unary methods, coordinate checks and per-client limits; each
+    StreamBatches call is served by a StreamSession (server/front/session.py), which reads the
+    public fields below."""
+
+    def __init__(self, config: Config, pool: WorkerPool, meta: dict[str, DatasetMeta],
+                 metrics: Metrics | None = None) -> None:
+        self._config = config
+        self.metrics = metrics or Metrics(pool.status)
+        self.data_sockets: Any = None  # a DataSockets, set by the app once it listens
+        self._streams = itertools.count()
+        self.pool = pool
+        self.mappings = shm.ReadMappings()  # of the workers' segments, kept between batches
+        self._meta = meta
+        self.settings = config.server
+        self.draining = False
+        # Open streams and health watches, held shared memory: per client and in all.
+        self.admission = Admission(self.settings)
+        # Built batches, shared by the streams that ask for the same ones (issue 17).
+        self.shared = SharedBatches(pool, config.cache, self.metrics, self._built)
+
+    @property
+    def lookahead(self) -> int:
+        """Batches ahead of the one asked for whose samples the workers prefetch: one round
+        of the workers' queues (as deep as the pool keeps them now), so a hint names a batch
+        no worker holds yet, not one another worker is already building."""
+        return self.settings.worker_count * self.pool.depth
+
+    def _built(self, coords: Coordinates, indices: np.ndarray, batch: BuiltBatch) -> None:
+        """A build ended well (once per build, however many streams share it): the worker's
+        figures, and a mixture's samples by component."""
+        self.metrics.built(coords.dataset, batch.build_seconds, batch.skipped, batch.cache)
+        self.metrics.mixed(coords.dataset, self._meta[coords.dataset].ordering, indices)
+
+    # -- read by the HTTP control plane (another thread) ------------------------------------
+    @property
+    def meta(self) -> dict[str, DatasetMeta]:
+        return self._meta
+
+    def format_of(self, dataset: str) -> str:
+        return self._config.datasets[dataset].format
+
+    def pool_status(self) -> dict[str, int]:
+        return self.pool.status()
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """Method handlers; StreamBatches sends frames this module has already serialized."""
+        # Requests arrive as bytes and are parsed here: a request that is not protobuf then
+        # gets INVALID_ARGUMENT, where grpc's own deserializer answers UNKNOWN or INTERNAL.
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            "ListDatasets": grpc.unary_unary_rpc_method_handler(
+                _parsed(self.ListDatasets, pb.ListDatasetsRequest), None,
+                pb.ListDatasetsResponse.SerializeToString),
+            "DescribeDataset": grpc.unary_unary_rpc_method_handler(
+                _parsed(self.DescribeDataset, pb.DescribeDatasetRequest), None,
+                pb.DescribeDatasetResponse.SerializeToString),
+            "StreamBatches": grpc.stream_stream_rpc_method_handler(
+                self._stream_batches, None, bytes),
+        })
+
+    async def _stream_batches(self, requests: AsyncIterator[bytes],
+                              context: grpc.aio.ServicerContext) -> None:
+        async def parsed() -> AsyncIterator[pb.StreamRequest]:
+            async for raw in requests:
+                yield _parse(pb.StreamRequest, raw)
+
+        await self.StreamBatches(parsed(), context)
+
+    # -- unary methods ---------------------------------------------------------------------
+    async def ListDatasets(self, request: pb.ListDatasetsRequest,
+                           context: grpc.aio.ServicerContext) -> pb.ListDatasetsResponse:
+        return pb.ListDatasetsResponse(datasets=[
+            pb.DatasetInfo(name=name, format=self._config.datasets[name].format,
+                           num_samples=m.num_samples, fingerprint=fingerprint_pb(m.fingerprint))
+            for name, m in sorted(self._meta.items())])
+
+    async def DescribeDataset(self, request: pb.DescribeDatasetRequest,
+                              context: grpc.aio.ServicerContext) -> pb.DescribeDatasetResponse:
+        try:
+            coords, meta = self.coordinates(request.coordinates, present=request.HasField(
+                "coordinates"))
+        except Abort as e:
+            await context.abort(e.code, str(e), trailing_metadata=e.trailers)
+        try:  # a token plan takes a while to make: off the loop
+            batches, per_rank = await asyncio.to_thread(epoch_size, meta, coords)
+        except CoordinateError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.DescribeDatasetResponse(
+            dataset=coords.dataset, format=self._config.datasets[coords.dataset].format,
+            num_samples=meta.num_samples, samples_per_rank=per_rank,
+            batches_per_epoch=batches,
+            fields=[pb.FieldSpec(name=n, dtype=d, shape=s) for n, d, s in meta.fields],
+            fingerprint=fingerprint_pb(meta.fingerprint),
+            max_credits=self.settings.max_credits)
+
+    def coordinates(self, c: pb.Coordinates, present: bool = True
+                    ) -> tuple[Coordinates, DatasetMeta]:
+        """Checked coordinates and their dataset's meta; Abort naming the field if not."""
+        if not present:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "coordinates: required")
+        meta = self._meta.get(c.dataset)
+        if meta is None:
+            served = ", ".join(sorted(self._meta)) or "(none)"
+            raise Abort(grpc.StatusCode.NOT_FOUND,
+                        f"dataset {_shorten(c.dataset)} is not served here; datasets: {served}")
+        have = meta.fingerprint
+        if c.fingerprint and have is not None and c.fingerprint != have.digest:
+            raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
+                        f"dataset {_shorten(c.dataset)}: this server has {have.short()}, the "
+                        f"client expects {ascii(short_digest(c.fingerprint))[1:-1]}: the data "
+                        "differs (listed at another time, or another config), and one loader "
+                        "must not mix the two",
+                        ((FINGERPRINT_KEY, have.digest),))
+        coords = Coordinates(c.dataset, c.seed, c.epoch, c.shuffle, c.rank, c.world_size,
+                             c.batch_size, c.drop_last, c.start,
+                             c.batch_tokens, c.token_cost or "tokens")
+        try:
+            coords.validate(meta.num_samples)
+            if coords.batch_tokens:
+                token_batches.check(meta.lengths, coords)
+        except CoordinateError as e:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        return coords, meta
+
+    # -- the batch stream ------------------------------------------------------------------
+    async def StreamBatches(self, requests: AsyncIterator[pb.StreamRequest],
+                            context: grpc.aio.ServicerContext) -> None:
+        """A batch stream, if its client (peer address, port aside) has fewer than
+        max_streams_per_client streams and health watches open, and the server fewer than
+        max_streams: a client that opens streams without end would hold memory and a share of
+        the workers each."""
+        with contextlib.ExitStack() as admitted:
+            client = client_of(context.peer())
+            try:
+                admitted.enter_context(self.admission.open(client, Kind.STREAM))
+            except Refused as e:
+                log.log(logging.WARNING if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                        else logging.INFO, "a stream from %s refused, %s: %s", context.peer(),
+                        e.code.name, e)
+                await context.abort(e.code, str(e))  # raises: the call ends here
+            session = StreamSession(self, context, next(self._streams), client)
+            try:
+                await session.run(requests)
+            finally:
+                await session.close()

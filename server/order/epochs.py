@@ -1,0 +1,37 @@
+"""Epoch arithmetic on a dataset as the server opened it: a batch's sample indices and an
+epoch's size, cut by count or, under batch_tokens, by the token plan."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from . import token_batches
+from .sampling import Coordinates, Ordering, batch_samples, batches_per_epoch, samples_per_rank
+
+
+class EpochSource(Protocol):
+    """What the arithmetic reads of a dataset (pool/messages.py's DatasetMeta has it)."""
+
+    num_samples: int
+    ordering: Ordering
+    lengths: np.ndarray | None  # each sample's token count, where the dataset knows it
+
+
+def samples_of(meta: EpochSource, c: Coordinates, index: int) -> np.ndarray:
+    """Dataset indices of batch `index`: cut by count, or by tokens under batch_tokens."""
+    if c.batch_tokens:
+        assert meta.lengths is not None  # checked with the coordinates
+        return token_batches.batch_samples(meta.ordering, meta.lengths, c, index)
+    return batch_samples(meta.ordering, c, index)
+
+
+def epoch_size(meta: EpochSource, c: Coordinates) -> tuple[int, int]:
+    """(batches per epoch, samples per rank) under `c`; under batch_tokens the samples of
+    the epoch's steps divided by world_size (ranks' counts differ, their tokens do not)."""
+    if c.batch_tokens:
+        assert meta.lengths is not None
+        p = token_batches.plan(meta.ordering, meta.lengths, c)
+        return p.steps, len(p.members) // c.world_size
+    return batches_per_epoch(meta.num_samples, c), samples_per_rank(meta.num_samples, c)

@@ -1,0 +1,269 @@
+"""Token budgets: which samples make batch k when batches are cut by tokens, not by count.
+
+Under `batch_tokens = B` a rank's batch holds at most B real tokens (the sum of its samples'
+lengths; padding is not counted, so a packed batch is at most B tokens long and a padded one
+[n, longest] with n * mean length <= B). The plan of an epoch is a pure function of the
+coordinates (dataset, seed, epoch, shuffle, world_size, batch_tokens, token_cost, start) and
+the dataset's sample lengths, computed once and cached (`PLANS`, bounded in bytes like
+_sampling.ORDERS), the same on every server. It is made in two steps:
+
+1. Cut the epoch's positions (from `start`, the positions an earlier run consumed) into global
+   steps. A step is a contiguous run of positions [a, b): it begins where the previous one
+   ended, so "consumed after step s" is always a prefix of the epoch's order, which is what an
+   elastic resume hands on (`cuts[s]`). b starts at the largest end whose run holds at most
+   world_size * B tokens.
+2. Split the run across the ranks: first by length (the run's samples sorted by length and
+   cut into world_size runs of about equal cost, so each rank's samples have similar lengths
+   and a padded batch wastes little); where that is not balanced, samples by cost, largest
+   first, each to the rank with the least cost so far among those its tokens still fit in
+   (LPT), then moves and swaps between the most and the least loaded ranks while they narrow
+   the gap. The step is taken when every
+   rank has a sample and every rank's cost is within BALANCE (5%) of the largest:
+   max - min <= 0.05 * max. Otherwise b shrinks by one and the split is tried again (at most
+   MAX_TRIES times; then the best split found is taken and counted in `unbalanced`, which the
+   server logs: with samples much shorter than B this does not happen).
+
+Cost is "tokens" (a sample's length) or "squares" (its length squared: attention's work);
+either way the budget B counts tokens. A sample longer than B is refused when the coordinates
+arrive (CoordinateError naming it), never truncated. The epoch's tail: positions left when
+fewer than world_size remain are dropped (at most world_size - 1 samples; `dropped`). Every
+other position is in exactly one rank's batch of exactly one step; every rank has the same
+number of steps (`steps`, which is len(loader)).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from .sampling import CoordinateError, Coordinates, OrderCache, Ordering
+
+log = logging.getLogger("stoker.server")
+
+COSTS = ("tokens", "squares")
+BALANCE = 0.05  # every rank's cost within this share of the step's largest
+MAX_TRIES = 32  # run ends tried per step before the best split found is taken
+IMPROVE_ROUNDS = 64  # moves and swaps tried per split
+
+
+@dataclass(frozen=True)
+class TokenPlan:
+    """One epoch's steps under a token budget. Step k covers positions [cuts[k], cuts[k+1]);
+    rank r's batch of step k is members[offsets[k * W + r] : offsets[k * W + r + 1]]
+    (positions of the epoch's order)."""
+
+    world_size: int
+    cuts: np.ndarray  # int64 [steps + 1]
+    members: np.ndarray  # int64, positions grouped by step then rank
+    offsets: np.ndarray  # int64 [steps * world_size + 1]
+    imbalance: np.ndarray  # float64 [steps]: (max - min) / max cost across ranks
+    unbalanced: int  # steps over BALANCE (see the module docstring)
+    dropped: int  # positions of the tail that no step holds
+
+    @property
+    def steps(self) -> int:
+        return len(self.cuts) - 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.cuts, self.members, self.offsets, self.imbalance))
+
+    def positions(self, step: int, rank: int) -> np.ndarray:
+        k = step * self.world_size + rank
+        return self.members[self.offsets[k] : self.offsets[k + 1]]
+
+
+# The process's token plans, all datasets (a plan holds 8 bytes a sample, plus a little).
+PLANS = OrderCache(256 << 20)
+
+
+def check(lengths: np.ndarray | None, c: Coordinates) -> None:
+    """Raise CoordinateError unless `c`'s token budget can be served from a dataset whose
+    samples have these lengths (None: the dataset does not know them)."""
+    if c.token_cost not in COSTS:
+        raise CoordinateError("token_cost", f"must be one of {', '.join(COSTS)}, got "
+                                            f"{c.token_cost!r}")
+    if lengths is None:
+        raise CoordinateError(
+            "batch_tokens", f"dataset {c.dataset!r} does not know its samples' lengths: token "
+                            "budgets need format jsonl or parquet with length_column set (see "
+                            "docs/configuration.md); use batch_size")
+    if len(lengths) and int(lengths.max()) > c.batch_tokens:
+        i = int(np.argmax(lengths))
+        raise CoordinateError(
+            "batch_tokens", f"sample {i} of dataset {c.dataset!r} has {int(lengths[i])} tokens, "
+                            f"more than batch_tokens={c.batch_tokens}: raise batch_tokens to at "
+                            f"least the longest sample ({int(lengths.max())}), or cut long "
+                            "samples in the data")
+
+
+def plan(ordering: Ordering, lengths: np.ndarray, c: Coordinates) -> TokenPlan:
+    """The epoch's plan for `c` (checked), from PLANS. `lengths`: the dataset's, by index
+    (the ordering belongs to that dataset, so the ordering names it in the cache's key)."""
+    start = getattr(c, "start", 0)
+    key = ("tokens", ordering, c.seed, c.epoch, c.shuffle, c.world_size, c.batch_tokens,
+           c.token_cost, start)
+    return PLANS.get(key, lambda: _make(ordering, lengths, c, start))  # type: ignore[arg-type,return-value]
+
+
+def batches_per_epoch(ordering: Ordering, lengths: np.ndarray, c: Coordinates) -> int:
+    return plan(ordering, lengths, c).steps
+
+
+def batch_samples(ordering: Ordering, lengths: np.ndarray, c: Coordinates,
+                  batch_index: int) -> np.ndarray:
+    """Dataset indices of rank c.rank's batch `batch_index` (a new array)."""
+    p = plan(ordering, lengths, c)
+    if not 0 <= batch_index < p.steps:
+        raise CoordinateError(
+            "batch_index", f"must be in [0, {p.steps}) for this epoch and rank, got {batch_index}")
+    positions = p.positions(batch_index, c.rank)
+    if not c.shuffle:
+        return positions.copy()
+    return ordering.epoch(c.seed, c.epoch, c.shuffle)[positions]
+
+
+def _make(ordering: Ordering, lengths: np.ndarray, c: Coordinates, start: int) -> TokenPlan:
+    if c.shuffle:
+        order = ordering.epoch(c.seed, c.epoch, c.shuffle)[start:]
+    else:
+        order = np.arange(start, ordering.num_samples, dtype=np.int64)
+    lens = np.asarray(lengths, dtype=np.int64)[order]
+    costs = lens if c.token_cost == "tokens" else lens * lens
+    world, budget = c.world_size, c.batch_tokens
+    ends = np.cumsum(lens)  # tokens in positions [0, i] of `lens`
+    cuts, members, offsets, imbalance = [0], [], [0], []
+    unbalanced = 0
+    a, n = 0, len(lens)
+    while n - a >= world:
+        before = int(ends[a - 1]) if a else 0
+        b_max = int(np.searchsorted(ends, before + world * budget, side="right"))
+        b_max = max(b_max, a + world)  # every sample fits B, so world of them fit world * B
+        best: tuple[float, int, list[list[int]]] | None = None
+        for b in range(b_max, max(a + world, b_max - MAX_TRIES) - 1, -1):
+            groups = _split(lens[a:b], costs[a:b], world, budget)
+            if groups is None:
+                continue
+            gap = _imbalance(costs[a:b], groups)
+            if best is None or gap < best[0]:
+                best = (gap, b, groups)
+            if gap <= BALANCE:
+                break
+        if best is None:  # cannot happen: one sample per rank always fits
+            raise AssertionError(f"no split of positions {a}..{a + world}")
+        gap, b, groups = best
+        unbalanced += gap > BALANCE
+        for g in groups:
+            members.append(np.sort(np.asarray(g, dtype=np.int64)) + a + start)
+            offsets.append(offsets[-1] + len(g))
+        imbalance.append(gap)
+        cuts.append(b)
+        a = b
+    p = TokenPlan(world, np.asarray(cuts, dtype=np.int64) + start,
+                  np.concatenate(members) if members else np.zeros(0, np.int64),
+                  np.asarray(offsets, dtype=np.int64), np.asarray(imbalance, np.float64),
+                  unbalanced, n - a)
+    for arr in (p.cuts, p.members, p.offsets, p.imbalance):
+        arr.flags.writeable = False
+    if unbalanced:
+        log.warning("dataset %r epoch %d: %d of %d steps of batch_tokens=%d over %d ranks could "
+                    "not be balanced within %d%% (samples long against batch_tokens?)",
+                    c.dataset, c.epoch, unbalanced, p.steps, budget, world, 100 * BALANCE)
+    return p
+
+
+def _imbalance(costs: np.ndarray, groups: list[list[int]]) -> float:
+    loads = [int(costs[g].sum()) for g in groups]
+    top = max(loads)
+    return (top - min(loads)) / top if top else 0.0
+
+
+def _split(lens: np.ndarray, costs: np.ndarray, world: int, budget: int
+           ) -> list[list[int]] | None:
+    """Items 0..len-1 over `world` ranks, each rank's tokens at most `budget`: by length
+    (`_split_by_length`) where that is balanced, else as evenly as LPT and a few improvements
+    make them; None if an item fits no rank or a rank is left empty."""
+    groups = _split_by_length(lens, costs, world, budget)
+    if groups is not None and _imbalance(costs, groups) <= BALANCE:
+        return groups
+    return _split_even(lens, costs, world, budget)
+
+
+def _split_by_length(lens: np.ndarray, costs: np.ndarray, world: int, budget: int
+                     ) -> list[list[int]] | None:
+    """The items sorted by length, cut into `world` runs of about equal cost: each rank gets
+    samples of similar lengths, so a padded batch wastes little (padding goes to the longest
+    of the rank's batch). None if a run is empty or over the budget."""
+    by_len = np.argsort(lens, kind="stable")
+    total = np.cumsum(costs[by_len])
+    # Cut k ends where the running cost is nearest k/world of the whole.
+    targets = total[-1] * np.arange(1, world) / world
+    right = np.searchsorted(total, targets)
+    left = np.maximum(right - 1, 0)
+    nearer = np.abs(total[left] - targets) <= np.abs(total[np.minimum(right, len(total) - 1)]
+                                                     - targets)
+    cuts = np.where(nearer, left, right) + 1
+    bounds = [0, *cuts.tolist(), len(by_len)]
+    groups = [by_len[a:b].tolist() for a, b in itertools.pairwise(bounds)]
+    if any(not g or int(lens[g].sum()) > budget for g in groups):
+        return None
+    return groups
+
+
+def _split_even(lens: np.ndarray, costs: np.ndarray, world: int, budget: int
+                ) -> list[list[int]] | None:
+    """LPT (largest cost first, to the least-loaded rank it fits), then moves and swaps
+    between the most and the least loaded ranks while they narrow the gap."""
+    load = [0] * world
+    tokens = [0] * world
+    groups: list[list[int]] = [[] for _ in range(world)]
+    lens_l, costs_l = lens.tolist(), costs.tolist()
+    for i in np.argsort(-costs, kind="stable").tolist():
+        best = -1
+        for r in range(world):
+            if tokens[r] + lens_l[i] <= budget and (best < 0 or load[r] < load[best]):
+                best = r
+        if best < 0:
+            return None
+        groups[best].append(i)
+        load[best] += costs_l[i]
+        tokens[best] += lens_l[i]
+    if any(not g for g in groups):
+        return None
+    for _ in range(IMPROVE_ROUNDS):
+        hi = max(range(world), key=load.__getitem__)
+        lo = min(range(world), key=load.__getitem__)
+        gap = load[hi] - load[lo]
+        if gap <= BALANCE * load[hi]:
+            break
+        # The move (i from hi to lo) or swap (i for j) whose shift of cost is nearest gap / 2:
+        # the pair's gap narrows whenever 0 < shift < gap.
+        pick: tuple[int, int | None] | None = None
+        shift_best = None
+        room = budget - tokens[lo]
+        for i in groups[hi]:
+            if len(groups[hi]) > 1 and lens_l[i] <= room and 0 < costs_l[i] < gap:
+                s = costs_l[i]
+                if shift_best is None or abs(2 * s - gap) < abs(2 * shift_best - gap):
+                    pick, shift_best = (i, None), s
+            for j in groups[lo]:
+                s = costs_l[i] - costs_l[j]
+                if (0 < s < gap and tokens[lo] + lens_l[i] - lens_l[j] <= budget
+                        and (shift_best is None or abs(2 * s - gap) < abs(2 * shift_best - gap))):
+                    pick, shift_best = (i, j), s
+        if pick is None:
+            break
+        i, j = pick
+        for item, src, dst in ((i, hi, lo), (j, lo, hi)):
+            if item is None:
+                continue
+            groups[src].remove(item)
+            groups[dst].append(item)
+            load[src] -= costs_l[item]
+            load[dst] += costs_l[item]
+            tokens[src] -= lens_l[item]
+            tokens[dst] += lens_l[item]
+    return groups

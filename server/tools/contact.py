@@ -1,0 +1,132 @@
+"""First contact with a data server from the command line: one ListDatasets call with a short
+deadline, and its failure turned into one line that names the address and says what to change
+(gRPC's own words, "Socket closed" or "failed to connect to all addresses", do not).
+
+`stoker datasets` and `stoker inspect` both start here, so a wrong address fails both the same
+way within CONTACT_SECONDS, instead of `inspect` waiting out its batch timeout in silence.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# A server that is up answers ListDatasets in milliseconds; a host that drops packets never
+# does. Long enough for a TLS handshake across a slow network, short enough to feel like an
+# answer.
+CONTACT_SECONDS = 5.0
+TLS_FLAGS = "--tls-ca CA.pem (or --tls, for a certificate signed by a system root)"
+
+
+class ContactError(Exception):
+    """A server that could not be reached or refused us; the message is for the user."""
+
+
+@dataclass(frozen=True)
+class Security:
+    """What the command line says about TLS and the token, and where the token came from
+    (the message for a refused token names it; never the token itself)."""
+
+    tls: Any  # RemoteLoader's `tls`: False, True, or a dict of file paths
+    token: str | None
+    token_source: str | None  # "--token-file FILE" or "$STOKER_TOKEN"
+
+    @property
+    def uses_tls(self) -> bool:
+        return bool(self.tls)
+
+
+def security(args: argparse.Namespace) -> Security:
+    """RemoteLoader's `tls` and `token` from the command line (the token from a file, else
+    $STOKER_TOKEN: never an argument, which other users of the machine can read in ps).
+    ValueError for a file that cannot be read."""
+    from stoker.client.channel import TOKEN_ENV, resolve_token
+
+    token, source = None, None
+    if args.token_file is not None:
+        try:
+            token = args.token_file.read_text().strip()
+        except OSError as e:
+            raise ValueError(f"--token-file {args.token_file}: {e.strerror}") from None
+        source = f"--token-file {args.token_file}"
+    elif resolve_token(None) is not None:
+        source = f"${TOKEN_ENV}"
+    files = {"ca": args.tls_ca, "cert": args.tls_cert, "key": args.tls_key,
+             "server_name": args.tls_server_name}
+    files = {k: str(v) for k, v in files.items() if v is not None}
+    return Security(files or args.tls, token, source)
+
+
+def add_security(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--token-file", type=Path, metavar="FILE",
+                        help="the bearer token (default: $STOKER_TOKEN)")
+    parser.add_argument("--tls", action="store_true", help="TLS, checked against system roots")
+    parser.add_argument("--tls-ca", type=Path, metavar="PEM", help="TLS, checked against this CA")
+    parser.add_argument("--tls-cert", type=Path, metavar="PEM", help="client certificate (mTLS)")
+    parser.add_argument("--tls-key", type=Path, metavar="PEM", help="its private key")
+    parser.add_argument("--tls-server-name", metavar="NAME",
+                        help="the name the server's certificate must carry")
+
+
+def explain(address: str, code: str, details: str, sec: Security, seconds: float) -> str:
+    """One line for a failed first call: gRPC status `code` (its name) and `details`."""
+    low = details.lower()
+    if code == "UNAUTHENTICATED":
+        if sec.token_source is None:
+            return (f"{address}: UNAUTHENTICATED: the server needs a token: pass --token-file "
+                    "FILE or set $STOKER_TOKEN")
+        return (f"{address}: UNAUTHENTICATED: the server refused the token from "
+                f"{sec.token_source}: is it the server's auth_token_file?")
+    if code == "DEADLINE_EXCEEDED":
+        return (f"{address}: no answer within {seconds:g} s: a wrong host or port, or a "
+                "firewall dropping the packets?")
+    if code != "UNAVAILABLE":
+        return f"{address}: {code}: {details}"
+    if "connection refused" in low:
+        return (f"{address}: connection refused: no server listens there (is it running, and "
+                "is this its gRPC port, `port:` in its config, 50051 by default?)")
+    if "resolving" in low or "lookup" in low or "name not found" in low:
+        return f"{address}: cannot resolve the host name: {details}"
+    if "http1.x server" in low or "failed parsing http/2" in low:
+        return (f"{address}: this is an HTTP port, not gRPC: give the server's gRPC port "
+                "(`port:`, 50051 by default; `http_port:` is for /metrics and `stoker stats`)")
+    if "wrong_version_number" in low or ("handshake" in low and "version" in low):
+        return (f"{address}: TLS handshake failed: the server does not use TLS; drop the "
+                "--tls options")
+    if "certificate_verify_failed" in low or "unable to get local issuer" in low:
+        return (f"{address}: TLS handshake failed: the server's certificate is not signed by a "
+                f"CA we trust; pass --tls-ca CA.pem ({details})")
+    if "peer name" in low or "hostname" in low:
+        return (f"{address}: TLS handshake failed: the server's certificate does not name "
+                f"this host; pass --tls-server-name NAME ({details})")
+    if "socket closed" in low or "connection reset" in low:
+        if not sec.uses_tls:
+            return (f"{address}: the server closed the connection at once: it may need TLS; "
+                    f"pass {TLS_FLAGS}")
+        return (f"{address}: the server closed the TLS connection: if it requires client "
+                "certificates (client_ca_file), pass --tls-cert and --tls-key")
+    if "handshake" in low or "ssl" in low or "tls" in low:
+        return (f"{address}: TLS handshake failed: check --tls-ca, --tls-server-name and, for "
+                f"mutual TLS, --tls-cert/--tls-key ({details})")
+    return f"{address}: UNAVAILABLE: {details}"
+
+
+def first_contact(address: str, sec: Security, timeout: float = CONTACT_SECONDS) -> Any:
+    """The server's ListDatasets reply; ContactError with a one-line explanation if the
+    server cannot be reached or refuses the call within `timeout` seconds."""
+    import grpc
+
+    from stoker.client.channel import ChannelMaker
+    from stoker.v1 import stoker_pb2 as pb
+    from stoker.v1 import stoker_pb2_grpc as pb_grpc
+
+    channel = ChannelMaker(sec.tls, sec.token)(address, [])
+    try:
+        with channel:
+            return pb_grpc.DataServiceStub(channel).ListDatasets(pb.ListDatasetsRequest(),
+                                                                 timeout=timeout)
+    except grpc.RpcError as e:
+        raise ContactError(explain(address, e.code().name, e.details() or "", sec,
+                                   timeout)) from None
