@@ -1,3 +1,5 @@
+"""`python -m stoker.server`: the `stoker` command."""
+
 import sys
 
 from .cli import main

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from . import ObjectInfo
+from .storage import ObjectInfo
 
 # Objects added one by one (a key read before any listing named it) wait in a dict; past this
 # many they join the arrays.

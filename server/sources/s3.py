@@ -34,9 +34,9 @@ import boto3
 import botocore.exceptions as bx
 from botocore.config import Config as BotoConfig
 
-from . import DataChanged, ObjectInfo, StorageError, StorageUnavailable, glob_regex
 from ._listing import Listing
 from .cache import DiskCache
+from .storage import DataChanged, ObjectInfo, StorageError, StorageUnavailable, glob_regex
 
 log = logging.getLogger("stoker.server")
 T = TypeVar("T")

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .contact import CONTACT_SECONDS, ContactError, add_security, first_contact, security
+from .connect import CONTACT_SECONDS, ContactError, add_security, first_contact, security
 
 
 def datasets(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from .contact import CONTACT_SECONDS, TLS_FLAGS, Security, add_security, security
+from .connect import CONTACT_SECONDS, TLS_FLAGS, Security, add_security, security
 
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: a terminal redraws in place
 

@@ -1,0 +1,335 @@
+"""The map of the code: docs/design.md's "Where things live", made from the code itself.
+
+    python tools/where.py            # print the section
+    python tools/where.py --write    # rewrite it in docs/design.md
+    python tools/where.py --check    # exit 1, saying what differs, when the page is stale
+
+Each module's row is its docstring's first sentence and the modules of ours it imports at run
+time (imports under `if TYPE_CHECKING:` are listed apart, as types). The rules are LAYERS below:
+which folder may import which, at run time. tests/test_where.py holds the code to them (a
+module that imports what its layer may not, an import circle at run time, a private module of
+the other package), and to the page being current.
+
+Only the standard library: it runs before anything is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "design.md"
+BEGIN = "<!-- where.py: begin (made by `python tools/where.py --write`; edit LAYERS there) -->"
+END = "<!-- where.py: end -->"
+# Import name -> folder, as pyproject's package-dir maps them.
+PACKAGES = {"stoker.server": "server", "stoker.client": "client", "stoker.v1": "protos/stoker/v1"}
+SCANNED = ("stoker.server", "stoker.client")
+GENERATED = ("_pb2",)  # protoc's output: not ours to map
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A group of modules (a folder, or named top-level modules) and what it may import."""
+
+    name: str  # a module prefix: "stoker.server.pool" holds the folder and what is under it
+    owns: str
+    may_import: tuple[str, ...]  # module prefixes; a layer may always import itself
+    modules: tuple[str, ...] = ()  # when set: these modules exactly, not a prefix
+
+
+S = "stoker.server"
+LAYERS = (
+    Layer("stoker.server.sources", "storage: local files, S3, the disk cache", ()),
+    Layer("stoker.server.order", "pure ordering math: coordinates -> sample indices",
+          ("stoker.server.sources",)),
+    Layer("stoker.server.leaves", "the start error", (),
+          modules=(f"{S}._errors",)),
+    Layer("stoker.server.formats", "readers: a `format:` block -> a dataset; samples",
+          ("stoker.server.sources", "stoker.server.order", "stoker.server.images",
+           "stoker.server._config")),
+    Layer("stoker.server.config", "the YAML schema; decoding and transforms",
+          ("stoker.server.sources", "stoker.server.formats"),
+          modules=(f"{S}._config", f"{S}.images")),
+    Layer("stoker.server.pool", "the worker processes and the pool that drives them",
+          ("stoker.server.sources", "stoker.server.order", "stoker.server.formats",
+           "stoker.server._errors", "stoker.server._config", "stoker.server.images")),
+    Layer("stoker.server.front", "the front-end process: gRPC, HTTP, limits, sending",
+          ("stoker.server.order", "stoker.server._errors", "stoker.server._config",
+           "stoker.server.pool.workers", "stoker.server.pool.messages",
+           "stoker.server.pool.layout", "stoker.server.pool.shm", "stoker.server.pool.depth",
+           "stoker.v1")),
+    Layer("stoker.server.app", "the server's lifecycle: front end and pool on one exit stack",
+          ("stoker.server.front", "stoker.server.pool", "stoker.server.order",
+           "stoker.server._config", "stoker.server._errors", "stoker.v1"),
+          modules=(f"{S}._app",)),
+    Layer("stoker.server.tools", "operator commands: clients of a server, or of its config",
+          ("stoker.server.formats", "stoker.server.order", "stoker.server.pool.batch",
+           "stoker.server.front.auth", "stoker.server.front.tls", "stoker.server._config",
+           "stoker.server._errors", "stoker.client", "stoker.client.channel", "stoker.v1")),
+    Layer("stoker.server.entry", "the package's face, the `stoker` command, a child server",
+          ("stoker.server",),
+          modules=(S, f"{S}.__main__", f"{S}.cli", f"{S}._process")),
+    Layer("stoker.client", "the training side", ("stoker.v1",)),
+)
+
+
+@dataclass
+class Module:
+    name: str
+    path: Path
+    owns: str
+    runtime: set[str] = field(default_factory=set)  # modules of ours, imported when run
+    types: set[str] = field(default_factory=set)  # under `if TYPE_CHECKING:` only
+
+
+def module_name(path: Path) -> str:
+    for pkg, folder in PACKAGES.items():
+        base = ROOT / folder
+        if path.is_relative_to(base):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            return ".".join([pkg, *parts])
+    raise ValueError(path)
+
+
+def all_modules() -> dict[str, Path]:
+    found = {}
+    for pkg in SCANNED:
+        for path in sorted((ROOT / PACKAGES[pkg]).rglob("*.py")):
+            found[module_name(path)] = path
+    for path in sorted((ROOT / PACKAGES["stoker.v1"]).glob("*.py")):
+        if not any(g in path.name for g in GENERATED):
+            found[module_name(path)] = path
+    return found
+
+
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST, in_types: bool = False) -> Iterator[tuple[ast.stmt, bool]]:
+    """Every import statement under `tree`, and whether it runs only for type checkers."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node, in_types
+        elif isinstance(node, ast.If) and _type_checking(node):
+            for child in node.body:
+                yield from _imports(ast.Module(body=[child], type_ignores=[]), True)
+            for child in node.orelse:
+                yield from _imports(ast.Module(body=[child], type_ignores=[]), in_types)
+        else:
+            yield from _imports(node, in_types)
+
+
+def _targets(node: ast.stmt, here: str, is_package: bool, known: dict[str, Path]) -> set[str]:
+    """The modules an import statement loads, as import names."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names}
+    assert isinstance(node, ast.ImportFrom)
+    if node.level:
+        parts = here.split(".") if is_package else here.split(".")[:-1]
+        parts = parts[: len(parts) - (node.level - 1)]
+        base = ".".join(parts + ([node.module] if node.module else []))
+    else:
+        base = node.module or ""
+    out = set()
+    for alias in node.names:
+        sub = f"{base}.{alias.name}"
+        out.add(sub if sub in known else base)
+    return out
+
+
+def _ours(name: str, known: dict[str, Path]) -> str | None:
+    """`name` as one of our modules (an import of a name inside it counts as the module)."""
+    while name:
+        if name in known:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _first_sentence(text: str) -> str:
+    match = re.match(r"(.+?[.:;])(\s|$)", text)
+    return match.group(1).rstrip(":;") if match else text
+
+
+def read(known: dict[str, Path] | None = None) -> dict[str, Module]:
+    known = known or all_modules()
+    modules = {}
+    for name, path in known.items():
+        tree = ast.parse(path.read_text(), str(path))
+        doc = (ast.get_docstring(tree) or "").strip()
+        owns = _first_sentence(" ".join(doc.split("\n\n")[0].split()))
+        m = Module(name, path, owns)
+        for node, types in _imports(tree):
+            for target in _targets(node, name, path.name == "__init__.py", known):
+                ours = _ours(target, known)
+                if ours and ours != name:
+                    (m.types if types else m.runtime).add(ours)
+        m.types -= m.runtime
+        modules[name] = m
+    return modules
+
+
+def layer_of(name: str) -> Layer | None:
+    """The layer a module belongs to: a named module first, else the longest prefix."""
+    for layer in LAYERS:
+        if name in layer.modules:
+            return layer
+    best = None
+    for layer in LAYERS:
+        if not layer.modules and (name == layer.name or name.startswith(layer.name + ".")):
+            if best is None or len(layer.name) > len(best.name):
+                best = layer
+    return best
+
+
+def _allowed(target: str, layer: Layer) -> bool:
+    if layer_of(target) is layer:
+        return True
+    return any(target == p or target.startswith(p + ".") for p in layer.may_import)
+
+
+def violations(modules: dict[str, Module]) -> list[str]:
+    """Every run-time import that its module's layer may not make, and every module of ours
+    that no layer holds."""
+    out = []
+    for m in modules.values():
+        if m.name.startswith("stoker.v1"):
+            continue
+        layer = layer_of(m.name)
+        if layer is None:
+            out.append(f"{m.name}: in no layer of tools/where.py's LAYERS")
+            continue
+        for target in sorted(m.runtime):
+            if not _allowed(target, layer):
+                out.append(f"{m.name} imports {target}: layer {layer.name} may import "
+                           f"{', '.join(layer.may_import) or 'nothing of ours'}")
+            elif _private_across(m.name, target):
+                out.append(f"{m.name} imports {target}: a private module of another package")
+    return out
+
+
+def _private_across(here: str, target: str) -> bool:
+    """`target` is an underscore module of the other top-level package (server vs client)."""
+    top = ".".join(here.split(".")[:2])
+    return not target.startswith(top + ".") and any(
+        part.startswith("_") and not part.startswith("__") for part in target.split(".")[2:])
+
+
+def circles(modules: dict[str, Module]) -> list[list[str]]:
+    """Strongly connected groups of more than one module in the run-time import graph
+    (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    found = []
+    counter = 0
+    for root in modules:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(modules[root].runtime)))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            for child in children:
+                if child not in modules:
+                    continue
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(modules[child].runtime))))
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        group.append(member)
+                        if member == node:
+                            break
+                    if len(group) > 1:
+                        found.append(sorted(group))
+    return found
+
+
+def _short(name: str, within: str) -> str:
+    return name[len(within) + 1:] if name.startswith(within + ".") else name
+
+
+def _cell(names: set[str], within: str) -> str:
+    return ", ".join(f"`{_short(n, within)}`" for n in sorted(names)) or "-"
+
+
+def section(modules: dict[str, Module]) -> str:
+    """The page's section, between BEGIN and END."""
+    lines = [BEGIN, "", "**Layers.** What each part may import at run time (besides itself, "
+             "the standard library and third-party packages); imports for type checking "
+             "are free.", "", "| layer | owns | may import |", "| --- | --- | --- |"]
+    for layer in LAYERS:
+        what = ", ".join(f"`{m}`" for m in layer.modules) or f"`{layer.name}`"
+        may = ", ".join(f"`{p}`" for p in layer.may_import) or "nothing of ours"
+        lines.append(f"| {what} | {layer.owns} | {may} |")
+    for pkg, title in (("stoker.server", "Server"), ("stoker.client", "Client"),
+                       ("stoker.v1", "Protocol")):
+        lines += ["", f"**{title} (`{pkg}`, folder `{PACKAGES[pkg]}/`)**", "",
+                  "| module | owns | imports | for types only |", "| --- | --- | --- | --- |"]
+        for m in sorted(modules.values(), key=lambda m: str(m.path)):
+            if m.name == pkg or m.name.startswith(pkg + "."):
+                path = m.path.relative_to(ROOT / PACKAGES[pkg]).as_posix()
+                lines.append(f"| `{path}` | {m.owns.replace('|', '/')} | "
+                             f"{_cell(m.runtime, pkg)} | {_cell(m.types, pkg)} |")
+    lines += ["", END]
+    return "\n".join(lines)
+
+
+def current_page() -> tuple[str, str, str]:
+    """docs/design.md cut into what comes before the section, the section, and after."""
+    text = PAGE.read_text()
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    return text[:start], text[start:end], text[end:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--write", action="store_true", help="rewrite docs/design.md's section")
+    parser.add_argument("--check", action="store_true", help="fail when the page is stale")
+    args = parser.parse_args(argv)
+    modules = read()
+    made = section(modules)
+    if args.write:
+        before, _, after = current_page()
+        PAGE.write_text(before + made + after)
+    elif args.check:
+        if current_page()[1] != made:
+            print("docs/design.md's 'Where things live' is stale: run python tools/where.py "
+                  "--write", file=sys.stderr)
+            return 1
+    else:
+        print(made)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
