@@ -158,8 +158,8 @@ def _ours(name: str, known: dict[str, Path]) -> str | None:
 
 
 def _first_sentence(text: str) -> str:
-    match = re.match(r"(.+?[.:;])(\s|$)", text)
-    return match.group(1).rstrip(":;") if match else text
+    match = re.match(r"(.+?\.)(\s|$)", text)
+    return match.group(1) if match else text
 
 
 def read(known: dict[str, Path] | None = None) -> dict[str, Module]:
