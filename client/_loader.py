@@ -6,11 +6,8 @@ thread per stream assembles batches, so at most `prefetch` batches wait in host 
 
 from __future__ import annotations
 
-import collections
-import logging
-import operator
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,33 +20,17 @@ from ._contact import first_contact
 from ._datalink import Transports
 from ._errors import DataMismatch, RemoteError
 from ._frames import Assembled, numpy_views
-from ._log import say
-from ._options import LoaderOptions, default_rank_world, prefetching
-from ._pinning import Pin, describe_each, mismatch, short
+from ._options import loader_options, signature
+from ._pinning import Pinning
 from ._progress import Progress
+from ._resume import Position, Saved, state_of
 from ._scheduler import FATAL, Scheduler, group_for
-from ._servers import RESOLVE_EVERY, Resolver, ServerSet
-from ._sizes import MAX_CREDITS, check_epoch, credit_window, say_dropped
+from ._servers import ServerSet
+from ._sizes import Window, check_epoch, say_dropped
+from ._sources import SourceCounts
+from ._stall import Stall
 from ._stream import StreamSpec
-from .channel import ChannelMaker
 
-_MISSING = object()
-
-# state_dict()["coordinates"] keys that may differ between the loader that saved a state and
-# the one that loads it (an elastic resume): the rest of the epoch's order is re-partitioned.
-# Every other key (dataset, seed, shuffle, drop_last) fixes the order or its tail: equal.
-ELASTIC = ("rank", "world_size", "batch_size", "start")
-
-# The loop's data stall goes to the servers (for their metrics) every REPORT_EVERY seconds of
-# iterating, the first time after REPORT_FIRST, by the clock: from the wait for a batch too
-# (a loop stuck waiting is the stall an autoscaler must see), and at the start of each pass
-# (a new stream) once there is something to say, so that short epochs report too.
-REPORT_FIRST, REPORT_EVERY = 1.0, 5.0
-# A report covers the loop's last REPORT_WINDOW to REPORT_WINDOW + REPORT_EVERY seconds (all
-# of it while it is younger), not the time since the loader began: a stall that added servers
-# ended must leave the servers' gauge within a window, or an autoscaler keeps adding more.
-REPORT_WINDOW = 10.0
-SAY_WAITING = 3.0  # seconds the loop waits for one batch before an INFO line says why
 MASK = "attention_mask"  # what pack=True packs by: the datasets' mask of real tokens
 
 
@@ -73,40 +54,16 @@ class RemoteLoader:
     """
 
     def __init__(self, address: str | Sequence[str], dataset: str,
-                 batch_size: int | None = None, *, batch_tokens: int | None = None,
-                 token_cost: str = "tokens", pack: bool = False,
-                 seed: int = 0, shuffle: bool = True, drop_last: bool = True,
-                 rank: int | None = None, world_size: int | None = None,
-                 device: Any = None, output: str = "torch", prefetch: int | None = None,
-                 prefetch_bytes: int | None = None, timeout: float = 300.0,
-                 connect_timeout: float = 10.0,
-                 normalize: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
-                 normalize_dtype: str = "float32", shared_memory: bool = True,
-                 progress: bool = False, log_every: float | None = None,
-                 compression: str | None = None, data_socket: bool = True,
-                 tls: bool | Mapping[str, Any] = False, token: str | None = None,
-                 dns_refresh: float = RESOLVE_EVERY, resolver: Resolver | None = None) -> None:
-        rank, world_size = default_rank_world(rank, world_size)
-        self._options = o = LoaderOptions(
-            dataset, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank,
-            world_size=world_size, device=device, output=output,
-            **prefetching(prefetch, prefetch_bytes),
-            timeout=timeout, connect_timeout=connect_timeout, normalize=normalize,
-            normalize_dtype=normalize_dtype, shared_memory=shared_memory, progress=progress,
-            log_every=log_every, compression=compression, data_socket=data_socket,
-            batch_tokens=batch_tokens, token_cost=token_cost, pack=pack,
-            channels=ChannelMaker(tls, token))
+                 batch_size: int | None = None, **options: Any) -> None:
+        # The keyword arguments are LoaderOptions' fields (signature below: help() shows them)
+        self._options = o = loader_options(dataset, batch_size, options)
         self._normalize = o.normalizer()
-        self._servers = ServerSet(address, o.channels, dns_refresh=dns_refresh,
-                                  resolver=resolver)
+        self._servers = ServerSet(address, o.channels, dns_refresh=o.dns_refresh,
+                                  resolver=o.resolver)
         self.address = self._servers.describe()
         self.dataset = dataset
         self._coords = o.coordinates
-        self._epoch = 0
-        # Positions of this epoch consumed before these coordinates took over (an elastic
-        # resume, load_state_dict); 0 for every epoch that starts here.
-        self._start = 0
-        self._next = 0
+        self._at = Position(0)
         self._feed = None
         if o.on_device:
             from ._device import DeviceFeed
@@ -119,39 +76,29 @@ class RemoteLoader:
         self._host = HostBuffers(max_buffers=o.prefetch + 2)
         # Describe's answers by start: the whole epoch (0), and the rest of a resumed one.
         self._described: dict[int, pb.DescribeDatasetResponse] = {}
-        self._pin: Pin | None = None  # the fingerprint read, from the first Describe
-        self._checked = False  # every reachable server asked once for its fingerprint
+        self._pinning = Pinning(dataset, self._servers, o.timeout)
         self._scheduler: Scheduler | None = None
-        self._window = o.prefetch  # under every server's max_credits once they said it
-        self._max_credits = MAX_CREDITS  # the lowest the servers said
-        self._sized = False  # the window is fitted to the batches' size (see _fit_window)
-        self._widened = False  # ... and was widened for small batches
-        self._batch_bytes = 0  # of the latest batch received
-        self._next_report: float | None = None  # when the stall goes to the servers next
-        self._reported: collections.deque[tuple[float, float]] = collections.deque()
-        self._said_waiting = (-1, -1)  # (epoch, batch) whose long wait was logged
-        self._stats = {"batches": 0, "bytes": 0, "wait_seconds": 0.0, "loop_seconds": 0.0,
-                       "failovers": 0, "hedges": 0}
-        self._loop_started: float | None = None  # while an iteration runs
-        # A mixture's samples by component (`source`): of batches handed out, and of batches
-        # received (by (epoch, batch), from receive threads) and not handed out yet.
-        self._sources: dict[int, int] = {}
-        self._batch_sources: dict[tuple[int, int], list[int]] = {}
+        self._window = Window(o.prefetch)
+        self._stall = Stall(dataset, o.timeout)
+        self._stats = {"batches": 0, "bytes": 0, "failovers": 0, "hedges": 0}
+        self._sources = SourceCounts()  # a mixture's samples by component
         self._started = time.perf_counter()
         self._transports = Transports()  # each server's path, for stats()
+
+    __init__.__signature__ = signature()  # type: ignore[attr-defined]
 
     # -- positions -------------------------------------------------------------------------
     def coordinates(self) -> pb.Coordinates:
         """This position's coordinates, with the pinned fingerprint once there is one."""
-        return pb.Coordinates(epoch=self._epoch, start=self._start, **self._coords,
-                              fingerprint=self._pin.digest if self._pin else "")
+        pin = self._pinning.pin
+        return self._coords.message(self._at.epoch, self._at.start, pin.digest if pin else "")
 
     def __len__(self) -> int:
         """Batches per epoch for this rank (ValueError if there are none: see describe); in
         an epoch resumed at another world_size or batch_size, the batches of its rest (maybe
         0)."""
         described = self.describe()
-        if not self._start:
+        if not self._at.start:
             check_epoch(described, self._options)
         return described.batches_per_epoch
 
@@ -162,7 +109,8 @@ class RemoteLoader:
         Any server will do: they are tried in turn, with backoff, for up to `connect_timeout`
         s while none has answered at all (then UNAVAILABLE naming every address and what
         happened there), for up to `timeout` s once one has."""
-        described = self._described.get(self._start)
+        start = self._at.start
+        described = self._described.get(start)
         if described is None:
             o = self._options
             contact = first_contact(
@@ -170,49 +118,43 @@ class RemoteLoader:
                 connect_timeout=o.connect_timeout, timeout=o.timeout, tls=o.channels.tls,
                 refuse=self._refuse)
             described, address = contact.described, contact.server.address
-            if self._pin is None:
-                self._pin = Pin.of(described.fingerprint, address)
-            self._described[self._start] = described
-            self._heed_max_credits(described.max_credits, address)
+            self._pinning.first(described.fingerprint, address)
+            self._described[start] = described
+            self._window.heed(described.max_credits, address)
             # What every epoch leaves out (token budgets drop at most world_size - 1 samples)
-            if not self._start and o.batch_tokens is None:
+            if not start and o.batch_tokens is None:
                 say_dropped(described, o)
         return described
 
     def _refuse(self, err: RemoteError) -> None:
         """Raise what a server answered Describe with that no other server would mend."""
-        if isinstance(err, DataMismatch) and self._pin is not None:
-            raise self._mismatched(err.address, err.digest) from None
+        if isinstance(err, DataMismatch) and self._pinning.pin is not None:
+            raise self._mismatched(err) from None
         if err.code in FATAL:
             raise err from None
+
+    def _mismatched(self, err: DataMismatch) -> DataMismatch:
+        """The DataMismatch for a server that refused our fingerprint: naming both."""
+        return self._pinning.refused(err.address, err.digest,
+                                     self._coords.message(self._at.epoch))
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch; a different epoch starts at batch 0, the current one keeps its
         place (so the usual `set_epoch(epoch)` at the top of an epoch loop resumes)."""
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
-        if epoch != self._epoch:
-            self._epoch, self._start, self._next = epoch, 0, 0
-
-    def _next_epoch(self) -> None:
-        self._epoch, self._start, self._next = self._epoch + 1, 0, 0
+        if epoch != self._at.epoch:
+            self._at = Position(epoch)
 
     def state_dict(self) -> dict[str, Any]:
         """The position: the epoch and the batch that comes next (a finished epoch's state is
         the start of the next epoch), and the fingerprint of the data it is a position in.
         In an epoch resumed at another world_size or batch_size, `coordinates` also holds
         `start`, the positions consumed before this loader took over."""
-        epoch, start, next_batch = self._epoch, self._start, self._next
-        if next_batch and next_batch >= len(self):
-            epoch, start, next_batch = epoch + 1, 0, 0
-        # `start` only where it is not 0: such a state stays what stoker saved before it had
-        # elastic resume, and an older stoker refuses (coordinates differ) the states it
-        # would resume at the wrong place.
-        coords = {**self._coords, "start": start} if start else dict(self._coords)
-        state = {"coordinates": coords, "epoch": epoch, "next_batch": next_batch}
-        if self._pin is not None and self._pin.digest:
-            state["fingerprint"] = self._pin.state()
-        return state
+        at = self._at
+        if at.next_batch and at.next_batch >= len(self):
+            at = at.following()
+        return state_of(self._coords, at, self._pinning.pin)
 
     def load_state_dict(self, state: dict[str, Any], *, allow_changed_data: bool = False
                         ) -> None:
@@ -223,90 +165,18 @@ class RemoteLoader:
         fingerprint and the servers now hold other data, the rest of the epoch would not be
         the rest of that order: ValueError, unless `allow_changed_data` (the loader then goes
         on with the servers' data)."""
-        saved_coords = state.get("coordinates") if isinstance(state, Mapping) else None
-        if not isinstance(saved_coords, Mapping):
-            raise ValueError("state_dict has no 'coordinates': not a RemoteLoader.state_dict() "
-                             f"(keys: {sorted(state) if isinstance(state, Mapping) else state!r})")
-        differ = [f"{k}: saved {saved_coords.get(k, '(missing)')!r}, this loader "
-                  f"{self._coords.get(k, '(missing)')!r}"
-                  for k in sorted(set(saved_coords) | set(self._coords))
-                  if k not in ELASTIC
-                  and saved_coords.get(k, _MISSING) != self._coords.get(k, _MISSING)]
-        if differ:
-            raise ValueError("state_dict is for other coordinates (" + "; ".join(differ)
-                             + "): a position is only valid in the epoch order it was saved "
-                             "in (rank, world_size and batch_size may differ)")
-        saved_at = _position(state, saved_coords)
-        saved = state.get("fingerprint")
-        if saved and saved.get("digest") and not allow_changed_data:
+        saved = Saved.read(state, self._coords)
+        if saved.digest and not allow_changed_data:
             self.describe()
-            pin = self._pin
-            if pin is not None and pin.digest and pin.digest != saved["digest"]:
-                raise ValueError(
-                    f"state_dict was saved against dataset {self.dataset!r} "
-                    f"{short(saved['digest'], saved.get('objects'), saved.get('bytes'))}; "
-                    f"the servers now have {short(pin.digest, pin.objects, pin.bytes)} (from "
-                    f"{pin.address}): the rest of the epoch would not be the rest of that "
-                    "order; pass load_state_dict(state, allow_changed_data=True) to go on "
-                    "anyway")
-        epoch, start, next_batch = saved_at["epoch"], saved_at["start"], saved_at["next_batch"]
-        world_size, batch_size = saved_at["world_size"], saved_at["batch_size"]
-        if (world_size, batch_size) == (self._coords["world_size"], self._coords["batch_size"]):
-            self._epoch, self._start, self._next = epoch, start, next_batch
-        elif self._coords.get("batch_tokens"):
-            # A token budget's steps hold different numbers of samples, cut by a plan the
-            # client does not see: the consumed prefix is not next_batch * a batch size.
-            raise ValueError(f"state_dict was saved at world_size={world_size}; under "
-                             "batch_tokens it resumes only at the same world_size, got "
-                             f"{self._coords['world_size']} (elastic resume of token budgets "
-                             "is not supported yet: docs/client.md#token-budgets)")
-        else:
-            # Every rank of the saving job had consumed its first next_batch batches, all
-            # full (only an epoch's last batch can be short, and a finished epoch is saved as
-            # the next one's start): the epoch's positions [0, consumed), a prefix.
-            consumed = start + next_batch * batch_size * world_size
-            self._epoch, self._start, self._next = epoch, consumed, 0
+            saved.check_data(self.dataset, self._pinning.pin)
+        self._at = saved.position_for(self._coords)
 
     # -- iteration -------------------------------------------------------------------------
-    def _check_servers(self) -> None:
-        """Ask every server that answers for its fingerprint, once: servers with other data
-        than the pinned one are a DataMismatch before any batch is used. (Servers that come
-        up later refuse our streams themselves: the coordinates carry the digest.)"""
-        pin = self._pin
-        self._checked = True
-        if pin is None:
-            return
-        others = [(s.address, s.channel) for s in self._servers.servers.values()
-                  if s.address != pin.address]
-        plain = pb.Coordinates(epoch=self._epoch, **self._coords)
-        found = describe_each(others, plain, min(10.0, self._options.timeout))
-        for address, err in found.items():
-            if isinstance(err, RemoteError):
-                say(logging.WARNING, "%s did not answer (%s); going on with the servers that "
-                    "did, and trying it again in the background", address, err)
-        for address, d in found.items():
-            if isinstance(d, RemoteError):
-                continue
-            fp = d.fingerprint
-            if pin.digest and fp.digest and fp.digest != pin.digest:
-                raise mismatch(self.dataset, pin, address, fp.digest, fp)
-            self._heed_max_credits(d.max_credits, address)
-
-    def _mismatched(self, address: str, digest: str) -> DataMismatch:
-        """The DataMismatch for a server that refused our fingerprint, with its own."""
-        assert self._pin is not None
-        server = self._servers.servers.get(address)
-        plain = pb.Coordinates(epoch=self._epoch, **self._coords)
-        found = describe_each([(address, server.channel)] if server else [], plain,
-                              min(10.0, self._options.timeout)).get(address)
-        fp = None if found is None or isinstance(found, RemoteError) else found.fingerprint
-        return mismatch(self.dataset, self._pin, address, digest, fp)
-
     def __iter__(self) -> Iterator[dict[str, Any]]:
         total = len(self)  # ValueError for an epoch without a batch
         o = self._options
-        if not self._checked:
-            self._check_servers()
+        if not self._pinning.checked:
+            self._pinning.check_servers(self._coords.message(self._at.epoch), self._window.heed)
         if self._normalize is not None and not self._normalize.axes:
             self._normalize.validate(self.describe().fields)  # here, not on a receive thread
         if o.pack and MASK not in {f.name for f in self.describe().fields}:
@@ -314,11 +184,12 @@ class RemoteLoader:
                              f"{self.dataset!r} has no {MASK} (its fields: "
                              f"{sorted(f.name for f in self.describe().fields)}): give it a "
                              "length_column that is a list (docs/client.md#token-budgets)")
-        if self._next and self._next >= total:  # finished (saved on an epoch's last batch)
-            self._next_epoch()
+        # finished (saved on an epoch's last batch)
+        if self._at.next_batch and self._at.next_batch >= total:
+            self._at = self._at.following()
             total = len(self)
         elif not total:  # the rest of a resumed epoch has no batch here: it is over
-            self._next_epoch()
+            self._at = self._at.following()
             return
         spec = StreamSpec(self.coordinates(), self._allocate, self._finish,
                           shm_probe=samehost.probe() if o.shared_memory else None,
@@ -327,30 +198,29 @@ class RemoteLoader:
                           # connection sends payloads as they are
                           data_socket=o.data_socket and not o.compression,
                           link=o.channels.link, transports=self._transports)
-        scheduler = Scheduler(self._servers, spec, total=total, start=self._next,
-                              window=self._window, timeout=o.timeout,
-                              group=group_for(self._window) if self._widened else 1)
+        window = self._window
+        scheduler = Scheduler(self._servers, spec, total=total, start=self._at.next_batch,
+                              window=window.size, timeout=o.timeout,
+                              group=group_for(window.size) if window.widened else 1)
         self._scheduler = scheduler
         progress = None
         if o.progress or o.log_every is not None:
             progress = Progress(bar=o.progress, log_every=o.log_every, total=total,
-                                start=self._next, label=f"{self.dataset} epoch {self._epoch}")
-        self._loop_started = time.perf_counter()
-        if self._next_report is None:
-            self._next_report = self._loop_started + REPORT_FIRST
-        elif self._stats["loop_seconds"] > 0:
-            self._report(scheduler, 0.0)  # a new stream: tell it what the loop is like
+                                start=self._at.next_batch,
+                                label=f"{self.dataset} epoch {self._at.epoch}")
+        stall = self._stall
+        stall.begin(scheduler)
         try:
-            while self._next < total:
-                t0 = time.perf_counter()
+            while self._at.next_batch < total:
+                at, t0 = self._at, time.perf_counter()
                 try:
-                    batch = scheduler.take(
-                        self._next, on_wait=lambda t0=t0: self._waiting(scheduler, t0))
+                    batch = scheduler.take(at.next_batch, on_wait=lambda t0=t0, at=at:
+                                           stall.waiting(scheduler, t0, at.epoch, at.next_batch))
                 except DataMismatch as e:  # a server refused our fingerprint: name both
-                    raise self._mismatched(e.address, e.digest) from None
+                    raise self._mismatched(e) from None
                 waited = time.perf_counter() - t0
-                self._stats["wait_seconds"] += waited
-                if not self._sized:
+                stall.wait_seconds += waited
+                if not window.sized:
                     self._fit_window(scheduler)
                 if self._feed is not None:
                     batch = self._feed.hand_over(*batch)
@@ -358,110 +228,45 @@ class RemoteLoader:
                     from .packing import pack_padded
 
                     batch = pack_padded(batch)
-                counts = self._batch_sources.pop((self._epoch, self._next), None)
-                for source, n in enumerate(counts or ()):
-                    self._sources[source] = self._sources.get(source, 0) + n
-                self._next += 1
+                self._sources.handed_out(at.epoch, at.next_batch)
+                self._at = at.advanced()
                 self._stats["batches"] += 1
                 if progress is not None:
-                    progress.step(self._next - 1, waited, scheduler.received())
-                self._report_due(scheduler, None)
+                    progress.step(at.next_batch, waited, scheduler.received())
+                stall.due(scheduler, None)
                 yield batch
-            self._next_epoch()
+            self._at = self._at.following()
         finally:
-            self._stats["loop_seconds"] += time.perf_counter() - self._loop_started
-            self._loop_started = None
+            stall.end()
             if progress is not None:
                 progress.close()
             scheduler.close()
-            self._batch_sources.clear()  # received ahead, never handed out
+            self._sources.forget_ahead()
             self._scheduler = None
             self._stats["bytes"] += scheduler.bytes_received
             self._stats["failovers"] += scheduler.failovers
             self._stats["hedges"] += scheduler.hedges
 
-    def _waiting(self, scheduler: Scheduler, since: float) -> None:
-        """Called while the loop waits for batch self._next: report the stall when due, and
-        say once, after SAY_WAITING s, what it waits for."""
-        self._report_due(scheduler, since)
-        where = (self._epoch, self._next)
-        if self._said_waiting != where and time.perf_counter() - since >= SAY_WAITING:
-            self._said_waiting = where
-            say(logging.INFO, "%s epoch %d: waiting %.0fs for batch %d (giving up after "
-                "timeout=%gs without a batch from any server): %s", self.dataset, self._epoch,
-                time.perf_counter() - since, self._next, self._options.timeout,
-                scheduler.servers_now())
-
-    def _report_due(self, scheduler: Scheduler, waiting_since: float | None) -> None:
-        """Send the stall to the servers if it is time (the loop's thread; `waiting_since`:
-        when the wait for the current batch began, None between batches)."""
-        now = time.perf_counter()
-        if self._next_report is not None and now >= self._next_report:
-            self._report(scheduler, now - waiting_since if waiting_since is not None else 0.0)
-
-    def _report(self, scheduler: Scheduler, waiting: float) -> None:
-        """The servers' stoker_client_data_stall: the wait and loop seconds of about the
-        last REPORT_WINDOW s of the loop, with the wait still running."""
-        now = time.perf_counter()
-        self._next_report = now + REPORT_EVERY
-        loop = self._stats["loop_seconds"] + (now - self._loop_started
-                                              if self._loop_started is not None else 0.0)
-        wait = self._stats["wait_seconds"] + waiting
-        sent = self._reported  # (wait, loop) totals of earlier reports, oldest first
-        while len(sent) > 1 and loop - sent[1][1] >= REPORT_WINDOW:
-            sent.popleft()
-        base = sent[0] if sent and loop - sent[0][1] >= REPORT_WINDOW else (0.0, 0.0)
-        sent.append((wait, loop))
-        scheduler.report(wait - base[0], loop - base[1])
-
-    def _heed_max_credits(self, max_credits: int, address: str) -> None:
-        """A server said its max_credits: the window stays under it, and so does any
-        widening of it later (0: a server that did not say)."""
-        self._window = credit_window(self._window, max_credits, address)
-        if max_credits:
-            self._max_credits = min(self._max_credits, max_credits)
-
     def _fit_window(self, scheduler: Scheduler) -> None:
-        """Once the first batch's size is known: small batches are kept in flight by
-        prefetch_bytes, not prefetch (each costs the servers a fixed time, which more in
-        flight, asked for in groups, hides); the buffer pools grow to match. Once per
-        loader: batches of one dataset and coordinates keep their size, near enough."""
-        if not self._batch_bytes:
-            return
-        self._sized = True
-        if not self._options.prefetch_bytes:
-            return
-        # Half the servers' max_credits at most: failover and hedges credit on top of it.
-        window = self._options.window_for(self._batch_bytes, self._max_credits // 2)
-        if window > self._window:
-            self._window = window
-            self._widened = True
+        """Once the first batch's size is known, the window may widen for small batches
+        (Window.fit): the buffer pools grow to match, and so do the streams' credits."""
+        window = self._window.fit(self._options.prefetch_bytes or 0)
+        if window is not None:
             self._host.grow(window + 2)
             if self._feed is not None:
                 self._feed.pool.grow(window + 2)
             scheduler.widen(window)
 
     def _allocate(self, nbytes: int) -> tuple[Any, np.ndarray]:
-        self._batch_bytes = nbytes
+        """A buffer for a batch of `nbytes` (receive threads)."""
+        self._window.batch_bytes = nbytes
         if self._feed is not None:
             return self._feed.allocate(nbytes)
         buf = self._host.acquire(nbytes)
         return buf, buf
 
-    def _count_sources(self, batch: Assembled) -> None:
-        """A mixture's batch: how many of its samples each component gave (its `source`
-        field), read from the host bytes before any copy to a device; stats() adds them up
-        when the batch is handed out."""
-        t = next((t for t in batch.tensors if t.name == "source"), None)
-        if t is None or t.dtype != "int64":
-            return
-        raw = batch.buffer[t.offset : t.offset + t.nbytes]
-        data = raw if isinstance(raw, np.ndarray) else raw.numpy()  # a pinned torch tensor
-        counts = np.bincount(np.frombuffer(np.ascontiguousarray(data), "<i8"))
-        self._batch_sources[(batch.epoch, batch.batch_index)] = counts.tolist()
-
     def _finish(self, batch: Assembled) -> Any:
-        self._count_sources(batch)
+        self._sources.received(batch)
         if self._feed is not None:
             return self._feed.to_device(batch.buffer, batch.tensors)
         arrays = numpy_views(batch.buffer, batch.tensors)
@@ -483,21 +288,20 @@ class RemoteLoader:
         state and figures; how many host buffers were allocated (pinned ones with a CUDA device):
         batches reuse buffers that nothing refers to any more; for a mixture, `sources`: the
         samples handed out by component (its index in the mixture's `components:`)."""
-        live = self._scheduler
+        live, at, totals = self._scheduler, self._at, self._stats
         now = time.perf_counter()
         elapsed = now - self._started
-        loop = self._stats["loop_seconds"] + (now - self._loop_started
-                                              if self._loop_started is not None else 0.0)
-        stats = {**self._stats,
-                 "loop_seconds": loop,
-                 "stall": self._stats["wait_seconds"] / loop if loop > 0 else 0.0,
-                 "bytes": self._stats["bytes"] + (live.received() if live else 0),
-                 "failovers": self._stats["failovers"] + (live.failovers if live else 0),
-                 "hedges": self._stats["hedges"] + (live.hedges if live else 0),
-                 "batches_per_second": self._stats["batches"] / elapsed if elapsed else 0.0,
-                 "epoch": self._epoch, "start": self._start, "next_batch": self._next,
-                 "prefetch": self._window,
-                 **({"sources": dict(sorted(self._sources.items()))} if self._sources else {}),
+        wait, loop = self._stall.wait_seconds, self._stall.loop_seconds(now)
+        stats = {"batches": totals["batches"],
+                 "bytes": totals["bytes"] + (live.received() if live else 0),
+                 "wait_seconds": wait, "loop_seconds": loop,
+                 "failovers": totals["failovers"] + (live.failovers if live else 0),
+                 "hedges": totals["hedges"] + (live.hedges if live else 0),
+                 "stall": wait / loop if loop > 0 else 0.0,
+                 "batches_per_second": totals["batches"] / elapsed if elapsed else 0.0,
+                 "epoch": at.epoch, "start": at.start, "next_batch": at.next_batch,
+                 "prefetch": self._window.size,
+                 **self._sources.stats(),
                  "servers": {a: s.stats() for a, s in self._servers.servers.items()},
                  **self._transports.stats()}
         if self._feed is not None:
@@ -518,22 +322,3 @@ class RemoteLoader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _position(state: Mapping[str, Any], coords: Mapping[str, Any]) -> dict[str, int]:
-    """A state's epoch, start and next_batch, and the world_size and batch_size it was saved
-    at (`start` 0 where absent: saved before elastic resume, or at an epoch's beginning);
-    ValueError naming the key that holds no such value."""
-    found = {}
-    for key, where, least in (("epoch", state, 0), ("next_batch", state, 0),
-                              ("start", coords, 0), ("world_size", coords, 1),
-                              ("batch_size", coords, 0 if coords.get("batch_tokens") else 1)):
-        value = where.get(key, 0 if key == "start" else _MISSING)
-        try:  # ints, numpy's included; not bools, floats or strings
-            number = -1 if isinstance(value, bool) else operator.index(value)
-        except TypeError:
-            number = -1
-        if number < least:
-            raise ValueError(f"state_dict's {key!r} must be an int >= {least}, got "
-                             f"{'(missing)' if value is _MISSING else repr(value)}")
-        found[key] = number
-    return found

@@ -1,25 +1,32 @@
-"""What a RemoteLoader was asked for, checked once: `LoaderOptions`.
+"""What a RemoteLoader was asked for, checked once: `LoaderOptions`, the one declaration of
+its arguments.
 
-The loader builds one from its keyword arguments (the public names, documented in
-docs/client.md) and reads it from then on; each pass over an epoch turns it into the
-`StreamSpec` every stream opens with.
+RemoteLoader's signature is LoaderOptions' (after `address`): its fields are the public
+arguments, in order, with their defaults (docs/client.md says what each means). The loader
+builds one from its arguments and reads it from then on; each pass over an epoch turns it
+into the `StreamSpec` every stream opens with.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from ._normalize import Normalizer
+from ._resume import Coordinates
+from ._servers import RESOLVE_EVERY, Resolver
 from .channel import ChannelMaker
 
-__all__ = ["TOKEN_COSTS", "LoaderOptions", "default_rank_world", "prefetching"]
+__all__ = ["TOKEN_COSTS", "LoaderOptions", "default_rank_world", "loader_options", "prefetching",
+           "signature"]
 
 # Batches requested ahead of the loop when the loader is not told; and, then, the bytes'
-# worth of small batches requested ahead instead (see LoaderOptions.window_for).
+# worth of small batches requested ahead instead (see Window.fit in _sizes.py).
 PREFETCH = 8
 PREFETCH_BYTES = 32 << 20
 
@@ -57,21 +64,28 @@ def prefetching(prefetch: int | None, prefetch_bytes: int | None) -> dict[str, i
 
 @dataclass(frozen=True)
 class LoaderOptions:
-    """A loader's settings under their public names (docs/client.md says what each means),
-    with rank and world_size resolved and tls/token made into `channels`. Construction
+    """A loader's arguments under their public names, in RemoteLoader's order, with its
+    defaults (docs/client.md says what each means); construction resolves what was not given
+    (rank, world_size, prefetch, prefetch_bytes), makes tls and token into `channels`, and
     raises ValueError (ImportError for a missing zstandard) naming what is wrong."""
 
     dataset: str
-    batch_size: int | None
+    batch_size: int | None = None
+    _: KW_ONLY
+    batch_tokens: int | None = None
+    token_cost: str = "tokens"
+    pack: bool = False
     seed: int = 0
     shuffle: bool = True
     drop_last: bool = True
-    rank: int = 0
-    world_size: int = 1
+    # rank, world_size, prefetch and prefetch_bytes: None is "not given", resolved on
+    # construction (default_rank_world, prefetching): ints from then on.
+    rank: int | None = None
+    world_size: int | None = None
     device: Any = None
     output: str = "torch"
-    prefetch: int = PREFETCH
-    prefetch_bytes: int = 0  # 0: the window is `prefetch`, whatever the batches' size
+    prefetch: int | None = None
+    prefetch_bytes: int | None = None  # resolved 0: the window is `prefetch`, whatever the size
     timeout: float = 300.0
     connect_timeout: float = 10.0
     normalize: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None
@@ -81,12 +95,19 @@ class LoaderOptions:
     log_every: float | None = None
     compression: str | None = None
     data_socket: bool = True
-    batch_tokens: int | None = None
-    token_cost: str = "tokens"
-    pack: bool = False
-    channels: ChannelMaker = field(default_factory=ChannelMaker)
+    tls: bool | Mapping[str, Any] = False
+    token: str | None = field(default=None, repr=False)  # a secret: not in logs
+    dns_refresh: float = RESOLVE_EVERY  # dns_refresh and resolver: checked by ServerSet
+    resolver: Resolver | None = None
+    channels: ChannelMaker = field(init=False)  # made of tls and token
 
     def __post_init__(self) -> None:
+        rank, world_size = default_rank_world(self.rank, self.world_size)
+        resolved = {"rank": rank, "world_size": world_size,
+                    **prefetching(self.prefetch, self.prefetch_bytes),
+                    "channels": ChannelMaker(self.tls, self.token)}
+        for name, value in resolved.items():
+            object.__setattr__(self, name, value)  # frozen: only here, once
         if self.batch_size is not None and self.batch_tokens is not None:
             raise ValueError(f"batch_size={self.batch_size} and batch_tokens="
                              f"{self.batch_tokens}: give one, not both")
@@ -134,21 +155,40 @@ class LoaderOptions:
         return Normalizer(self.normalize, self.normalize_dtype) if self.normalize else None
 
     @property
-    def coordinates(self) -> dict[str, Any]:
-        """The coordinates but the epoch: a pb.Coordinates' fields, and state_dict()'s."""
-        coords = dict(dataset=self.dataset, seed=self.seed, shuffle=self.shuffle,
-                      rank=self.rank, world_size=self.world_size,
-                      batch_size=self.batch_size or 0, drop_last=self.drop_last)
-        if self.batch_tokens is not None:  # absent otherwise: older state_dicts still match
-            coords.update(batch_tokens=self.batch_tokens, token_cost=self.token_cost)
-        return coords
-
-    def window_for(self, batch_bytes: int, max_credits: int) -> int:
-        """Batches to keep in flight once they are known to be `batch_bytes` each: as many as
-        prefetch_bytes holds, at most `max_credits` (the caller keeps prefetch if more)."""
-        return min(self.prefetch_bytes // max(batch_bytes, 1), max_credits)
+    def coordinates(self) -> Coordinates:
+        """The coordinates but the epoch."""
+        assert self.rank is not None and self.world_size is not None  # resolved
+        return Coordinates(self.dataset, self.seed, self.shuffle, self.rank, self.world_size,
+                           self.batch_size or 0, self.drop_last, self.batch_tokens,
+                           self.token_cost)
 
     @property
     def on_device(self) -> bool:
         """Batches go to a device (through pinned buffers) rather than stay on the host."""
         return self.device is not None and str(self.device).partition(":")[0] != "cpu"
+
+
+# RemoteLoader's own arguments before LoaderOptions' (which begin with dataset, batch_size).
+_FIRST = (inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+          inspect.Parameter("address", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                            annotation="str | Sequence[str]"))
+# The arguments RemoteLoader takes as **options: every one after batch_size.
+_KEYWORDS = frozenset(f.name for f in dataclasses.fields(LoaderOptions)
+                      if f.init and f.kw_only)
+
+
+def signature() -> inspect.Signature:
+    """RemoteLoader.__init__'s signature, as help() and inspect.signature() show it:
+    (self, address, then LoaderOptions' arguments)."""
+    declared = inspect.signature(LoaderOptions).parameters.values()
+    return inspect.Signature([*_FIRST, *declared], return_annotation="None")
+
+
+def loader_options(dataset: str, batch_size: int | None, given: Mapping[str, Any]) -> LoaderOptions:
+    """LoaderOptions of RemoteLoader's arguments; an argument it does not take is a
+    TypeError naming it, as Python's own."""
+    for name in given:
+        if name not in _KEYWORDS:
+            raise TypeError(f"RemoteLoader.__init__() got an unexpected keyword argument "
+                            f"{name!r}")
+    return LoaderOptions(dataset, batch_size, **given)

@@ -11,9 +11,10 @@ Threading: used from the loop's thread only (the loader's).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -21,6 +22,10 @@ from stoker.v1 import stoker_pb2 as pb
 from stoker.v1 import stoker_pb2_grpc as pb_grpc
 
 from ._errors import DataMismatch, RemoteError
+from ._log import say
+
+if TYPE_CHECKING:
+    from ._servers import ServerSet
 
 SHORT = len("sha256:") + 12
 
@@ -95,3 +100,54 @@ def describe_each(channels: Iterable[tuple[str, grpc.Channel]], coordinates: pb.
         except grpc.RpcError as e:
             found[address] = RemoteError.from_rpc(e, address)
     return found
+
+
+class Pinning:
+    """A loader's pinned fingerprint (`pin`, None until a server described the dataset) and
+    its checks of the servers against it; `dataset` names the data in errors, and `timeout`
+    bounds each round of questions (at most 10 s)."""
+
+    def __init__(self, dataset: str, servers: ServerSet, timeout: float) -> None:
+        self._dataset, self._servers = dataset, servers
+        self._timeout = min(10.0, timeout)
+        self.pin: Pin | None = None
+        self.checked = False  # every reachable server asked once for its fingerprint
+
+    def first(self, fp: pb.Fingerprint, address: str) -> None:
+        """A server described the dataset: the first to do so sets the pin."""
+        if self.pin is None:
+            self.pin = Pin.of(fp, address)
+
+    def check_servers(self, coordinates: pb.Coordinates,
+                      heed: Callable[[int, str], None]) -> None:
+        """Ask every server that answers for its fingerprint, once: servers with other data
+        than the pinned one are a DataMismatch before any batch is used; each that agrees has
+        its max_credits `heed`ed. (Servers that come up later refuse our streams themselves:
+        the coordinates carry the digest.)"""
+        pin = self.pin
+        self.checked = True
+        if pin is None:
+            return
+        others = [(s.address, s.channel) for s in self._servers.servers.values()
+                  if s.address != pin.address]
+        found = describe_each(others, coordinates, self._timeout)
+        for address, err in found.items():
+            if isinstance(err, RemoteError):
+                say(logging.WARNING, "%s did not answer (%s); going on with the servers that "
+                    "did, and trying it again in the background", address, err)
+        for address, d in found.items():
+            if isinstance(d, RemoteError):
+                continue
+            fp = d.fingerprint
+            if pin.digest and fp.digest and fp.digest != pin.digest:
+                raise mismatch(self._dataset, pin, address, fp.digest, fp)
+            heed(d.max_credits, address)
+
+    def refused(self, address: str, digest: str, coordinates: pb.Coordinates) -> DataMismatch:
+        """The DataMismatch for a server that refused our fingerprint, with its own."""
+        assert self.pin is not None
+        server = self._servers.servers.get(address)
+        found = describe_each([(address, server.channel)] if server else [], coordinates,
+                              self._timeout).get(address)
+        fp = None if found is None or isinstance(found, RemoteError) else found.fingerprint
+        return mismatch(self._dataset, self.pin, address, digest, fp)

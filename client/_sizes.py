@@ -1,5 +1,6 @@
 """What a loader checks once a server has described the dataset: an epoch without a single
-batch, the samples `drop_last` leaves out, and `prefetch` against the server's `max_credits`.
+batch, the samples `drop_last` leaves out, and `prefetch` against the server's `max_credits`;
+and the `Window` of batches in flight that follows from them and from the batches' size.
 
 Each says what was asked, what the server has, and what to change, on the `stoker.client`
 logger (shown without any logging configuration: _log.py) or as a ValueError.
@@ -81,3 +82,44 @@ def credit_window(prefetch: int, max_credits: int, address: str) -> int:
         "one server holds them all; prefetching %d batches instead (lower prefetch, or raise "
         "server.max_credits)", prefetch, max_credits, address, max_credits)
     return max_credits
+
+
+class Window:
+    """The batches a loader keeps in flight (`size`): `prefetch`, under every server's
+    max_credits once they said it, widened once for small batches (`fit`).
+
+    Threading: the loop's thread, but for `batch_bytes`, which receive threads set as they
+    allocate a batch (the latest wins: batches of one loader keep their size, near enough).
+    """
+
+    def __init__(self, prefetch: int) -> None:
+        self.size = prefetch
+        self.max_credits = MAX_CREDITS  # the lowest the servers said
+        self.sized = False  # fitted to the batches' size (see fit)
+        self.widened = False  # ... and widened for small batches
+        self.batch_bytes = 0  # of the latest batch received
+
+    def heed(self, max_credits: int, address: str) -> None:
+        """A server said its max_credits: the window stays under it, and so does any
+        widening of it later (0: a server that did not say)."""
+        self.size = credit_window(self.size, max_credits, address)
+        if max_credits:
+            self.max_credits = min(self.max_credits, max_credits)
+
+    def fit(self, prefetch_bytes: int) -> int | None:
+        """Once the first batch's size is known: small batches are kept in flight by
+        prefetch_bytes, not prefetch (each costs the servers a fixed time, which more in
+        flight, asked for in groups, hides). The new, wider size, for the caller to grow its
+        buffers and streams to, or None. Once per loader (`sized`)."""
+        if not self.batch_bytes:
+            return None
+        self.sized = True
+        if not prefetch_bytes:
+            return None
+        # As many as prefetch_bytes holds, at most half the servers' max_credits: failover
+        # and hedges credit on top of it.
+        window = min(prefetch_bytes // max(self.batch_bytes, 1), self.max_credits // 2)
+        if window <= self.size:
+            return None
+        self.size, self.widened = window, True
+        return window

@@ -1,0 +1,186 @@
+"""Where a loader is, and how a saved position resumes: `Coordinates`, `Position`, `Saved`.
+
+A checkpoint stores the coordinates and the next batch, nothing else (docs/client.md#resuming):
+`state_of` writes that dict, `Saved.read` checks one read back, and `Saved.position_for` maps
+its position onto this loader's coordinates, at the same world_size and batch_size or others
+(an elastic resume: the rest of the epoch's one global order, re-partitioned).
+
+The dict's format is users' checkpoints: keys are only ever added, and only where a value is
+not the one an older stoker implied (`start` 0; no `batch_tokens` without a token budget), so
+that older states still load and states older stokers would misread are refused by them.
+
+Threading: plain values, used from the loop's thread (the loader's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from stoker.v1 import stoker_pb2 as pb
+
+from ._pinning import Pin, short
+
+_MISSING = object()
+
+# state_dict()["coordinates"] keys that may differ between the loader that saved a state and
+# the one that loads it (an elastic resume): the rest of the epoch's order is re-partitioned.
+# Every other key (dataset, seed, shuffle, drop_last) fixes the order or its tail: equal.
+ELASTIC = ("rank", "world_size", "batch_size", "start")
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    """A loader's coordinates but the epoch (and the start of a resumed one): with the epoch,
+    they fix the sequence of batches. `batch_size` is 0 under a token budget
+    (`batch_tokens`, balanced across ranks by `token_cost`)."""
+
+    dataset: str
+    seed: int
+    shuffle: bool
+    rank: int
+    world_size: int
+    batch_size: int
+    drop_last: bool
+    batch_tokens: int | None = None
+    token_cost: str = "tokens"
+
+    def fields(self) -> dict[str, Any]:
+        """pb.Coordinates' fields, and state_dict()'s "coordinates", in that order;
+        batch_tokens and token_cost only under a token budget (older state_dicts match)."""
+        found = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.batch_tokens is None:
+            del found["batch_tokens"], found["token_cost"]
+        return found
+
+    def message(self, epoch: int, start: int = 0, fingerprint: str = "") -> pb.Coordinates:
+        """What a request carries: these coordinates at `epoch` (its positions from `start`
+        on), expecting the data whose digest is `fingerprint` ("": any)."""
+        return pb.Coordinates(epoch=epoch, start=start, **self.fields(),
+                              fingerprint=fingerprint)
+
+
+@dataclass(frozen=True)
+class Position:
+    """An epoch, the positions of its order consumed before these coordinates took over
+    (`start`: an elastic resume; 0 for every epoch that starts here), and the batch next."""
+
+    epoch: int
+    start: int = 0
+    next_batch: int = 0
+
+    def following(self) -> Position:
+        """The next epoch's beginning."""
+        return Position(self.epoch + 1)
+
+    def advanced(self) -> Position:
+        """The batch after the next one."""
+        return Position(self.epoch, self.start, self.next_batch + 1)
+
+
+def state_of(coords: Coordinates, at: Position, pin: Pin | None) -> dict[str, Any]:
+    """state_dict(): `at` (a finished epoch already given as the next one's start) under
+    `coords`, with the fingerprint of the data it is a position in."""
+    # `start` only where it is not 0: such a state stays what stoker saved before it had
+    # elastic resume, and an older stoker refuses (coordinates differ) the states it
+    # would resume at the wrong place.
+    saved = {**coords.fields(), "start": at.start} if at.start else coords.fields()
+    state = {"coordinates": saved, "epoch": at.epoch, "next_batch": at.next_batch}
+    if pin is not None and pin.digest:
+        state["fingerprint"] = pin.state()
+    return state
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A state_dict() read back: its position, the world_size and batch_size it was saved at,
+    and its fingerprint's record (None if it has none)."""
+
+    at: Position
+    world_size: int
+    batch_size: int
+    fingerprint: Mapping[str, Any] | None
+
+    @classmethod
+    def read(cls, state: Any, coords: Coordinates) -> Saved:
+        """`state`, to resume under `coords`: ValueError when it is no state_dict, when a key
+        other than ELASTIC differs from `coords` (naming it), or when a position's key holds
+        no such value."""
+        saved = state.get("coordinates") if isinstance(state, Mapping) else None
+        if not isinstance(saved, Mapping):
+            raise ValueError("state_dict has no 'coordinates': not a RemoteLoader.state_dict() "
+                             f"(keys: {sorted(state) if isinstance(state, Mapping) else state!r})")
+        ours = coords.fields()
+        differ = [f"{k}: saved {saved.get(k, '(missing)')!r}, this loader "
+                  f"{ours.get(k, '(missing)')!r}"
+                  for k in sorted(set(saved) | set(ours))
+                  if k not in ELASTIC and saved.get(k, _MISSING) != ours.get(k, _MISSING)]
+        if differ:
+            raise ValueError("state_dict is for other coordinates (" + "; ".join(differ)
+                             + "): a position is only valid in the epoch order it was saved "
+                             "in (rank, world_size and batch_size may differ)")
+        found = _numbers(state, saved)
+        return cls(Position(found["epoch"], found["start"], found["next_batch"]),
+                   found["world_size"], found["batch_size"], state.get("fingerprint") or None)
+
+    @property
+    def digest(self) -> str:
+        """The digest of the data it was saved against ("": none recorded)."""
+        return (self.fingerprint or {}).get("digest") or ""
+
+    def check_data(self, dataset: str, pin: Pin | None) -> None:
+        """ValueError when the servers' data (`pin`) is not the data it was saved against:
+        the rest of the epoch would not be the rest of that order."""
+        if pin is None or not pin.digest or not self.digest or pin.digest == self.digest:
+            return
+        saved = self.fingerprint or {}
+        raise ValueError(
+            f"state_dict was saved against dataset {dataset!r} "
+            f"{short(self.digest, saved.get('objects'), saved.get('bytes'))}; "
+            f"the servers now have {short(pin.digest, pin.objects, pin.bytes)} (from "
+            f"{pin.address}): the rest of the epoch would not be the rest of that "
+            "order; pass load_state_dict(state, allow_changed_data=True) to go on "
+            "anyway")
+
+    def position_for(self, coords: Coordinates) -> Position:
+        """Its position under `coords`: itself at the same world_size and batch_size; else
+        the positions every rank had consumed, as `start` of the epoch's rest (ValueError
+        under a token budget: not supported)."""
+        at = self.at
+        if (self.world_size, self.batch_size) == (coords.world_size, coords.batch_size):
+            return at
+        if coords.batch_tokens:
+            # A token budget's steps hold different numbers of samples, cut by a plan the
+            # client does not see: the consumed prefix is not next_batch * a batch size.
+            raise ValueError(f"state_dict was saved at world_size={self.world_size}; under "
+                             "batch_tokens it resumes only at the same world_size, got "
+                             f"{coords.world_size} (elastic resume of token budgets "
+                             "is not supported yet: docs/client.md#token-budgets)")
+        # Every rank of the saving job had consumed its first next_batch batches, all
+        # full (only an epoch's last batch can be short, and a finished epoch is saved as
+        # the next one's start): the epoch's positions [0, consumed), a prefix.
+        consumed = at.start + at.next_batch * self.batch_size * self.world_size
+        return Position(at.epoch, consumed)
+
+
+def _numbers(state: Mapping[str, Any], coords: Mapping[str, Any]) -> dict[str, int]:
+    """A state's epoch, start and next_batch, and the world_size and batch_size it was saved
+    at (`start` 0 where absent: saved before elastic resume, or at an epoch's beginning);
+    ValueError naming the key that holds no such value."""
+    found = {}
+    for key, where, least in (("epoch", state, 0), ("next_batch", state, 0),
+                              ("start", coords, 0), ("world_size", coords, 1),
+                              ("batch_size", coords, 0 if coords.get("batch_tokens") else 1)):
+        value = where.get(key, 0 if key == "start" else _MISSING)
+        try:  # ints, numpy's included; not bools, floats or strings
+            number = -1 if isinstance(value, bool) else operator.index(value)
+        except TypeError:
+            number = -1
+        if number < least:
+            raise ValueError(f"state_dict's {key!r} must be an int >= {least}, got "
+                             f"{'(missing)' if value is _MISSING else repr(value)}")
+        found[key] = number
+    return found
