@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import queue
 import socket
-import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from typing import Any
 import grpc
 
 from stoker.v1 import stoker_pb2 as pb
+from stoker.v1.wire import encode_credits
 
 from ._datalink import CONNECT_BUDGET, DataLink, Transports
 from ._errors import ProtocolError, RemoteError
@@ -107,7 +107,7 @@ class BatchStream:
             return
         sock = self._credit_sock
         if sock is not None:
-            record = struct.pack(f"<I{len(indices)}q", len(indices), *indices)  # count, indices
+            record = encode_credits(indices)
             try:
                 with self._credit_lock:
                     sock.sendall(record)
