@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 from stoker.v1 import stoker_pb2 as pb
 from stoker.v1.wire import MAX_RECORD_FRAME, RECORD_LENGTH, WireError, read_data_prefix
 
-from ._errors import ProtocolError
+from ._errors import ConnectionCut, ProtocolError
 from ._samehost import read_segment
 
 log = logging.getLogger("stoker.client")
@@ -208,7 +208,7 @@ class Assembler:
             if got == 0:
                 if eof_ok and self._end == 0:
                     return False
-                raise ProtocolError(f"the data connection closed after {self._end} of {want} "
+                raise ConnectionCut(f"the data connection closed after {self._end} of {want} "
                                     "bytes")
             self._end += got
         return True
@@ -297,7 +297,7 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
     while got < len(view):
         n = sock.recv_into(view[got:], 0, flags)
         if n == 0:
-            raise ProtocolError(f"the data connection closed after {got} of {len(view)} "
+            raise ConnectionCut(f"the data connection closed after {got} of {len(view)} "
                                 "bytes")
         got += n
 

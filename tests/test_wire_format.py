@@ -5,15 +5,26 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import socket
 import struct
 
+import numpy as np
 import pytest
 
-from stoker.client._errors import ProtocolError
-from stoker.client._frames import split_frame
+from stoker.client._errors import ConnectionCut, ProtocolError
+from stoker.client._frames import Assembler, split_frame
+from stoker.server.front.frames import encode_socket_frame
+from stoker.server.pool.layout import BuiltBatch, TensorLayout
 from stoker.v1 import wire
 
 pytestmark = pytest.mark.timeout(60)
+
+BATCH = BuiltBatch(shm_name="stoker_test_segment", payload_bytes=160, num_samples=4, tensors=(
+    TensorLayout("x", "float32", (4, 8), 0, 128), TensorLayout("y", "int64", (4,), 128, 32)))
+
+
+def allocate(n: int) -> tuple[None, np.ndarray]:
+    return None, np.empty(n, np.uint8)
 
 def old_varint(n: int) -> bytes:
     out = bytearray()
@@ -54,3 +65,20 @@ def test_credit_records_and_claims_are_what_the_protocol_says() -> None:
     assert wire.claim_token(token, None) == token == wire.encode_claim(token, None)
     assert wire.claim_token(claim, b"another token") is None
     assert wire.claim_token(token, bearer) is None and wire.claim_token(claim[:-1], bearer) is None
+
+
+def test_a_record_cut_short_is_a_connection_cut_not_a_bad_record() -> None:
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        head = encode_socket_frame(BATCH, 0, 0)
+        theirs.sendall(wire.RECORD_LENGTH.pack(len(head)) + head + b"\0" * 10)
+        theirs.close()
+        assembler = Assembler(allocate)
+        with pytest.raises(ConnectionCut, match="closed after"):
+            assembler.receive(ours)
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(wire.RECORD_LENGTH.pack(wire.MAX_RECORD_FRAME + 1))
+        with pytest.raises(ProtocolError) as caught:
+            Assembler(allocate).receive(ours)
+        assert not isinstance(caught.value, ConnectionCut)
