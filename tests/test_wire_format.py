@@ -1,5 +1,6 @@
-"""The bytes both sides share (stoker.v1.wire): frames with `data` first, credit records and
-claims, as docs/protocol.md spells them."""
+"""The bytes both sides share (stoker.v1.wire), and BatchFrame's oneof: every kind of frame is
+the same on the wire as before the oneof (the offer less its old `batch_index` -1 marker),
+and what an older server sent still reads."""
 
 from __future__ import annotations
 
@@ -10,11 +11,19 @@ import struct
 
 import numpy as np
 import pytest
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from stoker.client._errors import ConnectionCut, ProtocolError
 from stoker.client._frames import Assembler, split_frame
-from stoker.server.front.frames import encode_socket_frame
+from stoker.server.front.frames import (
+    encode_error,
+    encode_frame,
+    encode_shm_frame,
+    encode_socket_frame,
+    encode_socket_offer,
+)
 from stoker.server.pool.layout import BuiltBatch, TensorLayout
+from stoker.v1 import stoker_pb2 as pb
 from stoker.v1 import wire
 
 pytestmark = pytest.mark.timeout(60)
@@ -23,8 +32,29 @@ BATCH = BuiltBatch(shm_name="stoker_test_segment", payload_bytes=160, num_sample
     TensorLayout("x", "float32", (4, 8), 0, 128), TensorLayout("y", "int64", (4,), 128, 32)))
 
 
+def old_batch_frame() -> type:
+    """BatchFrame as it was before the oneof: the same fields, numbers and order, no oneof."""
+    file = descriptor_pb2.FileDescriptorProto()
+    pb.DESCRIPTOR.CopyToProto(file)
+    file.name = "old/stoker.proto"
+    (frame,) = [m for m in file.message_type if m.name == "BatchFrame"]
+    fields = sorted(frame.field, key=lambda f: f.number)
+    for f in fields:
+        f.ClearField("oneof_index")
+    del frame.field[:]
+    frame.field.extend(fields)
+    del frame.oneof_decl[:]
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("stoker.v1.BatchFrame"))
+
+
+Old = old_batch_frame()
+
+
 def allocate(n: int) -> tuple[None, np.ndarray]:
     return None, np.empty(n, np.uint8)
+
 
 def old_varint(n: int) -> bytes:
     out = bytearray()
@@ -33,6 +63,58 @@ def old_varint(n: int) -> bytes:
         out.append(byte | (0x80 if n else 0))
         if not n:
             return bytes(out)
+
+
+def old_tensors() -> list[dict]:
+    return [dict(name=t.name, dtype=t.dtype, shape=t.shape, offset=t.offset, nbytes=t.nbytes)
+            for t in BATCH.tensors]
+
+
+def test_the_frame_schema_has_one_oneof_over_the_old_field_numbers() -> None:
+    oneof = pb.BatchFrame.DESCRIPTOR.oneofs_by_name[wire.FRAME_KIND]
+    assert {f.name: f.number for f in oneof.fields} == {
+        "data": 1, "error": 7, "shm_name": 8, "data_socket": 10, "via_socket": 11}
+    old = {f.name: f.number for f in Old.DESCRIPTOR.fields}
+    assert {f.name: f.number for f in pb.BatchFrame.DESCRIPTOR.fields} == old
+
+
+@pytest.mark.parametrize("offset, length", [(0, 160), (64, 96), (0, 0), (0, 300)])
+def test_a_data_frame_is_byte_identical(offset: int, length: int) -> None:
+    data = bytes(range(256))[:length]
+    for compression in ("", "zstd"):
+        new = encode_frame(BATCH, data, offset, 7, 2, compression)
+        head = Old(batch_index=7, epoch=2, offset=offset, payload_bytes=160,
+                   compression=compression, tensors=old_tensors() if offset == 0 else ())
+        assert new == b"\x0a" + old_varint(len(data)) + data + head.SerializeToString()
+        chunk, parsed = split_frame(new)
+        assert bytes(chunk) == data and parsed.WhichOneof(wire.FRAME_KIND) is None
+        full = pb.BatchFrame.FromString(new)
+        assert full.WhichOneof(wire.FRAME_KIND) == "data" and full.data == data
+
+
+def test_shm_socket_and_error_frames_are_byte_identical() -> None:
+    shm = Old(batch_index=3, epoch=1, offset=0, payload_bytes=160, tensors=old_tensors(),
+              shm_name=BATCH.shm_name)
+    assert encode_shm_frame(BATCH, 3, 1) == shm.SerializeToString()
+    record = (Old(batch_index=3, epoch=1).SerializeToString() + Old(
+        payload_bytes=160, via_socket=True, tensors=old_tensors()).SerializeToString())
+    assert encode_socket_frame(BATCH, 3, 1) == record
+    error = Old(batch_index=5, epoch=1, error=dict(code=15, message="batch 5: bad sample"))
+    assert encode_error(5, 1, 15, "batch 5: bad sample") == error.SerializeToString()
+    for raw, kind in ((shm, "shm_name"), (error, "error")):
+        assert pb.BatchFrame.FromString(raw.SerializeToString()).WhichOneof("kind") == kind
+    assert pb.BatchFrame.FromString(record).WhichOneof(wire.FRAME_KIND) == "via_socket"
+
+
+def test_the_offer_is_its_own_kind_and_an_old_servers_offer_still_reads() -> None:
+    offer = dict(port=4242, token=b"t" * 16, proof=True, credits=True)
+    new = encode_socket_offer(4242, b"t" * 16, proof=True, credits=True)
+    assert new == Old(data_socket=offer).SerializeToString()  # no batch_index: no -1
+    assert pb.BatchFrame.FromString(new).WhichOneof(wire.FRAME_KIND) == "data_socket"
+    before = Old(batch_index=-1, data_socket=offer).SerializeToString()
+    got = Assembler(lambda n: (None, None)).feed(before)
+    assert isinstance(got, pb.DataSocket) and got.port == 4242 and got.token == b"t" * 16
+    assert Old.FromString(new).HasField("data_socket")  # an old client reads the new offer
 
 
 def test_a_data_prefix_reads_back_and_a_bad_one_is_a_protocol_error() -> None:

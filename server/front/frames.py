@@ -2,7 +2,8 @@
 
 `data` (field 1) is written first and by hand (its layout: stoker.v1.wire), so the payload
 is copied once, from shared memory into the message; a protobuf round trip would copy it
-three more times. The result is an ordinary BatchFrame to any protobuf parser.
+three more times. The result is an ordinary BatchFrame to any protobuf parser. Each function
+makes one kind of frame (BatchFrame's oneof `kind`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def encode_socket_offer(port: int, token: bytes, proof: bool = False,
                         credits: bool = False) -> bytes:
     """A stream's first frame when its client asked for a data connection; `proof`: its claim
     must carry the proof of the bearer token; `credits`: credits may come on the connection."""
-    return pb.BatchFrame(batch_index=-1, data_socket=pb.DataSocket(
+    return pb.BatchFrame(data_socket=pb.DataSocket(
         port=port, token=token, proof=proof, credits=credits)).SerializeToString()
 
 

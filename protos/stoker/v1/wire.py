@@ -33,6 +33,10 @@ class WireError(ValueError):
 
 # -- frames ----------------------------------------------------------------------------------
 
+# The name of BatchFrame's oneof: WhichOneof(FRAME_KIND) says which kind of frame it is
+# ("data", "error", "shm_name", "data_socket", "via_socket"; None: a header whose `data`
+# was sliced off before the parse, see read_data_prefix).
+FRAME_KIND = "kind"
 DATA_TAG = 0x0A  # BatchFrame.data: field 1, wire type 2 (length-delimited)
 DATA_TAG_BYTE = bytes((DATA_TAG,))
 _VARINT_MAX = 10  # bytes of the longest varint (a 64-bit value)
