@@ -1,7 +1,7 @@
 """The client's end of the data connection: connecting within a budget, and what it used.
 
-A stream offered a data connection (server/front/datasocket.py) connects to the server's data port
-with the loader's own security: TLS with the root certificates, client certificate and server
+A stream offered a data connection (server/front/datasocket.py) connects to the server's data
+port with the loader's own security: TLS with the root certificates, client certificate and server
 name it gives gRPC (the server's name checked as gRPC checks it), and, when the server asks,
 the proof of the bearer token after the claim token. Connecting, the TLS handshake and the
 claim together get CONNECT_BUDGET seconds: a data port behind a firewall costs at most that
@@ -13,8 +13,6 @@ reads).
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import socket
 import ssl
@@ -26,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from stoker.v1 import stoker_pb2 as pb
+from stoker.v1.wire import encode_claim
 
 log = logging.getLogger("stoker.client")
 
@@ -84,12 +83,13 @@ class DataLink:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if SET_RCVBUF:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF)
-            claim = bytes(offer.token)
+            bearer = None  # the claim's proof: only where the server asks for it
             if offer.proof:
                 if self.bearer is None:
                     raise OSError("the server wants the bearer token's proof and this "
                                   "loader has no token")
-                claim += hmac.new(self.bearer.encode(), claim, hashlib.sha256).digest()
+                bearer = self.bearer.encode()
+            claim = encode_claim(offer.token, bearer)
             if self.tls is not None:
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
                 sock = self.tls.wrap_socket(sock, server_hostname=self.server_name or host)

@@ -55,3 +55,9 @@ class ProtocolError(ValueError):
     """A server sent something the protocol does not allow (a frame that does not parse, out
     of order, or whose header does not add up): nothing after it on that stream can be
     trusted. The message says which batch and what was wrong."""
+
+
+class ConnectionCut(ProtocolError):
+    """The data connection ended inside a record: the connection broke (the server went
+    away, say), where a plain ProtocolError means the server broke the protocol. A
+    ProtocolError still, since what the record began cannot be used either."""

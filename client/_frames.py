@@ -1,10 +1,10 @@
 """Decode BatchFrames and assemble batch payloads, copying each byte once.
 
-Servers put `data` first on the wire (see server/front/frames.py): the payload is sliced out of the
-received message without a parse copy and copied straight into the batch's buffer. Any other
-field order still decodes, through protobuf. On the data connection a batch is one record
-(a 4-byte length, its frame, its payload): the payload is received straight into the batch's
-buffer (`recv_into`; pinned when batches go to a GPU), no copy in Python.
+Servers put `data` first on the wire (its layout: stoker.v1.wire): the payload is sliced out
+of the received message without a parse copy and copied straight into the batch's buffer.
+Any other field order still decodes, through protobuf. On the data connection a batch is one
+record (a 4-byte length, its frame, its payload): the payload is received straight into the
+batch's buffer (`recv_into`; pinned when batches go to a GPU), no copy in Python.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import functools
 import logging
 import socket
 import ssl
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +22,9 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from stoker.v1 import stoker_pb2 as pb
+from stoker.v1.wire import MAX_RECORD_FRAME, RECORD_LENGTH, WireError, read_data_prefix
 
-from ._errors import ProtocolError
+from ._errors import ConnectionCut, ProtocolError
 from ._samehost import read_segment
 
 log = logging.getLogger("stoker.client")
@@ -34,38 +34,21 @@ MAX_PAYLOAD_BYTES = 1 << 36
 _MAX_DIMS = 32  # numpy's limit is 64; no dataset field comes near
 _KINDS = "biufc"  # bool, integers, floats, complex: what a server may send
 
-_DATA_TAG = 0x0A
-_LENGTH = struct.Struct("<I")  # a record's frame length, on the data connection
-MAX_RECORD_FRAME = 1 << 24  # a record's frame holds headers only: never near this
 # Bytes a receive reads ahead on the data connection: a 64 KiB batch's record whole.
 READ_AHEAD = 80 << 10
-
-
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while shift < 64:
-        if pos >= len(buf):
-            raise ProtocolError("a frame ends inside its data length")
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return result, pos
-        shift += 7
-    raise ProtocolError("a frame's data length is longer than 10 bytes")
 
 
 def split_frame(raw: bytes) -> tuple[memoryview, pb.BatchFrame]:
     """(payload chunk, header fields) of one serialized BatchFrame; ProtocolError if it is
     not one."""
     try:
-        if raw and raw[0] == _DATA_TAG:
-            n, pos = _varint(raw, 1)
-            if pos + n > len(raw):
-                raise ProtocolError(f"a frame's data claims {n} bytes, {len(raw) - pos} follow")
+        if (at := read_data_prefix(raw)) is not None:
+            pos, n = at
             view = memoryview(raw)
             return view[pos : pos + n], pb.BatchFrame.FromString(view[pos + n :].tobytes())
         frame = pb.BatchFrame.FromString(raw)
+    except WireError as e:
+        raise ProtocolError(str(e)) from None
     except DecodeError as e:
         raise ProtocolError(f"a frame that is not a BatchFrame: {e}") from None
     return memoryview(frame.data), frame
@@ -176,19 +159,19 @@ class Assembler:
         come in one recv, not three (at 64 KiB batches the receive thread's syscalls were
         half its time); the payload's start is copied out of it, the rest of a large payload
         received straight into the batch's buffer."""
-        if not self._fill(sock, _LENGTH.size, eof_ok=True):
+        if not self._fill(sock, RECORD_LENGTH.size, eof_ok=True):
             return None
-        n = _LENGTH.unpack_from(self._ahead, self._start)[0]
+        n = RECORD_LENGTH.unpack_from(self._ahead, self._start)[0]
         if n > MAX_RECORD_FRAME:
             raise ProtocolError(f"a record's frame claims {n} bytes")
-        self._fill(sock, _LENGTH.size + n)
-        at = self._start + _LENGTH.size
+        self._fill(sock, RECORD_LENGTH.size + n)
+        at = self._start + RECORD_LENGTH.size
         try:
             head = pb.BatchFrame.FromString(self._view[at : at + n])
         except DecodeError as e:
             raise ProtocolError(f"a record that is not a BatchFrame: {e}") from None
         self._start = at + n
-        self.record_bytes = _LENGTH.size + n
+        self.record_bytes = RECORD_LENGTH.size + n
         if head.HasField("error"):
             return head
         if not head.via_socket or head.data or head.shm_name or head.offset:
@@ -225,7 +208,7 @@ class Assembler:
             if got == 0:
                 if eof_ok and self._end == 0:
                     return False
-                raise ProtocolError(f"the data connection closed after {self._end} of {want} "
+                raise ConnectionCut(f"the data connection closed after {self._end} of {want} "
                                     "bytes")
             self._end += got
         return True
@@ -314,7 +297,7 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
     while got < len(view):
         n = sock.recv_into(view[got:], 0, flags)
         if n == 0:
-            raise ProtocolError(f"the data connection closed after {got} of {len(view)} "
+            raise ConnectionCut(f"the data connection closed after {got} of {len(view)} "
                                 "bytes")
         got += n
 

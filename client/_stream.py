@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import queue
 import socket
-import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -24,9 +23,10 @@ from typing import Any
 import grpc
 
 from stoker.v1 import stoker_pb2 as pb
+from stoker.v1.wire import encode_credits
 
 from ._datalink import CONNECT_BUDGET, DataLink, Transports
-from ._errors import ProtocolError, RemoteError
+from ._errors import ConnectionCut, ProtocolError, RemoteError
 from ._frames import Assembled, Assembler
 
 METHOD = "/stoker.v1.DataService/StreamBatches"
@@ -107,7 +107,7 @@ class BatchStream:
             return
         sock = self._credit_sock
         if sock is not None:
-            record = struct.pack(f"<I{len(indices)}q", len(indices), *indices)  # count, indices
+            record = encode_credits(indices)
             try:
                 with self._credit_lock:
                     sock.sendall(record)
@@ -208,7 +208,8 @@ class BatchStream:
         except Exception as e:
             if self._closed:
                 return
-            bad = isinstance(e, ProtocolError) and "closed after" not in str(e)
+            # A record cut short is the connection breaking, not the server breaking the rules.
+            bad = isinstance(e, ProtocolError) and not isinstance(e, ConnectionCut)
             self._data_error = RemoteError(
                 grpc.StatusCode.INTERNAL if bad else grpc.StatusCode.UNAVAILABLE,
                 f"{'bad record' if bad else 'data connection broken'}: {e}", self.address)

@@ -59,7 +59,7 @@ def test_the_offer_comes_first_and_a_client_that_never_connects_gets_frames(serv
     channel, call = stream(server, [0])
     with channel:
         offer = next(call)
-        assert offer.batch_index == -1 and offer.data_socket.port > 0
+        assert offer.WhichOneof("kind") == "data_socket" and offer.data_socket.port > 0
         assert len(offer.data_socket.token) == 16
         # Never connect: after a few seconds the server sends the payload in frames.
         batch = next(call)

@@ -30,8 +30,8 @@ from stoker.client._frames import (
     Assembler,
     numpy_views,
 )
-from stoker.server.front.frames import _varint
 from stoker.v1 import stoker_pb2 as pb
+from stoker.v1.wire import data_prefix
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -76,7 +76,7 @@ def batch(draw: st.DrawFn, index: int) -> tuple[dict[str, np.ndarray], list[byte
         if zstd and data:
             head.compression, data = "zstd", zstandard.ZstdCompressor().compress(data)
         if draw(st.booleans()):  # data first and by hand, as the server writes it
-            frames.append(b"\x0a" + _varint(len(data)) + data + head.SerializeToString())
+            frames.append(data_prefix(len(data)) + data + head.SerializeToString())
         else:  # data last: the parser's fallback path
             frames.append(head.SerializeToString() + pb.BatchFrame(data=data).SerializeToString())
     return arrays, frames

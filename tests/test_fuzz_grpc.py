@@ -133,7 +133,8 @@ def run_stream(channel: grpc.Channel, requests: list[pb.StreamRequest]) -> list[
         for frame in call(iter(requests), timeout=DEADLINE):
             frames.append(frame)
             if frame.HasField("data_socket"):
-                assert frame.batch_index == -1 and len(frame.data_socket.token) == 16
+                assert (frame.WhichOneof("kind") == "data_socket"
+                        and len(frame.data_socket.token) == 16)
                 assert sock is None, "a second data socket offer"
                 sock = socket.create_connection(("127.0.0.1", frame.data_socket.port), timeout=10)
                 sock.sendall(frame.data_socket.token)
@@ -179,7 +180,7 @@ def read_records(sock: socket.socket, into: list[pb.BatchFrame]) -> None:
 def answered(requests: list[pb.StreamRequest], frames: list[pb.BatchFrame]) -> None:
     """A call that ended OK answered every credit once."""
     credits = sorted(i for r in requests for i in r.batch_indices)
-    got = sorted(f.batch_index for f in frames if f.batch_index >= 0
+    got = sorted(f.batch_index for f in frames if not f.HasField("data_socket")
                  and (f.offset == 0 or f.HasField("error")))
     assert got == credits
 

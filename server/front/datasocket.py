@@ -8,19 +8,17 @@ certificate required when the gRPC port requires one), writes its claim, and fro
 reads every answer of the stream from that connection (server/front/transports/datasocket.py).
 gRPC stays the control path: credits, errors of the call, failover.
 
-The claim is the token, followed, when the server checks a bearer token, by
-HMAC-SHA256(key = bearer token, message = the token): the token alone only ever went out on
-an authenticated stream, and the proof shows the connection's owner holds the bearer token
-as well. A token is good for one connection, for one stream; a connection whose claim does
-not match is closed having been sent nothing.
+The claim (its bytes: stoker.v1.wire) is the token, followed, when the server checks a
+bearer token, by HMAC-SHA256(key = bearer token, message = the token): the token alone only
+ever went out on an authenticated stream, and the proof shows the connection's owner holds
+the bearer token as well. A token is good for one connection, for one stream; a connection
+whose claim does not match is closed having been sent nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import logging
 import secrets
 import socket
@@ -28,12 +26,12 @@ import ssl
 import threading
 import time
 
+from stoker.v1.wire import TOKEN_BYTES, claim_length, claim_token
+
 from .listen import listen
 
 log = logging.getLogger("stoker.server")
 
-TOKEN_BYTES = 16
-PROOF_BYTES = 32  # HMAC-SHA256
 TOKEN_WAIT = 10.0  # seconds a new connection has to send its token
 # Connections still owing their token, at most, in all and from one address: past either, the
 # OLDEST such connection is closed. Strangers that connect and say nothing cannot pile up
@@ -42,11 +40,6 @@ TOKEN_WAIT = 10.0  # seconds a new connection has to send its token
 MAX_CLAIMS = 256
 MAX_CLAIMS_PER_HOST = 16
 WARN_EVERY = 10.0  # seconds between two warnings about evicted claims
-
-
-def proof(bearer: bytes, token: bytes) -> bytes:
-    """What a claim carries after `token` when the server checks the bearer token."""
-    return hmac.new(bearer, token, hashlib.sha256).digest()
 
 
 class DataSockets:
@@ -142,7 +135,7 @@ class DataSockets:
     async def _claim(self, box: list[socket.socket]) -> None:
         loop = asyncio.get_running_loop()
         conn = box[0]
-        want = TOKEN_BYTES + (PROOF_BYTES if self._bearer is not None else 0)
+        want = claim_length(self._bearer is not None)
         if self._tls is None:
             claim = b""
             try:
@@ -187,15 +180,13 @@ class DataSockets:
 
             threading.Thread(target=handshake, name="stoker-data-tls", daemon=True).start()
             found, claim = await done
-        fut = self._pending.get(claim[:TOKEN_BYTES]) if len(claim) == want else None
-        if (fut is not None and self._bearer is not None
-                and not hmac.compare_digest(claim[TOKEN_BYTES:],
-                                            proof(self._bearer, claim[:TOKEN_BYTES]))):
-            fut = None  # the right token without the bearer token's proof: a stranger
+        # A claim cut short, or the right token without the bearer token's proof: a stranger.
+        token = claim_token(claim, self._bearer)
+        fut = self._pending.get(token) if token is not None else None
         if fut is None or fut.done() or found is None:
             box[0].close()  # a stranger, or too late: it learns nothing
             return
-        del self._pending[claim[:TOKEN_BYTES]]
+        del self._pending[token]
         fut.set_result(found)
 
     def close(self) -> None:

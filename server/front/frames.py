@@ -1,8 +1,9 @@
 """Encode a built batch as BatchFrame messages, pre-serialized.
 
-`data` (field 1) is written first and by hand, so the payload is copied once, from shared
-memory into the message; a protobuf round trip would copy it three more times. The result is
-an ordinary BatchFrame to any protobuf parser.
+`data` (field 1) is written first and by hand (its layout: stoker.v1.wire), so the payload
+is copied once, from shared memory into the message; a protobuf round trip would copy it
+three more times. The result is an ordinary BatchFrame to any protobuf parser. Each function
+makes one kind of frame (BatchFrame's oneof `kind`).
 """
 
 from __future__ import annotations
@@ -10,19 +11,9 @@ from __future__ import annotations
 import functools
 
 from stoker.v1 import stoker_pb2 as pb
+from stoker.v1.wire import data_prefix
 
 from ..pool.layout import BuiltBatch, TensorLayout
-
-_DATA_TAG = b"\x0a"  # field 1, wire type 2 (length-delimited)
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 def tensor_infos(tensors: tuple[TensorLayout, ...]) -> list[pb.TensorInfo]:
@@ -37,7 +28,7 @@ def encode_frame(batch: BuiltBatch, data: memoryview | bytes, offset: int, batch
     head = pb.BatchFrame(batch_index=batch_index, epoch=epoch, offset=offset,
                          payload_bytes=batch.payload_bytes, compression=compression,
                          tensors=tensor_infos(batch.tensors) if offset == 0 else ())
-    return b"".join((_DATA_TAG, _varint(len(data)), data, head.SerializeToString()))
+    return b"".join((data_prefix(len(data)), data, head.SerializeToString()))
 
 
 def encode_shm_frame(batch: BuiltBatch, batch_index: int, epoch: int) -> bytes:
@@ -67,7 +58,7 @@ def encode_socket_offer(port: int, token: bytes, proof: bool = False,
                         credits: bool = False) -> bytes:
     """A stream's first frame when its client asked for a data connection; `proof`: its claim
     must carry the proof of the bearer token; `credits`: credits may come on the connection."""
-    return pb.BatchFrame(batch_index=-1, data_socket=pb.DataSocket(
+    return pb.BatchFrame(data_socket=pb.DataSocket(
         port=port, token=token, proof=proof, credits=credits)).SerializeToString()
 
 

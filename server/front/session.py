@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import struct
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import grpc
 import numpy as np
 
 from stoker.v1 import stoker_pb2 as pb
+from stoker.v1.wire import CreditCountError, decode_credits
 
 from ..order.epochs import epoch_size, samples_of
 from ..order.sampling import (
@@ -44,9 +44,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("stoker.server")
 
-# A credit record on the data connection: its count of batch indices, then the indices.
-_COUNT = struct.Struct("<I")
-_INDEX = 8  # bytes of one little-endian int64 batch index
 _READ = 1 << 16  # bytes read from the data connection at once
 
 # BatchFailed.kind -> the status its batch is answered with.
@@ -388,22 +385,18 @@ class StreamSession:
         try:
             while more := await loop.sock_recv(sock, _READ):
                 pending += more
-                while len(pending) >= _COUNT.size:
-                    n = _COUNT.unpack_from(pending)[0]
-                    if not 0 < n <= limit:
-                        raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"data connection: a credit record of {n} batch indices "
-                                    f"(1 to max_credits={limit})")
-                    end = _COUNT.size + n * _INDEX
-                    if len(pending) < end:
-                        break
-                    indices = np.frombuffer(pending, "<i8", n, _COUNT.size).tolist()
+                while (record := decode_credits(pending, limit)) is not None:
+                    indices, end = record
                     pending = pending[end:]
                     if self._coords is None or self._meta is None:
                         raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     "coordinates: required in the first message of a stream")
                     async with self._crediting:
                         await self._credit(self._coords, self._meta, indices)
+        except CreditCountError as e:
+            self._ready.put_nowait(Refused(
+                grpc.StatusCode.INVALID_ARGUMENT, f"data connection: a credit record of "
+                f"{e.count} batch indices (1 to max_credits={limit})"))
         except Abort as e:
             self._ready.put_nowait(Refused(e.code, str(e), e.trailers))
         except OSError:

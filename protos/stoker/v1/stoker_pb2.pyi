@@ -165,30 +165,30 @@ class TensorInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class BatchFrame(_message.Message):
-    __slots__ = ("data", "batch_index", "epoch", "offset", "payload_bytes", "tensors", "error", "shm_name", "compression", "data_socket", "via_socket")
-    DATA_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("batch_index", "epoch", "offset", "payload_bytes", "tensors", "compression", "data", "error", "shm_name", "data_socket", "via_socket")
     BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
-    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
     VIA_SOCKET_FIELD_NUMBER: _ClassVar[int]
-    data: bytes
     batch_index: int
     epoch: int
     offset: int
     payload_bytes: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorInfo]
+    compression: str
+    data: bytes
     error: BatchError
     shm_name: str
-    compression: str
     data_socket: DataSocket
     via_socket: bool
-    def __init__(self, data: _Optional[bytes] = ..., batch_index: _Optional[int] = ..., epoch: _Optional[int] = ..., offset: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., error: _Optional[_Union[BatchError, _Mapping]] = ..., shm_name: _Optional[str] = ..., compression: _Optional[str] = ..., data_socket: _Optional[_Union[DataSocket, _Mapping]] = ..., via_socket: _Optional[bool] = ...) -> None: ...
+    def __init__(self, batch_index: _Optional[int] = ..., epoch: _Optional[int] = ..., offset: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., compression: _Optional[str] = ..., data: _Optional[bytes] = ..., error: _Optional[_Union[BatchError, _Mapping]] = ..., shm_name: _Optional[str] = ..., data_socket: _Optional[_Union[DataSocket, _Mapping]] = ..., via_socket: _Optional[bool] = ...) -> None: ...
 
 class BatchError(_message.Message):
     __slots__ = ("code", "message")

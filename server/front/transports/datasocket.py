@@ -1,10 +1,11 @@
 """The data connection: every answer of a stream on a TCP connection of its own.
 
 The connection is the stream's own, claimed with the token of a `SocketOffer` (the listener
-and the claiming are in server/front/datasocket.py). Once it is there, each answer is one record
-on it: a 4-byte little-endian length, the BatchFrame (no `data`), and for a batch
-(`via_socket`) its payload straight from the worker's shared memory, no copy in Python. No
-gRPC message per batch: the gRPC stream carries the offer and, at its end, the call's status.
+and the claiming are in server/front/datasocket.py). Once it is there, each answer is one
+record on it (its layout: stoker.v1.wire): a 4-byte little-endian length, the BatchFrame (no
+`data`), and for a batch (`via_socket`) its payload straight from the worker's shared memory,
+no copy in Python. No gRPC message per batch: the gRPC stream carries the offer and, at its
+end, the call's status.
 
 Plain TCP is sent on the event loop (`sendmsg` of the record's head and payload, waiting for
 room when the socket buffer is full); TLS on a thread of the stream's own (SSL_write
@@ -18,11 +19,12 @@ import contextlib
 import logging
 import socket
 import ssl
-import struct
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import grpc
+
+from stoker.v1.wire import RECORD_LENGTH
 
 from ..frames import encode_socket_frame, encode_socket_offer
 from . import Transport, write
@@ -39,7 +41,6 @@ log = logging.getLogger("stoker.server")
 # frames instead. A client of this version says at once when it cannot connect
 # (StreamRequest.data_socket_unreachable): this bound is for one that never says.
 SOCKET_WAIT = 5.0
-_LENGTH = struct.Struct("<I")
 
 
 class SocketOffer:
@@ -179,7 +180,7 @@ class SocketTransport(Transport):
         head = encode_socket_frame(batch, batch_index, epoch)
         segment = self._mappings.get(batch.shm_name, batch.payload_bytes)
         with memoryview(segment) as view:
-            return _LENGTH.pack(len(head)) + head, view[: batch.payload_bytes]
+            return RECORD_LENGTH.pack(len(head)) + head, view[: batch.payload_bytes]
 
     @property
     def sends_many(self) -> bool:  # type: ignore[override]
@@ -211,7 +212,7 @@ class SocketTransport(Transport):
         """An answer without payload (a batch's error), in order with the batches."""
         if not await self._connected(None):
             return await write(context, frame)
-        return await self._put(_LENGTH.pack(len(frame)) + frame, memoryview(b""))
+        return await self._put(RECORD_LENGTH.pack(len(frame)) + frame, memoryview(b""))
 
     async def _put(self, head: bytes, payload: memoryview) -> bool:
         """`head` then `payload` on the connection; False if it broke (the stream then ends:
