@@ -27,7 +27,7 @@ import grpc
 from stoker.v1.wire import RECORD_LENGTH
 
 from ..frames import encode_socket_frame, encode_socket_offer
-from . import Transport, write
+from .base import Transport, write
 
 if TYPE_CHECKING:
     from ...pool.layout import BuiltBatch

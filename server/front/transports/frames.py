@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from ..frames import encode_frame
-from . import Transport, write
+from .base import Transport, write
 
 if TYPE_CHECKING:
     from ...pool.layout import BuiltBatch

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from ..frames import encode_shm_frame
-from . import Transport, write
+from .base import Transport, write
 
 if TYPE_CHECKING:
     from ...pool.layout import BuiltBatch
