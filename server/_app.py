@@ -135,15 +135,15 @@ async def start(config: Config, stack: contextlib.AsyncExitStack,
     meta = await _start_workers(stack, pool)
     if (small := depth.capacity_warning(meta, settings)) is not None:
         log.warning("%s", small)
-    service = DataService(config, pool, meta)
     # The data connections (TLS under server.tls, the bearer token's proof with a token)
     # listen before gRPC does: the first stream may ask for one, and streams end before
     # they close.
-    service.data_sockets = _listening(
+    data_sockets = _listening(
         "data socket", settings.host, settings.data_port,
         lambda: DataSockets(settings.host, settings.data_port, tls=tls_context, bearer=token))
-    service.data_sockets.start()
-    stack.callback(service.data_sockets.close)
+    data_sockets.start()
+    stack.callback(data_sockets.close)
+    service = DataService(config, pool, meta, data_sockets)
     grpc_server, health_servicer, grpc_port = await _start_grpc(stack, config, service, token)
     http = _listening("HTTP", settings.host, settings.http_port,
                       lambda: HttpServer(settings.host, settings.http_port, service, token=token,
@@ -153,7 +153,7 @@ async def start(config: Config, stack: contextlib.AsyncExitStack,
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return Started(pool, service, grpc_server, health_servicer, grpc_port, http.port,
-                   service.data_sockets.port if service.data_sockets else None,
+                   data_sockets.port,
                    auth=token is not None, nofile=nofile)
 
 

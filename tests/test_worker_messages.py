@@ -51,7 +51,7 @@ def test_messages_are_small_beside_what_they_carry() -> None:
 
 
 def test_every_failure_kind_has_the_status_its_batch_is_answered_with() -> None:
-    from stoker.server.front.session import FAILURE_CODE
+    from stoker.server.front.credits import FAILURE_CODE
 
     assert set(FAILURE_CODE) == set(msg.FailureKind)
     assert FAILURE_CODE[msg.FailureKind.UNAVAILABLE] == grpc.StatusCode.UNAVAILABLE

@@ -58,8 +58,9 @@ class Field(BaseModel):
     shape: list[int]
 
 
-class Fingerprint(BaseModel):
-    """What this server's copy of the dataset is (docs/design.md, "Fingerprint")."""
+class FingerprintView(BaseModel):
+    """What this server's copy of the dataset is (docs/design.md, "Fingerprint"), as the JSON
+    of /v1/datasets shows it (the dataset's own is order.fingerprint.Fingerprint)."""
 
     digest: str  # "sha256:<hex>" of the config and the listing
     objects: int
@@ -71,7 +72,7 @@ class Dataset(BaseModel):
     format: str
     num_samples: int
     fields: list[Field]
-    fingerprint: Fingerprint | None = None
+    fingerprint: FingerprintView | None = None
     # A mixture: its components, in the order of the `source` field's values.
     components: list[str] = []
 
@@ -136,7 +137,7 @@ def make_app(service: Any = None, token: bytes | None = None) -> FastAPI:
                               num_samples=meta.num_samples,
                               fields=[Field(name=f, dtype=d, shape=list(s))
                                       for f, d, s in meta.fields],
-                              fingerprint=None if meta.fingerprint is None else Fingerprint(
+                              fingerprint=None if meta.fingerprint is None else FingerprintView(
                                   digest=meta.fingerprint.digest,
                                   objects=meta.fingerprint.objects,
                                   bytes=meta.fingerprint.bytes),

@@ -1,7 +1,8 @@
 """The gRPC front end: the DataService methods, on grpc.aio.
 
 This module holds the handler table, the unary methods, the coordinate checks and the
-per-client stream limit; one StreamSession (server/front/session.py) serves each batch stream.
+per-client stream limit; one StreamSession (server/front/session.py) serves each batch stream,
+seeing of the service only the SessionContext (server/front/session_context.py) made here.
 
 Threading contract: every method runs on the server's one asyncio loop. Batch work happens in
 the worker processes; the front end only validates, schedules and sends.
@@ -30,13 +31,16 @@ from ..pool import shm
 from ..pool.workers import DatasetMeta, WorkerPool
 from .limits import Admission, Kind, Refused
 from .metrics import Metrics
-from .session import FINGERPRINT_KEY, Abort, StreamSession
+from .refusal import FINGERPRINT_KEY, Abort
+from .session import StreamSession
+from .session_context import SessionContext
 from .shared_batches import SharedBatches
 
 if TYPE_CHECKING:
     import numpy as np
 
     from ..pool.layout import BuiltBatch
+    from .datasocket import DataSockets
 
 log = logging.getLogger("stoker.server")
 
@@ -81,14 +85,15 @@ def _parsed(method: Any, message: Any) -> Any:
 
 class DataService:
     """The handler table, the unary methods, coordinate checks and per-client limits; each
-    StreamBatches call is served by a StreamSession (server/front/session.py), which reads the
-    public fields below."""
+    StreamBatches call is served by a StreamSession (server/front/session.py), handed the
+    SessionContext made here. `data_sockets`: the data-connection listener (already
+    listening), None where none is offered."""
 
     def __init__(self, config: Config, pool: WorkerPool, meta: dict[str, DatasetMeta],
-                 metrics: Metrics | None = None) -> None:
+                 data_sockets: DataSockets | None = None, metrics: Metrics | None = None
+                 ) -> None:
         self._config = config
         self.metrics = metrics or Metrics(pool.status)
-        self.data_sockets: Any = None  # a DataSockets, set by the app once it listens
         self._streams = itertools.count()
         self.pool = pool
         self.mappings = shm.ReadMappings()  # of the workers' segments, kept between batches
@@ -99,6 +104,12 @@ class DataService:
         self.admission = Admission(self.settings)
         # Built batches, shared by the streams that ask for the same ones (issue 17).
         self.shared = SharedBatches(pool, config.cache, self.metrics, self._built)
+        # What every stream reads of the service, and nothing more.
+        self._sessions = SessionContext(
+            settings=self.settings, metrics=self.metrics, shared=self.shared,
+            admission=self.admission, mappings=self.mappings, data_sockets=data_sockets,
+            coordinates=self.coordinates, lookahead=lambda: self.lookahead,
+            draining=lambda: self.draining)
 
     @property
     def lookahead(self) -> int:
@@ -219,7 +230,7 @@ class DataService:
                         else logging.INFO, "a stream from %s refused, %s: %s", context.peer(),
                         e.code.name, e)
                 await context.abort(e.code, str(e))  # raises: the call ends here
-            session = StreamSession(self, context, next(self._streams), client)
+            session = StreamSession(self._sessions, context, next(self._streams), client)
             try:
                 await session.run(requests)
             finally:

@@ -1,0 +1,61 @@
+"""The map of the code holds: no import circle at run time, every module imports only what its
+layer may (tools/where.py's LAYERS), no private module of the other package, modules and
+classes of a size one can read, and docs/design.md's "Where things live" made from the code."""
+
+from __future__ import annotations
+
+import ast
+import sys
+
+from conftest import TESTS
+
+ROOT = TESTS.parent
+
+sys.path.insert(0, str(ROOT / "tools"))
+import where  # noqa: E402  (tools/ is not a package)
+
+MAX_MODULE_LINES = 600
+MAX_CLASS_LINES = 300
+
+
+def test_no_import_circle_at_run_time() -> None:
+    assert where.circles(where.read()) == []
+
+
+def test_every_module_imports_only_what_its_layer_may() -> None:
+    assert where.violations(where.read()) == []
+
+
+def test_the_rules_catch_an_import_that_points_back_up() -> None:
+    modules = where.read()
+    sampling = modules["stoker.server.order.sampling"]
+    sampling.runtime.add("stoker.server.front.service")  # pure math reaching the front end
+    assert any("order.sampling imports stoker.server.front.service" in v
+               for v in where.violations(modules))
+    modules["stoker.server.front.service"].runtime.add("stoker.server.order.sampling")
+    assert ["stoker.server.front.service", "stoker.server.order.sampling"] in [
+        [m for m in group if m in ("stoker.server.front.service",
+                                   "stoker.server.order.sampling")]
+        for group in where.circles(modules)]
+    client = modules["stoker.client._loader"]
+    client.runtime.add("stoker.server.pool.shm")
+    assert any("client._loader imports stoker.server.pool.shm" in v
+               for v in where.violations(modules))
+
+
+def test_modules_and_classes_stay_readable() -> None:
+    too_big = []
+    for name, path in where.all_modules().items():
+        source = path.read_text()
+        if (n := len(source.splitlines())) > MAX_MODULE_LINES:
+            too_big.append(f"{name}: {n} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef):
+                if (n := node.end_lineno - node.lineno + 1) > MAX_CLASS_LINES:
+                    too_big.append(f"{name}.{node.name}: {n} lines")
+    assert too_big == []
+
+
+def test_design_page_is_made_from_the_code() -> None:
+    assert where.current_page()[1] == where.section(where.read()), \
+        "run: python tools/where.py --write"
