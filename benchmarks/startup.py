@@ -31,8 +31,8 @@ from torch.utils.data import DataLoader
 
 from stoker.client import RemoteLoader
 from stoker.server import ServerProcess, write_config
-from stoker.server._config import ImageFolderDataset
 from stoker.server.formats.image_folder import ImageFolder
+from stoker.server.formats.image_folder_config import ImageFolderDataset
 from stoker.server.sources.local import LocalStorage
 
 METHODS = ("fork", "spawn", "forkserver")

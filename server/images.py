@@ -207,7 +207,7 @@ PREFIX_VERSION = 1  # part of every cache key: a change to how the prefix is com
 class ImagePipeline:
     """Encoded image bytes -> the output array of a `transforms:` list (or a plain resize).
 
-    `steps`: (name, arguments) pairs, validated by the config (see _config.py): geometric
+    `steps`: (name, arguments) pairs, validated by the config (formats/image_config.py): geometric
     steps in any order, `normalize` at most once and last; none at all: the image at its
     native size. `layout` applies to uint8 output; normalized output is always CHW.
     Thread-safe, apart from `use_cache`, called once before any sample.
@@ -349,6 +349,6 @@ def image_pipeline(cfg: Any) -> ImagePipeline:
         if cfg.size is None:
             return ImagePipeline([], cfg.layout)
         return resize_pipeline(cfg.size, cfg.layout)
-    from ._config import transform_steps
+    from .formats.image_config import transform_steps
 
     return ImagePipeline(transform_steps(cfg.transforms), cfg.layout)

@@ -317,7 +317,7 @@ def test_a_path_field_of_any_model_is_relative_to_the_config_file(
     """A new path field needs only the path type: no resolver names it."""
     from pydantic import BaseModel
 
-    from stoker.server._config import ConfigPath
+    from stoker.server.formats.config_base import ConfigPath
 
     class Keys(BaseModel):
         key: ConfigPath
@@ -340,7 +340,8 @@ def test_a_path_field_of_any_model_is_relative_to_the_config_file(
 
 def test_every_path_in_a_config_file_is_relative_to_its_folder(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from stoker.server._config import TextDataset, load_config
+    from stoker.server._config import load_config
+    from stoker.server.formats.text_config import TextDataset
 
     conf, home = tmp_path / "conf", tmp_path / "home"
     for folder in (conf / "data", conf / "keys", home / "shards"):
@@ -378,7 +379,8 @@ def test_every_path_field_of_the_config_is_relative_to_the_config_file() -> None
 
     from pydantic import BaseModel
 
-    from stoker.server._config import Config, RelativeToConfig
+    from stoker.server._config import Config
+    from stoker.server.formats.config_base import RelativeToConfig
 
     def unmarked(annotation: object, metadata: list[object]) -> list[str]:
         if typing.get_origin(annotation) is typing.Annotated:

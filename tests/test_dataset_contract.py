@@ -20,8 +20,12 @@ import pytest
 from PIL import Image
 
 from stoker.server import Config
-from stoker.server.formats import _READERS, OPTIONAL, DatasetParts, open_dataset
+from stoker.server.formats import FORMATS, OPTIONAL, DatasetParts, config_models, open_dataset
+from stoker.server.formats.config_base import Sourced
 from stoker.server.order.sampling import EpochKey
+
+# The formats that read storage (not python, not mixture).
+_READERS = [f for f, m in zip(FORMATS, config_models(), strict=True) if issubclass(m, Sourced)]
 
 # The optional parts each format has; a new format says here which it has.
 SHARDED = {"source_of", "shard_starts", "objects_of", "storage"}

@@ -11,6 +11,19 @@ import pytest
 from pydantic import BaseModel
 
 from stoker.server import _config as c
+from stoker.server.formats.config_base import Sourced
+from stoker.server.formats.image_config import TRANSFORMS
+from stoker.server.formats.image_folder_config import ImageFolderDataset
+from stoker.server.formats.jsonl_config import JsonField, JsonlDataset
+from stoker.server.formats.litdata_config import LitdataDataset
+from stoker.server.formats.mds_config import ColumnField, MdsDataset
+from stoker.server.formats.memmap_config import MemmapDataset
+from stoker.server.formats.mixture_config import MixtureComponent, MixtureDataset, MixtureStep
+from stoker.server.formats.parquet_config import ParquetDataset, ParquetField
+from stoker.server.formats.python_config import PythonDataset
+from stoker.server.formats.tar_config import TarDataset, TarField
+from stoker.server.formats.text_config import TextDataset
+from stoker.server.formats.tokens_config import TokensDataset
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -22,24 +35,24 @@ SECTIONS: dict[type[BaseModel], str] = {
     c.TlsSettings: "### `server:`",
     c.S3Settings: "### `s3:`",
     c.CacheSettings: "### `cache:`",
-    c._Sourced: "### `datasets:`",
-    c.PythonDataset: "#### `format: python`",
-    c.ImageFolderDataset: "#### `format: image-folder`",
-    c.TarDataset: "#### `format: tar`",
-    c.TarField: "#### `format: tar`",
-    c.ParquetDataset: "#### `format: parquet`",
-    c.ParquetField: "#### `format: parquet`",
-    c.JsonlDataset: "#### `format: jsonl`",
-    c.JsonField: "#### `format: jsonl`",
-    c.TokensDataset: "#### `format: tokens`",
-    c.TextDataset: "#### `format: text`",
-    c.MemmapDataset: "#### `format: memmap`",
-    c.MdsDataset: "#### Migrating from Mosaic Streaming and LitData",
-    c.LitdataDataset: "#### Migrating from Mosaic Streaming and LitData",
-    c.ColumnField: "#### Migrating from Mosaic Streaming and LitData",
-    c.MixtureDataset: "#### `format: mixture`",
-    c.MixtureComponent: "#### `format: mixture`",
-    c.MixtureStep: "#### `format: mixture`",
+    Sourced: "### `datasets:`",
+    PythonDataset: "#### `format: python`",
+    ImageFolderDataset: "#### `format: image-folder`",
+    TarDataset: "#### `format: tar`",
+    TarField: "#### `format: tar`",
+    ParquetDataset: "#### `format: parquet`",
+    ParquetField: "#### `format: parquet`",
+    JsonlDataset: "#### `format: jsonl`",
+    JsonField: "#### `format: jsonl`",
+    TokensDataset: "#### `format: tokens`",
+    TextDataset: "#### `format: text`",
+    MemmapDataset: "#### `format: memmap`",
+    MdsDataset: "#### Migrating from Mosaic Streaming and LitData",
+    LitdataDataset: "#### Migrating from Mosaic Streaming and LitData",
+    ColumnField: "#### Migrating from Mosaic Streaming and LitData",
+    MixtureDataset: "#### `format: mixture`",
+    MixtureComponent: "#### `format: mixture`",
+    MixtureStep: "#### `format: mixture`",
 }
 
 
@@ -59,15 +72,15 @@ def documented(text: str) -> set[str]:
 @pytest.mark.parametrize("model", list(SECTIONS), ids=lambda m: m.__name__)
 def test_every_key_of_the_model_is_in_its_section(model: type[BaseModel]) -> None:
     own = set(model.model_fields)
-    if model is not c._Sourced:  # keys every dataset shares have the common table
-        own -= documented(section(SECTIONS[c._Sourced])) & set(c._Sourced.model_fields)
+    if model is not Sourced:  # keys every dataset shares have the common table
+        own -= documented(section(SECTIONS[Sourced])) & set(Sourced.model_fields)
     missing = sorted(own - documented(section(SECTIONS[model])) - {"format"})
     assert missing == [], f"{model.__name__}: not in {SECTIONS[model]!r}: {missing}"
 
 
 def test_every_transform_and_its_arguments_are_documented() -> None:
     text = section("#### Transforms")
-    for name, step in c.TRANSFORMS.items():
+    for name, step in TRANSFORMS.items():
         assert f"| `{name}` |" in text, name
         args = step.model_fields[name].annotation  # pydantic strips the Annotated
         for arg in args.model_fields:

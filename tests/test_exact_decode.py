@@ -17,7 +17,7 @@ from PIL import Image
 
 from stoker.client import RemoteLoader
 from stoker.server import ServerProcess
-from stoker.server._config import CenterCropArgs
+from stoker.server.formats.image_config import CenterCropArgs
 from stoker.server.formats.samples import Padded
 from stoker.server.images import ImagePipeline, decode_rgb
 

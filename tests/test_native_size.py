@@ -59,7 +59,7 @@ def test_batches_are_padded_to_their_largest_image(server: ServerProcess) -> Non
 
 
 def test_a_size_field_may_not_collide_with_a_configured_field(tmp_path: Path) -> None:
-    from stoker.server._config import TarDataset
+    from stoker.server.formats.tar_config import TarDataset
 
     cfg = TarDataset.model_validate({"format": "tar", "source": str(tmp_path), "fields": {
         "image": {"ext": "png", "decode": "image"}, "image_size": {"ext": "cls",

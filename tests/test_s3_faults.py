@@ -19,7 +19,7 @@ from PIL import Image
 
 from stoker.client import RemoteError, RemoteLoader
 from stoker.server import ServerProcess, write_config
-from stoker.server._config import S3Settings
+from stoker.server.formats.config_base import S3Settings
 
 from conftest import server_env
 from s3_endpoint import (

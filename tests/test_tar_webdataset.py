@@ -143,8 +143,8 @@ def test_a_damaged_gzip_shard_stops_the_server_naming_it(tmp_path: Path, ledger)
 
 def test_gzipped_shards_are_held_in_memory_where_the_cache_cannot_be_written(
         shards: Path, tmp_path: Path) -> None:
-    from stoker.server._config import TarDataset
     from stoker.server.formats.tar import Tar
+    from stoker.server.formats.tar_config import TarDataset
     from stoker.server.sources import open_storage
 
     blocked = tmp_path / "not-a-folder"

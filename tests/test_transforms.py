@@ -14,7 +14,8 @@ from PIL import Image
 
 from stoker.client import RemoteLoader
 from stoker.server import ConfigError, ServerProcess, load_config, write_config
-from stoker.server._config import ImageFolderDataset, transform_steps
+from stoker.server.formats.image_config import transform_steps
+from stoker.server.formats.image_folder_config import ImageFolderDataset
 from stoker.server.images import ImagePipeline, rrc_box
 from stoker.server.order.sampling import EpochKey
 
@@ -277,8 +278,8 @@ def test_bad_client_normalize_arguments_are_refused_at_once(kwargs, message: str
 def test_tar_image_fields_take_transforms_seeded_per_sample(tmp_path: Path) -> None:
     import tarfile
 
-    from stoker.server._config import TarDataset
     from stoker.server.formats.tar import Tar
+    from stoker.server.formats.tar_config import TarDataset
     from stoker.server.sources.local import LocalStorage
 
     rng = np.random.default_rng(0)

@@ -135,7 +135,7 @@ def of_python(cfg: Any, length: int, own: str) -> Fingerprint:
 def fingerprint(cfg: Any, parts: DatasetParts) -> Fingerprint:
     """The fingerprint of an opened dataset (call it once it has opened: its listing is what
     its storage has seen by then)."""
-    if parts.storage is not None and cfg.format != "python":
+    if parts.storage is not None and cfg.described_by_listing:
         return of_listing(cfg, parts.storage.listed.values())
     own = parts.fingerprint() if parts.fingerprint is not None else ""
     return of_python(cfg, len(parts.dataset), str(own))

@@ -125,16 +125,16 @@ def _send_results(conn: mpc.Connection, held: list[msg.Built | msg.BuildFailed])
 def opening_order(config: Any) -> list[str]:
     """The config's datasets, mixtures after the datasets they draw from (which they share)."""
     names = list(config.datasets)
-    return ([n for n in names if config.datasets[n].format != "mixture"]
-            + [n for n in names if config.datasets[n].format == "mixture"])
+    return ([n for n in names if not config.datasets[n].draws_from]
+            + [n for n in names if config.datasets[n].draws_from])
 
 
 def _describe(name: str, ds: DatasetParts, config: Any, fp: Fingerprint,
               described: dict[str, msg.DatasetMeta]) -> msg.DatasetMeta:
     """`described`: the datasets before it in opening_order (a mixture's components)."""
     cfg = config.datasets[name]
-    if cfg.format == "mixture":
-        ordering: Any = ds.dataset.ordering([described[c].ordering for c in cfg.components])
+    if cfg.draws_from:  # a mixture
+        ordering: Any = ds.dataset.ordering([described[c].ordering for c in cfg.draws_from])
         return msg.DatasetMeta(ordering.num_samples, probe_fields(ds), ordering, fp,
                                prefetches=ds.prefetches)
     ordering = Ordering(len(ds.dataset), ds.shard_starts,
@@ -245,10 +245,8 @@ class _Builder:
         failures it warns about; an UNAVAILABLE one is logged here, once per message."""
         cfg = self.config.datasets[task.dataset]
         # A mixture runs its components' code.
-        own = [self.config.datasets[c] for c in cfg.components] if cfg.format == "mixture" \
-            else [cfg]
-        users = any(c.format == "python" or getattr(c, "transform", None) is not None
-                    for c in own)
+        own = [self.config.datasets[c] for c in cfg.draws_from] or [cfg]
+        users = any(c.runs_user_code for c in own)
         tb = tracebacks.user_traceback(error) if error is not None and users else ""
         shown = self.redact.apply(task.dataset, message)
         if tb:
@@ -312,8 +310,8 @@ class _Redact:
                 rules.append((re.compile(re.escape(spelling) + r"(?![\w.-])"), bare))
             self.rules[name] = rules
         for name, cfg in config.datasets.items():  # a mixture's messages name its components'
-            if cfg.format == "mixture":
-                self.rules[name] = [r for c in cfg.components for r in self.rules[c]]
+            if cfg.draws_from:
+                self.rules[name] = [r for c in cfg.draws_from for r in self.rules[c]]
 
     def apply(self, dataset: str, message: str) -> str:
         for pattern, replacement in self.rules.get(dataset, ()):

@@ -1,0 +1,73 @@
+"""The config model of `format: parquet` (read by formats/parquet.py)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from .config_base import (
+    Fill,
+    LengthColumn,
+    NumberDtype,
+    Sourced,
+    Strict,
+    TokenId,
+    Tokenizer,
+    check_fill,
+    check_text,
+)
+from .image_config import ImageSize, Transforms, size_or_transforms
+
+
+class ParquetField(Strict):
+    """A column -> a field: numbers as they are (no `decode`), or decoded like tar members:
+    `image` (binary, or a Hugging Face `Image()` struct<bytes, path>), `utf8` or `tokens`
+    (string columns)."""
+
+    column: str | None = Field(None, description="default: the field name")
+    dtype: NumberDtype | None = Field(None, description="default: the column's own type")
+    decode: Literal["image", "utf8", "tokens"] | None = None  # None: a column of numbers
+    size: ImageSize | None = None  # image: a plain resize
+    transforms: Transforms | None = None  # image: instead of size
+    layout: Literal["chw", "hwc"] = "chw"  # image
+    max_bytes: int | None = Field(None, ge=1)  # utf8, as in jsonl
+    # tokens: the string's ids as int64[max_tokens], padded with pad_id, and `<name>_length`.
+    tokenizer: Tokenizer = Field("byte", min_length=1, description="as in format: text")
+    tiktoken_pattern: str | None = None  # tokens, *.tiktoken only
+    max_tokens: int | None = Field(None, ge=1)
+    pad_id: TokenId | None = None  # default: the tokenizer's PAD, else its EOS, else 0
+    fill: Fill = None
+
+    @model_validator(mode="after")
+    def _decoder_options(self) -> ParquetField:
+        check_text(self.decode == "utf8", self.max_bytes)
+        if self.decode == "image":
+            size_or_transforms(self.size, self.transforms)
+        elif (self.size is not None or self.transforms is not None
+              or "layout" in self.model_fields_set):
+            raise ValueError("size, transforms and layout apply to decode: image only")
+        if self.dtype is not None and self.decode is not None:
+            raise ValueError("dtype applies to number columns (no decode) only")
+        tokens_only = {"tokenizer", "tiktoken_pattern", "max_tokens", "pad_id"}
+        if self.decode == "tokens":
+            if self.max_tokens is None:
+                raise ValueError("max_tokens is required for decode: tokens")
+            if self.tiktoken_pattern is not None and not self.tokenizer.endswith(".tiktoken"):
+                raise ValueError("tiktoken_pattern applies to a *.tiktoken tokenizer only")
+        elif tokens_only & self.model_fields_set:
+            raise ValueError(f"{', '.join(sorted(tokens_only & self.model_fields_set))}: "
+                             "only with decode: tokens")
+        if self.decode == "image" and self.fill is not None:
+            raise ValueError("an image has no fill: a null image fails its sample")
+        check_fill(self.fill, self.decode in ("utf8", "tokens"))
+        return self
+
+
+class ParquetDataset(Sourced):
+    """Parquet files (pyarrow): columns -> fields, read by row group; a shard is a row group."""
+
+    format: Literal["parquet"]
+    fields: dict[str, ParquetField] = Field(min_length=1)
+    shuffle: Literal["global", "block"] = "block"
+    length_column: str | None = LengthColumn  # a column's name
