@@ -39,6 +39,7 @@ from ..images import image_pipeline
 from ..order.sampling import EpochKey
 from ..pool.prefix_cache import use_cache
 from ..sources import Storage
+from ._contract import Sampled
 from ._shards import ShardIndex
 from .memmap import OpenMaps
 
@@ -164,7 +165,7 @@ def fields_of(cfg: Any, columns: Sequence[Column], where: str) -> list[_Field]:
     return fields
 
 
-class ChunkedDataset:
+class ChunkedDataset(Sampled):
     """Samples from `shards` in their order, each split into column payloads by the format's
     `split(record) -> list[bytes]` (one per column of `columns`, in order).
 
@@ -240,12 +241,6 @@ class ChunkedDataset:
             raise EOFError(f"{where}: record {pos} spans bytes {begin} to {end} of "
                            f"{len(data)}; the shard is truncated or corrupt")
         return data[begin:end]
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.sample(index, EpochKey())
 
     def sample(self, index: int, key: EpochKey) -> dict[str, Any]:
         shard, pos = self.shards.locate(index)

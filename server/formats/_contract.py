@@ -5,7 +5,7 @@ Every format, and every `format: python` factory, returns a `Dataset`. What else
 the fields of `DatasetParts`, named and described there and nowhere else; a part the dataset
 lacks is None there, and the server goes on without it (no prefetch, no block shuffle...). The
 lookup is by name, so a misspelled part would silently be absent: tests/test_dataset_contract.py
-checks that every format in `_READERS` has the parts it is meant to have, and no public name
+checks that every format in `FORMATS` has the parts it is meant to have, and no public name
 that is only a misspelling of one.
 """
 
@@ -27,6 +27,22 @@ class Dataset(Protocol):
 
     def __len__(self) -> int: ...
     def __getitem__(self, index: int) -> dict[str, Any]: ...
+
+
+class Sampled:
+    """A base for a format read through `sample(index, key)` over `length` samples: `len()`
+    is `length`, and `ds[i]` is sample i as the first epoch's key gives it."""
+
+    length: int
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.sample(index, EpochKey())
+
+    def sample(self, index: int, key: EpochKey) -> dict[str, Any]:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)

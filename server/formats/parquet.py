@@ -45,6 +45,7 @@ import pyarrow.parquet as pq
 
 from ..order.sampling import EpochKey
 from ..sources import Storage
+from ._contract import Sampled
 from ._shards import ShardIndex
 from .jsonl import utf8_padded
 from .memmap import OpenMaps
@@ -215,7 +216,7 @@ class _Decoded:
         self.fits = np.ones(len(ok), dtype=bool) if fits is None else fits
 
 
-class Parquet:
+class Parquet(Sampled):
     """Thread-safe: the decoded row group is replaced as a whole, never changed in place."""
 
     def __init__(self, cfg: Any, storage: Storage, pattern: str | None = None) -> None:
@@ -360,12 +361,6 @@ class Parquet:
                 fits = same | ~ok
             values = cast
         return _Decoded(values, ok, fits)
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.sample(index, EpochKey())
 
     def sample(self, index: int, key: EpochKey) -> dict[str, Any]:
         g, row = self.groups.locate(index)
