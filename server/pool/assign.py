@@ -1,0 +1,171 @@
+"""Which worker builds which batch: the queue of batches waiting for a worker, the tasks each
+worker holds (at most `depth`), their futures, and the segments the front end holds.
+
+Bookkeeping only: nothing here reads or writes a pipe, starts a process or runs a thread, so
+it can be driven (and tested) with any WorkerHandle. Threading: every field of an Assignment,
+and each worker's `ready`, `freed`, `dropped`, `jobs` and `head_since`, are guarded by `lock`,
+the pool's one lock (a task handed out reads the worker list and the queue at once). Methods
+named `..._locked` expect the caller to hold it; the others take it. Futures are resolved
+outside it (a waiter's callback may call back into the pool).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..order.sampling import EpochKey
+from .depth import SHALLOW_DEPTH, depth_for
+from .handle import WorkerHandle
+from .layout import BuiltBatch
+from .messages import Discard, FailureKind, GiveBack, Task, ToWorker
+
+__all__ = ["Assignment", "BatchFailed", "Job", "fail_all"]
+
+
+class BatchFailed(Exception):
+    """A batch could not be built; `kind` says why (the front end maps it to a gRPC status).
+    The message is what the client is told; `detail`, what the server's log says."""
+
+    def __init__(self, kind: FailureKind, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.detail = detail or message
+
+
+@dataclass(frozen=True)
+class Job:
+    task: Task  # what the worker is sent
+    future: concurrent.futures.Future[BuiltBatch]  # who waits for the batch
+
+
+class Assignment:
+    """The batches waiting for a worker and those each worker has; guarded by `lock` (see
+    the module doc)."""
+
+    def __init__(self, lock: threading.Lock, batch_timeout: float) -> None:
+        self.lock = lock
+        self.queue: collections.deque[Job] = collections.deque()
+        self.next_id = 0
+        self.lent: set[str] = set()  # segments of built batches the front end holds
+        # Tasks per worker, by the size of the latest batch built (see depth.DEPTH).
+        self.depth = SHALLOW_DEPTH
+        # A batch a worker has been on longer than this: the worker hangs (see dispatch.py).
+        self.batch_timeout = batch_timeout
+        self.closing = False  # close() stops the workers: no task is handed out any more
+        self.broken = False  # the dispatcher thread died of a bug: no task is taken
+
+    def add_locked(self, dataset: str, indices: np.ndarray, ahead: np.ndarray,
+                   key: EpochKey) -> concurrent.futures.Future[BuiltBatch]:
+        """Queue the batch of `indices`; its future."""
+        fut: concurrent.futures.Future[BuiltBatch] = concurrent.futures.Future()
+        self.next_id += 1
+        self.queue.append(Job(Task(self.next_id, dataset, indices, ahead, key), fut))
+        return fut
+
+    def deal_locked(self, workers: Sequence[WorkerHandle], flush: bool
+                    ) -> list[tuple[WorkerHandle, list[ToWorker]]]:
+        """Hand the queued tasks to the ready workers that have room, and what each is to be
+        sent now: segments given back first (the tasks may reuse them), then its tasks; the
+        caller sends each list in one pipe write. `flush`: the segments given back go to
+        every worker that has some; else only with a task."""
+        if self.closing:  # close() stops the workers: a task now would be lost
+            return []
+        tasks: dict[int, list[ToWorker]] = {id(w): [] for w in workers}
+        ready = [w for w in workers if w.ready]
+        while self.queue and ready:
+            # The least busy worker takes the next task: a credit record's batches spread
+            # across the workers, and each worker's share goes in one write.
+            w = min(ready, key=lambda w: len(w.jobs))
+            if len(w.jobs) >= self.depth:
+                break
+            job = self.queue.popleft()
+            if job.future.cancelled():
+                continue
+            # Recorded first: if the worker is dead, take_back_locked deals with the task.
+            if not w.jobs:
+                w.head_since = time.monotonic()
+            w.jobs[job.task.task_id] = job
+            tasks[id(w)].append(job.task)
+        out: list[tuple[WorkerHandle, list[ToWorker]]] = []
+        for w in workers:
+            if not (flush or tasks[id(w)]):
+                continue
+            messages: list[ToWorker] = []
+            out.append((w, messages))
+            if w.freed:  # before the tasks: they may reuse them
+                messages.append(GiveBack(w.freed))
+                w.freed = []
+            if w.dropped:
+                messages.append(Discard(w.dropped))
+                w.dropped = []
+            messages += tasks[id(w)]
+        return out
+
+    def built(self, w: WorkerHandle, task_id: int, batch: BuiltBatch) -> bool:
+        """`w` built task `task_id`: its future gets the batch, which the front end now holds.
+        False: nobody waits for it any more (the caller releases it)."""
+        with self.lock:
+            self.depth = depth_for(batch.payload_bytes)
+            job = w.jobs.pop(task_id, None)
+            w.head_since = time.monotonic()  # the next of its jobs starts now
+            self.lent.add(batch.shm_name)
+        return job is not None and _resolve(job.future, batch)
+
+    def failed(self, w: WorkerHandle, task_id: int, error: BatchFailed) -> None:
+        """`w` could not build task `task_id`: its future fails with `error`."""
+        with self.lock:
+            job = w.jobs.pop(task_id, None)
+            w.head_since = time.monotonic()
+        if job is not None:
+            _reject(job.future, error)
+
+    def overdue_locked(self, w: WorkerHandle, now: float) -> bool:
+        """Whether `w` is past its batch's deadline."""
+        return bool(w.jobs) and now - w.head_since > self.batch_timeout
+
+    def first_start_locked(self, workers: Iterable[WorkerHandle]) -> float | None:
+        """When the oldest batch a worker is on started; None: no batch is out."""
+        return min((w.head_since for w in workers if w.jobs), default=None)
+
+    def take_back_locked(self, w: WorkerHandle, on: int) -> Job | None:
+        """`w` is gone: its tasks go back to the front of the queue, in order, for other
+        workers, except task `on` (the one it was building), which is returned: it fails."""
+        jobs = list(w.jobs.values())
+        w.jobs.clear()
+        building = next((j for j in jobs if j.task.task_id == on), None)
+        self.queue.extendleft(reversed([j for j in jobs if j is not building]))
+        return building
+
+    def clear_locked(self) -> list[Job]:
+        """Empty the queue; what was in it."""
+        jobs = list(self.queue)
+        self.queue.clear()
+        return jobs
+
+
+def fail_all(jobs: Iterable[Job], message: str, kind: FailureKind = FailureKind.INTERNAL) -> None:
+    for job in jobs:
+        _reject(job.future, BatchFailed(kind, message))
+
+
+def _reject(fut: concurrent.futures.Future, error: BaseException) -> None:
+    try:
+        fut.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass  # cancelled: nobody waits
+
+
+def _resolve(fut: concurrent.futures.Future[BuiltBatch], batch: BuiltBatch) -> bool:
+    """Hand `batch` to its waiter; False if the waiter has gone (the caller frees it)."""
+    try:
+        fut.set_result(batch)
+    except concurrent.futures.InvalidStateError:
+        return False
+    return True
