@@ -83,7 +83,7 @@ def folder_bytes(path: Path) -> int:
 
 def shared(pid: int, spill: Path | None) -> dict[str, int]:
     """Server `pid`'s shared memory: batch segments, the prefix cache's tiers."""
-    from stoker.server.pool.prefix_cache import PREFIX, memory_dir
+    from stoker.server.sources.prefix_cache import PREFIX, memory_dir
 
     shm = Path("/dev/shm")
     segments = 0

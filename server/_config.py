@@ -46,7 +46,7 @@ class CacheSettings(Strict):
     # Objects each worker fetches ahead of the batches that need them (the epoch's order is
     # known), at most this many bytes in flight.
     prefetch_bytes: ByteSize = Field(ByteSize(256 << 20), ge=0)
-    # -- issue 17, the prefix cache (server/pool/prefix_cache.py): what each pipeline computes
+    # -- issue 17, the prefix cache (server/sources/prefix_cache.py): what each pipeline computes
     # before its first random step (decoded, resized pixels; a python dataset's `prepare`),
     # kept across epochs and jobs, shared by the workers. 0: none kept in memory.
     decoded_bytes: ByteSize = Field(ByteSize(0), ge=0, description="in /dev/shm, e.g. 8GiB")

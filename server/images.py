@@ -26,7 +26,7 @@ The pipeline is cut at its first random step (`random_resized_crop`, `horizontal
 prefix (the decode and the `resize` and `center_crop` steps listed before it) is planned and
 resampled as above, into uint8 pixels; the rest is planned on those pixels and resampled once
 more. The prefix depends on the image alone, so the server may keep its pixels across epochs
-and jobs (cache.decoded_bytes, server/pool/prefix_cache.py); the cut is made whether or not a
+and jobs (cache.decoded_bytes, server/sources/prefix_cache.py); the cut is made whether or not a
 cache is configured, so that the output is the same either way. So a JPEG is decoded at
 reduced DCT scale only as far as the prefix allows (a random crop is taken from the decoded
 pixels), and `resize` then `random_resized_crop` resamples twice. `normalize` is never in the

@@ -23,7 +23,7 @@ from PIL import Image
 
 from stoker.client import RemoteLoader
 from stoker.server import ServerProcess, write_config
-from stoker.server.pool.prefix_cache import PrefixCache, memory_dir, read_stats, remove
+from stoker.server.sources.prefix_cache import PrefixCache, memory_dir, read_stats, remove
 
 from conftest import server_env
 

@@ -45,7 +45,8 @@ class Layer:
 
 S = "stoker.server"
 LAYERS = (
-    Layer("stoker.server.sources", "storage: local files, S3, the disk cache", ()),
+    Layer("stoker.server.sources", "storage: local files, S3, the disk cache, the prefix cache",
+          ()),
     Layer("stoker.server.order", "pure ordering math: coordinates -> sample indices",
           ("stoker.server.sources",)),
     Layer("stoker.server.leaves", "the start error", (),
@@ -63,7 +64,7 @@ LAYERS = (
           ("stoker.server.order", "stoker.server._errors", "stoker.server._config",
            "stoker.server.pool.workers", "stoker.server.pool.messages",
            "stoker.server.pool.layout", "stoker.server.pool.shm", "stoker.server.pool.depth",
-           "stoker.v1")),
+           "stoker.server.sources.prefix_cache", "stoker.v1")),
     Layer("stoker.server.app", "the server's lifecycle: front end and pool on one exit stack",
           ("stoker.server.front", "stoker.server.pool", "stoker.server.order",
            "stoker.server._config", "stoker.server._errors", "stoker.v1"),

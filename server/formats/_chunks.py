@@ -37,8 +37,8 @@ import numpy as np
 
 from ..images import image_pipeline
 from ..order.sampling import EpochKey
-from ..pool.prefix_cache import use_cache
 from ..sources import Storage
+from ..sources.prefix_cache import use_cache
 from ._contract import Sampled
 from ._shards import ShardIndex
 from .memmap import OpenMaps

@@ -78,7 +78,7 @@ class DatasetParts:
     # use_prefix_cache(scope): keep what the dataset computes before its first random step
     # (image decodes, a python dataset's `prepare`) in the server's prefix cache, where
     # scope(stage, spec) -> a _prefix_cache.Scope of one stage's entries (`spec`: its config).
-    # Given once, after the fingerprint is known (server/pool/prefix_cache.py).
+    # Given once, after the fingerprint is known (server/sources/prefix_cache.py).
     use_prefix_cache: Callable[[Callable[[str, str], Any]], None] | None = None
 
     @classmethod

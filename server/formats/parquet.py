@@ -404,7 +404,7 @@ class Parquet(Sampled):
         return out
 
     def use_prefix_cache(self, scope: Any) -> None:
-        from ..pool.prefix_cache import use_cache
+        from ..sources.prefix_cache import use_cache
 
         use_cache(scope, [(f.name, f.pipeline) for f in self.fields])
 

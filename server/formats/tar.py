@@ -43,9 +43,9 @@ import numpy as np
 
 from ..images import image_pipeline
 from ..order.sampling import EpochKey
-from ..pool.prefix_cache import use_cache
 from ..sources import ObjectInfo, Storage
 from ..sources.cache import LOCKS, TMP, file_lock
+from ..sources.prefix_cache import use_cache
 from . import jsonl
 from ._shards import ShardIndex
 from .memmap import OpenMaps

@@ -281,7 +281,7 @@ class _PoolCounters:
 
 
 class _PrefixCacheMetrics:
-    """The prefix cache's counters (server/pool/prefix_cache.py), by tier: the workers keep them
+    """The prefix cache's counters (server/sources/prefix_cache.py), by tier: the workers keep them
     in shared files, read at each scrape. Absent while the server keeps no prefix cache."""
 
     def __init__(self, server_pid: int) -> None:
@@ -291,7 +291,7 @@ class _PrefixCacheMetrics:
         return []  # known only at a scrape: the cache may or may not be configured
 
     def collect(self) -> Any:
-        from ..pool.prefix_cache import read_stats
+        from ..sources.prefix_cache import read_stats
 
         stats = read_stats(self._pid)
         if not stats:

@@ -12,7 +12,7 @@
   one (see formats/_contract.py).
 
 Computed once by every worker when it opens its datasets; the pool compares each worker's with
-the one the server opened with (server/pool/workers.py), and clients compare servers'
+the one the server opened with (server/pool/lifecycle.py), and clients compare servers'
 (docs/design.md, "Fingerprint").
 """
 

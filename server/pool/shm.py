@@ -19,6 +19,8 @@ import re
 import time
 from pathlib import Path
 
+from ..sources.cache import alive
+
 _DEV_SHM = Path("/dev/shm")
 _NAME = re.compile(r"^stoker_(\d+)_")
 
@@ -379,7 +381,7 @@ def sweep(server_pid: int | None = None) -> int:
         if not match:
             continue
         pid = int(match.group(1))
-        if (pid == server_pid) if server_pid is not None else not _alive(pid):
+        if (pid == server_pid) if server_pid is not None else not alive(pid):
             try:
                 unlink(entry.name)
             except PermissionError:  # another user's, in a /dev/shm shared with them
@@ -387,13 +389,4 @@ def sweep(server_pid: int | None = None) -> int:
             removed += 1
     return removed
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process: not ours to judge
-    return True
 

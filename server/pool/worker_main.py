@@ -21,8 +21,8 @@ import numpy as np
 from ..formats.samples import SampleError
 from ..order.fingerprint import Fingerprint, fingerprint
 from ..order.sampling import Ordering
-from ..sources import DataChanged, StorageUnavailable, split_source
-from . import depth, malloc, prefix_cache, shm, tracebacks
+from ..sources import DataChanged, StorageUnavailable, prefix_cache, split_source
+from . import depth, malloc, shm, tracebacks
 from . import messages as msg
 from .batch import BatchTooLarge, build_batch, probe_fields
 

@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from ..order.sampling import FIRST_EPOCH, EpochKey
-from . import prefix_cache, shm
+from ..sources import prefix_cache
+from . import shm
 from .assign import Assignment, BatchFailed, fail_all
 from .dispatch import Dispatcher
 from .handle import send

@@ -330,3 +330,15 @@ class DiskCache:
                     with contextlib.suppress(FileNotFoundError):
                         if f.stat().st_mtime < cutoff:
                             f.unlink()
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (on this host): what a file or segment named for its writer
+    is judged by, when the writer may have died."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: not ours to judge
+    return True

@@ -52,8 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from ..sources.cache import file_lock
-from .shm import _alive
+from .cache import alive, file_lock
 
 log = logging.getLogger("stoker.server")
 
@@ -103,7 +102,7 @@ def sweep(settings: Any) -> int:
             continue
         for path in found:
             pid = path.name[len(PREFIX):]
-            if pid.isdigit() and not _alive(int(pid)):
+            if pid.isdigit() and not alive(int(pid)):
                 shutil.rmtree(path, ignore_errors=True)
                 removed += 1
     return removed
@@ -210,7 +209,7 @@ class _Tier:
                 continue
             if entry.name.startswith(_TMP):  # not counted: its writer adds it at rename
                 pid = entry.name[len(_TMP):].split("-", 1)[0]
-                if pid.isdigit() and not _alive(int(pid)):  # a writer that died mid-write
+                if pid.isdigit() and not alive(int(pid)):  # a writer that died mid-write
                     os.unlink(entry.path)
                 continue
             found.append((st.st_mtime_ns, _pages(st.st_size), entry.name, entry.path))
