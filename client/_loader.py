@@ -17,6 +17,7 @@ from stoker.v1 import stoker_pb2 as pb
 from . import _samehost as samehost
 from ._buffers import HostBuffers
 from ._contact import first_contact
+from ._crediting import group_for
 from ._datalink import Transports
 from ._errors import DataMismatch, RemoteError
 from ._frames import Assembled, numpy_views
@@ -24,7 +25,7 @@ from ._options import loader_options, signature
 from ._pinning import Pinning
 from ._progress import Progress
 from ._resume import Position, Saved, state_of
-from ._scheduler import FATAL, Scheduler, group_for
+from ._scheduler import FATAL, Scheduler
 from ._servers import ServerSet
 from ._sizes import Window, check_epoch, say_dropped
 from ._sources import SourceCounts
@@ -80,7 +81,7 @@ class RemoteLoader:
         self._scheduler: Scheduler | None = None
         self._window = Window(o.prefetch)
         self._stall = Stall(dataset, o.timeout)
-        self._stats = {"batches": 0, "bytes": 0, "failovers": 0, "hedges": 0}
+        self._stats = {"batches": 0, "bytes": 0, "failovers": 0, "hedges": 0, "dropped": 0}
         self._sources = SourceCounts()  # a mixture's samples by component
         self._started = time.perf_counter()
         self._transports = Transports()  # each server's path, for stats()
@@ -191,18 +192,22 @@ class RemoteLoader:
         elif not total:  # the rest of a resumed epoch has no batch here: it is over
             self._at = self._at.following()
             return
-        spec = StreamSpec(self.coordinates(), self._allocate, self._finish,
-                          shm_probe=samehost.probe() if o.shared_memory else None,
-                          compression=o.compression or "",
-                          # compressed frames: for links slower than the CPUs; the data
-                          # connection sends payloads as they are
-                          data_socket=o.data_socket and not o.compression,
-                          link=o.channels.link, transports=self._transports)
         window = self._window
-        scheduler = Scheduler(self._servers, spec, total=total, start=self._at.next_batch,
-                              window=window.size, timeout=o.timeout,
-                              group=group_for(window.size) if window.widened else 1)
-        self._scheduler = scheduler
+        scheduler = self._scheduler  # the last pass's, if it ran ahead into this epoch
+        at = self._at
+        if scheduler is None or at.next_batch or at.start or not scheduler.follow(at.epoch):
+            self._drop_scheduler()
+            scheduler = Scheduler(self._servers, self._spec(self.coordinates()), total=total,
+                                  start=at.next_batch, window=window.size, timeout=o.timeout,
+                                  group=group_for(window.size) if window.widened else 1)
+            self._scheduler = scheduler
+        # The next epoch's first batches are asked for while this one ends (no drain at the
+        # boundary); its size is that of a whole epoch, known once one was described.
+        following = self._described.get(0)
+        if following is not None:
+            pin = self._pinning.pin
+            scheduler.then(self._spec(self._coords.message(
+                at.epoch + 1, 0, pin.digest if pin else "")), following.batches_per_epoch)
         progress = None
         if o.progress or o.log_every is not None:
             progress = Progress(bar=o.progress, log_every=o.log_every, total=total,
@@ -210,6 +215,7 @@ class RemoteLoader:
                                 label=f"{self.dataset} epoch {self._at.epoch}")
         stall = self._stall
         stall.begin(scheduler)
+        finished = False
         try:
             while self._at.next_batch < total:
                 at, t0 = self._at, time.perf_counter()
@@ -236,16 +242,36 @@ class RemoteLoader:
                 stall.due(scheduler, None)
                 yield batch
             self._at = self._at.following()
+            finished = True
         finally:
             stall.end()
             if progress is not None:
                 progress.close()
-            scheduler.close()
-            self._sources.forget_ahead()
-            self._scheduler = None
-            self._stats["bytes"] += scheduler.bytes_received
-            self._stats["failovers"] += scheduler.failovers
-            self._stats["hedges"] += scheduler.hedges
+            if not finished:  # else it goes on asking for the next epoch's first batches
+                self._drop_scheduler()
+
+    def _spec(self, coordinates: pb.Coordinates) -> StreamSpec:
+        """What the streams of a pass over `coordinates`' epoch ask for."""
+        o = self._options
+        return StreamSpec(coordinates, self._allocate, self._finish,
+                          shm_probe=samehost.probe() if o.shared_memory else None,
+                          compression=o.compression or "",
+                          # compressed frames: for links slower than the CPUs; the data
+                          # connection sends payloads as they are
+                          data_socket=o.data_socket and not o.compression,
+                          link=o.channels.link, transports=self._transports)
+
+    def _drop_scheduler(self) -> None:
+        """Close the scheduler (batches it fetched that the loop did not take are dropped:
+        counted when of an epoch the loop did not move on to) and add up its figures."""
+        scheduler, self._scheduler = self._scheduler, None
+        if scheduler is None:
+            return
+        scheduler.close()
+        self._sources.forget_ahead()
+        for key in ("failovers", "hedges", "dropped"):
+            self._stats[key] += getattr(scheduler, key)
+        self._stats["bytes"] += scheduler.bytes_received
 
     def _fit_window(self, scheduler: Scheduler) -> None:
         """Once the first batch's size is known, the window may widen for small batches
@@ -297,6 +323,7 @@ class RemoteLoader:
                  "wait_seconds": wait, "loop_seconds": loop,
                  "failovers": totals["failovers"] + (live.failovers if live else 0),
                  "hedges": totals["hedges"] + (live.hedges if live else 0),
+                 "dropped": totals["dropped"] + (live.dropped if live else 0),
                  "stall": wait / loop if loop > 0 else 0.0,
                  "batches_per_second": totals["batches"] / elapsed if elapsed else 0.0,
                  "epoch": at.epoch, "start": at.start, "next_batch": at.next_batch,
@@ -311,8 +338,7 @@ class RemoteLoader:
         return stats
 
     def close(self) -> None:
-        if self._scheduler is not None:
-            self._scheduler.close()
+        self._drop_scheduler()
         self._servers.close()
         self._host.clear()
 
