@@ -44,7 +44,7 @@ import grpc
 from ._crediting import Crediting
 from ._errors import RemoteError
 from ._passes import Pass, Passes
-from ._servers import Server, ServerSet, ServerState
+from ._servers import Fleet, Server, ServerSet, ServerState
 from ._stream import BatchStream, StreamFactory, StreamSpec
 
 # Codes every server would answer the same way: retrying elsewhere cannot help.
@@ -108,6 +108,7 @@ class Scheduler(Crediting):
         self.hedges = 0
         self.bytes_received = 0
         self.dropped = 0  # batches received of an epoch the loop did not move on to
+        self.window_note = (0, "", 0)  # the loader's window, why, budget: sent with reports
         self.refused_ahead: RemoteError | None = None  # why a next epoch's stream failed
         with self._cond:
             self._assign(clock())
@@ -118,7 +119,17 @@ class Scheduler(Crediting):
         with self._cond:
             streams = self._streams()
         for stream in streams:
-            stream.report(wait_seconds, loop_seconds)
+            stream.report(wait_seconds, loop_seconds, self.window_note)
+
+    def fleet(self) -> Fleet:
+        """What the servers in use said they can do, and their batches' latency."""
+        with self._cond:
+            up = [s for s in self._servers.servers.values() if s.up]
+            said = [next((st.capacity for st in s.streams.values() if st.capacity),
+                         s.capacity) or (0, 0.0) for s in up]
+            latencies = [s.latency for s in up if s.latency is not None]
+        return Fleet(sum(w for w, _ in said), sum(r for _, r in said),
+                     sum(latencies) / len(latencies) if latencies else None)
 
     def _streams(self) -> list[BatchStream]:
         return [st for s in self._servers.servers.values() for st in s.streams.values()]

@@ -48,6 +48,17 @@ CHANNEL_OPTIONS = [
 ]
 
 
+@dataclass(frozen=True)
+class Fleet:
+    """What the servers in use can do together: worker processes, the samples/s they build
+    (0.0: not measured yet), and the mean seconds from a credit to its batch (None: no
+    batch yet)."""
+
+    workers: int
+    samples_per_second: float
+    latency: float | None
+
+
 class ServerState(enum.Enum):
     """A server as the scheduler sees it; the value is what stats() and errors show."""
 

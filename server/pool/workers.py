@@ -158,6 +158,9 @@ class WorkerPool:
         self._assign_soon = False  # _assign_submitted is scheduled on the loop
         # Tasks per worker, by the size of the latest batch built (see depth.DEPTH).
         self._depth = SHALLOW_DEPTH
+        # ISSUE 31 STOPGAP (lead: merge with the parallel-parts pool's own capacity): a
+        # worker's seconds per sample, moving average of built batches (0.0: none yet).
+        self._sample_seconds = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> dict[str, DatasetMeta]:
@@ -273,6 +276,15 @@ class WorkerPool:
                     "building": sum(len(w.jobs) for w in self._workers),
                     "held": len(self._lent),
                     "timeouts": self._timeouts}
+
+    def capacity(self) -> tuple[int, float]:
+        """(workers ready, samples/s they build together: 0.0 until a batch was built).
+        Any thread. ISSUE 31 STOPGAP: one worker builds a whole batch here, so the rate is
+        the workers over a worker's measured seconds per sample."""
+        workers = self.status()["workers"]
+        with self._lock:
+            per_sample = self._sample_seconds
+        return workers, workers / per_sample if per_sample else 0.0
 
     def _overdue(self, w: _Worker, now: float) -> bool:
         """Whether `w` is past its batch's deadline (under the lock)."""
@@ -623,6 +635,10 @@ class WorkerPool:
             case Built(task_id, batch):
                 with self._lock:
                     self._depth = depth_for(batch.payload_bytes)
+                    if batch.num_samples and batch.build_seconds > 0:  # ISSUE 31 STOPGAP
+                        per = batch.build_seconds / batch.num_samples
+                        old = self._sample_seconds
+                        self._sample_seconds = per if not old else 0.8 * old + 0.2 * per
                     job = w.jobs.pop(task_id, None)
                     w.head_since = time.monotonic()  # the next of its jobs starts now
                     self._lent.add(batch.shm_name)
