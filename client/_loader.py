@@ -16,7 +16,9 @@ from stoker.v1 import stoker_pb2 as pb
 
 from . import _samehost as samehost
 from ._buffers import HostBuffers
+from ._chain import Chain
 from ._contact import first_contact
+from ._crediting import group_for
 from ._datalink import Transports
 from ._errors import DataMismatch, RemoteError
 from ._frames import Assembled, numpy_views
@@ -24,8 +26,8 @@ from ._options import loader_options, signature
 from ._pinning import Pinning
 from ._progress import Progress
 from ._resume import Position, Saved, state_of
-from ._scheduler import FATAL, Scheduler, group_for
-from ._servers import ServerSet
+from ._scheduler import FATAL, Scheduler
+from ._servers import Fleet, ServerSet
 from ._sizes import Window, check_epoch, say_dropped
 from ._sources import SourceCounts
 from ._stall import Stall
@@ -68,8 +70,7 @@ class RemoteLoader:
         if o.on_device:
             from ._device import DeviceFeed
 
-            # prefetch batches can wait in pinned buffers, plus one being filled and one
-            # whose copy to the device is still running.
+            # prefetch batches wait in pinned buffers, + one filled, + one being copied.
             self._feed = DeviceFeed(o.device, max_buffers=o.prefetch + 2,
                                     normalize=self._normalize)
         # Batches in flight, plus the one the caller holds and the one it just let go.
@@ -77,11 +78,11 @@ class RemoteLoader:
         # Describe's answers by start: the whole epoch (0), and the rest of a resumed one.
         self._described: dict[int, pb.DescribeDatasetResponse] = {}
         self._pinning = Pinning(dataset, self._servers, o.timeout)
-        self._scheduler: Scheduler | None = None
-        self._window = Window(o.prefetch)
+        self._window = Window(o.prefetch, o.adapts, o.memory_budget)
         self._stall = Stall(dataset, o.timeout)
-        self._stats = {"batches": 0, "bytes": 0, "failovers": 0, "hedges": 0}
+        self._stats = {"batches": 0}
         self._sources = SourceCounts()  # a mixture's samples by component
+        self._chain = Chain(self._servers, self._spec, self._sources.forget_ahead)
         self._started = time.perf_counter()
         self._transports = Transports()  # each server's path, for stats()
 
@@ -121,6 +122,10 @@ class RemoteLoader:
             self._pinning.first(described.fingerprint, address)
             self._described[start] = described
             self._window.heed(described.max_credits, address)
+            if described.HasField("capacity"):
+                c = contact.server.capacity = (described.capacity.workers,
+                                               described.capacity.samples_per_second)
+                self._window.start(Fleet(*c, None))
             # What every epoch leaves out (token budgets drop at most world_size - 1 samples)
             if not start and o.batch_tokens is None:
                 say_dropped(described, o)
@@ -191,18 +196,14 @@ class RemoteLoader:
         elif not total:  # the rest of a resumed epoch has no batch here: it is over
             self._at = self._at.following()
             return
-        spec = StreamSpec(self.coordinates(), self._allocate, self._finish,
-                          shm_probe=samehost.probe() if o.shared_memory else None,
-                          compression=o.compression or "",
-                          # compressed frames: for links slower than the CPUs; the data
-                          # connection sends payloads as they are
-                          data_socket=o.data_socket and not o.compression,
-                          link=o.channels.link, transports=self._transports)
-        window = self._window
-        scheduler = Scheduler(self._servers, spec, total=total, start=self._at.next_batch,
-                              window=window.size, timeout=o.timeout,
-                              group=group_for(window.size) if window.widened else 1)
-        self._scheduler = scheduler
+        window, at = self._window, self._at
+        scheduler = self._chain.start(at, self.coordinates(), total, window, o.timeout)
+        # The next epoch's first batches are asked for while this one ends (no drain at the
+        # boundary); its size is that of a whole epoch, known once one was described.
+        if (following := self._described.get(0)) is not None:
+            pin = self._pinning.pin
+            self._chain.then(self._coords.message(at.epoch + 1, 0, pin.digest if pin else ""),
+                             following.batches_per_epoch)
         progress = None
         if o.progress or o.log_every is not None:
             progress = Progress(bar=o.progress, log_every=o.log_every, total=total,
@@ -210,6 +211,7 @@ class RemoteLoader:
                                 label=f"{self.dataset} epoch {self._at.epoch}")
         stall = self._stall
         stall.begin(scheduler)
+        finished = False
         try:
             while self._at.next_batch < total:
                 at, t0 = self._at, time.perf_counter()
@@ -220,8 +222,8 @@ class RemoteLoader:
                     raise self._mismatched(e) from None
                 waited = time.perf_counter() - t0
                 stall.wait_seconds += waited
-                if not window.sized:
-                    self._fit_window(scheduler)
+                if window.adapts or not window.sized:
+                    self._resize_window(scheduler)
                 if self._feed is not None:
                     batch = self._feed.hand_over(*batch)
                 if o.pack:
@@ -236,26 +238,40 @@ class RemoteLoader:
                 stall.due(scheduler, None)
                 yield batch
             self._at = self._at.following()
+            finished = True
         finally:
             stall.end()
             if progress is not None:
                 progress.close()
-            scheduler.close()
-            self._sources.forget_ahead()
-            self._scheduler = None
-            self._stats["bytes"] += scheduler.bytes_received
-            self._stats["failovers"] += scheduler.failovers
-            self._stats["hedges"] += scheduler.hedges
+            if not finished:  # else it goes on asking for the next epoch's first batches
+                self._chain.drop()
 
-    def _fit_window(self, scheduler: Scheduler) -> None:
+    def _spec(self, coordinates: pb.Coordinates) -> StreamSpec:
+        """What the streams of a pass over `coordinates`' epoch ask for."""
+        o = self._options
+        return StreamSpec(coordinates, self._allocate, self._finish,
+                          shm_probe=samehost.probe() if o.shared_memory else None,
+                          compression=o.compression or "",
+                          # compressed frames: for links slower than the CPUs; the data
+                          # connection sends payloads as they are
+                          data_socket=o.data_socket and not o.compression,
+                          link=o.channels.link, transports=self._transports)
+
+    def _resize_window(self, scheduler: Scheduler) -> None:
         """Once the first batch's size is known, the window may widen for small batches
-        (Window.fit): the buffer pools grow to match, and so do the streams' credits."""
-        window = self._window.fit(self._options.prefetch_bytes or 0)
-        if window is not None:
-            self._host.grow(window + 2)
+        (Window.fit); an adapting one follows the fleet and the loop's stall (Window.adapt).
+        The buffer pools grow to match, and the streams' credits follow."""
+        w, described = self._window, self.describe()
+        size = None if w.sized else w.fit(self._options.prefetch_bytes or 0)
+        rows = described.samples_per_rank / max(described.batches_per_epoch, 1)
+        size = w.adapt(scheduler.fleet(), rows, self._stall.wait_seconds,
+                       self._stall.loop_seconds()) or size
+        if size is not None:
+            self._host.grow(size + 2)
             if self._feed is not None:
-                self._feed.pool.grow(window + 2)
-            scheduler.widen(window)
+                self._feed.pool.grow(size + 2)
+            scheduler.resize(size, group_for(size) if w.widened else 1)
+        scheduler.window_note = w.note()
 
     def _allocate(self, nbytes: int) -> tuple[Any, np.ndarray]:
         """A buffer for a batch of `nbytes` (receive threads)."""
@@ -288,19 +304,19 @@ class RemoteLoader:
         state and figures; how many host buffers were allocated (pinned ones with a CUDA device):
         batches reuse buffers that nothing refers to any more; for a mixture, `sources`: the
         samples handed out by component (its index in the mixture's `components:`)."""
-        live, at, totals = self._scheduler, self._at, self._stats
+        at, batches, figure = self._at, self._stats["batches"], self._chain.figure
         now = time.perf_counter()
         elapsed = now - self._started
         wait, loop = self._stall.wait_seconds, self._stall.loop_seconds(now)
-        stats = {"batches": totals["batches"],
-                 "bytes": totals["bytes"] + (live.received() if live else 0),
+        stats = {"batches": batches, "bytes": figure("bytes"),
                  "wait_seconds": wait, "loop_seconds": loop,
-                 "failovers": totals["failovers"] + (live.failovers if live else 0),
-                 "hedges": totals["hedges"] + (live.hedges if live else 0),
+                 "failovers": figure("failovers"), "hedges": figure("hedges"),
+                 "dropped": figure("dropped"),
                  "stall": wait / loop if loop > 0 else 0.0,
-                 "batches_per_second": totals["batches"] / elapsed if elapsed else 0.0,
+                 "batches_per_second": batches / elapsed if elapsed else 0.0,
                  "epoch": at.epoch, "start": at.start, "next_batch": at.next_batch,
                  "prefetch": self._window.size,
+                 **self._window.stats(),
                  **self._sources.stats(),
                  "servers": {a: s.stats() for a, s in self._servers.servers.items()},
                  **self._transports.stats()}
@@ -311,8 +327,7 @@ class RemoteLoader:
         return stats
 
     def close(self) -> None:
-        if self._scheduler is not None:
-            self._scheduler.close()
+        self._chain.drop()
         self._servers.close()
         self._host.clear()
 

@@ -29,6 +29,8 @@ __all__ = ["TOKEN_COSTS", "LoaderOptions", "default_rank_world", "loader_options
 # worth of small batches requested ahead instead (see Window.fit in _sizes.py).
 PREFETCH = 8
 PREFETCH_BYTES = 32 << 20
+# The most host (or pinned) memory the batches in flight may take when the window adapts.
+MEMORY_BUDGET = 1 << 30
 
 # What ranks' batches are balanced by under batch_tokens (server/order/token_batches.py).
 TOKEN_COSTS = ("tokens", "squares")
@@ -86,6 +88,7 @@ class LoaderOptions:
     output: str = "torch"
     prefetch: int | None = None
     prefetch_bytes: int | None = None  # resolved 0: the window is `prefetch`, whatever the size
+    memory_budget: int = MEMORY_BUDGET  # bytes of buffers the window may fill (adapting)
     timeout: float = 300.0
     connect_timeout: float = 10.0
     normalize: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None
@@ -100,12 +103,15 @@ class LoaderOptions:
     dns_refresh: float = RESOLVE_EVERY  # dns_refresh and resolver: checked by ServerSet
     resolver: Resolver | None = None
     channels: ChannelMaker = field(init=False)  # made of tls and token
+    # prefetch not given: the window follows the servers and the loop's stall (_sizes.py)
+    adapts: bool = field(init=False)
 
     def __post_init__(self) -> None:
         rank, world_size = default_rank_world(self.rank, self.world_size)
         resolved = {"rank": rank, "world_size": world_size,
                     **prefetching(self.prefetch, self.prefetch_bytes),
-                    "channels": ChannelMaker(self.tls, self.token)}
+                    "channels": ChannelMaker(self.tls, self.token),
+                    "adapts": self.prefetch is None}
         for name, value in resolved.items():
             object.__setattr__(self, name, value)  # frozen: only here, once
         if self.batch_size is not None and self.batch_tokens is not None:
@@ -130,6 +136,8 @@ class LoaderOptions:
             raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
         if self.prefetch_bytes < 0:
             raise ValueError(f"prefetch_bytes must be >= 0, got {self.prefetch_bytes}")
+        if self.memory_budget < 1:
+            raise ValueError(f"memory_budget must be >= 1 byte, got {self.memory_budget}")
         for name in ("timeout", "connect_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")

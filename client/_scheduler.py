@@ -18,10 +18,16 @@ asked of any server, any number of times, and the first answer wins. So:
 Errors that any server would repeat are raised: stream errors with a FATAL code, and in-band
 batch errors other than UNAVAILABLE and (up to BATCH_RETRIES times) INTERNAL, e.g. DATA_LOSS.
 
-Threading: take(), poll() and close() run on the loop's thread; receive threads call
-_on_batch and _on_end. All state, the servers' included, is guarded by one condition variable.
-Every decision reads the injected clock (time.monotonic by default), so a test can drive the
-timing with a fake clock and fake streams (tests/test_scheduler.py).
+Epochs: a scheduler serves the loop's epoch and, once told of it (`then`), the next one, whose
+first batches it asks for while the loop ends the current one (client/_passes.py: batches are
+numbered by position across epochs, each epoch has its own streams). The loop moves on with
+`follow`; batches of an epoch it does not move on to are dropped at close() and counted
+(`dropped`).
+
+Threading: take(), poll(), then(), follow() and close() run on the loop's thread; receive
+threads call _on_batch and _on_end. All state, the servers' included, is guarded by one
+condition variable. Every decision reads the injected clock (time.monotonic by default), so a
+test can drive the timing with a fake clock and fake streams (tests/test_scheduler.py).
 """
 
 from __future__ import annotations
@@ -35,8 +41,10 @@ from typing import Any
 
 import grpc
 
+from ._crediting import Crediting
 from ._errors import RemoteError
-from ._servers import Server, ServerSet, ServerState
+from ._passes import Pass, Passes
+from ._servers import Fleet, Server, ServerSet, ServerState
 from ._stream import BatchStream, StreamFactory, StreamSpec
 
 # Codes every server would answer the same way: retrying elsewhere cannot help.
@@ -45,8 +53,6 @@ FATAL = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
          grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED,
          grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE}
 BATCH_RETRIES = 2  # an INTERNAL batch error (a worker died) is tried this many more times
-# A window widened for small batches (widen) credits new indices in groups of window // GROUPS.
-GROUPS = 8
 TICK = 0.1  # while the loop waits: how often to look for stalls, hedges, retries
 HEDGE_MIN, STALL_MIN = 0.5, 2.0  # seconds
 
@@ -67,12 +73,7 @@ def _close_open_schedulers() -> None:
         scheduler.close_channels()
 
 
-def group_for(window: int) -> int:
-    """The credits a widened window asks for at once."""
-    return max(1, window // GROUPS)
-
-
-class Scheduler:
+class Scheduler(Crediting):
     """Batches [start, total) of one epoch, each asked of the servers with `spec`, at most
     `window` indices ahead of the loop, new ones `group` at a time while servers hold credits
     (see _assign); `timeout` s without progress is an error.
@@ -85,9 +86,8 @@ class Scheduler:
                  stream_factory: StreamFactory = BatchStream,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._servers = servers
-        self._spec = spec
-        self._total = total
-        self._next = start
+        self._passes = Passes(Pass(spec, 0, start, total))
+        self._next = start  # a position (client/_passes.py); the first pass's are its indices
         self._window = window
         self._group = group  # new credits are sent once this many are due (see _assign)
         self._timeout = timeout
@@ -97,6 +97,8 @@ class Scheduler:
         self._ready: dict[int, Any] = {}
         self._holders: dict[int, set[Server]] = {}  # index -> servers asked for it
         self._hedged: set[int] = set()
+        # Streams let go of whose receive thread has not ended yet: their bytes still count.
+        self._leaving: set[BatchStream] = set()
         self._retries: dict[int, int] = {}
         self._fatal: RemoteError | None = None
         self._closed = False
@@ -105,6 +107,9 @@ class Scheduler:
         self.failovers = 0
         self.hedges = 0
         self.bytes_received = 0
+        self.dropped = 0  # batches received of an epoch the loop did not move on to
+        self.window_note = (0, "", 0)  # the loader's window, why, budget: sent with reports
+        self.refused_ahead: RemoteError | None = None  # why a next epoch's stream failed
         with self._cond:
             self._assign(clock())
 
@@ -112,30 +117,45 @@ class Scheduler:
     def report(self, wait_seconds: float, loop_seconds: float) -> None:
         """Send the loop's data stall to every server with an open stream."""
         with self._cond:
-            streams = [s.stream for s in self._servers.servers.values() if s.stream is not None]
+            streams = self._streams()
         for stream in streams:
-            stream.report(wait_seconds, loop_seconds)
+            stream.report(wait_seconds, loop_seconds, self.window_note)
+
+    def fleet(self) -> Fleet:
+        """What the servers in use said they can do, and their batches' latency."""
+        with self._cond:
+            up = [s for s in self._servers.servers.values() if s.up]
+            said = [next((st.capacity for st in s.streams.values() if st.capacity),
+                         s.capacity) or (0, 0.0) for s in up]
+            latencies = [s.latency for s in up if s.latency is not None]
+        return Fleet(sum(w for w, _ in said), sum(r for _, r in said),
+                     sum(latencies) / len(latencies) if latencies else None)
+
+    def _streams(self) -> list[BatchStream]:
+        return [st for s in self._servers.servers.values() for st in s.streams.values()]
 
     def received(self) -> int:
         """Bytes received so far, by streams that ended and by those still open."""
         with self._cond:
-            live = sum(s.stream.bytes_received for s in self._servers.servers.values()
-                       if s.stream is not None)
+            live = sum(st.bytes_received for st in [*self._streams(), *self._leaving])
             return self.bytes_received + live
 
     def take(self, index: int, on_wait: Callable[[], None] | None = None) -> Any:
-        """Batch `index` (the next one), waiting while servers fail and come back for up to
-        `timeout` seconds without progress; `on_wait()` is called every TICK while it waits
-        (on this thread, under the lock: it may call report())."""
+        """Batch `index` (the next one) of the loop's epoch, waiting while servers fail and
+        come back for up to `timeout` seconds without progress; `on_wait()` is called every
+        TICK while it waits (on this thread, under the lock: it may call report())."""
         with self._cond:
             started = self._clock()
             while not self.poll(index, started):
                 self._cond.wait(TICK)
                 if on_wait is not None:
                     on_wait()
-            item = self._ready.pop(index)
-            self._next = index + 1
+            position = self._passes.loop.base + index
+            item = self._ready.pop(position)
+            self._next = position + 1
             now = self._clock()
+            for done in self._passes.finished(self._next):
+                self._retire(done)
             # A loop that never waits must still see servers join and leave a dns name.
             self._servers.refresh(now)
             self._assign(now)
@@ -149,7 +169,8 @@ class Scheduler:
         fatal error, or UNAVAILABLE after `timeout` s without progress, or look for stalls,
         hedges and retries."""
         with self._cond:
-            if index in self._ready:
+            position = self._passes.loop.base + index
+            if position in self._ready:
                 return True
             if self._fatal is not None:
                 raise self._fatal
@@ -157,17 +178,55 @@ class Scheduler:
             # Time the loop spent elsewhere (evaluation, a checkpoint) does not count.
             if now - max(self._progress, waiting_since) > self._timeout:
                 raise self._no_server(index)
-            self._maintain(now, index)
+            self._maintain(now, position)
             return False
+
+    # -- epochs ----------------------------------------------------------------------------
+    def then(self, spec: StreamSpec, total: int) -> None:
+        """The epoch after the last one this scheduler serves is `spec`'s, of `total`
+        batches: its first ones are asked for once the window reaches past the last."""
+        with self._cond:
+            if self.refused_ahead is None and total > 0:
+                self._passes.add(spec, total)
+                self._assign(self._clock())
+
+    def follow(self, epoch: int) -> bool:
+        """The loop, done with its epoch, moves on to `epoch` (take() counts from its batch
+        0); False if this scheduler does not serve it next (the caller closes it and starts
+        afresh)."""
+        with self._cond:
+            return self.refused_ahead is None and self._next == self._passes.loop.end \
+                and self._passes.follow(epoch)
+
+    def _retire(self, done: Pass) -> None:
+        for stream in self._passes.retire(done, self._servers.servers.values(), self._holders):
+            self._let_go(stream)
+
+    def _let_go(self, stream: BatchStream) -> None:
+        """Close a stream no server holds any more (its on_end counts its bytes)."""
+        self._leaving.add(stream)
+        stream.close(wait=False)
+
+    def _abandon_ahead(self, error: RemoteError) -> None:
+        """A next epoch's stream was refused with an error that may be about it alone (a
+        limit on streams): stop asking ahead; the loop starts that epoch afresh, and hears
+        the error then if it holds."""
+        self.refused_ahead = error
+        for done in self._passes.drop_ahead():
+            self._retire(done)
+        self.dropped += self._passes.drop_beyond_loop(self._ready)
 
     def close(self) -> None:
         _OPEN.discard(self)
         with self._cond:
+            if not self._closed:
+                self.dropped += self._passes.drop_beyond_loop(self._ready)
             self._closed = True
-            streams = [s.stream for s in self._servers.servers.values() if s.stream]
+            streams = []
             for server in self._servers.servers.values():
-                server.stream = None
+                streams += server.let_go()
                 server.outstanding.clear()
+            self._leaving.update(streams)
         for stream in streams:
             stream.close()  # its receive thread reports on_end, which counts its bytes
 
@@ -178,10 +237,7 @@ class Scheduler:
     def servers_now(self) -> str:
         """Every server, its state and last error (for errors and log lines)."""
         with self._cond:
-            return "; ".join(
-                f"{s.address}: {s.state.value}, last error: {s.last_error or 'none'}"
-                + (f", last refusal: {s.refused}" if s.refused else "")
-                for s in self._servers.servers.values())
+            return self._servers.now()
 
     def _no_server(self, index: int) -> RemoteError:
         return RemoteError(grpc.StatusCode.UNAVAILABLE,
@@ -209,78 +265,19 @@ class Scheduler:
                     self._hedged.add(waiting_for)
                     self.hedges += 1
 
-    def widen(self, window: int) -> None:
-        """Keep up to `window` batches in flight from now on (more than before), and ask
-        for new ones in groups (see _assign)."""
-        with self._cond:
-            if window > self._window:
-                self._window = window
-                self._group = group_for(window)
-                self._assign(self._clock())
-
-    def _assign(self, now: float) -> None:
-        """Credit every index in the window that no live server holds. In a widened window,
-        new indices go in groups while servers still hold credits: a server handles a
-        record of several credits in one go (its workers take them in one message, and
-        their batches come back in one write), which is most of a small batch's cost."""
-        if self._closed:
-            return
-        end = min(self._next + self._window, self._total)
-        new: list[int] = []
-        ready, held, up = self._ready, self._holders, ServerState.UP
-        for index in range(self._next, end):  # per batch taken: no call but the lookups
-            if index in ready:
-                continue
-            holders = held.get(index)
-            if holders is None:
-                new.append(index)
-                continue
-            for s in holders:
-                if s.state is up:
-                    break
-            else:  # no holder is up: failed over, at once
-                self._credit(index, now, exclude=holders)
-        if (new and len(new) < self._group and end < self._total and new[0] != self._next
-                and any(s.outstanding for s in self._servers.servers.values() if s.up)):
-            return  # batches come back soon, and this is called again
-        records: dict[BatchStream, list[int]] = {}
-        for index in new:
-            self._credit(index, now, exclude=set(), records=records)
-        for stream, indices in records.items():
-            stream.credit(indices)
-
-    def _credit(self, index: int, now: float, exclude: set[Server],
-                records: dict[BatchStream, list[int]] | None = None) -> bool:
-        """Ask the best usable server for batch `index`: at once, or, given `records`, by
-        adding it to that server's stream's record (the caller sends them)."""
-        candidates = [s for s in self._servers.servers.values()
-                      if s not in exclude and s.usable(now)]
-        if not candidates:
-            return False
-        server = min(candidates, key=lambda s: (len(s.outstanding), s.latency or 0.0))
-        if server.stream is None:
-            server.mark_up(self._open_stream(server.channel, server.address, self._spec,
-                                             self._on_batch, self._on_end))
-        if not server.outstanding:
-            server.last_progress = now  # patience runs from when it has work
-        server.outstanding[index] = now
-        self._holders.setdefault(index, set()).add(server)
-        if records is None:
-            server.stream.credit([index])
-        else:
-            records.setdefault(server.stream, []).append(index)
-        return True
-
-    def _server_of(self, stream: BatchStream) -> Server | None:
+    def _server_of(self, stream: BatchStream) -> tuple[Server, Pass] | tuple[None, None]:
+        """The server of `stream` and the pass it serves; (None, None) for a stream let go."""
         server = self._servers.servers.get(stream.address)
-        return server if server is not None and server.stream is stream else None
+        lane = self._passes.lane(server, stream) if server is not None else None
+        return (server, lane) if server is not None and lane is not None else (None, None)
 
     # -- receive threads -------------------------------------------------------------------
     def _on_batch(self, stream: BatchStream, index: int, item: Any) -> None:
         with self._cond:
-            server = self._server_of(stream)
-            if server is None or self._closed:
+            server, lane = self._server_of(stream)
+            if server is None or lane is None or self._closed:
                 return  # a stream we already gave up on
+            index += lane.base  # a position from here on
             now = self._clock()
             server.mark_delivered(index, now)
             if isinstance(item, RemoteError) and item.code == grpc.StatusCode.UNAVAILABLE:
@@ -288,7 +285,8 @@ class Scheduler:
             if server.state is ServerState.DRAINING and not server.outstanding:
                 # Done with what it took: let go, so its shutdown need not wait for us.
                 server.mark_drained(now)
-                stream.close(wait=False)
+                for drained in server.let_go():
+                    self._let_go(drained)
             if index < self._next or index in self._ready:
                 return  # a duplicate: another server answered first
             retry = isinstance(item, RemoteError) and (
@@ -316,8 +314,12 @@ class Scheduler:
     def _on_end(self, stream: BatchStream, error: RemoteError | None) -> None:
         with self._cond:
             self.bytes_received += stream.bytes_received
-            server = self._server_of(stream)
-            if server is None or self._closed or error is None:
+            self._leaving.discard(stream)
+            server, lane = self._server_of(stream)
+            if server is None or lane is None or self._closed or error is None:
+                return
+            if error.code in FATAL and any(lane is p for p in self._passes.ahead()):
+                self._abandon_ahead(error)
                 return
             if error.code in FATAL:
                 self._fatal = error
@@ -330,6 +332,9 @@ class Scheduler:
                 self.failovers += 1
             server.outstanding.clear()
             server.mark_down(error, now)
+            for other in server.let_go():
+                if other is not stream:
+                    self._let_go(other)
             self._assign(now)
             self._cond.notify_all()
 

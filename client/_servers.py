@@ -48,6 +48,17 @@ CHANNEL_OPTIONS = [
 ]
 
 
+@dataclass(frozen=True)
+class Fleet:
+    """What the servers in use can do together: worker processes, the samples/s they build
+    (0.0: not measured yet), and the mean seconds from a credit to its batch (None: no
+    batch yet)."""
+
+    workers: int
+    samples_per_second: float
+    latency: float | None
+
+
 class ServerState(enum.Enum):
     """A server as the scheduler sees it; the value is what stats() and errors show."""
 
@@ -61,11 +72,12 @@ class ServerState(enum.Enum):
 @dataclass(eq=False)
 class Server:
     """One server. Fields are guarded by the scheduler's lock; call the mark_* transitions
-    under it too."""
+    under it too. `streams`: one open stream per epoch it has credits of (the loop's, and
+    the next one's first batches, asked for while the loop ends its epoch)."""
 
     address: str
     channel: grpc.Channel
-    stream: BatchStream | None = None
+    streams: dict[int, BatchStream] = field(default_factory=dict)
     outstanding: dict[int, float] = field(default_factory=dict)  # batch index -> credited at
     state: ServerState = ServerState.UP
     retry_at: float = 0.0
@@ -73,6 +85,9 @@ class Server:
     last_error: str = ""
     refused: str = ""  # the last in-band UNAVAILABLE's message (draining, storage outage)
     latency: float | None = None  # seconds from credit to batch, moving average
+    # What it said it can do (Describe, a stream's metadata): workers, and samples/s they
+    # build (0.0: not measured yet); None: it has not said.
+    capacity: tuple[int, float] | None = None
     last_progress: float = 0.0
     batches: int = 0
     errors: int = 0
@@ -88,9 +103,16 @@ class Server:
         self.latency = seconds if self.latency is None else 0.8 * self.latency + 0.2 * seconds
 
     # -- transitions -----------------------------------------------------------------------
-    def mark_up(self, stream: BatchStream) -> None:
-        """A new stream is open to it (it was usable: up, or down and due for a retry)."""
-        self.state, self.stream = ServerState.UP, stream
+    def mark_up(self, epoch: int, stream: BatchStream) -> None:
+        """A new stream, for `epoch`, is open to it (it was usable: up, or down and due for
+        a retry)."""
+        self.state = ServerState.UP
+        self.streams[epoch] = stream
+
+    def let_go(self) -> list[BatchStream]:
+        """Forget its streams; the caller closes those still open."""
+        streams, self.streams = list(self.streams.values()), {}
+        return streams
 
     def mark_stalled(self) -> None:
         self.state = ServerState.STALLED
@@ -116,14 +138,15 @@ class Server:
         self.refused = reason or self.refused
 
     def mark_drained(self, now: float) -> None:
-        """Done with what it took while draining: let go (the caller closes the stream) and
-        try it again after DRAIN_RETRY (it may be restarting)."""
-        self.stream, self.state = None, self._down()
+        """Done with what it took while draining: the caller lets go of its streams (let_go)
+        and closes them; try it again after DRAIN_RETRY (it may be restarting)."""
+        self.state = self._down()
         self.retry_at, self.last_error = now + DRAIN_RETRY, "draining"
 
     def mark_down(self, error: Any, now: float) -> None:
-        """Its stream failed: try it again after the backoff, which doubles each time."""
-        self.state, self.stream = self._down(), None
+        """A stream of it failed (the caller lets go of them all: let_go): try it again
+        after the backoff, which doubles each time."""
+        self.state = self._down()
         self.last_error = str(error)
         self.errors += 1
         self.retry_at = now + self.backoff
@@ -210,18 +233,25 @@ class ServerSet:
     def describe(self) -> str:
         return self._dns or ", ".join(self._fixed)
 
+    def now(self) -> str:
+        """Every server, its state and last error (for errors and log lines)."""
+        return "; ".join(
+            f"{s.address}: {s.state.value}, last error: {s.last_error or 'none'}"
+            + (f", last refusal: {s.refused}" if s.refused else "")
+            for s in self.servers.values())
+
     def refresh(self, now: float, wait: float | None = RESOLVE_WAIT) -> None:
         """Resolve the dns target if due (waiting at most `wait` seconds for the look-up;
         None: until it ends); let go of gone servers that hold nothing."""
         if self._dns is None and self.servers:
             return  # a fixed list: made once, and none of it ever gone (called per batch)
         for server in self.servers.values():
-            if server.state is ServerState.GONE and server.stream is not None \
+            if server.state is ServerState.GONE and server.streams \
                     and not server.outstanding:
-                # Off the name and done with what it held: close our stream now, so that
+                # Off the name and done with what it held: close our streams now, so that
                 # its drain (a pod taken off a Service, then SIGTERM) need not wait for us.
-                server.stream.close(wait=False)
-                server.stream = None
+                for stream in server.let_go():
+                    stream.close(wait=False)
         if self._dns is None:
             wanted = self._fixed
         else:
@@ -288,6 +318,6 @@ class ServerSet:
 
     def close(self) -> None:
         for server in self.servers.values():
-            if server.stream is not None:
-                server.stream.close(wait=False)
+            for stream in server.let_go():
+                stream.close(wait=False)
             server.channel.close()

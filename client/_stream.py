@@ -92,6 +92,8 @@ class BatchStream:
         self._credit_lock = threading.Lock()  # one record at a time
         self._ended_for_data = False  # the call was cancelled because it broke
         self._call_over = threading.Event()
+        # What the server said it can do (workers, samples/s), from the stream's metadata.
+        self.capacity: tuple[int, float] | None = None
         self._thread = threading.Thread(target=self._receive, name="stoker-receive", daemon=True)
         self._thread.start()
 
@@ -116,10 +118,13 @@ class BatchStream:
                 self._credit_sock = None
         self._requests.put(pb.StreamRequest(batch_indices=indices))
 
-    def report(self, wait_seconds: float, loop_seconds: float) -> None:
-        """Tell the server how the training loop is doing (its data stall metric)."""
+    def report(self, wait_seconds: float, loop_seconds: float,
+               window: tuple[int, str, int] = (0, "", 0)) -> None:
+        """Tell the server how the training loop is doing (its data stall metric), and the
+        client's `window` (batches in flight, why, the most its memory budget holds)."""
         self._requests.put(pb.StreamRequest(report=pb.ClientReport(
-            wait_seconds=wait_seconds, loop_seconds=loop_seconds)))
+            wait_seconds=wait_seconds, loop_seconds=loop_seconds, window=window[0],
+            window_why=window[1], budget_batches=window[2])))
 
     def _release(self, shm_name: str) -> None:
         self._requests.put(pb.StreamRequest(released=[shm_name]))
@@ -224,6 +229,8 @@ class BatchStream:
         error: RemoteError | None = None
         try:
             for raw in self._call:
+                if self.capacity is None:  # its metadata came before this first frame
+                    self.capacity = capacity_of(self._call.initial_metadata())
                 self._framed += len(raw)
                 done = self._assembler.feed(raw)
                 if isinstance(done, pb.DataSocket):
@@ -264,6 +271,19 @@ class BatchStream:
 
 
 _NOTHING = object()
+
+
+def capacity_of(metadata: Iterable[tuple[str, Any]] | None) -> tuple[int, float]:
+    """(workers, samples/s) from a stream's `stoker-capacity` metadata (stoker.proto's
+    DescribeDatasetResponse.capacity); (0, 0.0) from a server that does not say."""
+    for key, value in metadata or ():
+        if key == "stoker-capacity":
+            try:
+                workers, rate = str(value).split()
+                return int(workers), float(rate)
+            except ValueError:
+                break
+    return 0, 0.0
 
 
 def _only_credits(req: pb.StreamRequest) -> bool:

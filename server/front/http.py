@@ -83,6 +83,17 @@ class Readiness(BaseModel):
     draining: bool
 
 
+class ClientWindow(BaseModel):
+    window: int
+    why: str
+    budget_batches: int
+
+
+class Capacity(BaseModel):
+    workers: int
+    samples_per_second: float  # measured; 0.0 before a batch was built
+
+
 class DatasetRates(BaseModel):
     batches_per_s: float
     samples_per_s: float
@@ -91,6 +102,8 @@ class DatasetRates(BaseModel):
     client_stalls: list[float] = []
     # A mixture: samples built of each component since the server started.
     components: dict[str, int] = {}
+    # Each reporting client's window of batches in flight and why (docs/tuning.md).
+    client_windows: list[ClientWindow] = []
 
 
 class Stats(BaseModel):
@@ -104,6 +117,8 @@ class Stats(BaseModel):
     # Workers killed and replaced for a batch over batch_timeout_seconds, since the start.
     worker_timeouts: int = 0
     datasets: dict[str, DatasetRates]
+    # What this server can do: its clients' windows follow it (docs/tuning.md).
+    capacity: Capacity | None = None
 
 
 def make_app(service: Any = None, token: bytes | None = None) -> FastAPI:
@@ -189,7 +204,8 @@ def make_app(service: Any = None, token: bytes | None = None) -> FastAPI:
                      queued_batches=pool["queued"], building_batches=pool["building"],
                      held_batches=pool["held"],
                      draining=service.draining, worker_timeouts=pool.get("timeouts", 0),
-                     datasets={k: DatasetRates(**v) for k, v in live["datasets"].items()})
+                     datasets={k: DatasetRates(**v) for k, v in live["datasets"].items()},
+                     capacity=Capacity(**live["capacity"]))
 
     return app
 

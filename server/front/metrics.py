@@ -29,7 +29,10 @@ WINDOW = 10.0  # seconds over which /v1/stats computes live rates
 
 
 class Metrics:
-    def __init__(self, status: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, status: Callable[[], dict[str, int]],
+                 capacity: Callable[[], tuple[int, float]] = lambda: (0, 0.0)) -> None:
+        # (workers, samples/s they build): what streams and /v1/stats say the server can do
+        self.capacity = capacity
         self.registry = r = CollectorRegistry(auto_describe=True)
         # transport: frames (gRPC frames), data_socket, shm (lent in shared memory).
         self.batches = Tally("stoker_batches", "Batches sent, by transport: frames, "
@@ -81,6 +84,8 @@ class Metrics:
         r.register(_PrefixCacheMetrics(os.getpid()))
         self._lock = threading.Lock()
         self._reports: dict[int, tuple[str, float, float]] = {}  # stream -> dataset, stall, t
+        # stream -> its client's window: {"window", "why", "budget_batches"} (ClientReport)
+        self._windows: dict[int, dict[str, Any]] = {}
         self._stall_datasets: set[str] = set()  # datasets that ever had a stall reported
         self._recent: collections.deque[tuple[float, str, int, int]] = collections.deque()
         self._started = time.monotonic()
@@ -134,9 +139,17 @@ class Metrics:
             self._reports[stream] = (dataset, stall, time.monotonic())
         self._publish()
 
+    def client_window(self, stream: int, window: int, why: str, budget_batches: int) -> None:
+        """A client's window of batches in flight, as its stream last reported it."""
+        if window > 0:
+            with self._lock:
+                self._windows[stream] = {"window": window, "why": why,
+                                         "budget_batches": budget_batches}
+
     def stream_ended(self, stream: int) -> None:
         with self._lock:
             self._reports.pop(stream, None)
+            self._windows.pop(stream, None)
         self._publish()
 
     def _publish(self) -> None:
@@ -174,6 +187,7 @@ class Metrics:
         recent = [x for x in list(self._recent) if x[0] >= now - WINDOW]
         with self._lock:
             reports = dict(self._reports)
+            windows = dict(self._windows)
         span = min(WINDOW, now - self._started) or 1.0
         out: dict[str, Any] = collections.defaultdict(
             lambda: {"batches_per_s": 0.0, "samples_per_s": 0.0, "bytes_per_s": 0.0})
@@ -182,8 +196,10 @@ class Metrics:
             d["batches_per_s"] += 1 / span
             d["samples_per_s"] += samples / span
             d["bytes_per_s"] += nbytes / span
-        for dataset, stall, _ in reports.values():
+        for stream, (dataset, stall, _) in reports.items():
             out[dataset].setdefault("client_stalls", []).append(stall)
+            if stream in windows:
+                out[dataset].setdefault("client_windows", []).append(windows[stream])
         for metric in self.drawn.collect():  # since the start, not over the window
             for s in metric.samples:
                 if s.name.endswith("_total"):
@@ -193,7 +209,9 @@ class Metrics:
             for s in metric.samples:
                 if s.value or s.labels["dataset"] in out:
                     out[s.labels["dataset"]]["streams"] = int(s.value)
-        return {"window_seconds": WINDOW, "datasets": dict(out)}
+        workers, rate = self.capacity()
+        return {"window_seconds": WINDOW, "datasets": dict(out),
+                "capacity": {"workers": workers, "samples_per_second": rate}}
 
 
 BUILD_BUCKETS = (.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 10)

@@ -117,12 +117,12 @@ class Sender:
         before it); False if the client has gone."""
         if self._metadata_sent:
             return True
-        if self.metadata is None:
-            self._metadata_sent = writes  # after a frame it is too late
-            return True
+        if self.metadata is None and not writes:
+            return True  # the coordinates are not accepted yet
         self._metadata_sent = True
         try:
-            await self._context.send_initial_metadata(self.metadata)
+            await self._context.send_initial_metadata((*(self.metadata or ()),
+                                                       *self._stats.capacity()))
         except Exception:  # the client went away: the call ends quietly, as a failed write
             return False
         return True

@@ -93,7 +93,7 @@ class DataService:
                  data_sockets: DataSockets | None = None, metrics: Metrics | None = None
                  ) -> None:
         self._config = config
-        self.metrics = metrics or Metrics(pool.status)
+        self.metrics = metrics or Metrics(pool.status, pool.capacity)
         self._streams = itertools.count()
         self.pool = pool
         self.mappings = shm.ReadMappings()  # of the workers' segments, kept between batches
@@ -183,7 +183,9 @@ class DataService:
             batches_per_epoch=batches,
             fields=[pb.FieldSpec(name=n, dtype=d, shape=s) for n, d, s in meta.fields],
             fingerprint=fingerprint_pb(meta.fingerprint),
-            max_credits=self.settings.max_credits)
+            max_credits=self.settings.max_credits,
+            capacity=pb.Capacity(**dict(zip(("workers", "samples_per_second"),
+                                            self.pool.capacity(), strict=True))))
 
     def coordinates(self, c: pb.Coordinates, present: bool = True
                     ) -> tuple[Coordinates, DatasetMeta]:

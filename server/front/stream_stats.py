@@ -68,6 +68,14 @@ class StreamStats:
         if self.dataset is not None:
             self._metrics.client_report(self.id, self.dataset, report.wait_seconds,
                                         report.loop_seconds)
+            self._metrics.client_window(self.id, report.window, report.window_why,
+                                        report.budget_batches)
+
+    def capacity(self) -> tuple[tuple[str, str], ...]:
+        """The stream's initial metadata that says what the server can do (stoker.proto,
+        DescribeDatasetResponse.capacity)."""
+        workers, rate = self._metrics.capacity()
+        return (("stoker-capacity", f"{workers} {rate:.6g}"),)
 
     def sent(self, batches: list[ReadyBatch], label: str) -> None:
         """Batches starting out by the transport `label`."""

@@ -56,6 +56,8 @@ class Assignment:
         self.lent: set[str] = set()  # segments of built batches the front end holds
         # Tasks per worker, by the size of the latest batch built (see depth.DEPTH).
         self.depth = SHALLOW_DEPTH
+        # A worker's seconds per sample: a moving average over built batches (0.0: none yet).
+        self.sample_seconds = 0.0
         # A batch a worker has been on longer than this: the worker hangs (see dispatch.py).
         self.batch_timeout = batch_timeout
         self.closing = False  # close() stops the workers: no task is handed out any more
@@ -113,6 +115,10 @@ class Assignment:
         False: nobody waits for it any more (the caller releases it)."""
         with self.lock:
             self.depth = depth_for(batch.payload_bytes)
+            if batch.num_samples and batch.build_seconds:
+                per = batch.build_seconds / batch.num_samples
+                old = self.sample_seconds
+                self.sample_seconds = per if not old else 0.8 * old + 0.2 * per
             job = w.jobs.pop(task_id, None)
             w.head_since = time.monotonic()  # the next of its jobs starts now
             self.lent.add(batch.shm_name)

@@ -177,6 +177,13 @@ class WorkerPool:
                     "held": len(self._jobs.lent),
                     "timeouts": self._dispatcher.timeouts}
 
+    def capacity(self) -> tuple[int, float]:
+        """(workers ready, samples/s they build together: 0.0 until a batch was built): what
+        a server tells its clients, who size their windows by it. Any thread."""
+        workers = self.status()["workers"]
+        per_sample = self._jobs.sample_seconds
+        return workers, workers / per_sample if per_sample else 0.0
+
     @property
     def depth(self) -> int:
         """Tasks each worker holds at most now (DEPTH or SHALLOW_DEPTH, by the batches'

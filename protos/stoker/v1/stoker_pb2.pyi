@@ -83,7 +83,7 @@ class FieldSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DescribeDatasetResponse(_message.Message):
-    __slots__ = ("dataset", "format", "num_samples", "samples_per_rank", "batches_per_epoch", "fields", "fingerprint", "max_credits")
+    __slots__ = ("dataset", "format", "num_samples", "samples_per_rank", "batches_per_epoch", "fields", "fingerprint", "max_credits", "capacity")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class DescribeDatasetResponse(_message.Message):
     FIELDS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_CREDITS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     format: str
     num_samples: int
@@ -100,7 +101,16 @@ class DescribeDatasetResponse(_message.Message):
     fields: _containers.RepeatedCompositeFieldContainer[FieldSpec]
     fingerprint: Fingerprint
     max_credits: int
-    def __init__(self, dataset: _Optional[str] = ..., format: _Optional[str] = ..., num_samples: _Optional[int] = ..., samples_per_rank: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., max_credits: _Optional[int] = ...) -> None: ...
+    capacity: Capacity
+    def __init__(self, dataset: _Optional[str] = ..., format: _Optional[str] = ..., num_samples: _Optional[int] = ..., samples_per_rank: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., max_credits: _Optional[int] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ...) -> None: ...
+
+class Capacity(_message.Message):
+    __slots__ = ("workers", "samples_per_second")
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    workers: int
+    samples_per_second: float
+    def __init__(self, workers: _Optional[int] = ..., samples_per_second: _Optional[float] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("coordinates", "batch_indices", "shm_probe", "released", "report", "compression", "data_socket", "data_socket_unreachable")
@@ -135,12 +145,18 @@ class DataSocket(_message.Message):
     def __init__(self, port: _Optional[int] = ..., token: _Optional[bytes] = ..., proof: _Optional[bool] = ..., credits: _Optional[bool] = ...) -> None: ...
 
 class ClientReport(_message.Message):
-    __slots__ = ("wait_seconds", "loop_seconds")
+    __slots__ = ("wait_seconds", "loop_seconds", "window", "window_why", "budget_batches")
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOOP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_WHY_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BATCHES_FIELD_NUMBER: _ClassVar[int]
     wait_seconds: float
     loop_seconds: float
-    def __init__(self, wait_seconds: _Optional[float] = ..., loop_seconds: _Optional[float] = ...) -> None: ...
+    window: int
+    window_why: str
+    budget_batches: int
+    def __init__(self, wait_seconds: _Optional[float] = ..., loop_seconds: _Optional[float] = ..., window: _Optional[int] = ..., window_why: _Optional[str] = ..., budget_batches: _Optional[int] = ...) -> None: ...
 
 class SharedMemoryProbe(_message.Message):
     __slots__ = ("name", "token")
