@@ -23,6 +23,7 @@ import concurrent.futures
 import enum
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -82,22 +83,29 @@ class Splitter:
 
     def __init__(self, fields: dict[str, list[tuple[str, str, tuple[int, ...]]]],
                  max_bytes: int) -> None:
-        self._fields = fields  # per dataset, as probed
+        # Per dataset whose batches can be laid out before any sample is read, its fields.
+        self._fields = {name: f for name, f in fields.items()
+                        if planned_layout(f, 1) is not None}
         self._max_bytes = max_bytes
         self._per_sample: dict[str, float] = {}  # seconds of a worker per sample, measured
         self._split: dict[str, int] = {}
         self._misfits: dict[str, int] = {}
         self.per_sample = 0.0  # over every dataset: what capacity() reports (0: none yet)
 
-    def plan_locked(self, dataset: str, n: int, workers: int) -> Plan | None:
-        """How to cut a batch of `n` samples of `dataset`; None: built whole by one worker."""
-        parts = parts_for(n, self._per_sample.get(dataset), workers)
+    def plan_locked(self, dataset: str, n: int, workers: Callable[[], int]) -> Plan | None:
+        """How to cut a batch of `n` samples of `dataset` over `workers()` workers at most;
+        None: built whole by one worker. Per batch submitted, on the front end's thread: the
+        usual answers for small batches come first, cheaply."""
+        per_sample = self._per_sample.get(dataset)
+        if (n < 2 * MIN_ROWS or dataset not in self._fields
+                or (per_sample is not None and n * per_sample < CHEAP_SECONDS)):
+            return None
+        parts = parts_for(n, per_sample, workers())
         if parts <= 1 or self._misfits.get(dataset, 0) * 4 > max(
                 self._split.get(dataset, 0), MISFITS_MIN * 4 - 1):
             return None
-        layout = planned_layout(self._fields.get(dataset, []), n)
-        if layout is None:
-            return None
+        layout = planned_layout(self._fields[dataset], n)
+        assert layout is not None
         size = layout[-1].offset + layout[-1].nbytes
         if size > self._max_bytes:
             return None  # the one-worker build says so, as it always has

@@ -130,8 +130,7 @@ class WorkerPool:
         will need (a hint)."""
         with self._lock:
             self._check_locked()
-            plan = self._jobs.splitter.plan_locked(
-                dataset, len(indices), sum(w.ready for w in self._workers.workers))
+            plan = self._jobs.splitter.plan_locked(dataset, len(indices), self._ready_locked)
             if plan is None:
                 fut = self._jobs.add_locked(dataset, indices, ahead, key)
                 inline, wake = self._hand_out_locked()
@@ -162,6 +161,9 @@ class WorkerPool:
                    else self._jobs.add_parts_locked(dataset, indices, ahead, key, plan,
                                                     segment))
             return (fut, *self._hand_out_locked())
+
+    def _ready_locked(self) -> int:
+        return sum(w.ready for w in self._workers.workers)
 
     def _hand_out_locked(self) -> tuple[bool, bool]:
         """After a submit: (whether this thread hands out, on the loop; whether it wakes the
