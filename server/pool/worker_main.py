@@ -227,7 +227,9 @@ class _Builder:
                                 int(self.config.server.max_batch_bytes), on_sample)
         except Exception as e:
             return self._failure(task, e)
-        return msg.Built(task.task_id, dataclasses.replace(batch, cache=self._cache_delta()))
+        if self.cache is not None:  # what the cache did since the last batch, for /metrics
+            batch = dataclasses.replace(batch, cache=self._cache_delta())
+        return msg.Built(task.task_id, batch)
 
     def build_part(self, part: msg.Part) -> msg.PartBuilt | msg.BuildFailed | msg.Misfit:
         """Rows of a batch into the pool's segment. Files changed since the listing: a
