@@ -296,6 +296,22 @@ def test_a_part_whose_worker_died_is_sent_again_then_its_batch_fails() -> None:
     assert str(future.exception(0)) == "worker died" and back.back == ["seg"]
 
 
+def test_a_part_whose_worker_hung_is_not_sent_again() -> None:
+    jobs, back = Assignment(threading.Lock(), 60.0), Segments()
+    jobs.segments = back  # type: ignore[assignment]
+    [a] = handles(1)
+    future = parted(jobs, 16, 2)
+    first, second = dealt(jobs, [a])[0]
+    with jobs.lock:  # killed by the watchdog on its first part: that part fails
+        building = jobs.take_back_locked(a, first.task_id, resend=False)
+    assert building is not None and [j.task for j in jobs.queue] == [second]
+    jobs.fail_jobs([building], BatchFailed(FailureKind.INTERNAL, "not built within"))
+    assert not future.done()  # its other part is still to come: the segment is in use
+    [again] = dealt(jobs, [a])[0]
+    jobs.part_built(a, built(again))
+    assert str(future.exception(0)) == "not built within" and back.back == ["seg"]
+
+
 @pytest.mark.parametrize(("n", "per_sample", "workers", "parts"), [
     (16, 1e-5, 8, 1),  # 64 KiB batches of 16 cheap samples: one part, as before
     (16, None, 8, 2),  # not measured yet: as many as may be
