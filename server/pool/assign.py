@@ -1,6 +1,10 @@
 """Which worker builds which batch: the queue of batches waiting for a worker, the tasks each
 worker holds (at most `depth`), their futures, and the segments the front end holds.
 
+A batch cut into parts (see parts.py) is queued as one job per part, all with the batch's
+future: parts are handed out, counted in the depth and taken back when a worker dies like
+tasks; a part's result settles its batch's Assembly, and the last one in decides the batch.
+
 Bookkeeping only: nothing here reads or writes a pipe, starts a process or runs a thread, so
 it can be driven (and tested) with any WorkerHandle. Threading: every field of an Assignment,
 and each worker's `ready`, `freed`, `dropped`, `jobs` and `head_since`, are guarded by `lock`,
@@ -24,7 +28,8 @@ from ..order.sampling import EpochKey
 from .depth import SHALLOW_DEPTH, depth_for
 from .handle import WorkerHandle
 from .layout import BuiltBatch
-from .messages import Discard, FailureKind, GiveBack, Task, ToWorker
+from .messages import Discard, FailureKind, GiveBack, Part, PartBuilt, Task, ToWorker
+from .parts import RESENDS, Assembly, OwnSegments, Plan, Splitter, Verdict
 
 __all__ = ["Assignment", "BatchFailed", "Job", "fail_all"]
 
@@ -41,8 +46,10 @@ class BatchFailed(Exception):
 
 @dataclass(frozen=True)
 class Job:
-    task: Task  # what the worker is sent
+    task: Task | Part  # what the worker is sent
     future: concurrent.futures.Future[BuiltBatch]  # who waits for the batch
+    batch: Assembly | None = None  # a Part's batch, and which part it is
+    part: int = 0
 
 
 class Assignment:
@@ -56,12 +63,16 @@ class Assignment:
         self.lent: set[str] = set()  # segments of built batches the front end holds
         # Tasks per worker, by the size of the latest batch built (see depth.DEPTH).
         self.depth = SHALLOW_DEPTH
-        # A worker's seconds per sample: a moving average over built batches (0.0: none yet).
-        self.sample_seconds = 0.0
         # A batch a worker has been on longer than this: the worker hangs (see dispatch.py).
         self.batch_timeout = batch_timeout
         self.closing = False  # close() stops the workers: no task is handed out any more
         self.broken = False  # the dispatcher thread died of a bug: no task is taken
+        # Which batches are cut into parts (set when the pool starts: it needs the probe),
+        # and the segments those are built into.
+        self.splitter = Splitter({}, 0)
+        self.segments: OwnSegments | None = None
+        # Batches whose parts are all in, with what their futures get (outside the lock).
+        self._settled: list[tuple[Assembly, BuiltBatch | BatchFailed]] = []
 
     def add_locked(self, dataset: str, indices: np.ndarray, ahead: np.ndarray,
                    key: EpochKey) -> concurrent.futures.Future[BuiltBatch]:
@@ -69,6 +80,19 @@ class Assignment:
         fut: concurrent.futures.Future[BuiltBatch] = concurrent.futures.Future()
         self.next_id += 1
         self.queue.append(Job(Task(self.next_id, dataset, indices, ahead, key), fut))
+        return fut
+
+    def add_parts_locked(self, dataset: str, indices: np.ndarray, ahead: np.ndarray,
+                         key: EpochKey, plan: Plan, segment: str
+                         ) -> concurrent.futures.Future[BuiltBatch]:
+        """Queue the batch of `indices` as `plan`'s parts, built into `segment` (the pool's,
+        lent to the batch); its future."""
+        fut: concurrent.futures.Future[BuiltBatch] = concurrent.futures.Future()
+        self.next_id += 1
+        batch = Assembly(Task(self.next_id, dataset, indices, ahead, key), fut, segment, plan)
+        parts = batch.cut(self.next_id + 1)
+        self.next_id += len(parts)
+        self.queue.extend(Job(p, fut, batch, k) for k, p in enumerate(parts))
         return fut
 
     def deal_locked(self, workers: Sequence[WorkerHandle], flush: bool
@@ -89,6 +113,8 @@ class Assignment:
                 break
             job = self.queue.popleft()
             if job.future.cancelled():
+                if job.batch is not None:  # its segment comes back once no part is out
+                    self._conclude_locked(job, job.batch.settle_locked(job.part, None))
                 continue
             # Recorded first: if the worker is dead, take_back_locked deals with the task.
             if not w.jobs:
@@ -115,22 +141,82 @@ class Assignment:
         False: nobody waits for it any more (the caller releases it)."""
         with self.lock:
             self.depth = depth_for(batch.payload_bytes)
-            if batch.num_samples and batch.build_seconds:
-                per = batch.build_seconds / batch.num_samples
-                old = self.sample_seconds
-                self.sample_seconds = per if not old else 0.8 * old + 0.2 * per
             job = w.jobs.pop(task_id, None)
             w.head_since = time.monotonic()  # the next of its jobs starts now
             self.lent.add(batch.shm_name)
+            if job is not None:
+                self.splitter.measured_locked(job.task.dataset, batch.build_seconds,
+                                              batch.num_samples)
         return job is not None and _resolve(job.future, batch)
 
-    def failed(self, w: WorkerHandle, task_id: int, error: BatchFailed) -> None:
-        """`w` could not build task `task_id`: its future fails with `error`."""
+    def failed(self, w: WorkerHandle, task_id: int, error: BatchFailed | str) -> None:
+        """`w` could not build task `task_id`: its future fails with `error` (a part's
+        batch, once all its parts are in; parts.MISFIT: the batch is built whole)."""
         with self.lock:
             job = w.jobs.pop(task_id, None)
             w.head_since = time.monotonic()
         if job is not None:
-            _reject(job.future, error)
+            self.fail_jobs([job], error)
+
+    def part_built(self, w: WorkerHandle, built: PartBuilt) -> None:
+        """`w` wrote a part's rows."""
+        with self.lock:
+            job = w.jobs.pop(built.task_id, None)
+            w.head_since = time.monotonic()
+            if job is None or job.batch is None:
+                return
+            self.splitter.measured_locked(job.task.dataset, built.seconds,
+                                          len(job.task.indices))
+            self._conclude_locked(job, job.batch.settle_locked(job.part, built))
+        self._resolve_settled()
+
+    def fail_jobs(self, jobs: Iterable[Job], error: BatchFailed | str) -> None:
+        """These jobs failed with `error`: a task's future at once; a part's batch once all
+        its parts are in."""
+        for job in jobs:
+            if job.batch is None:
+                if not isinstance(error, str):
+                    _reject(job.future, error)
+                continue
+            with self.lock:
+                self._conclude_locked(job, job.batch.settle_locked(job.part, error))
+        self._resolve_settled()
+
+    def _conclude_locked(self, job: Job, verdict: Verdict | None) -> None:
+        """What becomes of a part's batch now that all its parts are in (None: not yet).
+        Its future is resolved by _resolve_settled, outside the lock (a waiter's callback
+        may call back into the pool)."""
+        batch = job.batch
+        if verdict is None or batch is None:
+            return
+        assert self.segments is not None
+        if verdict is Verdict.BUILT:
+            built = batch.batch()
+            self.depth = depth_for(built.payload_bytes)
+            self.lent.add(built.shm_name)
+            self._settled.append((batch, built))
+            return
+        if verdict is Verdict.WHOLE:  # before the batches queued after it
+            self.splitter.misfit_locked(batch.whole.dataset)
+            self.queue.appendleft(Job(batch.whole, batch.future))
+        elif verdict is Verdict.FAILED:
+            self._settled.append((batch, batch.error()))
+        self.segments.give_back(batch.segment)
+
+    def _resolve_settled(self) -> None:
+        """Resolve the futures of the batches whose parts are all in; a batch nobody waits
+        for any more goes back. Outside the lock."""
+        with self.lock:
+            settled, self._settled = self._settled, []
+        for batch, outcome in settled:
+            if isinstance(outcome, BuiltBatch):
+                if not _resolve(batch.future, outcome):
+                    with self.lock:
+                        self.lent.discard(outcome.shm_name)
+                    assert self.segments is not None
+                    self.segments.give_back(outcome.shm_name)
+            else:
+                _reject(batch.future, outcome)
 
     def overdue_locked(self, w: WorkerHandle, now: float) -> bool:
         """Whether `w` is past its batch's deadline."""
@@ -140,12 +226,19 @@ class Assignment:
         """When the oldest batch a worker is on started; None: no batch is out."""
         return min((w.head_since for w in workers if w.jobs), default=None)
 
-    def take_back_locked(self, w: WorkerHandle, on: int) -> Job | None:
+    def take_back_locked(self, w: WorkerHandle, on: int, resend: bool = True) -> Job | None:
         """`w` is gone: its tasks go back to the front of the queue, in order, for other
-        workers, except task `on` (the one it was building), which is returned: it fails."""
+        workers, except task `on` (the one it was building), which is returned: it fails.
+        A part it was building goes back too (`resend`: its worker died, not hung), RESENDS
+        times at most: writing its rows again writes the same bytes."""
         jobs = list(w.jobs.values())
         w.jobs.clear()
         building = next((j for j in jobs if j.task.task_id == on), None)
+        if building is not None and building.batch is not None and resend:
+            times = building.batch.resent.get(building.part, 0)
+            if times < RESENDS:
+                building.batch.resent[building.part] = times + 1
+                building = None
         self.queue.extendleft(reversed([j for j in jobs if j is not building]))
         return building
 

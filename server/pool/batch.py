@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -97,6 +97,58 @@ def _layout(fields: tuple[tuple[str, np.dtype, tuple[int, ...]], ...], n: int
         layout.append(TensorLayout(name, dtype.name, (n, *shape), offset, nbytes))
         offset += -(-nbytes // ALIGN) * ALIGN
     return tuple(layout)
+
+
+def planned_layout(fields: list[tuple[str, str, tuple[int, ...]]], n: int
+                   ) -> tuple[TensorLayout, ...] | None:
+    """The layout of a batch of `n` samples of a dataset whose probed `fields` (DatasetMeta:
+    sample_index last) all have fixed shapes: plan_layout's result for any batch whose
+    samples all have those fields. None: the probe cannot say (a padded axis, no fields)."""
+    if not fields or fields[-1][0] != SAMPLE_INDEX:
+        return None
+    if any(d < 0 for _, _, shape in fields for d in shape):
+        return None  # a padded axis: the batch's shape is known only from its samples
+    try:
+        return _layout(tuple((name, np.dtype(dtype), tuple(shape))
+                             for name, dtype, shape in fields[:-1]), n)
+    except TypeError:
+        return None
+
+
+class Misfit(Exception):
+    """A sample of a part does not fit the layout planned for its batch."""
+
+
+def build_part(dataset: DatasetParts, layout: tuple[TensorLayout, ...], first: int,
+               indices: np.ndarray, segment: Any,
+               key: EpochKey = FIRST_EPOCH, skip: bool = False,
+               on_sample: Callable[[int], None] | None = None) -> int:
+    """Write rows [first, first + len(indices)) of a batch laid out as `layout` into
+    `segment` (a writable buffer): what build_batch writes there, given that every sample
+    has the planned fields. Returns how many samples were replaced under `skip`; raises
+    Misfit at the first sample that does not fit (build_batch then names the difference, or
+    lays the batch out otherwise), SampleError at one that cannot be read."""
+    views = {t.name: np.ndarray(t.shape, np.dtype(t.dtype).newbyteorder("<"), segment,
+                                t.offset) for t in layout}
+    names = {t.name for t in layout[:-1]}
+    expect = [(t.name, t.shape[1:], np.dtype(t.dtype)) for t in layout[:-1]]
+    rows = views[SAMPLE_INDEX]
+    skipped = 0
+    try:
+        for pos, i in enumerate(indices.tolist(), first):
+            if on_sample is not None:
+                on_sample(i)
+            s, j = fetch_or_replace(dataset, i, key, skip)
+            if not _like(s, names, expect):
+                raise Misfit(f"sample {j}")
+            for field_name, value in s.items():
+                views[field_name][pos] = value
+            rows[pos] = j
+            skipped += j != i
+    finally:
+        views.clear()  # no view of a mapping outlives the part (it may be closed later)
+        del rows
+    return skipped
 
 
 def _like(s: dict[str, np.ndarray], names: set[str],

@@ -35,10 +35,13 @@ from .messages import (
     DatasetMeta,
     FailureKind,
     FromWorker,
+    Misfit,
     Opened,
     OpenFailed,
+    PartBuilt,
     Stop,
 )
+from .parts import MISFIT
 
 log = logging.getLogger("stoker.server")
 
@@ -168,6 +171,10 @@ class Workers:
                     self._release(batch)  # nobody waits for it any more
             case BuildFailed(task_id, kind, reason, detail):
                 self._jobs.failed(w, task_id, BatchFailed(kind, reason, detail))
+            case PartBuilt():
+                self._jobs.part_built(w, message)
+            case Misfit(task_id):
+                self._jobs.failed(w, task_id, MISFIT)
             case _:
                 raise TypeError(f"a worker sent {message!r}")
 
@@ -211,12 +218,13 @@ class Workers:
         else:
             failed = hung[1]
         with self._lock:
-            # The batch it was on fails; the others (queued, or built and held) go to other
-            # workers. Killed for a hang, but that batch came in just before: none fails.
+            # The batch it was on fails (a part of one is sent again, if its worker died);
+            # the others (queued, or built and held) go to other workers. Killed for a hang,
+            # but that batch came in just before: none fails.
             building = self._jobs.take_back_locked(
-                w, hung[0] if hung is not None else w.progress[0])
+                w, hung[0] if hung is not None else w.progress[0], resend=hung is None)
         if building is not None:
-            fail_all([building], failed)
+            self._jobs.fail_jobs([building], BatchFailed(FailureKind.INTERNAL, failed))
         w.conn.close()
         self._forget(w)
         new = self.spawn(probe=False, slot=self.workers.index(w))

@@ -4,9 +4,10 @@ Each message is a small frozen dataclass, pickled by the pipe; receivers tell th
 `match`. They stay small: a batch's payload travels in shared memory (see pool/batch.py), and a
 `Built` carries only its segment's name and layout.
 
-    pool -> worker:  Task | GiveBack | Discard | Stop, or a tuple of them (one pipe write
-                     for what one dispatcher round has for a worker, taken in order)
-    worker -> pool:  Opened | OpenFailed (once, at start), then Built | BuildFailed per Task
+    pool -> worker:  Task | Part | GiveBack | Discard | Stop, or a tuple of them (one pipe
+                     write for what one dispatcher round has for a worker, taken in order)
+    worker -> pool:  Opened | OpenFailed (once, at start), then Built | BuildFailed per Task,
+                     PartBuilt | BuildFailed | Misfit per Part
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 
 from ..order.fingerprint import Fingerprint
 from ..order.sampling import EpochKey, Ordering
-from .layout import BuiltBatch
+from .layout import BuiltBatch, TensorLayout
 
 
 class FailureKind(enum.StrEnum):
@@ -81,6 +82,25 @@ def _task(task_id: int, dataset: str, indices: bytes, ahead: bytes, seed: int, e
 
 
 @dataclass(frozen=True)
+class Part:
+    """Build rows [first, first + len(indices)) of a batch, whose layout the pool planned,
+    into the pool's segment `segment` (at least `size` bytes): the samples `indices` for epoch
+    `key`, each sample's delivered index into the sample_index rows. `ahead`: this part's
+    share of a later batch's samples, to prefetch (a hint). Writing the same rows again
+    writes the same bytes: a part whose worker died is sent to another."""
+
+    task_id: int
+    dataset: str
+    segment: str
+    size: int
+    layout: tuple[TensorLayout, ...]
+    first: int
+    indices: np.ndarray
+    ahead: np.ndarray
+    key: EpochKey
+
+
+@dataclass(frozen=True)
 class GiveBack:
     """The front end has sent these batches: the worker may write new ones into them."""
 
@@ -130,5 +150,26 @@ class BuildFailed:
     detail: str = ""  # what the server's log says instead: the full text ("": `message`)
 
 
-ToWorker = Task | GiveBack | Discard | Stop
-FromWorker = Opened | OpenFailed | Built | BuildFailed
+@dataclass(frozen=True)
+class PartBuilt:
+    """A Part's rows are written. `skipped`: samples replaced under on_error: skip;
+    `seconds`: the worker's time on it; `cache`: its disk cache's counters since its previous
+    result (as in BuiltBatch)."""
+
+    task_id: int
+    skipped: int
+    seconds: float
+    cache: tuple[int, int, int] = (0, 0, 0)
+
+
+@dataclass(frozen=True)
+class Misfit:
+    """A Part met what the planned layout cannot hold (a sample with other fields, dtypes or
+    shapes), or files changed since the listing: the batch is built whole by one worker,
+    which gives the bytes, or the error, that a one-worker build gives."""
+
+    task_id: int
+
+
+ToWorker = Task | Part | GiveBack | Discard | Stop
+FromWorker = Opened | OpenFailed | Built | BuildFailed | PartBuilt | Misfit

@@ -101,7 +101,8 @@ def create(name: str, size: int) -> mmap.mmap:
 
 
 class ReadMappings:
-    """Read-only mappings of the workers' segments, kept from batch to batch.
+    """Read-only mappings of the workers' segments, kept from batch to batch (or, writable,
+    a worker's mappings of the segments the pool builds batches in parts into).
 
     Mapping a segment afresh costs a page-table fault per 4 KiB page the first time each is
     read (measured: 12 ms instead of 8 ms to read 64 MiB); workers reuse their segments, so
@@ -127,13 +128,18 @@ class ReadMappings:
     SWEEP_BYTES = 64 << 20
     SWEEP_SHARE = 8  # a new mapping checks once new ones are 1/8 of those held
 
-    def __init__(self) -> None:
+    def __init__(self, writable: bool = False) -> None:
+        # writable: a worker's mappings of the pool's segments, which it writes parts of
+        # batches into (see pool/parts.py); the same rules keep and drop them.
+        self._flags, self._prot = ((os.O_RDWR, mmap.PROT_READ | mmap.PROT_WRITE) if writable
+                                   else (os.O_RDONLY, mmap.PROT_READ))
         self._maps: dict[str, tuple[int, mmap.mmap]] = {}  # name -> (fd, mapping)
         self._gets = 0  # since the last check
         self._new = self._new_bytes = 0  # segments (and their bytes) mapped since then
 
     def get(self, name: str, size: int) -> mmap.mmap:
-        """A read-only mapping of at least the first `size` bytes of segment `name`."""
+        """A mapping of at least the first `size` bytes of segment `name` (read-only unless
+        made writable)."""
         self._gets += 1
         new = name not in self._maps
         if new:
@@ -149,9 +155,9 @@ class ReadMappings:
             return held[1]
         if name in self._maps:
             self._close(name)
-        fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600)
+        fd = _posixshmem.shm_open("/" + name, self._flags, mode=0o600)
         try:
-            mm = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
+            mm = mmap.mmap(fd, os.fstat(fd).st_size, prot=self._prot)
         except BaseException:
             os.close(fd)
             raise

@@ -1,6 +1,8 @@
 """One worker process: it opens every configured dataset, then builds the batches the pool
 asks for into shared memory, one at a time, answering each Task over its pipe (see
-pool/messages.py). Single-threaded, apart from the storage's prefetch threads.
+pool/messages.py), and the parts of batches (a Part: rows of a batch the pool laid out, into
+the pool's segment; see pool/parts.py). Single-threaded, apart from the storage's prefetch
+threads.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ..order.sampling import Ordering
 from ..sources import DataChanged, StorageUnavailable, prefix_cache, split_source
 from . import depth, malloc, shm, tracebacks
 from . import messages as msg
-from .batch import BatchTooLarge, build_batch, probe_fields
+from .batch import BatchTooLarge, Misfit, build_batch, build_part, probe_fields
 
 if TYPE_CHECKING:
     from ..formats import DatasetParts
@@ -93,12 +95,13 @@ def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int,
         # The pool sends what it has for this worker in one pipe write: a tuple, in order.
         # Results go back together too (one write, one wake-up of the front end) while
         # holding them costs little: a result waits at most for builds as quick as HOLD.
-        held: list[msg.Built | msg.BuildFailed] = []
+        held: list[Result] = []
         for message in received if isinstance(received, tuple) else (received,):
             match message:
-                case msg.Task():
+                case msg.Task() | msg.Part():
                     started = time.monotonic()
-                    held.append(builder.build(message))
+                    held.append(builder.build(message) if isinstance(message, msg.Task)
+                                else builder.build_part(message))
                     if time.monotonic() - started > HOLD:  # the next may be as slow
                         _send_results(conn, held)
                 case msg.GiveBack(segments):  # the front end has sent these: reuse them
@@ -115,7 +118,10 @@ def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int,
         _send_results(conn, held)
 
 
-def _send_results(conn: mpc.Connection, held: list[msg.Built | msg.BuildFailed]) -> None:
+Result = msg.Built | msg.BuildFailed | msg.PartBuilt | msg.Misfit
+
+
+def _send_results(conn: mpc.Connection, held: list[Result]) -> None:
     """Send the results held, in one pipe write, and forget them."""
     if held:
         conn.send(held[0] if len(held) == 1 else tuple(held))
@@ -189,10 +195,12 @@ class _Builder:
         self.shm_warned = False
         self.redact = _Redact(config)
         self._logged: set[str] = set()  # failure messages logged in full
+        self.mappings = shm.ReadMappings(writable=True)  # of the pool's segments (parts)
 
-    def build(self, task: msg.Task) -> msg.Built | msg.BuildFailed:
-        ds = self.datasets[task.dataset]
-        skip = self.config.datasets[task.dataset].on_error == "skip"
+    def _start(self, task: msg.Task | msg.Part) -> tuple[Any, str]:
+        """Before a task or a part: the pool's watchdog learns which it is on, its storage is
+        asked for what it reads. Returns (the callback to call per sample, or None; why the
+        batch cannot be built as listed, or "")."""
         on_sample = None
         if self.progress is not None:
             progress = self.progress
@@ -200,44 +208,84 @@ class _Builder:
 
             def on_sample(i: int) -> None:
                 progress[1] = i
+        ds = self.datasets[task.dataset]
         # This batch's objects in parallel, then those of a batch further on: a store's
         # first-byte latency is paid ahead of time, not once per sample in turn.
         _prefetch(ds, task.indices)
         _prefetch(ds, task.ahead)
-        changed = _changed(ds, task.indices)
+        return on_sample, _changed(ds, task.indices)
+
+    def build(self, task: msg.Task) -> msg.Built | msg.BuildFailed:
+        ds = self.datasets[task.dataset]
+        skip = self.config.datasets[task.dataset].on_error == "skip"
+        on_sample, changed = self._start(task)
         if changed:
             return self._failed(task, msg.FailureKind.DATA_LOSS,
                                 f"dataset {task.dataset!r}: {changed}")
         try:
             batch = build_batch(ds, task.indices, self.segments, task.key, skip,
                                 int(self.config.server.max_batch_bytes), on_sample)
-        except StorageUnavailable as e:  # an outage, not bad data: the client asks elsewhere
-            return self._failed(task, msg.FailureKind.UNAVAILABLE,
-                                f"dataset {task.dataset!r}: {e}; another server may succeed")
-        except SampleError as e:  # its cause: the user's exception, where it is theirs
-            return self._failed(task, msg.FailureKind.DATA_LOSS,
-                                f"dataset {task.dataset!r}: {e}", e.__cause__)
-        except BatchTooLarge as e:
-            return self._failed(task, msg.FailureKind.RESOURCE_EXHAUSTED,
-                                f"dataset {task.dataset!r}: {e}")
-        except shm.ShmFull as e:  # this worker lives on; later, or elsewhere, it may fit
-            kind = (msg.FailureKind.RESOURCE_EXHAUSTED if e.larger_than_all
-                    else msg.FailureKind.UNAVAILABLE)
-            if not self.shm_warned:  # once per worker: the clients get every one
-                self.shm_warned = True
-                log.warning("a batch found no room in shared memory: %s", e)
-            return self._failed(task, kind, f"dataset {task.dataset!r}: {e}")
         except Exception as e:
-            log.exception("a batch of dataset %r failed", task.dataset)
-            return self._failed(task, msg.FailureKind.INTERNAL, f"{type(e).__name__}: {e}", e)
+            return self._failure(task, e)
         if self.cache is not None:  # what the cache did since the last batch, for /metrics
-            now = (self.cache.hits, self.cache.misses, self.cache.bytes_fetched)
-            batch = dataclasses.replace(
-                batch, cache=tuple(a - b for a, b in zip(now, self.reported, strict=True)))
-            self.reported = now
+            batch = dataclasses.replace(batch, cache=self._cache_delta())
         return msg.Built(task.task_id, batch)
 
-    def _failed(self, task: msg.Task, kind: msg.FailureKind, message: str,
+    def build_part(self, part: msg.Part) -> msg.PartBuilt | msg.BuildFailed | msg.Misfit:
+        """Rows of a batch into the pool's segment. Files changed since the listing: a
+        Misfit (the batch's one-worker build names the first sample that reads one)."""
+        ds = self.datasets[part.dataset]
+        skip = self.config.datasets[part.dataset].on_error == "skip"
+        on_sample, changed = self._start(part)
+        if changed:
+            return msg.Misfit(part.task_id)
+        started = time.perf_counter()
+        try:
+            segment = self.mappings.get(part.segment, part.size)
+            skipped = build_part(ds, part.layout, part.first, part.indices, segment, part.key,
+                                 skip, on_sample)
+        except Misfit:
+            return msg.Misfit(part.task_id)
+        except Exception as e:
+            return self._failure(part, e)
+        return msg.PartBuilt(part.task_id, skipped, time.perf_counter() - started,
+                             self._cache_delta())
+
+    def _cache_delta(self) -> tuple[int, int, int]:
+        """What the disk cache did since the last result, for /metrics."""
+        if self.cache is None:
+            return (0, 0, 0)
+        now = (self.cache.hits, self.cache.misses, self.cache.bytes_fetched)
+        delta = (now[0] - self.reported[0], now[1] - self.reported[1],
+                 now[2] - self.reported[2])
+        self.reported = now
+        return delta
+
+    def _failure(self, task: msg.Task | msg.Part, error: Exception) -> msg.BuildFailed:
+        """A build that raised `error`, as the client is told of it."""
+        dataset = f"dataset {task.dataset!r}"
+        match error:
+            case StorageUnavailable():  # an outage, not bad data: the client asks elsewhere
+                return self._failed(task, msg.FailureKind.UNAVAILABLE,
+                                    f"{dataset}: {error}; another server may succeed")
+            case SampleError():  # its cause: the user's exception, where it is theirs
+                return self._failed(task, msg.FailureKind.DATA_LOSS, f"{dataset}: {error}",
+                                    error.__cause__)
+            case BatchTooLarge():
+                return self._failed(task, msg.FailureKind.RESOURCE_EXHAUSTED,
+                                    f"{dataset}: {error}")
+            case shm.ShmFull():  # this worker lives on; later, or elsewhere, it may fit
+                kind = (msg.FailureKind.RESOURCE_EXHAUSTED if error.larger_than_all
+                        else msg.FailureKind.UNAVAILABLE)
+                if not self.shm_warned:  # once per worker: the clients get every one
+                    self.shm_warned = True
+                    log.warning("a batch found no room in shared memory: %s", error)
+                return self._failed(task, kind, f"{dataset}: {error}")
+        log.error("a batch of dataset %r failed", task.dataset, exc_info=error)
+        return self._failed(task, msg.FailureKind.INTERNAL, f"{type(error).__name__}: {error}",
+                            error)
+
+    def _failed(self, task: msg.Task | msg.Part, kind: msg.FailureKind, message: str,
                 error: BaseException | None = None) -> msg.BuildFailed:
         """The failure as the client sees it: no absolute server path in it, and, for a
         dataset running the user's code (`format: python`, `transform:`), the traceback of

@@ -7,6 +7,8 @@ end holds (WorkerPool), in front of its parts:
                    tasks submitted on it
     dispatch.py    the dispatcher thread: it watches the workers' lives, and hands out what
                    is submitted off the loop
+    parts.py       batches cut into parts that several workers build at once, into one
+                   segment of the pool's own
 
 Tasks and results travel as small messages (pool/messages.py) over one pipe per worker; batch
 payloads travel in shared memory (see pool/batch.py), never through the pipe.
@@ -42,6 +44,7 @@ from .layout import BuiltBatch
 from .lifecycle import WorkerMain, Workers
 from .loop_side import LoopSide
 from .messages import DatasetMeta, FailureKind, Stop
+from .parts import OwnSegments, Plan, Splitter
 from .worker_main import worker_main
 
 __all__ = ["BatchFailed", "DatasetMeta", "FailureKind", "WorkerMain", "WorkerPool"]
@@ -79,6 +82,10 @@ class WorkerPool:
             log.warning("removed %d shared-memory segments left by servers that died", orphans)
         self._loop_side.attach(loop)
         meta = self._workers.open()
+        with self._lock:
+            self._jobs.splitter = Splitter({n: m.fields for n, m in meta.items()},
+                                           int(self._config.server.max_batch_bytes))
+            self._jobs.segments = OwnSegments(len(self._workers.workers))
         self._dispatcher.start()
         return meta
 
@@ -122,30 +129,73 @@ class WorkerPool:
         """Build the batch of `indices` for the epoch `key`; `ahead`: samples a later batch
         will need (a hint)."""
         with self._lock:
-            if self._jobs.closing:
-                raise BatchFailed(FailureKind.INTERNAL, "server shutting down")
-            if not self._workers.workers and self._workers.refusal is not None:
-                raise BatchFailed(FailureKind.UNAVAILABLE, self._workers.refusal)
-            if not self._workers.workers:
-                raise BatchFailed(FailureKind.INTERNAL, "no worker process is running")
-            if self._jobs.broken:
-                raise BatchFailed(FailureKind.INTERNAL,
-                                  "the server's worker dispatcher failed (see its log)")
-            fut = self._jobs.add_locked(dataset, indices, ahead, key)
-            inline = self._loop_side.on_loop_thread()
-            wake = not inline and self._dispatcher.wake_locked()
+            self._check_locked()
+            plan = self._jobs.splitter.plan_locked(dataset, len(indices), self._ready_locked)
+            if plan is None:
+                fut = self._jobs.add_locked(dataset, indices, ahead, key)
+                inline, wake = self._hand_out_locked()
+        if plan is not None:
+            fut, inline, wake = self._submit_parts(dataset, indices, ahead, key, plan)
         if inline:
             self._loop_side.assign_soon()
         if wake:
             self._dispatcher.write_wake()
         return fut
 
+    def _submit_parts(self, dataset: str, indices: np.ndarray, ahead: np.ndarray,
+                      key: EpochKey, plan: Plan
+                      ) -> tuple[concurrent.futures.Future[BuiltBatch], bool, bool]:
+        """submit() of a batch cut into parts, built into a segment of the pool's (taken
+        outside the pool's lock: a new one is made and its pages reserved)."""
+        segments = self._jobs.segments
+        assert segments is not None
+        try:
+            segment: str | None = segments.acquire(plan.size)
+        except shm.ShmFull:  # a worker's own build meets it too, and says so as ever
+            segment = None
+        with self._lock:
+            if self._jobs.closing and segment is not None:
+                segments.give_back(segment)
+            self._check_locked()
+            fut = (self._jobs.add_locked(dataset, indices, ahead, key) if segment is None
+                   else self._jobs.add_parts_locked(dataset, indices, ahead, key, plan,
+                                                    segment))
+            return (fut, *self._hand_out_locked())
+
+    def _ready_locked(self) -> int:
+        return sum(w.ready for w in self._workers.workers)
+
+    def _hand_out_locked(self) -> tuple[bool, bool]:
+        """After a submit: (whether this thread hands out, on the loop; whether it wakes the
+        dispatcher to)."""
+        inline = self._loop_side.on_loop_thread()
+        return inline, not inline and self._dispatcher.wake_locked()
+
+    def _check_locked(self) -> None:
+        """Raise BatchFailed if no batch can be built now."""
+        if self._jobs.closing:
+            raise BatchFailed(FailureKind.INTERNAL, "server shutting down")
+        if not self._workers.workers and self._workers.refusal is not None:
+            raise BatchFailed(FailureKind.UNAVAILABLE, self._workers.refusal)
+        if not self._workers.workers:
+            raise BatchFailed(FailureKind.INTERNAL, "no worker process is running")
+        if self._jobs.broken:
+            raise BatchFailed(FailureKind.INTERNAL,
+                              "the server's worker dispatcher failed (see its log)")
+
     def release(self, batch: BuiltBatch, reuse: bool = True) -> None:
         """The front end is done with a built batch (sent, or nobody wants it): its segment
-        goes back to the worker that made it, or is unlinked if that worker is gone.
-        reuse=False: unlinked in any case (a client may still be reading it: its mapping
-        stays valid, and the worker will not write into it again). Any thread."""
+        goes back to the worker that made it (the pool's own, for a batch built in parts),
+        or is unlinked if that worker is gone. reuse=False: unlinked in any case (a client
+        may still be reading it: its mapping stays valid, and no worker will write into it
+        again). Any thread."""
         name = batch.shm_name
+        segments = self._jobs.segments
+        if segments is not None and segments.owns(name):
+            with self._lock:
+                self._jobs.lent.discard(name)
+            (segments.give_back if reuse else segments.discard)(name)
+            return
         wake = inline = False
         with self._lock:
             self._jobs.lent.discard(name)
@@ -178,11 +228,12 @@ class WorkerPool:
                     "timeouts": self._dispatcher.timeouts}
 
     def capacity(self) -> tuple[int, float]:
-        """(workers ready, samples/s they build together: 0.0 until a batch was built): what
-        a server tells its clients, who size their windows by it. Any thread."""
-        workers = self.status()["workers"]
-        per_sample = self._jobs.sample_seconds
-        return workers, workers / per_sample if per_sample else 0.0
+        """(workers ready, the pool's measured build rate in samples/s: the workers over a
+        worker's running mean time per sample; 0.0 before the first batch). Any thread."""
+        with self._lock:
+            workers = sum(w.ready for w in self._workers.workers)
+            per_sample = self._jobs.splitter.per_sample
+        return workers, (workers / per_sample if per_sample > 0 else 0.0)
 
     @property
     def depth(self) -> int:

@@ -1,0 +1,62 @@
+"""Datasets and a transform for tests/test_parts.py (batches built in parts by several workers),
+loaded by real servers through `format: python` and `transform:`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from toy_datasets import Toy
+
+# Seconds `slow` spends per sample, without CPU: every batch of 16 samples or more is then
+# worth cutting into parts (see server/pool/parts.py).
+SLOW = 0.001
+
+
+def slow(sample: dict, rng) -> dict:
+    """A user `transform:` that leaves the sample as it is, and takes SLOW seconds."""
+    time.sleep(SLOW)
+    return sample
+
+
+class Shifty(Toy):
+    """Toy, except the samples in `wide_at`, whose `x` has one more element (a batch holding
+    one cannot be laid out as the probe said)."""
+
+    def __init__(self, wide_at: list[int] | None = None, **options) -> None:
+        super().__init__(**options)
+        self.wide_at = set(wide_at or ())
+
+    def __getitem__(self, i: int) -> dict:
+        sample = super().__getitem__(i)
+        if i in self.wide_at:
+            sample["x"] = np.arange(self.dim + 1, dtype=np.float32)
+        return sample
+
+
+def shifty(**options) -> Shifty:
+    return Shifty(**options)
+
+
+class Gated(Toy):
+    """Toy, except sample `gate_at`: until the file `gate` exists, the worker reading it writes
+    its pid into the FIFO `fifo` (the test reads it there: it is mid-part now) and then waits
+    to be killed; once `gate` exists, the sample is read as any other."""
+
+    def __init__(self, gate_at: int, gate: str, fifo: str, **options) -> None:
+        super().__init__(**options)
+        self.gate_at, self.gate, self.fifo = gate_at, gate, fifo
+
+    def __getitem__(self, i: int) -> dict:
+        if i == self.gate_at and not os.path.exists(self.gate):
+            with open(self.fifo, "w") as f:  # blocks until the test reads
+                f.write(f"{os.getpid()}\n")
+            time.sleep(600)  # the test kills this worker
+        return super().__getitem__(i)
+
+
+def gated(**options) -> Gated:
+    return Gated(**options)
