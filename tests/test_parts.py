@@ -27,7 +27,7 @@ import pytest
 from PIL import Image
 
 from stoker.client import RemoteError, RemoteLoader
-from stoker.server import ServerProcess
+from stoker.server import ServerProcess, write_config
 from stoker.server.order.sampling import FIRST_EPOCH
 from stoker.server.pool.assign import Assignment, BatchFailed
 from stoker.server.pool.batch import planned_layout
@@ -35,7 +35,7 @@ from stoker.server.pool.handle import WorkerHandle
 from stoker.server.pool.messages import FailureKind, Part, PartBuilt, Task
 from stoker.server.pool.parts import MISFIT, RESENDS, Plan, parts_for
 
-from conftest import StartServer
+from conftest import StartServer, server_env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -190,6 +190,29 @@ def test_a_worker_killed_mid_part_costs_that_part_only(
     ledger.record("servers", "kill -9 of a worker mid-part (a batch built by 4 workers)",
                   lost=lost, duplicated=duplicated)
     assert (lost, duplicated) == (0, 0)
+
+
+def test_a_server_killed_mid_batch_loses_and_repeats_nothing(tmp_path: Path,
+                                                             ledger: Any) -> None:
+    """Two servers of 4 workers, every batch built in parts: one is killed (kill -9) while its
+    workers are on a batch's parts; its batches come from the other, once each."""
+    config = write_config(tmp_path / "c.yaml", {"datasets": {"d": toy(n=160, delay=0.002)}})
+    victim, other = (ServerProcess(config, workers=4, env=server_env()) for _ in range(2))
+    delivered: list[int] = []
+    with victim, other, RemoteLoader([victim.address, other.address], "d", batch_size=BATCH,
+                                     seed=3, output="numpy", timeout=60,
+                                     shared_memory=False) as loader:
+        for k, batch in enumerate(loader):
+            delivered += batch["sample_index"].tolist()
+            if k == 1:  # both servers hold credits now, and build them in parts
+                victim.proc.kill()
+        servers = loader.stats()["servers"]
+    assert servers[victim.address]["state"] != "up", servers  # the client noticed the kill
+    order = np.random.default_rng([3, 0]).permutation(160).tolist()
+    lost, duplicated = ledger.compare(delivered, order)
+    ledger.record("servers", "kill -9 one of 2 servers mid-batch (batches built by 4 workers "
+                  "each, in parts)", lost=lost, duplicated=duplicated)
+    assert delivered == order
 
 
 # -- the pool's bookkeeping of parts, on its own -------------------------------------------------
