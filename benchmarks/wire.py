@@ -51,6 +51,7 @@ from typing import Any
 import grpc
 import numpy as np
 from _measure import machine_busy_seconds, machine_info, summarise, write_results
+from tcp_limit import fastest
 
 from stoker.client import RemoteLoader
 from stoker.server import ServerProcess, write_config
@@ -66,8 +67,10 @@ SIZES = "64K,1M,4M,16M,64M"
 # Cores kept busy by processes outside this run above which the output warns of noise.
 OTHER_LOAD_WARN = 0.2
 
-FULL = {"sizes": SIZES, "repeats": 5, "min_bytes": 256 << 20, "min_batches": 20}
-QUICK = {"sizes": "64K,4M,64M", "repeats": 2, "min_bytes": 32 << 20, "min_batches": 4}
+FULL = {"sizes": SIZES, "repeats": 5, "min_bytes": 256 << 20, "min_batches": 20,
+        "limit_bytes": 512 << 20}
+QUICK = {"sizes": "64K,4M,64M", "repeats": 2, "min_bytes": 32 << 20, "min_batches": 4,
+         "limit_bytes": 32 << 20}
 
 
 # -- the dataset the server runs (imported there as `wire:Constant`) -------------------------
@@ -450,6 +453,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                               "sample_bytes": p["sample_bytes"]}}
                 for p in plans}
     ctx = mp.get_context("spawn")
+    # The limit every ratio is also taken against: the fastest raw receiver there is here
+    # (tcp_limit.py: chunk sizes, recv_into / recvmsg_into, SO_RCVBUF), before any server runs.
+    results["tcp_limit"] = fastest(args.limit_bytes, min(args.repeats, 3), ctx)
     with ExitStack() as stack:
         cfg_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="stoker-wire-")))
         config = write_config(cfg_dir / "config.yaml", {"server": settings,
@@ -518,6 +524,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             results["server_exit_code"] = server.stop()
             results["server_stderr"] = server.stderr[-4000:]
+    best = results["tcp_limit"]["best"]["gb_per_s"]
+    for s in results["sizes"]:
+        s["ratio_over_fastest_tcp"] = {name: s["systems"][name]["gb_per_s"]["median"] / best
+                                       for name in ("tcp", *STOKERS)}
     results["check_problems"] = [f"{human(s['size'])} {name} repeat {m['repeat']}: {x}"
                                  for s in results["sizes"] for name in SYSTEMS
                                  for m in s["systems"][name]["repeats"] for x in m["problems"]]
@@ -631,6 +641,12 @@ def report(res: dict[str, Any]) -> str:
             f"{c['tls']:>9.3f}{c['stoker_sock']:>9.3f}"
             f"{s['ratio_client_cpu_sock_over_tcp']:>9.2f}{c['stoker_tls']:>8.3f}"
             f"{s['ratio_client_cpu_tls_over_tls']:>9.2f}")
+    limit = res["tcp_limit"]
+    lines += ["", f"against the fastest raw TCP receiver ({limit['label']}: "
+                  f"{limit['best']['gb_per_s']:.2f} GB/s, tcp_limit.py):"]
+    for s in res["sizes"]:
+        lines.append(f"  {human(s['size']):>8}  " + "  ".join(
+            f"{LABELS[n]} {x:.2f}" for n, x in s["ratio_over_fastest_tcp"].items()))
     lines += ["", "spread over repeats, GB/s [min, max]:"]
     for s in res["sizes"]:
         lines.append(f"  {human(s['size']):>8}  " + "  ".join(
@@ -684,6 +700,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help=f"bytes timed per repeat, at least ({human(FULL['min_bytes'])})")
     ap.add_argument("--min-batches", type=int,
                     help=f"batches timed per repeat, at least ({FULL['min_batches']})")
+    ap.add_argument("--limit-bytes", type=parse_size,
+                    help=f"bytes per way of the fastest-receiver search "
+                    f"({human(FULL['limit_bytes'])})")
     ap.add_argument("--workers", type=int, default=2, help="server worker processes (2)")
     ap.add_argument("--prefetch", type=int, default=None,
                     help="RemoteLoader batches in flight (its default: 8, more for small "
