@@ -79,9 +79,11 @@ def pipeline_batch(r: dict[str, Any], plots: Path) -> list[str]:
 
 def gpu(r: dict[str, Any], plots: Path) -> list[str]:
     s = r["cpu_standin"]
+    cap = s["capacity_batches_per_s"]
     rows = [[f"{row['burn_ms']:g}" + (" (counting only)" if not row["burn_ms"] else ""),
+             f"{min(cap, 1000 / row['burn_ms']) if row['burn_ms'] else cap:.1f}",
              spread(row["batches_per_s"], ".2f"), f"{row['over_counting']:.2f}",
-             f"{100 * row['stall']['median']:.1f}",
+             f"{100 * row['stall']['median']:.1f}" if row["burn_ms"] else "-",
              f"{row['client_cpu_ms_per_batch']['median']:.1f}",
              f"{row['trainer_cpu_ms_per_batch']['median']:.1f}"] for row in s["rows"]]
     out = [_gpu_part(r), "",
@@ -92,8 +94,12 @@ def gpu(r: dict[str, Any], plots: Path) -> list[str]:
            "thread (numpy work), as a busy training process does between batches. Delivered "
            "batches/s against a consumer that only counts (the same server, the same run), "
            "and the trainer process's CPU per batch beyond the burn: what the client's path "
-           "costs it.", "",
-           *table(["burn ms/step", "batches/s median [min, max]", "of counting only",
+           "costs it. Bound: the lower of the server's capacity and what the step alone "
+           "allows. On this machine the burn takes one of the cores that the client's threads "
+           "and the server's front end share (between machines the front end runs elsewhere), "
+           "so part of a shortfall here is the machine's core count.", "",
+           *table(["burn ms/step", "bound batches/s", "batches/s median [min, max]",
+                   "of counting only",
                    "stall %", "client CPU ms/batch", "trainer CPU ms/batch"], rows)]
     return out
 
@@ -129,17 +135,19 @@ def _gpu_part(r: dict[str, Any]) -> str:
 def fastest_tcp(r: dict[str, Any]) -> list[str]:
     """The wire section's ratios against the fastest raw TCP receiver (tcp_limit.py)."""
     limit = r.get("tcp_limit")
-    if not limit:
+    if not limit or "fastest_tcp_gb_per_s" not in r["sizes"][0]:  # a run from before it
         return []
     labels = {"tcp": "raw TCP (a batch a call)", "stoker": "stoker gRPC",
               "stoker_sock": "stoker default (data socket)", "stoker_tls": "stoker TLS",
               "stoker_shm": "stoker shm"}
-    rows = [[f"{s['size'] / 2**20:g} MiB", *[f"{s['ratio_over_fastest_tcp'][k]:.2f}"
-                                             for k in labels]] for s in r["sizes"]]
+    rows = [[f"{s['size'] / 2**20:g} MiB", spread(s["fastest_tcp_gb_per_s"], ".2f"),
+             *[f"{s['ratio_over_fastest_tcp'][k]:.2f}" for k in labels]] for s in r["sizes"]]
     return [f"Against the fastest raw TCP receiver Python has here: tcp_limit.py tries chunk "
             "sizes of 256 KiB to 16 MiB a call (sender and receiver alike), `recv_into`, "
             "`recv_into` with MSG_WAITALL and `recvmsg_into`, and SO_RCVBUF left to the "
             f"kernel or 8 MiB ({limit['bytes_per_way'] >> 20} MiB a way, medians of "
-            f"{limit['repeats']}). Fastest: **{limit['label']}, "
-            f"{limit['best']['gb_per_s']:.2f} GB/s**; each path's GB/s over it:", "",
-            *table(["batch", *labels.values()], rows)]
+            f"{limit['repeats']}, before the server starts). Fastest: **{limit['label']}**, "
+            f"{limit['best']['gb_per_s']:.2f} GB/s in the search. That way is measured again "
+            "beside each batch size in every repeat (the same load, the same bytes), and each "
+            "path's GB/s is divided by its median there:", "",
+            *table(["batch", "fastest way GB/s [min, max]", *labels.values()], rows)]
