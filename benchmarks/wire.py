@@ -27,6 +27,10 @@ Three ways to move the same bytes, batch by batch, on this machine:
   and key are the stoker TLS server's): the limit for stoker TLS.
 - memcpy: numpy copies the same number of bytes between two preallocated arrays, in this
   process. The limit of any copy.
+- the fastest raw TCP receiver (tcp_limit.py): before the servers start, a search over
+  chunk sizes, receive calls and SO_RCVBUF picks the fastest way to receive in Python here;
+  that way runs again beside each size in every repeat, and every path's GB/s is also
+  reported over its median there.
 
 The server, its workers, this process and the TCP peers share the same cores: on one
 machine, every copy stoker makes competes with the next batch's transfer.
