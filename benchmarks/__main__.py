@@ -47,6 +47,12 @@ SCENARIOS: dict[str, tuple[str, list[str], list[str]]] = {
     "elastic": ("elastic.py", [], ["--quick"]),
     # Four identical jobs at once against one server, against one job (issue 17).
     "sweep": ("sweep.py", [], ["--quick"]),
+    # One rank against 4..16 workers and two servers; first batch; epoch boundaries (issue 31).
+    "fleet": ("fleet.py", [], ["--quick"]),
+    # The image pipeline at batch 256 against batch 32, same server (issue 31).
+    "pipeline_batch": ("pipeline_batch.py", [], ["--quick"]),
+    # ResNet-50 and a GPT-2 small where CUDA is (skips without), and a CPU stand-in (issue 31).
+    "gpu": ("gpu.py", [], ["--quick"]),
 }
 
 

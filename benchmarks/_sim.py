@@ -33,3 +33,22 @@ class Costly:
         else:
             time.sleep(self.seconds)
         return {"x": np.full(256, i, np.float32)}
+
+
+class Waiting:
+    """Sample i: {"x": uint8[sample_bytes]} after `sample_ms` of wall time spent asleep: the
+    decode time of a sample on a CPU node of its own, which costs this machine no core (the
+    fleet scenario: server workers that stand for cores this machine lacks). The bytes are one
+    preallocated array, so building a batch costs only its collation. Map-style, for
+    `format: python` (factory `_sim:Waiting`)."""
+
+    def __init__(self, n: int, sample_ms: float, sample_bytes: int = 32 << 10) -> None:
+        self.n, self.seconds = n, sample_ms / 1000
+        self.x = (np.arange(sample_bytes) % 251).astype(np.uint8)  # not the zero page
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        time.sleep(self.seconds)
+        return {"x": self.x}

@@ -12,35 +12,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import matplotlib
 from _measure import TRANSPORT_LABELS, transport_of
-
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt
+from _page import mib as _mib
+from _page import plt
+from _page import save as _save
+from _page import spread as _spread
+from _page import table as _table
+from report_fleet import fastest_tcp, fleet, gpu, pipeline_batch
 
 Section = Callable[[dict[str, Any], Path], list[str]]
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.1f}"
-
-
-def _table(head: list[str], rows: list[list[Any]]) -> list[str]:
-    out = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return [*out, ""]
-
-
-def _spread(s: dict[str, float], fmt: str = ".0f") -> str:
-    return f"{s['median']:{fmt}} [{s['min']:{fmt}}, {s['max']:{fmt}}]"
-
-
-def _save(fig: Any, plots: Path, name: str) -> str:
-    plots.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(plots / name, dpi=110)
-    plt.close(fig)
-    return f"![{name}]({plots.name}/{name})"
 
 
 def _plot_name(stem: str, parameters: dict[str, Any]) -> str:
@@ -191,7 +171,7 @@ def wire(r: dict[str, Any], plots: Path) -> list[str]:
                 *_table(["batch", "raw TLS GB/s", "stoker TLS GB/s", "stoker TLS / raw TLS",
                          "trainer CPU s/GB: raw TCP", "stoker default", "default / TCP",
                          "raw TLS", "stoker TLS", "TLS / raw TLS"], tls_rows), ""]
-    return [*out, _save(fig, plots, "wire.png"), ""]
+    return [*out, *fastest_tcp(r), _save(fig, plots, "wire.png"), ""]
 
 
 def stall(r: dict[str, Any], plots: Path) -> list[str]:
@@ -489,6 +469,9 @@ SECTIONS: list[tuple[str, str, Section]] = [
 
 
     ("sweep", "Sweep: jobs sharing batches", sweep),
+    ("fleet", "Fleet: one rank against many server workers", fleet),
+    ("pipeline_batch", "Image pipeline: batch 256 against batch 32", pipeline_batch),
+    ("gpu", "GPU: ResNet-50 and GPT-2 small, and the client's cost to a busy trainer", gpu),
 ]
 
 

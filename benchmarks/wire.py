@@ -27,6 +27,10 @@ Three ways to move the same bytes, batch by batch, on this machine:
   and key are the stoker TLS server's): the limit for stoker TLS.
 - memcpy: numpy copies the same number of bytes between two preallocated arrays, in this
   process. The limit of any copy.
+- the fastest raw TCP receiver (tcp_limit.py): before the servers start, a search over
+  chunk sizes, receive calls and SO_RCVBUF picks the fastest way to receive in Python here;
+  that way runs again beside each size in every repeat, and every path's GB/s is also
+  reported over its median there.
 
 The server, its workers, this process and the TCP peers share the same cores: on one
 machine, every copy stoker makes competes with the next batch's transfer.
@@ -51,6 +55,7 @@ from typing import Any
 import grpc
 import numpy as np
 from _measure import machine_busy_seconds, machine_info, summarise, write_results
+from tcp_limit import fastest, fastest_again
 
 from stoker.client import RemoteLoader
 from stoker.server import ServerProcess, write_config
@@ -66,8 +71,10 @@ SIZES = "64K,1M,4M,16M,64M"
 # Cores kept busy by processes outside this run above which the output warns of noise.
 OTHER_LOAD_WARN = 0.2
 
-FULL = {"sizes": SIZES, "repeats": 5, "min_bytes": 256 << 20, "min_batches": 20}
-QUICK = {"sizes": "64K,4M,64M", "repeats": 2, "min_bytes": 32 << 20, "min_batches": 4}
+FULL = {"sizes": SIZES, "repeats": 5, "min_bytes": 256 << 20, "min_batches": 20,
+        "limit_bytes": 512 << 20}
+QUICK = {"sizes": "64K,4M,64M", "repeats": 2, "min_bytes": 32 << 20, "min_batches": 4,
+         "limit_bytes": 32 << 20}
 
 
 # -- the dataset the server runs (imported there as `wire:Constant`) -------------------------
@@ -450,6 +457,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                               "sample_bytes": p["sample_bytes"]}}
                 for p in plans}
     ctx = mp.get_context("spawn")
+    # The limit every ratio is also taken against: the fastest raw receiver there is here
+    # (tcp_limit.py: chunk sizes, recv_into / recvmsg_into, SO_RCVBUF), before any server runs.
+    results["tcp_limit"] = fastest(args.limit_bytes, min(args.repeats, 3), ctx)
     with ExitStack() as stack:
         cfg_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="stoker-wire-")))
         config = write_config(cfg_dir / "config.yaml", {"server": settings,
@@ -478,6 +488,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     **({"tls": {"ca": str(cert)}} if name == "stoker_tls" else {}))
                     for name in STOKERS}
                 repeats: dict[str, list[dict[str, Any]]] = {name: [] for name in SYSTEMS}
+                fastest_runs: list[float] = []  # the fastest receiver, beside them
                 load0 = LoadMeter.mark()
                 try:
                     if len(loaders["stoker"]) != p["timed_batches"] + 1:
@@ -509,15 +520,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 print(f"  {human(p['size']):>8}  repeat {r}  {LABELS[name]:<8}"
                                       f"{m['gb_per_s']:8.3f} GB/s  "
                                       f"{m['batches_per_s']:9.1f} batches/s", flush=True)
+                        # The search's fastest way, again in each repeat: the same load as
+                        # the systems it is the limit of, the same bytes.
+                        fastest_runs.append(fastest_again(results["tcp_limit"], ctx, p))
                 finally:
                     for ld in loaders.values():
                         ld.close()
                 results["sizes"].append({**p, **summarise_size(repeats),
+                                         "fastest_tcp_gb_per_s": summarise(fastest_runs),
                                          "other_cores_busy": LoadMeter.other_cores(
                                              load0, LoadMeter.mark())})
         finally:
             results["server_exit_code"] = server.stop()
             results["server_stderr"] = server.stderr[-4000:]
+    for s in results["sizes"]:
+        best = s["fastest_tcp_gb_per_s"]["median"]
+        s["ratio_over_fastest_tcp"] = {name: s["systems"][name]["gb_per_s"]["median"] / best
+                                       for name in ("tcp", *STOKERS)}
     results["check_problems"] = [f"{human(s['size'])} {name} repeat {m['repeat']}: {x}"
                                  for s in results["sizes"] for name in SYSTEMS
                                  for m in s["systems"][name]["repeats"] for x in m["problems"]]
@@ -631,6 +650,14 @@ def report(res: dict[str, Any]) -> str:
             f"{c['tls']:>9.3f}{c['stoker_sock']:>9.3f}"
             f"{s['ratio_client_cpu_sock_over_tcp']:>9.2f}{c['stoker_tls']:>8.3f}"
             f"{s['ratio_client_cpu_tls_over_tls']:>9.2f}")
+    limit = res["tcp_limit"]
+    lines += ["", f"against the fastest raw TCP receiver ({limit['label']}: "
+                  f"{limit['best']['gb_per_s']:.2f} GB/s in the search, tcp_limit.py; "
+                  "measured again beside each size):"]
+    for s in res["sizes"]:
+        lines.append(f"  {human(s['size']):>8}  {s['fastest_tcp_gb_per_s']['median']:.2f} GB/s  "
+                     + "  ".join(
+            f"{LABELS[n]} {x:.2f}" for n, x in s["ratio_over_fastest_tcp"].items()))
     lines += ["", "spread over repeats, GB/s [min, max]:"]
     for s in res["sizes"]:
         lines.append(f"  {human(s['size']):>8}  " + "  ".join(
@@ -684,6 +711,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help=f"bytes timed per repeat, at least ({human(FULL['min_bytes'])})")
     ap.add_argument("--min-batches", type=int,
                     help=f"batches timed per repeat, at least ({FULL['min_batches']})")
+    ap.add_argument("--limit-bytes", type=parse_size,
+                    help=f"bytes per way of the fastest-receiver search "
+                    f"({human(FULL['limit_bytes'])})")
     ap.add_argument("--workers", type=int, default=2, help="server worker processes (2)")
     ap.add_argument("--prefetch", type=int, default=None,
                     help="RemoteLoader batches in flight (its default: 8, more for small "

@@ -5,13 +5,15 @@
 
 Writes a corpus of made-up documents (JSON lines), starts `stoker serve` with `format: text`
 (byte tokenizer, EOS after each document, rows of seq_len), and trains a 2-layer decoder
-from RemoteLoader. Each row holds several documents: attention is block-causal
-(`stoker.client.packing.block_causal_mask` over `document_ids`), positions restart with
-every document (`position_ids`), and labels are -100 where the next token belongs to another
-document. With `--mixture W` it writes a second corpus (other words: another source) and
-trains from `format: mixture` over the two, the first drawn with weight W, and prints the
-share of rows each source gave. Exits non-zero if the loss did not fall (the last 20 steps'
-mean >= 0.7 x the first 20 steps') or the server did not shut down cleanly.
+from RemoteLoader (on CUDA when there is a GPU: `device="cuda"`, batches pinned and copied
+without blocking; it says which device it used). Each row holds several documents:
+attention is block-causal (`stoker.client.packing.block_causal_mask` over `document_ids`),
+positions restart with every document (`position_ids`), and labels are -100 where the next
+token belongs to another document. With `--mixture W` it writes a second corpus (other
+words: another source) and trains from `format: mixture` over the two, the first drawn with
+weight W, and prints the share of rows each source gave. Exits non-zero if the loss did not
+fall (the last 20 steps' mean >= 0.7 x the first 20 steps') or the server did not shut down
+cleanly.
 """
 
 from __future__ import annotations
@@ -93,12 +95,17 @@ class TinyGPT(nn.Module):
 
 def train(address: str, args: argparse.Namespace) -> tuple[list[float], dict]:
     torch.manual_seed(args.seed)
-    model = TinyGPT(args.seq_len)
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    print(f"training on {device}" + (f" ({torch.cuda.get_device_name(0)})" if cuda else ""),
+          flush=True)
+    model = TinyGPT(args.seq_len).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses: list[float] = []
     sources = torch.zeros(2, dtype=torch.int64)  # rows of each source (--mixture)
     with RemoteLoader(address, "mix" if args.mixture else "corpus", batch_size=args.batch_size,
-                      seed=args.seed, prefetch=8, timeout=120) as loader:
+                      seed=args.seed, prefetch=8, timeout=120,
+                      **({"device": device} if cuda else {})) as loader:
         while len(losses) < args.steps:
             for batch in loader:
                 logits = model(batch["input_ids"], batch["position_ids"], batch["document_ids"])
@@ -109,7 +116,7 @@ def train(address: str, args: argparse.Namespace) -> tuple[list[float], dict]:
                 opt.step()
                 losses.append(loss.item())
                 if args.mixture:
-                    sources += torch.bincount(batch["source"], minlength=2)
+                    sources += torch.bincount(batch["source"], minlength=2).cpu()
                 if len(losses) % args.log_every == 0:
                     print(f"step {len(losses):4d}  loss {losses[-1]:.3f}", flush=True)
                 if len(losses) >= args.steps:

@@ -59,6 +59,14 @@ def test_quick_wire_benchmark_measures_every_system(tmp_path: Path) -> None:
         # (the stats count payload bytes either way, plus the small frames).
         assert stoker["wire_bytes_per_payload_byte"] >= 1.0
     assert "stoker/" in result.stdout and "raw TCP" in result.stdout
+    # Every ratio is also taken against the fastest raw receiver the search found.
+    limit = res["tcp_limit"]
+    assert limit["best"]["gb_per_s"] == max(w["gb_per_s"] for w in limit["ways"]) > 0
+    assert len(limit["ways"]) == 4 * 3 * 2  # chunk sizes x receive calls x SO_RCVBUF
+    for size in res["sizes"]:
+        assert set(size["ratio_over_fastest_tcp"]) == {"tcp", "stoker", "stoker_sock",
+                                                       "stoker_tls", "stoker_shm"}
+    assert "against the fastest raw TCP receiver" in result.stdout
 
 
 @pytest.mark.timeout(180)
@@ -170,3 +178,64 @@ def test_per_batch_breakdown_runs_on_the_data_connection(tmp_path: Path) -> None
     line = result.stdout.splitlines()[-1]
     # Two workers' figures, and the path a client told it is on another machine takes.
     assert "front end" in line and line.count(" + ") == 1 and "(data_socket)" in line, line
+
+
+def _suite(tmp_path: Path, name: str, timeout: float) -> tuple[dict, str, str]:
+    """`python -m benchmarks --quick --only NAME` into tmp_path: its JSON, the page, stdout."""
+    results, page = tmp_path / "results", tmp_path / "docs" / "benchmarks.md"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--only", name, "--results",
+         str(results), "--docs", str(page)],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    res = json.loads((results / f"{name}.json").read_text())
+    assert res["check_problems"] == [] and res["server_exit_code"] == 0
+    return res, page.read_text(), result.stdout
+
+
+@pytest.mark.timeout(150)
+def test_quick_fleet_benchmark_measures_every_server_set(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    res, page, _ = _suite(tmp_path, "fleet", 140)
+    rows = {r["name"]: r for r in res["throughput"]}
+    assert list(rows) == ["1 server x 2 workers", "2 servers x 2 workers",
+                          "1 server x 4 workers"]
+    for row in rows.values():
+        assert row["samples_per_s"]["median"] > 0 and row["capacity_ratio"] > 0
+        assert row["capacity_samples_per_s"] == row["workers"] * 500  # 2 ms a sample
+        assert row["first_batch_s"]["median"] > 0
+    assert rows["2 servers x 2 workers"]["servers"] == 2
+    assert res["first_batch_goal_s"] == pytest.approx(0.25 * 256 * 0.002)
+    for style in ("set_epoch", "again"):  # both loop styles, each epoch read whole
+        assert 0 <= res["boundaries"][style]["stall"]["median"] < 1
+    assert "## Fleet: one rank against many server workers" in page
+    assert "Epoch boundaries" in page
+
+
+@pytest.mark.timeout(150)
+def test_quick_pipeline_batch_benchmark_compares_batch_sizes(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    res, page, _ = _suite(tmp_path, "pipeline_batch", 140)
+    big, small = res["systems"]["big"], res["systems"]["small"]
+    assert (big["batch_size"], small["batch_size"]) == (64, 16)
+    assert big["images_per_s"]["median"] > 0 and small["images_per_s"]["median"] > 0
+    assert res["ratio_big_over_small"] == pytest.approx(
+        big["images_per_s"]["median"] / small["images_per_s"]["median"])
+    assert "## Image pipeline: batch 256 against batch 32" in page
+
+
+@pytest.mark.timeout(150)
+def test_gpu_benchmark_skips_without_cuda_and_runs_its_cpu_standin(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the scenario runs in full there, not as a smoke test")
+    res, page, out = _suite(tmp_path, "gpu", 140)
+    assert res["skipped"].startswith("no CUDA device") and "images" not in res
+    assert f"GPU part skipped: {res['skipped']}" in out
+    assert "GPU part not measured: no CUDA device" in page
+    rows = res["cpu_standin"]["rows"]
+    assert [r["burn_ms"] for r in rows] == [0.0, 20.0] and rows[0]["over_counting"] == 1.0
+    for row in rows:
+        assert row["batches_per_s"]["median"] > 0 and row["client_cpu_ms_per_batch"]["median"] > 0
