@@ -55,7 +55,8 @@ def job(address: str, epoch: int, batch_size: int, transport: str,
     digest = hashlib.sha256()
     images = 0
     with RemoteLoader(address, "imgs", batch_size=batch_size, seed=5, shuffle=True,
-                      output="numpy", timeout=300, **TRANSPORTS[transport]) as loader:
+                      output="numpy", timeout=300, prefetch_next_epoch=False,
+                      **TRANSPORTS[transport]) as loader:
         loader.set_epoch(epoch)
         gate.wait()  # the jobs start together, once each has its loader
         t0 = time.perf_counter()

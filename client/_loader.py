@@ -200,7 +200,7 @@ class RemoteLoader:
         scheduler = self._chain.start(at, self.coordinates(), total, window, o.timeout)
         # The next epoch's first batches are asked for while this one ends (no drain at the
         # boundary); its size is that of a whole epoch, known once one was described.
-        if (following := self._described.get(0)) is not None:
+        if o.prefetch_next_epoch and (following := self._described.get(0)) is not None:
             pin = self._pinning.pin
             self._chain.then(self._coords.message(at.epoch + 1, 0, pin.digest if pin else ""),
                              following.batches_per_epoch)

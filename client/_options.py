@@ -89,6 +89,7 @@ class LoaderOptions:
     prefetch: int | None = None
     prefetch_bytes: int | None = None  # resolved 0: the window is `prefetch`, whatever the size
     memory_budget: int = MEMORY_BUDGET  # bytes of buffers the window may fill (adapting)
+    prefetch_next_epoch: bool = True  # ask for epoch e + 1's first batches as e ends
     timeout: float = 300.0
     connect_timeout: float = 10.0
     normalize: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None

@@ -286,8 +286,8 @@ def test_a_stream_cut_on_its_data_socket_is_ended_at_the_server_at_once(two, dat
     one client thread, per cut)."""
     grpc_proxy, data_proxy = data_proxies[0]
     got: list[int] = []
-    with RemoteLoader(grpc_proxy.address, "toy", **{**KW, "prefetch": 1,
-                                                    "data_socket": True}) as loader:
+    with RemoteLoader(grpc_proxy.address, "toy", **{**KW, "prefetch": 1, "data_socket": True,
+                                                    "prefetch_next_epoch": False}) as loader:
         for k, batch in enumerate(loader):
             got += batch["sample_index"].tolist()
             if k == 3:

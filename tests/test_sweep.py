@@ -38,7 +38,9 @@ N, BATCH = 64, 4  # 16 batches an epoch
 DATASETS = {"toy": {"format": "python", "factory": "toy_datasets:toy",
                     "options": {"n": N, "delay": 0.004}},
             "flaky": TOY_DATASETS["flaky"]}
-KW: dict[str, Any] = dict(batch_size=BATCH, seed=11, shuffle=True, output="numpy", timeout=60)
+# One epoch a job: nothing of the next is fetched ahead (and built) while it ends.
+KW: dict[str, Any] = dict(batch_size=BATCH, seed=11, shuffle=True, output="numpy", timeout=60,
+                          prefetch_next_epoch=False)
 Batches = list[dict[str, np.ndarray]]
 
 
