@@ -31,11 +31,13 @@ an epoch no other read has asked for, so no batch comes from the server's shared
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -75,14 +77,31 @@ def check(batch: dict[str, Any], args: argparse.Namespace, problems: list[str]) 
                         f"{[args.batch_size, args.sample_bytes]}")
 
 
-def read_epoch(addresses: list[str], epoch: int, args: argparse.Namespace,
+def wait_idle(servers: list[ServerProcess], within: float = 30.0) -> None:
+    """Until no server has a batch queued or building (/v1/stats): the previous loader's work
+    (what it fetched ahead of the epoch that followed, dropped at close) is done, and each
+    run starts on idle servers, as a new job does."""
+    deadline = time.monotonic() + within
+    for server in servers:
+        while True:
+            with urllib.request.urlopen(f"{server.http_url}/v1/stats", timeout=5) as r:
+                stats = json.load(r)
+            if not stats["queued_batches"] and not stats["building_batches"]:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{server.address} still busy after {within} s: {stats}")
+            time.sleep(0.02)
+
+
+def read_epoch(servers: list[ServerProcess], epoch: int, args: argparse.Namespace,
                problems: list[str]) -> dict[str, Any]:
     """One epoch of `fleet` by one fresh loader: the first batch's time from iter(), and
     samples/s from iter() to the last batch. The fill is counted: W workers that start
     together finish an epoch of k x W batches in k batch times, so over a whole epoch a
     loader that keeps them busy measures their capacity exactly (after the first batch
     instead, the batches built beside it would count as free)."""
-    with loader_for(addresses, "fleet", args) as loader:
+    wait_idle(servers)
+    with loader_for([s.address for s in servers], "fleet", args) as loader:
         loader.set_epoch(epoch)
         batches = len(loader)  # described before the clock starts
         t0 = time.perf_counter()
@@ -102,12 +121,12 @@ def read_epoch(addresses: list[str], epoch: int, args: argparse.Namespace,
             "after_first_samples_per_s": rest * args.batch_size / (t2 - t1), "window": window}
 
 
-def throughput(name: str, addresses: list[str], workers: int, base_epoch: int,
+def throughput(name: str, servers: list[ServerProcess], workers: int, base_epoch: int,
                args: argparse.Namespace, problems: list[str]) -> dict[str, Any]:
-    runs = [read_epoch(addresses, base_epoch + r, args, problems) for r in range(args.repeats)]
+    runs = [read_epoch(servers, base_epoch + r, args, problems) for r in range(args.repeats)]
     capacity = workers * 1000 / args.sample_ms
     rate = summarise([r["samples_per_s"] for r in runs])
-    row = {"name": name, "servers": len(addresses), "workers": workers, "repeats": runs,
+    row = {"name": name, "servers": len(servers), "workers": workers, "repeats": runs,
            "samples_per_s": rate, "capacity_samples_per_s": capacity,
            "capacity_ratio": rate["median"] / capacity,
            "first_batch_s": summarise([r["first_batch_s"] for r in runs]),
@@ -195,7 +214,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             server, start_s = start_server(config, w)
             res["server_start_s"][f"1x{w}"] = start_s
             try:
-                res["throughput"].append(throughput(f"1 server x {w} workers", [server.address],
+                res["throughput"].append(throughput(f"1 server x {w} workers", [server],
                                                     w, 100 * c, args, problems))
                 if w == args.boundary_workers:
                     res["boundaries"] = boundaries(server.address, args, problems)
@@ -204,7 +223,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     res["server_start_s"][f"2nd 1x{w}"] = start_s
                     try:
                         res["throughput"].append(throughput(
-                            f"2 servers x {w} workers", [server.address, second.address],
+                            f"2 servers x {w} workers", [server, second],
                             2 * w, 100 * len(args.workers), args, problems))
                     finally:
                         if (code := second.stop()) != 0:
