@@ -21,7 +21,8 @@ from ._contact import first_contact
 from ._crediting import group_for
 from ._datalink import Transports
 from ._errors import DataMismatch, RemoteError
-from ._frames import Assembled, numpy_views
+from ._frames import Assembled
+from ._on_demand import OnDemand
 from ._options import loader_options, signature
 from ._pinning import Pinning
 from ._progress import Progress
@@ -36,7 +37,7 @@ from ._stream import StreamSpec
 MASK = "attention_mask"  # what pack=True packs by: the datasets' mask of real tokens
 
 
-class RemoteLoader:
+class RemoteLoader(OnDemand):
     """Batches of `dataset` from a stoker data server, as dicts of tensors (or numpy arrays).
 
     Each batch holds every field of the dataset, collated, plus `sample_index` (int64): the
@@ -224,12 +225,7 @@ class RemoteLoader:
                 stall.wait_seconds += waited
                 if window.adapts or not window.sized:
                     self._resize_window(scheduler)
-                if self._feed is not None:
-                    batch = self._feed.hand_over(*batch)
-                if o.pack:
-                    from .packing import pack_padded
-
-                    batch = pack_padded(batch)
+                batch = self._handed(batch, self._feed)
                 self._sources.handed_out(at.epoch, at.next_batch)
                 self._at = at.advanced()
                 self._stats["batches"] += 1
@@ -246,10 +242,12 @@ class RemoteLoader:
             if not finished:  # else it goes on asking for the next epoch's first batches
                 self._chain.drop()
 
-    def _spec(self, coordinates: pb.Coordinates) -> StreamSpec:
-        """What the streams of a pass over `coordinates`' epoch ask for."""
+    def _spec(self, coordinates: pb.Coordinates, allocate: Any = None,
+              finish: Any = None) -> StreamSpec:
+        """What the streams of a pass over `coordinates`' epoch ask for (the loop's buffers
+        and conversion unless others are given)."""
         o = self._options
-        return StreamSpec(coordinates, self._allocate, self._finish,
+        return StreamSpec(coordinates, allocate or self._allocate, finish or self._finish,
                           shm_probe=samehost.probe() if o.shared_memory else None,
                           compression=o.compression or "",
                           # compressed frames: for links slower than the CPUs; the data
@@ -283,15 +281,7 @@ class RemoteLoader:
 
     def _finish(self, batch: Assembled) -> Any:
         self._sources.received(batch)
-        if self._feed is not None:
-            return self._feed.to_device(batch.buffer, batch.tensors)
-        arrays = numpy_views(batch.buffer, batch.tensors)
-        if self._options.output == "numpy":
-            return self._normalize.numpy(arrays) if self._normalize else arrays
-        import torch
-
-        tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
-        return self._normalize.torch(tensors) if self._normalize else tensors
+        return self._convert(batch, self._feed)
 
     # -- telemetry and lifecycle -----------------------------------------------------------
     def stats(self) -> dict[str, Any]:
