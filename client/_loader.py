@@ -76,8 +76,9 @@ class RemoteLoader(OnDemand):
                                     normalize=self._normalize)
         # Batches in flight, plus the one the caller holds and the one it just let go.
         self._host = HostBuffers(max_buffers=o.prefetch + 2)
-        # Describe's answers by start: the whole epoch (0), and the rest of a resumed one.
-        self._described: dict[int, pb.DescribeDatasetResponse] = {}
+        # Describe's answers by (epoch, start) (epoch 0 stands for every epoch but under
+        # batch_tokens, whose plans differ): the whole epoch (start 0), a resumed one's rest.
+        self._described: dict[tuple[int, int], pb.DescribeDatasetResponse] = {}
         self._pinning = Pinning(dataset, self._servers, o.timeout)
         self._window = Window(o.prefetch, o.adapts, o.memory_budget)
         self._stall = Stall(dataset, o.timeout)
@@ -111,25 +112,26 @@ class RemoteLoader(OnDemand):
         Any server will do: they are tried in turn, with backoff, for up to `connect_timeout`
         s while none has answered at all (then UNAVAILABLE naming every address and what
         happened there), for up to `timeout` s once one has."""
-        start = self._at.start
-        described = self._described.get(start)
-        if described is None:
-            o = self._options
-            contact = first_contact(
-                self._servers, lambda: pb.DescribeDatasetRequest(coordinates=self.coordinates()),
-                connect_timeout=o.connect_timeout, timeout=o.timeout, tls=o.channels.tls,
-                refuse=self._refuse)
-            described, address = contact.described, contact.server.address
-            self._pinning.first(described.fingerprint, address)
-            self._described[start] = described
-            self._window.heed(described.max_credits, address)
-            if described.HasField("capacity"):
-                c = contact.server.capacity = (described.capacity.workers,
-                                               described.capacity.samples_per_second)
-                self._window.start(Fleet(*c, None))
-            # What every epoch leaves out (token budgets drop at most world_size - 1 samples)
-            if not start and o.batch_tokens is None:
-                say_dropped(described, o)
+        return self._sizes(self._at.epoch, self._at.start)
+
+    def _ask(self, request: pb.DescribeDatasetRequest, epoch: int, start: int
+             ) -> pb.DescribeDatasetResponse:
+        """`request` of the first server that answers (see describe), its answer cached for
+        `epoch`'s positions from `start`: the fingerprint pinned, the window told of it."""
+        o = self._options
+        contact = first_contact(self._servers, lambda: request, connect_timeout=o.connect_timeout,
+                                timeout=o.timeout, tls=o.channels.tls, refuse=self._refuse)
+        described, address = contact.described, contact.server.address
+        self._pinning.first(described.fingerprint, address)
+        self._described[self._key(epoch, start)] = described
+        self._window.heed(described.max_credits, address)
+        if described.HasField("capacity"):
+            c = contact.server.capacity = (described.capacity.workers,
+                                           described.capacity.samples_per_second)
+            self._window.start(Fleet(*c, None))
+        # What every epoch leaves out (token budgets drop at most world_size - 1 samples)
+        if not start and o.batch_tokens is None:
+            say_dropped(described, o)
         return described
 
     def _refuse(self, err: RemoteError) -> None:
@@ -201,7 +203,7 @@ class RemoteLoader(OnDemand):
         scheduler = self._chain.start(at, self.coordinates(), total, window, o.timeout)
         # The next epoch's first batches are asked for while this one ends (no drain at the
         # boundary); its size is that of a whole epoch, known once one was described.
-        if (following := self._described.get(0)) is not None:
+        if (following := self._following(at.epoch + 1)) is not None:
             pin = self._pinning.pin
             self._chain.then(self._coords.message(at.epoch + 1, 0, pin.digest if pin else ""),
                              following.batches_per_epoch)

@@ -12,18 +12,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from stoker.v1 import stoker_pb2 as pb
+
 from ._buffers import HostBuffers
 from ._oneshot import fetch_one
+from ._resume import Position
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from stoker.v1 import stoker_pb2 as pb
-
     from ._frames import Assembled
     from ._options import LoaderOptions
     from ._pinning import Pinning
-    from ._resume import Coordinates, Position
+    from ._resume import Coordinates
     from ._servers import ServerSet
     from ._stream import StreamSpec
 
@@ -39,12 +40,59 @@ class OnDemand:
     _pinning: Pinning
     _normalize: Any  # a Normalizer, or None
     _aside: tuple[HostBuffers, Any] | None = None  # batch_at's buffers, and device feed
+    _described: dict[tuple[int, int], pb.DescribeDatasetResponse]
 
     if TYPE_CHECKING:  # RemoteLoader's
         def describe(self) -> pb.DescribeDatasetResponse: ...
 
+        def _ask(self, request: pb.DescribeDatasetRequest, epoch: int, start: int
+                 ) -> pb.DescribeDatasetResponse: ...
+
         def _spec(self, coordinates: pb.Coordinates, allocate: Any = None,
                   finish: Any = None) -> StreamSpec: ...
+
+    def seek(self, step: int) -> None:
+        """Make the next batch global step `step` of this job: the batch every rank takes
+        after `step` steps, counted from epoch 0, batch 0 at these coordinates (under
+        batch_tokens, each epoch's plan's steps). After loading a model checkpoint,
+        `loader.seek(model_step)` is a complete resume: no loader state is needed (but the
+        exclusions, see exclude). One request, whatever the step: a server finds the epoch
+        and batch (docs/client.md#seek). Steps are counted at this loader's world_size and
+        batch size: a run that changed them resumes from a state_dict instead."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        pin = self._pinning.pin
+        request = pb.DescribeDatasetRequest(
+            coordinates=self._coords.message(0, 0, pin.digest if pin else ""),
+            locate=pb.Locate(step=step))
+        located = self._ask(request, 0, 0).located
+        if self._options.batch_tokens:  # its answer describes the epoch located
+            self._described[(located.epoch, 0)] = self._described.pop((0, 0))
+        self._at = Position(located.epoch, 0, located.batch_index)
+
+    # -- sizes: a Describe per epoch under batch_tokens, one for all epochs otherwise ------
+    def _key(self, epoch: int, start: int) -> tuple[int, int]:
+        """Where Describe's answer for `epoch`'s positions from `start` is cached: each epoch
+        of a token budget has its plan's steps; cut by count, every epoch has the same."""
+        return (epoch if self._options.batch_tokens else 0, start)
+
+    def _sizes(self, epoch: int, start: int) -> pb.DescribeDatasetResponse:
+        """Describe's answer for `epoch`'s positions from `start`, asked once."""
+        described = self._described.get(self._key(epoch, start))
+        if described is None:
+            pin = self._pinning.pin
+            request = pb.DescribeDatasetRequest(
+                coordinates=self._coords.message(epoch, start, pin.digest if pin else ""))
+            described = self._ask(request, epoch, start)
+        return described
+
+    def _following(self, epoch: int) -> pb.DescribeDatasetResponse | None:
+        """The sizes of `epoch` (the next one, whose first batches are asked for while the
+        loop ends its epoch) when known without a request; under batch_tokens one is made
+        (its plan's steps are its own)."""
+        if self._options.batch_tokens:
+            return self._sizes(epoch, 0)
+        return self._described.get(self._key(epoch, 0))
 
     def batch_at(self, epoch: int, index: int) -> dict[str, Any]:
         """The batch this rank is given at batch `index` of `epoch`: the same bytes, type and

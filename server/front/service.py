@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 from collections.abc import AsyncIterator
@@ -24,7 +25,7 @@ from stoker.v1 import stoker_pb2 as pb
 
 from .._config import Config
 from ..order import token_batches
-from ..order.epochs import epoch_size
+from ..order.epochs import epoch_size, locate
 from ..order.fingerprint import Fingerprint, short_digest
 from ..order.sampling import CoordinateError, Coordinates
 from ..pool import shm
@@ -173,11 +174,17 @@ class DataService:
                 "coordinates"))
         except Abort as e:
             await context.abort(e.code, str(e), trailing_metadata=e.trailers)
+        located = None
         try:  # a token plan takes a while to make: off the loop
+            if request.HasField("locate"):
+                epoch, index = await asyncio.to_thread(locate, meta, coords,
+                                                       request.locate.step)
+                located = pb.Located(epoch=epoch, batch_index=index)
+                coords = dataclasses.replace(coords, epoch=epoch, start=0)
             batches, per_rank = await asyncio.to_thread(epoch_size, meta, coords)
         except CoordinateError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return pb.DescribeDatasetResponse(
+        return pb.DescribeDatasetResponse(located=located,
             dataset=coords.dataset, format=self._config.datasets[coords.dataset].format,
             num_samples=meta.num_samples, samples_per_rank=per_rank,
             batches_per_epoch=batches,

@@ -3,12 +3,20 @@ epoch's size, cut by count or, under batch_tokens, by the token plan."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 import numpy as np
 
 from . import token_batches
-from .sampling import Coordinates, Ordering, batch_samples, batches_per_epoch, samples_per_rank
+from .sampling import (
+    CoordinateError,
+    Coordinates,
+    Ordering,
+    batch_samples,
+    batches_per_epoch,
+    samples_per_rank,
+)
 
 
 class EpochSource(Protocol):
@@ -35,3 +43,25 @@ def epoch_size(meta: EpochSource, c: Coordinates) -> tuple[int, int]:
         p = token_batches.plan(meta.ordering, meta.lengths, c)
         return p.steps, len(p.members) // c.world_size
     return batches_per_epoch(meta.num_samples, c), samples_per_rank(meta.num_samples, c)
+
+
+def locate(meta: EpochSource, c: Coordinates, step: int) -> tuple[int, int]:
+    """(epoch, batch index) of global step `step` of `c` counted from epoch 0, batch 0 (`c`'s
+    epoch and start ignored). Cut by count, every epoch has the same batches: arithmetic.
+    Under batch_tokens each epoch's plan has its own steps: the plans of the epochs before
+    the step are made (cached in PLANS), one per epoch skipped. CoordinateError for a
+    negative step, or coordinates whose epochs have no batch."""
+    if step < 0:
+        raise CoordinateError("locate.step", f"must be >= 0, got {step}")
+    epoch = 0
+    while True:
+        at = dataclasses.replace(c, epoch=epoch, start=0)
+        steps = epoch_size(meta, at)[0]
+        if steps <= 0:
+            raise CoordinateError("locate.step", "these coordinates give no batch per epoch")
+        if not c.batch_tokens:
+            return divmod(step, steps)
+        if step < steps:
+            return epoch, step
+        step -= steps
+        epoch += 1

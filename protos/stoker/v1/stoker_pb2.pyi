@@ -67,10 +67,26 @@ class ListDatasetsResponse(_message.Message):
     def __init__(self, datasets: _Optional[_Iterable[_Union[DatasetInfo, _Mapping]]] = ...) -> None: ...
 
 class DescribeDatasetRequest(_message.Message):
-    __slots__ = ("coordinates",)
+    __slots__ = ("coordinates", "locate")
     COORDINATES_FIELD_NUMBER: _ClassVar[int]
+    LOCATE_FIELD_NUMBER: _ClassVar[int]
     coordinates: Coordinates
-    def __init__(self, coordinates: _Optional[_Union[Coordinates, _Mapping]] = ...) -> None: ...
+    locate: Locate
+    def __init__(self, coordinates: _Optional[_Union[Coordinates, _Mapping]] = ..., locate: _Optional[_Union[Locate, _Mapping]] = ...) -> None: ...
+
+class Locate(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...
+
+class Located(_message.Message):
+    __slots__ = ("epoch", "batch_index")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    batch_index: int
+    def __init__(self, epoch: _Optional[int] = ..., batch_index: _Optional[int] = ...) -> None: ...
 
 class FieldSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")
@@ -83,7 +99,7 @@ class FieldSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DescribeDatasetResponse(_message.Message):
-    __slots__ = ("dataset", "format", "num_samples", "samples_per_rank", "batches_per_epoch", "fields", "fingerprint", "max_credits", "capacity")
+    __slots__ = ("dataset", "format", "num_samples", "samples_per_rank", "batches_per_epoch", "fields", "fingerprint", "max_credits", "capacity", "located")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +109,7 @@ class DescribeDatasetResponse(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_CREDITS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    LOCATED_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     format: str
     num_samples: int
@@ -102,7 +119,8 @@ class DescribeDatasetResponse(_message.Message):
     fingerprint: Fingerprint
     max_credits: int
     capacity: Capacity
-    def __init__(self, dataset: _Optional[str] = ..., format: _Optional[str] = ..., num_samples: _Optional[int] = ..., samples_per_rank: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., max_credits: _Optional[int] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ...) -> None: ...
+    located: Located
+    def __init__(self, dataset: _Optional[str] = ..., format: _Optional[str] = ..., num_samples: _Optional[int] = ..., samples_per_rank: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., max_credits: _Optional[int] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., located: _Optional[_Union[Located, _Mapping]] = ...) -> None: ...
 
 class Capacity(_message.Message):
     __slots__ = ("workers", "samples_per_second")
