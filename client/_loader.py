@@ -177,6 +177,7 @@ class RemoteLoader(OnDemand):
         if saved.digest and not allow_changed_data:
             self.describe()
             saved.check_data(self.dataset, self._pinning.pin)
+        self.exclude(saved.excluded.indices if saved.excluded else ())
         self._at = saved.position_for(self._coords)
 
     # -- iteration -------------------------------------------------------------------------
@@ -255,7 +256,8 @@ class RemoteLoader(OnDemand):
                           # compressed frames: for links slower than the CPUs; the data
                           # connection sends payloads as they are
                           data_socket=o.data_socket and not o.compression,
-                          link=o.channels.link, transports=self._transports)
+                          link=o.channels.link, transports=self._transports,
+                          empty=self._empty_batch(allocate or self._allocate))
 
     def _resize_window(self, scheduler: Scheduler) -> None:
         """Once the first batch's size is known, the window may widen for small batches

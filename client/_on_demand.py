@@ -10,22 +10,27 @@ and position are untouched.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from stoker.v1 import stoker_pb2 as pb
 
 from ._buffers import HostBuffers
+from ._exclusions import Excluded
 from ._oneshot import fetch_one
 from ._resume import Position
 
 if TYPE_CHECKING:
     import numpy as np
 
+    from ._chain import Chain
     from ._frames import Assembled
     from ._options import LoaderOptions
     from ._pinning import Pinning
     from ._resume import Coordinates
     from ._servers import ServerSet
+    from ._stall import Stall
     from ._stream import StreamSpec
 
 
@@ -41,6 +46,8 @@ class OnDemand:
     _normalize: Any  # a Normalizer, or None
     _aside: tuple[HostBuffers, Any] | None = None  # batch_at's buffers, and device feed
     _described: dict[tuple[int, int], pb.DescribeDatasetResponse]
+    _stall: Stall
+    _chain: Chain
 
     if TYPE_CHECKING:  # RemoteLoader's
         def describe(self) -> pb.DescribeDatasetResponse: ...
@@ -69,6 +76,46 @@ class OnDemand:
         if self._options.batch_tokens:  # its answer describes the epoch located
             self._described[(located.epoch, 0)] = self._described.pop((0, 0))
         self._at = Position(located.epoch, 0, located.batch_index)
+
+    # -- exclusions -------------------------------------------------------------------------
+    def exclude(self, sample_indices: Iterable[int]) -> None:
+        """Leave these samples (dataset indices, as in `sample_index`) out of every batch
+        from the next one on, for the rest of the run: each batch that holds one has that
+        many fewer rows; every other sample stays where it was (positions are not
+        renumbered, so resume, `seek` and an elastic resume stay exact). The set only grows;
+        `state_dict()` records it (and `load_state_dict` adds a state's to the loader's), the
+        servers apply it on every rank. Call it between loops (after `break`), not inside
+        one: RuntimeError. At most 100,000 samples in all: ValueError past that
+        (docs/client.md#finding-and-skipping-the-data-behind-a-loss-spike)."""
+        if self._stall.running:
+            raise RuntimeError("exclude() inside a loop over the loader: leave the loop "
+                               "(break) first; the next loop goes on without those samples")
+        excluded = Excluded.union(self._coords.excluded, sample_indices)
+        if excluded != self._coords.excluded:
+            self._coords = dataclasses.replace(self._coords, excluded=excluded)
+            self._chain.drop()  # what it fetched ahead holds the samples
+
+    def _empty_batch(self, allocate: Any) -> Any:
+        """What makes the batch of 0 rows that a batch whose samples are all excluded is (on
+        a receive thread): every described field, its varying axes 0, in a buffer of
+        `allocate`'s; None before the dataset was described (no exclusion yet either)."""
+        if self._coords.excluded is None:
+            return None
+        fields = [pb.TensorInfo(name=f.name, dtype=f.dtype, shape=[0, *(max(d, 0) for d in
+                                                                         f.shape)])
+                  for f in self.describe().fields]
+
+        def empty(epoch: int, index: int) -> Assembled:
+            from ._frames import Assembled
+
+            return Assembled(index, epoch, allocate(64)[0], fields, 0)
+
+        return empty
+
+    @property
+    def excluded(self) -> tuple[int, ...]:
+        """The samples this run leaves out (sorted), see exclude."""
+        return self._coords.excluded.indices if self._coords.excluded else ()
 
     # -- sizes: a Describe per epoch under batch_tokens, one for all epochs otherwise ------
     def _key(self, epoch: int, start: int) -> tuple[int, int]:

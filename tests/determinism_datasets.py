@@ -1,6 +1,6 @@
 """Tiny datasets of several formats, written to a folder, for tests/test_determinism*.py:
-image-folder, tokens, jsonl (with token lengths) and a mixture of `format: python`
-components."""
+image-folder, tokens, jsonl (with token lengths), a `format: python` dataset of 48 samples
+(`plain`) and a mixture of `format: python` components."""
 
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ def make(root: Path) -> dict[str, Any]:
         "docs": {"format": "jsonl", "source": str(root / "jsonl"), "length_column": "ids",
                  "fields": {"ids": {"dtype": "int64", "shape": [-1]},
                             "label": {"dtype": "int64"}}},
+        "plain": {**part, "options": {"n": 48}},
         "a": {**part, "options": {"n": 30}},
         "b": {**part, "options": {"n": 17}},
         "mix": {"format": "mixture", "components": {"a": 0.6, "b": 0.4},

@@ -26,6 +26,7 @@ from stoker.v1 import stoker_pb2 as pb
 from .._config import Config
 from ..order import token_batches
 from ..order.epochs import epoch_size, locate
+from ..order.exclusion import Exclusion
 from ..order.fingerprint import Fingerprint, short_digest
 from ..order.sampling import CoordinateError, Coordinates
 from ..pool import shm
@@ -212,10 +213,12 @@ class DataService:
                         "differs (listed at another time, or another config), and one loader "
                         "must not mix the two",
                         ((FINGERPRINT_KEY, have.digest),))
-        coords = Coordinates(c.dataset, c.seed, c.epoch, c.shuffle, c.rank, c.world_size,
-                             c.batch_size, c.drop_last, c.start,
-                             c.batch_tokens, c.token_cost or "tokens")
         try:
+            coords = Coordinates(c.dataset, c.seed, c.epoch, c.shuffle, c.rank, c.world_size,
+                                 c.batch_size, c.drop_last, c.start,
+                                 c.batch_tokens, c.token_cost or "tokens",
+                                 Exclusion.of(list(c.excluded), c.excluded_digest,
+                                              meta.num_samples))
             coords.validate(meta.num_samples)
             if coords.batch_tokens:
                 token_batches.check(meta.lengths, coords)

@@ -28,11 +28,14 @@ class EpochSource(Protocol):
 
 
 def samples_of(meta: EpochSource, c: Coordinates, index: int) -> np.ndarray:
-    """Dataset indices of batch `index`: cut by count, or by tokens under batch_tokens."""
+    """Dataset indices of batch `index`: cut by count, or by tokens under batch_tokens; less
+    the excluded samples (server/order/exclusion.py)."""
     if c.batch_tokens:
         assert meta.lengths is not None  # checked with the coordinates
-        return token_batches.batch_samples(meta.ordering, meta.lengths, c, index)
-    return batch_samples(meta.ordering, c, index)
+        samples = token_batches.batch_samples(meta.ordering, meta.lengths, c, index)
+    else:
+        samples = batch_samples(meta.ordering, c, index)
+    return samples if c.excluded is None else c.excluded.drop(samples)
 
 
 def epoch_size(meta: EpochSource, c: Coordinates) -> tuple[int, int]:
