@@ -18,7 +18,7 @@ from stoker.v1 import stoker_pb2 as pb
 
 from ._buffers import HostBuffers
 from ._exclusions import Excluded
-from ._oneshot import fetch_one
+from ._oneshot import ask_sources, fetch_one
 from ._resume import Position
 
 if TYPE_CHECKING:
@@ -147,16 +147,30 @@ class OnDemand:
         own), whatever the loop is doing. In the epoch the loader is in, after an elastic
         resume (`start`), `index` counts batches of that epoch's rest, as iteration does.
         INVALID_ARGUMENT (RemoteError) for an index past the epoch."""
+        coordinates = self._coordinates_at(epoch, index)
+        _, feed = self._aside_buffers()
+        spec = self._spec(coordinates, allocate=lambda n: self._allocate_aside(n),
+                          finish=lambda b: self._convert(b, feed))
+        return self._handed(fetch_one(self._servers, spec, index, self._options.timeout), feed)
+
+    def provenance(self, epoch: int, index: int) -> list[dict[str, Any]]:
+        """Where each sample of `batch_at(epoch, index)` comes from, in its row order:
+        `{"sample_index": i, "source": "FILE line N" | "FILE row group G row R" |
+        "FILE member KEY.*" | "FILE tokens A..B" | path or s3:// key}` (a mixture's begins
+        "component 'NAME' sample J, "). One request; no sample is read."""
+        request = pb.ProvenanceRequest(coordinates=self._coordinates_at(epoch, index),
+                                       batch_index=index)
+        answer = ask_sources(self._servers, request, self._options.timeout)
+        return [{"sample_index": s.sample_index, "source": s.source} for s in answer.samples]
+
+    def _coordinates_at(self, epoch: int, index: int) -> pb.Coordinates:
+        """The coordinates of batch `index` of `epoch` (see batch_at), the data pinned."""
         if epoch < 0 or index < 0:
             raise ValueError(f"epoch and index must be >= 0, got epoch={epoch}, index={index}")
         self.describe()  # pins the fingerprint: the batch is of the loop's data
         pin = self._pinning.pin
         start = self._at.start if epoch == self._at.epoch else 0
-        coordinates = self._coords.message(epoch, start, pin.digest if pin else "")
-        _, feed = self._aside_buffers()
-        spec = self._spec(coordinates, allocate=lambda n: self._allocate_aside(n),
-                          finish=lambda b: self._convert(b, feed))
-        return self._handed(fetch_one(self._servers, spec, index, self._options.timeout), feed)
+        return self._coords.message(epoch, start, pin.digest if pin else "")
 
     def _aside_buffers(self) -> tuple[HostBuffers, Any]:
         """batch_at's own buffers (and CUDA stream): the loop's pools are sized to its window

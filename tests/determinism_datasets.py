@@ -1,11 +1,14 @@
-"""Tiny datasets of several formats, written to a folder, for tests/test_determinism*.py:
-image-folder, tokens, jsonl (with token lengths), a `format: python` dataset of 48 samples
-(`plain`) and a mixture of `format: python` components."""
+"""Tiny datasets of several formats, written to a folder, for the determinism tests
+(test_determinism.py, test_exclusions.py, test_provenance.py): image-folder, tokens, jsonl
+(with token lengths), parquet, tar, a `format: python` dataset of 48 samples (`plain`) and a
+mixture of `format: python` components."""
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
+import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,7 @@ import numpy as np
 JSONL_ROWS = (0, 30, 64)  # two files: rows [0, 30) and [30, 64)
 SEQ_LEN = 8
 TOKEN_FILES = (97, 130)  # tokens in each .bin file (uint16)
+ROWS = 40  # parquet rows, row groups of 10
 
 
 def doc_lengths() -> np.ndarray:
@@ -40,6 +44,20 @@ def make(root: Path) -> dict[str, Any]:
         with open(root / "jsonl" / f"part-{f}.jsonl", "w") as out:
             for i in range(a, b):
                 out.write(json.dumps({"ids": [i] * int(lengths[i]), "label": i}) + "\n")
+    (root / "rows").mkdir()
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"label": np.arange(ROWS, dtype=np.int64)}),
+                   root / "rows" / "rows.parquet", row_group_size=10)
+    (root / "shards").mkdir()
+    for s in range(2):
+        with tarfile.open(root / "shards" / f"shard-{s}.tar", "w") as tar:
+            for n in range(s * 12, s * 12 + 12):
+                data = str(n).encode()
+                info = tarfile.TarInfo(f"s{n:03d}.cls")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
     part = {"format": "python", "factory": "mixture_datasets:named"}
     return {
         "pics": {"format": "image-folder", "source": str(root / "images"), "size": 4},
@@ -47,6 +65,9 @@ def make(root: Path) -> dict[str, Any]:
         "docs": {"format": "jsonl", "source": str(root / "jsonl"), "length_column": "ids",
                  "fields": {"ids": {"dtype": "int64", "shape": [-1]},
                             "label": {"dtype": "int64"}}},
+        "rows": {"format": "parquet", "source": str(root / "rows"), "fields": {"label": {}}},
+        "shards": {"format": "tar", "source": str(root / "shards"),
+                   "fields": {"cls": {"ext": "cls", "decode": "int"}}},
         "plain": {**part, "options": {"n": 48}},
         "a": {**part, "options": {"n": 30}},
         "b": {**part, "options": {"n": 17}},

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import json
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -25,12 +26,14 @@ from stoker.v1 import stoker_pb2 as pb
 
 from .._config import Config
 from ..order import token_batches
-from ..order.epochs import epoch_size, locate
+from ..order.epochs import epoch_size, locate, samples_of
 from ..order.exclusion import Exclusion
 from ..order.fingerprint import Fingerprint, short_digest
 from ..order.sampling import CoordinateError, Coordinates
 from ..pool import shm
-from ..pool.workers import DatasetMeta, WorkerPool
+from ..pool.layout import SOURCES
+from ..pool.workers import BatchFailed, DatasetMeta, WorkerPool
+from .credits import FAILURE_CODE
 from .limits import Admission, Kind, Refused
 from .metrics import Metrics
 from .refusal import FINGERPRINT_KEY, Abort
@@ -148,6 +151,9 @@ class DataService:
             "DescribeDataset": grpc.unary_unary_rpc_method_handler(
                 _parsed(self.DescribeDataset, pb.DescribeDatasetRequest), None,
                 pb.DescribeDatasetResponse.SerializeToString),
+            "Provenance": grpc.unary_unary_rpc_method_handler(
+                _parsed(self.Provenance, pb.ProvenanceRequest), None,
+                pb.ProvenanceResponse.SerializeToString),
             "StreamBatches": grpc.stream_stream_rpc_method_handler(
                 self._stream_batches, None, bytes),
         })
@@ -194,6 +200,32 @@ class DataService:
             max_credits=self.settings.max_credits,
             capacity=pb.Capacity(**dict(zip(("workers", "samples_per_second"),
                                             self.pool.capacity(), strict=True))))
+
+    async def Provenance(self, request: pb.ProvenanceRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ProvenanceResponse:
+        """Where each sample of a batch comes from: its indices here, their sources from a
+        worker (which has the dataset open; pool/batch.py build_sources)."""
+        try:
+            coords, meta = self.coordinates(request.coordinates, present=request.HasField(
+                "coordinates"))
+            indices = await asyncio.to_thread(samples_of, meta, coords, request.batch_index)
+            built = await asyncio.wrap_future(self.pool.submit(coords.dataset, indices,
+                                                               sources=True))
+        except CoordinateError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Abort as e:
+            await context.abort(e.code, str(e), trailing_metadata=e.trailers)
+        except BatchFailed as e:
+            await context.abort(FAILURE_CODE[e.kind], str(e))
+        try:
+            t = next(t for t in built.tensors if t.name == SOURCES)
+            raw = bytes(self.mappings.get(built.shm_name, built.payload_bytes)
+                        [t.offset: t.offset + t.nbytes])
+        finally:
+            self.pool.release(built)
+        return pb.ProvenanceResponse(samples=[
+            pb.SampleSource(sample_index=int(i), source=where)
+            for i, where in zip(indices.tolist(), json.loads(raw), strict=True)])
 
     def coordinates(self, c: pb.Coordinates, present: bool = True
                     ) -> tuple[Coordinates, DatasetMeta]:

@@ -235,3 +235,25 @@ class BatchError(_message.Message):
     code: int
     message: str
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ProvenanceRequest(_message.Message):
+    __slots__ = ("coordinates", "batch_index")
+    COORDINATES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
+    coordinates: Coordinates
+    batch_index: int
+    def __init__(self, coordinates: _Optional[_Union[Coordinates, _Mapping]] = ..., batch_index: _Optional[int] = ...) -> None: ...
+
+class SampleSource(_message.Message):
+    __slots__ = ("sample_index", "source")
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    sample_index: int
+    source: str
+    def __init__(self, sample_index: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
+
+class ProvenanceResponse(_message.Message):
+    __slots__ = ("samples",)
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    samples: _containers.RepeatedCompositeFieldContainer[SampleSource]
+    def __init__(self, samples: _Optional[_Iterable[_Union[SampleSource, _Mapping]]] = ...) -> None: ...
