@@ -178,7 +178,7 @@ class RemoteLoader(OnDemand):
             self.describe()
             saved.check_data(self.dataset, self._pinning.pin)
         self.exclude(saved.excluded.indices if saved.excluded else ())
-        self._at = saved.position_for(self._coords)
+        self._at = saved.position_for(self._coords, self._planned)
 
     # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:

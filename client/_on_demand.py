@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from stoker.v1 import stoker_pb2 as pb
 
 from ._buffers import HostBuffers
+from ._contact import first_contact
 from ._exclusions import Excluded
 from ._oneshot import ask_sources, fetch_one
 from ._resume import Position
@@ -25,10 +26,11 @@ if TYPE_CHECKING:
     import numpy as np
 
     from ._chain import Chain
+    from ._errors import RemoteError
     from ._frames import Assembled
     from ._options import LoaderOptions
     from ._pinning import Pinning
-    from ._resume import Coordinates
+    from ._resume import Coordinates, Saved
     from ._servers import ServerSet
     from ._stall import Stall
     from ._stream import StreamSpec
@@ -55,6 +57,8 @@ class OnDemand:
         def _ask(self, request: pb.DescribeDatasetRequest, epoch: int, start: int
                  ) -> pb.DescribeDatasetResponse: ...
 
+        def _refuse(self, err: RemoteError) -> None: ...
+
         def _spec(self, coordinates: pb.Coordinates, allocate: Any = None,
                   finish: Any = None) -> StreamSpec: ...
 
@@ -76,6 +80,20 @@ class OnDemand:
         if self._options.batch_tokens:  # its answer describes the epoch located
             self._described[(located.epoch, 0)] = self._described.pop((0, 0))
         self._at = Position(located.epoch, 0, located.batch_index)
+
+    def _planned(self, saved: Saved) -> int:
+        """Positions consumed by the job that saved `saved` (under batch_tokens, at its
+        world_size): where its epoch's plan ended step `next_batch` (one request)."""
+        pin = self._pinning.pin
+        at = saved.at
+        theirs = dataclasses.replace(self._coords, rank=0, world_size=saved.world_size)
+        request = pb.DescribeDatasetRequest(
+            coordinates=theirs.message(at.epoch, at.start, pin.digest if pin else ""),
+            consumed=pb.Consumed(steps=at.next_batch))
+        o = self._options
+        return first_contact(self._servers, lambda: request, connect_timeout=o.connect_timeout,
+                             timeout=o.timeout, tls=o.channels.tls,
+                             refuse=self._refuse).described.consumed
 
     # -- exclusions -------------------------------------------------------------------------
     def exclude(self, sample_indices: Iterable[int]) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,20 +163,20 @@ class Saved:
             "order; pass load_state_dict(state, allow_changed_data=True) to go on "
             "anyway")
 
-    def position_for(self, coords: Coordinates) -> Position:
+    def position_for(self, coords: Coordinates,
+                     planned: Callable[[Saved], int] | None = None) -> Position:
         """Its position under `coords`: itself at the same world_size and batch_size; else
-        the positions every rank had consumed, as `start` of the epoch's rest (ValueError
-        under a token budget: not supported)."""
+        the positions every rank had consumed, as `start` of the epoch's rest. Under a token
+        budget the steps were cut by a plan the client does not see: `planned(self)` asks a
+        server where the plan ended step `next_batch` (ValueError without it)."""
         at = self.at
         if (self.world_size, self.batch_size) == (coords.world_size, coords.batch_size):
             return at
         if coords.batch_tokens:
-            # A token budget's steps hold different numbers of samples, cut by a plan the
-            # client does not see: the consumed prefix is not next_batch * a batch size.
-            raise ValueError(f"state_dict was saved at world_size={self.world_size}; under "
-                             "batch_tokens it resumes only at the same world_size, got "
-                             f"{coords.world_size} (elastic resume of token budgets "
-                             "is not supported yet: docs/client.md#token-budgets)")
+            if planned is None:
+                raise ValueError("under batch_tokens an elastic resume needs a server: "
+                                 "RemoteLoader.load_state_dict asks one")
+            return Position(at.epoch, planned(self))
         # Every rank of the saving job had consumed its first next_batch batches, all
         # full (only an epoch's last batch can be short, and a finished epoch is saved as
         # the next one's start): the epoch's positions [0, consumed), a prefix.

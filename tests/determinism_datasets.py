@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-JSONL_ROWS = (0, 30, 64)  # two files: rows [0, 30) and [30, 64)
+JSONL_ROWS = (0, 90, 200)  # two files: rows [0, 90) and [90, 200)
 SEQ_LEN = 8
 TOKEN_FILES = (97, 130)  # tokens in each .bin file (uint16)
 ROWS = 40  # parquet rows, row groups of 10

@@ -26,7 +26,7 @@ from stoker.v1 import stoker_pb2 as pb
 
 from .._config import Config
 from ..order import token_batches
-from ..order.epochs import epoch_size, locate, samples_of
+from ..order.epochs import consumed, epoch_size, locate, samples_of
 from ..order.exclusion import Exclusion
 from ..order.fingerprint import Fingerprint, short_digest
 from ..order.sampling import CoordinateError, Coordinates
@@ -181,8 +181,10 @@ class DataService:
                 "coordinates"))
         except Abort as e:
             await context.abort(e.code, str(e), trailing_metadata=e.trailers)
-        located = None
+        located, taken = None, 0
         try:  # a token plan takes a while to make: off the loop
+            if request.HasField("consumed"):
+                taken = await asyncio.to_thread(consumed, meta, coords, request.consumed.steps)
             if request.HasField("locate"):
                 epoch, index = await asyncio.to_thread(locate, meta, coords,
                                                        request.locate.step)
@@ -191,7 +193,7 @@ class DataService:
             batches, per_rank = await asyncio.to_thread(epoch_size, meta, coords)
         except CoordinateError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return pb.DescribeDatasetResponse(located=located,
+        return pb.DescribeDatasetResponse(located=located, consumed=taken,
             dataset=coords.dataset, format=self._config.datasets[coords.dataset].format,
             num_samples=meta.num_samples, samples_per_rank=per_rank,
             batches_per_epoch=batches,

@@ -68,3 +68,18 @@ def locate(meta: EpochSource, c: Coordinates, step: int) -> tuple[int, int]:
             return epoch, step
         step -= steps
         epoch += 1
+
+
+def consumed(meta: EpochSource, c: Coordinates, steps: int) -> int:
+    """Positions of `c`'s epoch consumed once every rank has taken `steps` batches from
+    `c.start`: a prefix of the order, [0, consumed). Cut by count, `steps` full batches of
+    every rank; under batch_tokens, where the epoch's plan ends step `steps`.
+    CoordinateError for steps outside [0, the epoch's batches]."""
+    batches = epoch_size(meta, c)[0]
+    if not 0 <= steps <= batches:
+        raise CoordinateError("consumed.steps", f"must be in [0, {batches}] for this epoch, "
+                                                f"got {steps}")
+    if c.batch_tokens:
+        assert meta.lengths is not None
+        return int(token_batches.plan(meta.ordering, meta.lengths, c).cuts[steps])
+    return min(c.start + steps * c.batch_size * c.world_size, meta.num_samples)

@@ -71,12 +71,20 @@ class ListDatasetsResponse(_message.Message):
     def __init__(self, datasets: _Optional[_Iterable[_Union[DatasetInfo, _Mapping]]] = ...) -> None: ...
 
 class DescribeDatasetRequest(_message.Message):
-    __slots__ = ("coordinates", "locate")
+    __slots__ = ("coordinates", "locate", "consumed")
     COORDINATES_FIELD_NUMBER: _ClassVar[int]
     LOCATE_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
     coordinates: Coordinates
     locate: Locate
-    def __init__(self, coordinates: _Optional[_Union[Coordinates, _Mapping]] = ..., locate: _Optional[_Union[Locate, _Mapping]] = ...) -> None: ...
+    consumed: Consumed
+    def __init__(self, coordinates: _Optional[_Union[Coordinates, _Mapping]] = ..., locate: _Optional[_Union[Locate, _Mapping]] = ..., consumed: _Optional[_Union[Consumed, _Mapping]] = ...) -> None: ...
+
+class Consumed(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    def __init__(self, steps: _Optional[int] = ...) -> None: ...
 
 class Locate(_message.Message):
     __slots__ = ("step",)
@@ -103,7 +111,7 @@ class FieldSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DescribeDatasetResponse(_message.Message):
-    __slots__ = ("dataset", "format", "num_samples", "samples_per_rank", "batches_per_epoch", "fields", "fingerprint", "max_credits", "capacity", "located")
+    __slots__ = ("dataset", "format", "num_samples", "samples_per_rank", "batches_per_epoch", "fields", "fingerprint", "max_credits", "capacity", "located", "consumed")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +122,7 @@ class DescribeDatasetResponse(_message.Message):
     MAX_CREDITS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     LOCATED_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     format: str
     num_samples: int
@@ -124,7 +133,8 @@ class DescribeDatasetResponse(_message.Message):
     max_credits: int
     capacity: Capacity
     located: Located
-    def __init__(self, dataset: _Optional[str] = ..., format: _Optional[str] = ..., num_samples: _Optional[int] = ..., samples_per_rank: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., max_credits: _Optional[int] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., located: _Optional[_Union[Located, _Mapping]] = ...) -> None: ...
+    consumed: int
+    def __init__(self, dataset: _Optional[str] = ..., format: _Optional[str] = ..., num_samples: _Optional[int] = ..., samples_per_rank: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., max_credits: _Optional[int] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., located: _Optional[_Union[Located, _Mapping]] = ..., consumed: _Optional[int] = ...) -> None: ...
 
 class Capacity(_message.Message):
     __slots__ = ("workers", "samples_per_second")
