@@ -51,6 +51,10 @@ class RemoteLoader(OnDemand):
     records the position; `load_state_dict()` resumes there, also at another world_size or
     batch_size (the rest of the epoch's order, re-partitioned: docs/client.md#resuming).
 
+    On demand (client/_on_demand.py): `batch_at(epoch, index)` any batch, `seek(step)` to a
+    global step, `exclude(indices)` samples for the rest of the run, `provenance(epoch,
+    index)` where a batch's samples come from; each one request (docs/client.md).
+
     Data: the loader pins the dataset's fingerprint from the first server that describes it
     and reads only from servers that have the same (DataMismatch otherwise, naming both); a
     state_dict records it, and resuming against other data is refused unless asked for.
