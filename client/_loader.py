@@ -21,7 +21,8 @@ from ._contact import first_contact
 from ._crediting import group_for
 from ._datalink import Transports
 from ._errors import DataMismatch, RemoteError
-from ._frames import Assembled, numpy_views
+from ._frames import Assembled
+from ._on_demand import OnDemand
 from ._options import loader_options, signature
 from ._pinning import Pinning
 from ._progress import Progress
@@ -36,7 +37,7 @@ from ._stream import StreamSpec
 MASK = "attention_mask"  # what pack=True packs by: the datasets' mask of real tokens
 
 
-class RemoteLoader:
+class RemoteLoader(OnDemand):
     """Batches of `dataset` from a stoker data server, as dicts of tensors (or numpy arrays).
 
     Each batch holds every field of the dataset, collated, plus `sample_index` (int64): the
@@ -49,6 +50,10 @@ class RemoteLoader:
     `set_epoch(e)` selects an epoch explicitly, as with DistributedSampler. `state_dict()`
     records the position; `load_state_dict()` resumes there, also at another world_size or
     batch_size (the rest of the epoch's order, re-partitioned: docs/client.md#resuming).
+
+    On demand (client/_on_demand.py): `batch_at(epoch, index)` any batch, `seek(step)` to a
+    global step, `exclude(indices)` samples for the rest of the run, `provenance(epoch,
+    index)` where a batch's samples come from; each one request (docs/client.md).
 
     Data: the loader pins the dataset's fingerprint from the first server that describes it
     and reads only from servers that have the same (DataMismatch otherwise, naming both); a
@@ -75,8 +80,9 @@ class RemoteLoader:
                                     normalize=self._normalize)
         # Batches in flight, plus the one the caller holds and the one it just let go.
         self._host = HostBuffers(max_buffers=o.prefetch + 2)
-        # Describe's answers by start: the whole epoch (0), and the rest of a resumed one.
-        self._described: dict[int, pb.DescribeDatasetResponse] = {}
+        # Describe's answers by (epoch, start) (epoch 0 stands for every epoch but under
+        # batch_tokens, whose plans differ): the whole epoch (start 0), a resumed one's rest.
+        self._described: dict[tuple[int, int], pb.DescribeDatasetResponse] = {}
         self._pinning = Pinning(dataset, self._servers, o.timeout)
         self._window = Window(o.prefetch, o.adapts, o.memory_budget)
         self._stall = Stall(dataset, o.timeout)
@@ -110,25 +116,26 @@ class RemoteLoader:
         Any server will do: they are tried in turn, with backoff, for up to `connect_timeout`
         s while none has answered at all (then UNAVAILABLE naming every address and what
         happened there), for up to `timeout` s once one has."""
-        start = self._at.start
-        described = self._described.get(start)
-        if described is None:
-            o = self._options
-            contact = first_contact(
-                self._servers, lambda: pb.DescribeDatasetRequest(coordinates=self.coordinates()),
-                connect_timeout=o.connect_timeout, timeout=o.timeout, tls=o.channels.tls,
-                refuse=self._refuse)
-            described, address = contact.described, contact.server.address
-            self._pinning.first(described.fingerprint, address)
-            self._described[start] = described
-            self._window.heed(described.max_credits, address)
-            if described.HasField("capacity"):
-                c = contact.server.capacity = (described.capacity.workers,
-                                               described.capacity.samples_per_second)
-                self._window.start(Fleet(*c, None))
-            # What every epoch leaves out (token budgets drop at most world_size - 1 samples)
-            if not start and o.batch_tokens is None:
-                say_dropped(described, o)
+        return self._sizes(self._at.epoch, self._at.start)
+
+    def _ask(self, request: pb.DescribeDatasetRequest, epoch: int, start: int
+             ) -> pb.DescribeDatasetResponse:
+        """`request` of the first server that answers (see describe), its answer cached for
+        `epoch`'s positions from `start`: the fingerprint pinned, the window told of it."""
+        o = self._options
+        contact = first_contact(self._servers, lambda: request, connect_timeout=o.connect_timeout,
+                                timeout=o.timeout, tls=o.channels.tls, refuse=self._refuse)
+        described, address = contact.described, contact.server.address
+        self._pinning.first(described.fingerprint, address)
+        self._described[self._key(epoch, start)] = described
+        self._window.heed(described.max_credits, address)
+        if described.HasField("capacity"):
+            c = contact.server.capacity = (described.capacity.workers,
+                                           described.capacity.samples_per_second)
+            self._window.start(Fleet(*c, None))
+        # What every epoch leaves out (token budgets drop at most world_size - 1 samples)
+        if not start and o.batch_tokens is None:
+            say_dropped(described, o)
         return described
 
     def _refuse(self, err: RemoteError) -> None:
@@ -174,7 +181,8 @@ class RemoteLoader:
         if saved.digest and not allow_changed_data:
             self.describe()
             saved.check_data(self.dataset, self._pinning.pin)
-        self._at = saved.position_for(self._coords)
+        self.exclude(saved.excluded.indices if saved.excluded else ())
+        self._at = saved.position_for(self._coords, self._planned)
 
     # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -200,7 +208,7 @@ class RemoteLoader:
         scheduler = self._chain.start(at, self.coordinates(), total, window, o.timeout)
         # The next epoch's first batches are asked for while this one ends (no drain at the
         # boundary); its size is that of a whole epoch, known once one was described.
-        if o.prefetch_next_epoch and (following := self._described.get(0)) is not None:
+        if o.prefetch_next_epoch and (following := self._following(at.epoch + 1)) is not None:
             pin = self._pinning.pin
             self._chain.then(self._coords.message(at.epoch + 1, 0, pin.digest if pin else ""),
                              following.batches_per_epoch)
@@ -224,12 +232,7 @@ class RemoteLoader:
                 stall.wait_seconds += waited
                 if window.adapts or not window.sized:
                     self._resize_window(scheduler)
-                if self._feed is not None:
-                    batch = self._feed.hand_over(*batch)
-                if o.pack:
-                    from .packing import pack_padded
-
-                    batch = pack_padded(batch)
+                batch = self._handed(batch, self._feed)
                 self._sources.handed_out(at.epoch, at.next_batch)
                 self._at = at.advanced()
                 self._stats["batches"] += 1
@@ -246,16 +249,19 @@ class RemoteLoader:
             if not finished:  # else it goes on asking for the next epoch's first batches
                 self._chain.drop()
 
-    def _spec(self, coordinates: pb.Coordinates) -> StreamSpec:
-        """What the streams of a pass over `coordinates`' epoch ask for."""
+    def _spec(self, coordinates: pb.Coordinates, allocate: Any = None,
+              finish: Any = None) -> StreamSpec:
+        """What the streams of a pass over `coordinates`' epoch ask for (the loop's buffers
+        and conversion unless others are given)."""
         o = self._options
-        return StreamSpec(coordinates, self._allocate, self._finish,
+        return StreamSpec(coordinates, allocate or self._allocate, finish or self._finish,
                           shm_probe=samehost.probe() if o.shared_memory else None,
                           compression=o.compression or "",
                           # compressed frames: for links slower than the CPUs; the data
                           # connection sends payloads as they are
                           data_socket=o.data_socket and not o.compression,
-                          link=o.channels.link, transports=self._transports)
+                          link=o.channels.link, transports=self._transports,
+                          empty=self._empty_batch(allocate or self._allocate))
 
     def _resize_window(self, scheduler: Scheduler) -> None:
         """Once the first batch's size is known, the window may widen for small batches
@@ -283,15 +289,7 @@ class RemoteLoader:
 
     def _finish(self, batch: Assembled) -> Any:
         self._sources.received(batch)
-        if self._feed is not None:
-            return self._feed.to_device(batch.buffer, batch.tensors)
-        arrays = numpy_views(batch.buffer, batch.tensors)
-        if self._options.output == "numpy":
-            return self._normalize.numpy(arrays) if self._normalize else arrays
-        import torch
-
-        tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
-        return self._normalize.torch(tensors) if self._normalize else tensors
+        return self._convert(batch, self._feed)
 
     # -- telemetry and lifecycle -----------------------------------------------------------
     def stats(self) -> dict[str, Any]:

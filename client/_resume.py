@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from stoker.v1 import stoker_pb2 as pb
 
+from ._exclusions import Excluded
 from ._pinning import Pin, short
 
 _MISSING = object()
@@ -30,6 +31,9 @@ _MISSING = object()
 # the one that loads it (an elastic resume): the rest of the epoch's order is re-partitioned.
 # Every other key (dataset, seed, shuffle, drop_last) fixes the order or its tail: equal.
 ELASTIC = ("rank", "world_size", "batch_size", "start")
+# Keys a state carries into the loader that loads it: the samples the run left out (added to
+# the loader's own). An older stoker refuses such a state (its coordinates differ).
+CARRIED = ("excluded",)
 
 
 @dataclass(frozen=True)
@@ -47,11 +51,14 @@ class Coordinates:
     drop_last: bool
     batch_tokens: int | None = None
     token_cost: str = "tokens"
+    excluded: Excluded | None = None  # samples the run leaves out (RemoteLoader.exclude)
 
     def fields(self) -> dict[str, Any]:
         """pb.Coordinates' fields, and state_dict()'s "coordinates", in that order;
-        batch_tokens and token_cost only under a token budget (older state_dicts match)."""
+        batch_tokens and token_cost only under a token budget (older state_dicts match);
+        never `excluded` (state_of and message add it where there is one)."""
         found = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del found["excluded"]
         if self.batch_tokens is None:
             del found["batch_tokens"], found["token_cost"]
         return found
@@ -59,8 +66,10 @@ class Coordinates:
     def message(self, epoch: int, start: int = 0, fingerprint: str = "") -> pb.Coordinates:
         """What a request carries: these coordinates at `epoch` (its positions from `start`
         on), expecting the data whose digest is `fingerprint` ("": any)."""
+        ex = self.excluded
         return pb.Coordinates(epoch=epoch, start=start, **self.fields(),
-                              fingerprint=fingerprint)
+                              fingerprint=fingerprint, excluded=ex.indices if ex else (),
+                              excluded_digest=ex.digest if ex else "")
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,8 @@ def state_of(coords: Coordinates, at: Position, pin: Pin | None) -> dict[str, An
     # elastic resume, and an older stoker refuses (coordinates differ) the states it
     # would resume at the wrong place.
     saved = {**coords.fields(), "start": at.start} if at.start else coords.fields()
+    if coords.excluded is not None:
+        saved["excluded"] = list(coords.excluded.indices)
     state = {"coordinates": saved, "epoch": at.epoch, "next_batch": at.next_batch}
     if pin is not None and pin.digest:
         state["fingerprint"] = pin.state()
@@ -97,12 +108,13 @@ def state_of(coords: Coordinates, at: Position, pin: Pin | None) -> dict[str, An
 @dataclass(frozen=True)
 class Saved:
     """A state_dict() read back: its position, the world_size and batch_size it was saved at,
-    and its fingerprint's record (None if it has none)."""
+    its fingerprint's record (None if it has none), and the samples it left out."""
 
     at: Position
     world_size: int
     batch_size: int
     fingerprint: Mapping[str, Any] | None
+    excluded: Excluded | None = None
 
     @classmethod
     def read(cls, state: Any, coords: Coordinates) -> Saved:
@@ -117,14 +129,20 @@ class Saved:
         differ = [f"{k}: saved {saved.get(k, '(missing)')!r}, this loader "
                   f"{ours.get(k, '(missing)')!r}"
                   for k in sorted(set(saved) | set(ours))
-                  if k not in ELASTIC and saved.get(k, _MISSING) != ours.get(k, _MISSING)]
+                  if k not in ELASTIC + CARRIED
+                  and saved.get(k, _MISSING) != ours.get(k, _MISSING)]
         if differ:
             raise ValueError("state_dict is for other coordinates (" + "; ".join(differ)
                              + "): a position is only valid in the epoch order it was saved "
                              "in (rank, world_size and batch_size may differ)")
         found = _numbers(state, saved)
+        excluded = saved.get("excluded", [])
+        if not isinstance(excluded, list | tuple):
+            raise ValueError(f"state_dict's 'excluded' must be a list of sample indices, got "
+                             f"{excluded!r}")
         return cls(Position(found["epoch"], found["start"], found["next_batch"]),
-                   found["world_size"], found["batch_size"], state.get("fingerprint") or None)
+                   found["world_size"], found["batch_size"], state.get("fingerprint") or None,
+                   Excluded.union(None, excluded))
 
     @property
     def digest(self) -> str:
@@ -145,20 +163,20 @@ class Saved:
             "order; pass load_state_dict(state, allow_changed_data=True) to go on "
             "anyway")
 
-    def position_for(self, coords: Coordinates) -> Position:
+    def position_for(self, coords: Coordinates,
+                     planned: Callable[[Saved], int] | None = None) -> Position:
         """Its position under `coords`: itself at the same world_size and batch_size; else
-        the positions every rank had consumed, as `start` of the epoch's rest (ValueError
-        under a token budget: not supported)."""
+        the positions every rank had consumed, as `start` of the epoch's rest. Under a token
+        budget the steps were cut by a plan the client does not see: `planned(self)` asks a
+        server where the plan ended step `next_batch` (ValueError without it)."""
         at = self.at
         if (self.world_size, self.batch_size) == (coords.world_size, coords.batch_size):
             return at
         if coords.batch_tokens:
-            # A token budget's steps hold different numbers of samples, cut by a plan the
-            # client does not see: the consumed prefix is not next_batch * a batch size.
-            raise ValueError(f"state_dict was saved at world_size={self.world_size}; under "
-                             "batch_tokens it resumes only at the same world_size, got "
-                             f"{coords.world_size} (elastic resume of token budgets "
-                             "is not supported yet: docs/client.md#token-budgets)")
+            if planned is None:
+                raise ValueError("under batch_tokens an elastic resume needs a server: "
+                                 "RemoteLoader.load_state_dict asks one")
+            return Position(at.epoch, planned(self))
         # Every rank of the saving job had consumed its first next_batch batches, all
         # full (only an epoch's last batch can be short, and a finished epoch is saved as
         # the next one's start): the epoch's positions [0, consumed), a prefix.

@@ -49,6 +49,11 @@ class Stall:
             return self._loop_seconds
         return self._loop_seconds + (time.perf_counter() if now is None else now) - running
 
+    @property
+    def running(self) -> bool:
+        """A pass is under way (between begin and end)."""
+        return self._loop_started is not None
+
     def begin(self, scheduler: Scheduler) -> None:
         """A pass begins, reading from `scheduler`: its servers hear what the loop is like
         once there is something to say."""

@@ -58,6 +58,9 @@ class StreamSpec:
     data_socket: bool = True  # ask for a data connection (used where shared memory is not)
     link: DataLink = field(default_factory=DataLink)  # how to connect and claim one
     transports: Transports | None = None  # where each stream notes the path it got
+    # (epoch, batch index) -> the batch of 0 rows a server answers OUT_OF_RANGE for (all its
+    # samples excluded: server/front/credits.py); None: such an answer is an error.
+    empty: Callable[[int, int], Assembled] | None = None
 
     def opening(self) -> pb.StreamRequest:
         """The stream's first request."""
@@ -191,9 +194,11 @@ class BatchStream:
         """Report a batch (or its error) through on_batch."""
         if isinstance(done, pb.BatchFrame):  # this batch failed; the stream goes on
             code = _STATUS.get(done.error.code, grpc.StatusCode.UNKNOWN)
-            self._on_batch(self, done.batch_index,
-                           RemoteError(code, done.error.message, self.address))
-            return
+            if code != grpc.StatusCode.OUT_OF_RANGE or self._spec.empty is None:
+                self._on_batch(self, done.batch_index,
+                               RemoteError(code, done.error.message, self.address))
+                return
+            done = self._spec.empty(done.epoch, done.batch_index)
         try:
             item = self._finish(done)
         except Exception as e:

@@ -28,6 +28,11 @@ if TYPE_CHECKING:
     from .ready import Ready
     from .session_context import SessionContext
 
+# A batch whose samples are all excluded (server/order/exclusion.py) is not built: it is
+# answered with this in-band status, and the client makes the batch of 0 rows itself.
+EMPTIED = grpc.StatusCode.OUT_OF_RANGE
+EMPTIED_WHY = "every sample of this batch is excluded (0 rows)"
+
 # BatchFailed.kind -> the status its batch is answered with.
 FAILURE_CODE = {FailureKind.DATA_LOSS: grpc.StatusCode.DATA_LOSS,
                 FailureKind.INTERNAL: grpc.StatusCode.INTERNAL,
@@ -83,6 +88,10 @@ class Credits:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         for index, (indices, ahead) in zip(batch_indices, samples, strict=True):
             self.outstanding += 1
+            if not len(indices):  # every sample excluded: the client makes its empty batch
+                self._ready.put_nowait(FailedBatch(index, coords.epoch, EMPTIED,
+                                                   f"batch {index}: {EMPTIED_WHY}"))
+                continue
             if self._front.draining():  # finish what was asked before, take nothing new
                 self._unavailable(index, coords.epoch, "server draining, ask another")
                 continue

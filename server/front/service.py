@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
+import json
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -24,11 +26,14 @@ from stoker.v1 import stoker_pb2 as pb
 
 from .._config import Config
 from ..order import token_batches
-from ..order.epochs import epoch_size
+from ..order.epochs import consumed, epoch_size, locate, samples_of
+from ..order.exclusion import Exclusion
 from ..order.fingerprint import Fingerprint, short_digest
 from ..order.sampling import CoordinateError, Coordinates
 from ..pool import shm
-from ..pool.workers import DatasetMeta, WorkerPool
+from ..pool.layout import SOURCES
+from ..pool.workers import BatchFailed, DatasetMeta, WorkerPool
+from .credits import FAILURE_CODE
 from .limits import Admission, Kind, Refused
 from .metrics import Metrics
 from .refusal import FINGERPRINT_KEY, Abort
@@ -146,6 +151,9 @@ class DataService:
             "DescribeDataset": grpc.unary_unary_rpc_method_handler(
                 _parsed(self.DescribeDataset, pb.DescribeDatasetRequest), None,
                 pb.DescribeDatasetResponse.SerializeToString),
+            "Provenance": grpc.unary_unary_rpc_method_handler(
+                _parsed(self.Provenance, pb.ProvenanceRequest), None,
+                pb.ProvenanceResponse.SerializeToString),
             "StreamBatches": grpc.stream_stream_rpc_method_handler(
                 self._stream_batches, None, bytes),
         })
@@ -173,11 +181,19 @@ class DataService:
                 "coordinates"))
         except Abort as e:
             await context.abort(e.code, str(e), trailing_metadata=e.trailers)
+        located, taken = None, 0
         try:  # a token plan takes a while to make: off the loop
+            if request.HasField("consumed"):
+                taken = await asyncio.to_thread(consumed, meta, coords, request.consumed.steps)
+            if request.HasField("locate"):
+                epoch, index = await asyncio.to_thread(locate, meta, coords,
+                                                       request.locate.step)
+                located = pb.Located(epoch=epoch, batch_index=index)
+                coords = dataclasses.replace(coords, epoch=epoch, start=0)
             batches, per_rank = await asyncio.to_thread(epoch_size, meta, coords)
         except CoordinateError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return pb.DescribeDatasetResponse(
+        return pb.DescribeDatasetResponse(located=located, consumed=taken,
             dataset=coords.dataset, format=self._config.datasets[coords.dataset].format,
             num_samples=meta.num_samples, samples_per_rank=per_rank,
             batches_per_epoch=batches,
@@ -186,6 +202,32 @@ class DataService:
             max_credits=self.settings.max_credits,
             capacity=pb.Capacity(**dict(zip(("workers", "samples_per_second"),
                                             self.pool.capacity(), strict=True))))
+
+    async def Provenance(self, request: pb.ProvenanceRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ProvenanceResponse:
+        """Where each sample of a batch comes from: its indices here, their sources from a
+        worker (which has the dataset open; pool/batch.py build_sources)."""
+        try:
+            coords, meta = self.coordinates(request.coordinates, present=request.HasField(
+                "coordinates"))
+            indices = await asyncio.to_thread(samples_of, meta, coords, request.batch_index)
+            built = await asyncio.wrap_future(self.pool.submit(coords.dataset, indices,
+                                                               sources=True))
+        except CoordinateError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Abort as e:
+            await context.abort(e.code, str(e), trailing_metadata=e.trailers)
+        except BatchFailed as e:
+            await context.abort(FAILURE_CODE[e.kind], str(e))
+        try:
+            t = next(t for t in built.tensors if t.name == SOURCES)
+            raw = bytes(self.mappings.get(built.shm_name, built.payload_bytes)
+                        [t.offset: t.offset + t.nbytes])
+        finally:
+            self.pool.release(built)
+        return pb.ProvenanceResponse(samples=[
+            pb.SampleSource(sample_index=int(i), source=where)
+            for i, where in zip(indices.tolist(), json.loads(raw), strict=True)])
 
     def coordinates(self, c: pb.Coordinates, present: bool = True
                     ) -> tuple[Coordinates, DatasetMeta]:
@@ -205,10 +247,12 @@ class DataService:
                         "differs (listed at another time, or another config), and one loader "
                         "must not mix the two",
                         ((FINGERPRINT_KEY, have.digest),))
-        coords = Coordinates(c.dataset, c.seed, c.epoch, c.shuffle, c.rank, c.world_size,
-                             c.batch_size, c.drop_last, c.start,
-                             c.batch_tokens, c.token_cost or "tokens")
         try:
+            coords = Coordinates(c.dataset, c.seed, c.epoch, c.shuffle, c.rank, c.world_size,
+                                 c.batch_size, c.drop_last, c.start,
+                                 c.batch_tokens, c.token_cost or "tokens",
+                                 Exclusion.of(list(c.excluded), c.excluded_digest,
+                                              meta.num_samples))
             coords.validate(meta.num_samples)
             if coords.batch_tokens:
                 token_batches.check(meta.lengths, coords)

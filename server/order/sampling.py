@@ -12,8 +12,12 @@ import collections
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .exclusion import Exclusion
 
 
 class CoordinateError(ValueError):
@@ -40,6 +44,8 @@ class Coordinates:
     # > 0: batches cut by tokens instead (server/order/token_batches.py); batch_size is then 0.
     batch_tokens: int = 0
     token_cost: str = "tokens"  # with batch_tokens: what ranks are balanced by
+    # Samples left out of every batch (server/order/exclusion.py's Exclusion), or None.
+    excluded: Exclusion | None = None
 
     def validate(self, num_samples: int | None = None) -> None:
         """Raise CoordinateError naming the first field no dataset (or, given its size, this

@@ -75,11 +75,12 @@ class Assignment:
         self._settled: list[tuple[Assembly, BuiltBatch | BatchFailed]] = []
 
     def add_locked(self, dataset: str, indices: np.ndarray, ahead: np.ndarray,
-                   key: EpochKey) -> concurrent.futures.Future[BuiltBatch]:
-        """Queue the batch of `indices`; its future."""
+                   key: EpochKey, sources: bool = False
+                   ) -> concurrent.futures.Future[BuiltBatch]:
+        """Queue the batch of `indices` (or, `sources`, where they come from); its future."""
         fut: concurrent.futures.Future[BuiltBatch] = concurrent.futures.Future()
         self.next_id += 1
-        self.queue.append(Job(Task(self.next_id, dataset, indices, ahead, key), fut))
+        self.queue.append(Job(Task(self.next_id, dataset, indices, ahead, key, sources), fut))
         return fut
 
     def add_parts_locked(self, dataset: str, indices: np.ndarray, ahead: np.ndarray,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import logging
 import math
 import time
@@ -27,7 +28,7 @@ from ..formats.samples import Padded, SampleError, fetch_sample
 from ..order.sampling import FIRST_EPOCH, EpochKey
 from ..sources import DataChanged
 from . import shm
-from .layout import ALIGN, SAMPLE_INDEX, BuiltBatch, TensorLayout
+from .layout import ALIGN, SAMPLE_INDEX, SOURCES, BuiltBatch, TensorLayout
 
 if TYPE_CHECKING:
     from ..formats import DatasetParts
@@ -280,3 +281,21 @@ def probe_fields(dataset: DatasetParts) -> list[tuple[str, str, tuple[int, ...]]
     return [(t.name, t.dtype, tuple(-1 if a in getattr(first.get(t.name), "pad_axes", ())
                                     else d for a, d in enumerate(t.shape[1:])))
             for t in layout]
+
+
+def build_sources(dataset: DatasetParts, indices: np.ndarray, segments: shm.SegmentPool
+                  ) -> BuiltBatch:
+    """Where each sample of `indices` comes from (the format's `source_of`: file and line,
+    row group and row, tar member, object key; "" where it cannot say), as a batch of one
+    row: SOURCES, the JSON list of those strings in UTF-8. No sample is read."""
+    started = time.perf_counter()
+    where = [dataset.source_of(int(i)) if dataset.source_of else "" for i in indices]
+    raw = np.frombuffer(json.dumps(where).encode(), np.uint8)
+    layout = plan_layout({SOURCES: raw}, 1, int(indices[0]) if len(indices) else 0)
+    size = layout[-1].offset + layout[-1].nbytes
+    name, segment = segments.acquire(size)
+    views = {t.name: np.ndarray(t.shape, np.dtype(t.dtype), segment, t.offset) for t in layout}
+    views[SOURCES][0] = raw
+    views[SAMPLE_INDEX][:] = len(indices)
+    views.clear()
+    return BuiltBatch(name, size, tuple(layout), 1, 0, time.perf_counter() - started)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 ALIGN = 64
 SAMPLE_INDEX = "sample_index"
+SOURCES = "sources"  # the one field of a Task.sources batch: JSON, a string per sample
 
 
 @dataclass(frozen=True)

@@ -53,13 +53,15 @@ class DatasetMeta:
 @dataclass(frozen=True)
 class Task:
     """Build the batch of `indices` of `dataset` for epoch `key`; `ahead`: the samples of a
-    later batch, whose objects to prefetch (a hint)."""
+    later batch, whose objects to prefetch (a hint). `sources`: instead of the samples, a
+    batch of one row whose field SOURCES (pool/batch.py) is where each sample comes from."""
 
     task_id: int
     dataset: str
     indices: np.ndarray
     ahead: np.ndarray
     key: EpochKey
+    sources: bool = False
 
     def __reduce__(self) -> tuple:
         # One per batch through the pipe: the arrays as raw int64 bytes and the key as its
@@ -67,7 +69,7 @@ class Task:
         # here), on the front end's thread that every stream shares.
         k = self.key
         return (_task, (self.task_id, self.dataset, _int64(self.indices), _int64(self.ahead),
-                        k.seed, k.epoch, k.shuffle))
+                        k.seed, k.epoch, k.shuffle, self.sources))
 
 
 def _int64(a: np.ndarray) -> bytes:
@@ -75,10 +77,10 @@ def _int64(a: np.ndarray) -> bytes:
 
 
 def _task(task_id: int, dataset: str, indices: bytes, ahead: bytes, seed: int, epoch: int,
-          shuffle: bool) -> Task:
+          shuffle: bool, sources: bool = False) -> Task:
     """A Task as its __reduce__ sent it (the arrays writable, as pickled ones are)."""
     return Task(task_id, dataset, np.frombuffer(indices, "<i8").copy(),
-                np.frombuffer(ahead, "<i8").copy(), EpochKey(seed, epoch, shuffle))
+                np.frombuffer(ahead, "<i8").copy(), EpochKey(seed, epoch, shuffle), sources)
 
 
 @dataclass(frozen=True)

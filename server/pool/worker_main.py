@@ -26,7 +26,7 @@ from ..order.sampling import Ordering
 from ..sources import DataChanged, StorageUnavailable, prefix_cache, split_source
 from . import depth, malloc, shm, tracebacks
 from . import messages as msg
-from .batch import BatchTooLarge, Misfit, build_batch, build_part, probe_fields
+from .batch import BatchTooLarge, Misfit, build_batch, build_part, build_sources, probe_fields
 
 if TYPE_CHECKING:
     from ..formats import DatasetParts
@@ -223,6 +223,8 @@ class _Builder:
             return self._failed(task, msg.FailureKind.DATA_LOSS,
                                 f"dataset {task.dataset!r}: {changed}")
         try:
+            if task.sources:
+                return msg.Built(task.task_id, build_sources(ds, task.indices, self.segments))
             batch = build_batch(ds, task.indices, self.segments, task.key, skip,
                                 int(self.config.server.max_batch_bytes), on_sample)
         except Exception as e:

@@ -125,14 +125,17 @@ class WorkerPool:
 
     # -- the front end's calls -------------------------------------------------------------
     def submit(self, dataset: str, indices: np.ndarray, ahead: np.ndarray = _NOTHING,
-               key: EpochKey = FIRST_EPOCH) -> concurrent.futures.Future[BuiltBatch]:
+               key: EpochKey = FIRST_EPOCH, sources: bool = False
+               ) -> concurrent.futures.Future[BuiltBatch]:
         """Build the batch of `indices` for the epoch `key`; `ahead`: samples a later batch
-        will need (a hint)."""
+        will need (a hint). `sources`: instead, where each sample comes from (Task.sources:
+        one worker, never in parts)."""
         with self._lock:
             self._check_locked()
-            plan = self._jobs.splitter.plan_locked(dataset, len(indices), self._ready_locked)
+            plan = None if sources else self._jobs.splitter.plan_locked(
+                dataset, len(indices), self._ready_locked)
             if plan is None:
-                fut = self._jobs.add_locked(dataset, indices, ahead, key)
+                fut = self._jobs.add_locked(dataset, indices, ahead, key, sources)
                 inline, wake = self._hand_out_locked()
         if plan is not None:
             fut, inline, wake = self._submit_parts(dataset, indices, ahead, key, plan)

@@ -125,17 +125,22 @@ def inspect(args: argparse.Namespace) -> int:
             print(f"{args.address}: NOT_FOUND: no dataset {args.dataset!r}; this server "
                   f"serves {', '.join(names)}", file=sys.stderr)
             return 1
-        with RemoteLoader(args.address, args.dataset, batch_size=args.batch_size, seed=args.seed,
-                          shuffle=not args.no_shuffle, drop_last=False, output="numpy",
+        size = ({"batch_tokens": args.batch_tokens, "token_cost": args.token_cost}
+                if args.batch_tokens else {"batch_size": args.batch_size})
+        with RemoteLoader(args.address, args.dataset, **size, seed=args.seed,
+                          shuffle=not args.no_shuffle, drop_last=args.drop_last,
+                          rank=args.rank, world_size=args.world_size, output="numpy",
                           timeout=args.timeout, tls=sec.tls, token=sec.token) as loader:
             info = loader.describe()
-            loader.set_epoch(args.epoch)
-            batch: dict[str, Any] = next(iter(loader))
+            batch: dict[str, Any] = loader.batch_at(args.epoch, args.index)
+            sources = loader.provenance(args.epoch, args.index)
     except (ContactError, RemoteError, ValueError) as e:
         print(e, file=sys.stderr)
         return 1
+    cut = (f"of up to {args.batch_tokens} tokens" if args.batch_tokens
+           else f"of {args.batch_size}")
     print(f"{info.dataset}: format {info.format}, {info.num_samples} samples, "
-          f"{info.batches_per_epoch} batches of {args.batch_size} per epoch")
+          f"{info.batches_per_epoch} batches {cut} per epoch")
     print(f"\n{'field':<20}{'dtype':<10}{'per sample':<16}{'min':>12}{'max':>12}{'mean':>12}")
     for f in info.fields:
         arr = batch[f.name]
@@ -143,7 +148,14 @@ def inspect(args: argparse.Namespace) -> int:
             else (0.0, 0.0, 0.0)
         print(f"{f.name:<20}{f.dtype:<10}{list(f.shape)!s:<16}{lo:>12.4g}{hi:>12.4g}"
               f"{mean:>12.4g}")
-    print(f"\nbatch 0 of epoch {args.epoch}: samples {batch['sample_index'].tolist()}")
+    print(f"\nbatch {args.index} of epoch {args.epoch} (rank {args.rank} of "
+          f"{args.world_size}, seed {args.seed}): samples {batch['sample_index'].tolist()}")
+    print(f"\n{'row':>5}{'sample':>10}  source")
+    for row, s in enumerate(sources):
+        print(f"{row:>5}{s['sample_index']:>10}  {s['source'] or '(the format does not say)'}")
+    if args.out:
+        np.savez(args.out, **batch)
+        print(f"\nwrote {args.out}: {', '.join(sorted(batch))} (numpy.load reads it)")
     if args.grid:
         return _save_grid(batch, args.grid)
     return 0
@@ -169,13 +181,24 @@ def add_commands(sub: Any) -> None:
     ds.add_argument("--timeout", type=float, default=10.0)
     add_security(ds)
     ds.set_defaults(func=datasets)
-    ins = sub.add_parser("inspect", help="fields and a summary of one batch of a dataset")
+    ins = sub.add_parser("inspect", help="one batch of a dataset: its fields, and where each "
+                                         "of its samples comes from")
     ins.add_argument("address", help="host:port (or dns:///name:port) of data servers")
     ins.add_argument("dataset")
     ins.add_argument("--batch-size", type=int, default=16)
+    ins.add_argument("--batch-tokens", type=int, metavar="N",
+                     help="batches cut by tokens instead (RemoteLoader's batch_tokens)")
+    ins.add_argument("--token-cost", default="tokens", choices=["tokens", "squares"])
     ins.add_argument("--seed", type=int, default=0)
     ins.add_argument("--epoch", type=int, default=0)
+    ins.add_argument("--index", type=int, default=0, help="the batch's index in the epoch")
+    ins.add_argument("--rank", type=int, default=0)
+    ins.add_argument("--world-size", type=int, default=1)
     ins.add_argument("--no-shuffle", action="store_true", help="dataset order")
+    ins.add_argument("--drop-last", action="store_true",
+                     help="as RemoteLoader's default drop_last=True (here off by default: "
+                          "every sample of a small dataset shows)")
+    ins.add_argument("--out", type=Path, metavar="FILE.npz", help="save the batch's arrays")
     ins.add_argument("--grid", type=Path, metavar="FILE.png",
                      help="save the batch's images as one picture, each tile captioned with "
                           "its sample index and label")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16stoker/v1/stoker.proto\x12\tstoker.v1\"\xe3\x01\n\x0b\x43oordinates\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x0c\n\x04seed\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x0f\n\x07shuffle\x18\x04 \x01(\x08\x12\x0c\n\x04rank\x18\x05 \x01(\x03\x12\x12\n\nworld_size\x18\x06 \x01(\x03\x12\x12\n\nbatch_size\x18\x07 \x01(\x03\x12\x11\n\tdrop_last\x18\x08 \x01(\x08\x12\x13\n\x0b\x66ingerprint\x18\t \x01(\t\x12\r\n\x05start\x18\n \x01(\x03\x12\x14\n\x0c\x62\x61tch_tokens\x18\x0b \x01(\x03\x12\x12\n\ntoken_cost\x18\x0c \x01(\t\"=\n\x0b\x46ingerprint\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0f\n\x07objects\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\"\x15\n\x13ListDatasetsRequest\"m\n\x0b\x44\x61tasetInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x02 \x01(\t\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x03\x12+\n\x0b\x66ingerprint\x18\x04 \x01(\x0b\x32\x16.stoker.v1.Fingerprint\"@\n\x14ListDatasetsResponse\x12(\n\x08\x64\x61tasets\x18\x01 \x03(\x0b\x32\x16.stoker.v1.DatasetInfo\"E\n\x16\x44\x65scribeDatasetRequest\x12+\n\x0b\x63oordinates\x18\x01 \x01(\x0b\x32\x16.stoker.v1.Coordinates\"7\n\tFieldSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x93\x02\n\x17\x44\x65scribeDatasetResponse\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x02 \x01(\t\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x03\x12\x18\n\x10samples_per_rank\x18\x04 \x01(\x03\x12\x19\n\x11\x62\x61tches_per_epoch\x18\x05 \x01(\x03\x12$\n\x06\x66ields\x18\x06 \x03(\x0b\x32\x14.stoker.v1.FieldSpec\x12+\n\x0b\x66ingerprint\x18\x07 \x01(\x0b\x32\x16.stoker.v1.Fingerprint\x12\x13\n\x0bmax_credits\x18\x08 \x01(\x03\x12%\n\x08\x63\x61pacity\x18\t \x01(\x0b\x32\x13.stoker.v1.Capacity\"7\n\x08\x43\x61pacity\x12\x0f\n\x07workers\x18\x01 \x01(\x03\x12\x1a\n\x12samples_per_second\x18\x02 \x01(\x01\"\x8a\x02\n\rStreamRequest\x12+\n\x0b\x63oordinates\x18\x01 \x01(\x0b\x32\x16.stoker.v1.Coordinates\x12\x15\n\rbatch_indices\x18\x02 \x03(\x03\x12/\n\tshm_probe\x18\x03 \x01(\x0b\x32\x1c.stoker.v1.SharedMemoryProbe\x12\x10\n\x08released\x18\x04 \x03(\t\x12\'\n\x06report\x18\x05 \x01(\x0b\x32\x17.stoker.v1.ClientReport\x12\x13\n\x0b\x63ompression\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x61ta_socket\x18\x07 \x01(\x08\x12\x1f\n\x17\x64\x61ta_socket_unreachable\x18\x08 \x01(\x08\"I\n\nDataSocket\x12\x0c\n\x04port\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\r\n\x05proof\x18\x03 \x01(\x08\x12\x0f\n\x07\x63redits\x18\x04 \x01(\x08\"v\n\x0c\x43lientReport\x12\x14\n\x0cwait_seconds\x18\x01 \x01(\x01\x12\x14\n\x0cloop_seconds\x18\x02 \x01(\x01\x12\x0e\n\x06window\x18\x03 \x01(\x03\x12\x12\n\nwindow_why\x18\x04 \x01(\t\x12\x16\n\x0e\x62udget_batches\x18\x05 \x01(\x03\"0\n\x11SharedMemoryProbe\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\"X\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\"\xac\x02\n\nBatchFrame\x12\x13\n\x0b\x62\x61tch_index\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x15\n\rpayload_bytes\x18\x05 \x01(\x03\x12&\n\x07tensors\x18\x06 \x03(\x0b\x32\x15.stoker.v1.TensorInfo\x12\x13\n\x0b\x63ompression\x18\t \x01(\t\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12&\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x15.stoker.v1.BatchErrorH\x00\x12\x12\n\x08shm_name\x18\x08 \x01(\tH\x00\x12,\n\x0b\x64\x61ta_socket\x18\n \x01(\x0b\x32\x15.stoker.v1.DataSocketH\x00\x12\x14\n\nvia_socket\x18\x0b \x01(\x08H\x00\x42\x06\n\x04kind\"+\n\nBatchError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t2\xfe\x01\n\x0b\x44\x61taService\x12O\n\x0cListDatasets\x12\x1e.stoker.v1.ListDatasetsRequest\x1a\x1f.stoker.v1.ListDatasetsResponse\x12X\n\x0f\x44\x65scribeDataset\x12!.stoker.v1.DescribeDatasetRequest\x1a\".stoker.v1.DescribeDatasetResponse\x12\x44\n\rStreamBatches\x12\x18.stoker.v1.StreamRequest\x1a\x15.stoker.v1.BatchFrame(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16stoker/v1/stoker.proto\x12\tstoker.v1\"\x8e\x02\n\x0b\x43oordinates\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x0c\n\x04seed\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x0f\n\x07shuffle\x18\x04 \x01(\x08\x12\x0c\n\x04rank\x18\x05 \x01(\x03\x12\x12\n\nworld_size\x18\x06 \x01(\x03\x12\x12\n\nbatch_size\x18\x07 \x01(\x03\x12\x11\n\tdrop_last\x18\x08 \x01(\x08\x12\x13\n\x0b\x66ingerprint\x18\t \x01(\t\x12\r\n\x05start\x18\n \x01(\x03\x12\x14\n\x0c\x62\x61tch_tokens\x18\x0b \x01(\x03\x12\x12\n\ntoken_cost\x18\x0c \x01(\t\x12\x10\n\x08\x65xcluded\x18\r \x03(\x03\x12\x17\n\x0f\x65xcluded_digest\x18\x0e \x01(\t\"=\n\x0b\x46ingerprint\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0f\n\x07objects\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\"\x15\n\x13ListDatasetsRequest\"m\n\x0b\x44\x61tasetInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x02 \x01(\t\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x03\x12+\n\x0b\x66ingerprint\x18\x04 \x01(\x0b\x32\x16.stoker.v1.Fingerprint\"@\n\x14ListDatasetsResponse\x12(\n\x08\x64\x61tasets\x18\x01 \x03(\x0b\x32\x16.stoker.v1.DatasetInfo\"\x8f\x01\n\x16\x44\x65scribeDatasetRequest\x12+\n\x0b\x63oordinates\x18\x01 \x01(\x0b\x32\x16.stoker.v1.Coordinates\x12!\n\x06locate\x18\x02 \x01(\x0b\x32\x11.stoker.v1.Locate\x12%\n\x08\x63onsumed\x18\x03 \x01(\x0b\x32\x13.stoker.v1.Consumed\"\x19\n\x08\x43onsumed\x12\r\n\x05steps\x18\x01 \x01(\x03\"\x16\n\x06Locate\x12\x0c\n\x04step\x18\x01 \x01(\x03\"-\n\x07Located\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x13\n\x0b\x62\x61tch_index\x18\x02 \x01(\x03\"7\n\tFieldSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xca\x02\n\x17\x44\x65scribeDatasetResponse\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x02 \x01(\t\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x03\x12\x18\n\x10samples_per_rank\x18\x04 \x01(\x03\x12\x19\n\x11\x62\x61tches_per_epoch\x18\x05 \x01(\x03\x12$\n\x06\x66ields\x18\x06 \x03(\x0b\x32\x14.stoker.v1.FieldSpec\x12+\n\x0b\x66ingerprint\x18\x07 \x01(\x0b\x32\x16.stoker.v1.Fingerprint\x12\x13\n\x0bmax_credits\x18\x08 \x01(\x03\x12%\n\x08\x63\x61pacity\x18\t \x01(\x0b\x32\x13.stoker.v1.Capacity\x12#\n\x07located\x18\n \x01(\x0b\x32\x12.stoker.v1.Located\x12\x10\n\x08\x63onsumed\x18\x0b \x01(\x03\"7\n\x08\x43\x61pacity\x12\x0f\n\x07workers\x18\x01 \x01(\x03\x12\x1a\n\x12samples_per_second\x18\x02 \x01(\x01\"\x8a\x02\n\rStreamRequest\x12+\n\x0b\x63oordinates\x18\x01 \x01(\x0b\x32\x16.stoker.v1.Coordinates\x12\x15\n\rbatch_indices\x18\x02 \x03(\x03\x12/\n\tshm_probe\x18\x03 \x01(\x0b\x32\x1c.stoker.v1.SharedMemoryProbe\x12\x10\n\x08released\x18\x04 \x03(\t\x12\'\n\x06report\x18\x05 \x01(\x0b\x32\x17.stoker.v1.ClientReport\x12\x13\n\x0b\x63ompression\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x61ta_socket\x18\x07 \x01(\x08\x12\x1f\n\x17\x64\x61ta_socket_unreachable\x18\x08 \x01(\x08\"I\n\nDataSocket\x12\x0c\n\x04port\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\r\n\x05proof\x18\x03 \x01(\x08\x12\x0f\n\x07\x63redits\x18\x04 \x01(\x08\"v\n\x0c\x43lientReport\x12\x14\n\x0cwait_seconds\x18\x01 \x01(\x01\x12\x14\n\x0cloop_seconds\x18\x02 \x01(\x01\x12\x0e\n\x06window\x18\x03 \x01(\x03\x12\x12\n\nwindow_why\x18\x04 \x01(\t\x12\x16\n\x0e\x62udget_batches\x18\x05 \x01(\x03\"0\n\x11SharedMemoryProbe\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\"X\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\"\xac\x02\n\nBatchFrame\x12\x13\n\x0b\x62\x61tch_index\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x15\n\rpayload_bytes\x18\x05 \x01(\x03\x12&\n\x07tensors\x18\x06 \x03(\x0b\x32\x15.stoker.v1.TensorInfo\x12\x13\n\x0b\x63ompression\x18\t \x01(\t\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12&\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x15.stoker.v1.BatchErrorH\x00\x12\x12\n\x08shm_name\x18\x08 \x01(\tH\x00\x12,\n\x0b\x64\x61ta_socket\x18\n \x01(\x0b\x32\x15.stoker.v1.DataSocketH\x00\x12\x14\n\nvia_socket\x18\x0b \x01(\x08H\x00\x42\x06\n\x04kind\"+\n\nBatchError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"U\n\x11ProvenanceRequest\x12+\n\x0b\x63oordinates\x18\x01 \x01(\x0b\x32\x16.stoker.v1.Coordinates\x12\x13\n\x0b\x62\x61tch_index\x18\x02 \x01(\x03\"4\n\x0cSampleSource\x12\x14\n\x0csample_index\x18\x01 \x01(\x03\x12\x0e\n\x06source\x18\x02 \x01(\t\">\n\x12ProvenanceResponse\x12(\n\x07samples\x18\x01 \x03(\x0b\x32\x17.stoker.v1.SampleSource2\xc9\x02\n\x0b\x44\x61taService\x12O\n\x0cListDatasets\x12\x1e.stoker.v1.ListDatasetsRequest\x1a\x1f.stoker.v1.ListDatasetsResponse\x12X\n\x0f\x44\x65scribeDataset\x12!.stoker.v1.DescribeDatasetRequest\x1a\".stoker.v1.DescribeDatasetResponse\x12\x44\n\rStreamBatches\x12\x18.stoker.v1.StreamRequest\x1a\x15.stoker.v1.BatchFrame(\x01\x30\x01\x12I\n\nProvenance\x12\x1c.stoker.v1.ProvenanceRequest\x1a\x1d.stoker.v1.ProvenanceResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,37 +32,49 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stoker.v1.stoker_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_COORDINATES']._serialized_start=38
-  _globals['_COORDINATES']._serialized_end=265
-  _globals['_FINGERPRINT']._serialized_start=267
-  _globals['_FINGERPRINT']._serialized_end=328
-  _globals['_LISTDATASETSREQUEST']._serialized_start=330
-  _globals['_LISTDATASETSREQUEST']._serialized_end=351
-  _globals['_DATASETINFO']._serialized_start=353
-  _globals['_DATASETINFO']._serialized_end=462
-  _globals['_LISTDATASETSRESPONSE']._serialized_start=464
-  _globals['_LISTDATASETSRESPONSE']._serialized_end=528
-  _globals['_DESCRIBEDATASETREQUEST']._serialized_start=530
-  _globals['_DESCRIBEDATASETREQUEST']._serialized_end=599
-  _globals['_FIELDSPEC']._serialized_start=601
-  _globals['_FIELDSPEC']._serialized_end=656
-  _globals['_DESCRIBEDATASETRESPONSE']._serialized_start=659
-  _globals['_DESCRIBEDATASETRESPONSE']._serialized_end=934
-  _globals['_CAPACITY']._serialized_start=936
-  _globals['_CAPACITY']._serialized_end=991
-  _globals['_STREAMREQUEST']._serialized_start=994
-  _globals['_STREAMREQUEST']._serialized_end=1260
-  _globals['_DATASOCKET']._serialized_start=1262
-  _globals['_DATASOCKET']._serialized_end=1335
-  _globals['_CLIENTREPORT']._serialized_start=1337
-  _globals['_CLIENTREPORT']._serialized_end=1455
-  _globals['_SHAREDMEMORYPROBE']._serialized_start=1457
-  _globals['_SHAREDMEMORYPROBE']._serialized_end=1505
-  _globals['_TENSORINFO']._serialized_start=1507
-  _globals['_TENSORINFO']._serialized_end=1595
-  _globals['_BATCHFRAME']._serialized_start=1598
-  _globals['_BATCHFRAME']._serialized_end=1898
-  _globals['_BATCHERROR']._serialized_start=1900
-  _globals['_BATCHERROR']._serialized_end=1943
-  _globals['_DATASERVICE']._serialized_start=1946
-  _globals['_DATASERVICE']._serialized_end=2200
+  _globals['_COORDINATES']._serialized_end=308
+  _globals['_FINGERPRINT']._serialized_start=310
+  _globals['_FINGERPRINT']._serialized_end=371
+  _globals['_LISTDATASETSREQUEST']._serialized_start=373
+  _globals['_LISTDATASETSREQUEST']._serialized_end=394
+  _globals['_DATASETINFO']._serialized_start=396
+  _globals['_DATASETINFO']._serialized_end=505
+  _globals['_LISTDATASETSRESPONSE']._serialized_start=507
+  _globals['_LISTDATASETSRESPONSE']._serialized_end=571
+  _globals['_DESCRIBEDATASETREQUEST']._serialized_start=574
+  _globals['_DESCRIBEDATASETREQUEST']._serialized_end=717
+  _globals['_CONSUMED']._serialized_start=719
+  _globals['_CONSUMED']._serialized_end=744
+  _globals['_LOCATE']._serialized_start=746
+  _globals['_LOCATE']._serialized_end=768
+  _globals['_LOCATED']._serialized_start=770
+  _globals['_LOCATED']._serialized_end=815
+  _globals['_FIELDSPEC']._serialized_start=817
+  _globals['_FIELDSPEC']._serialized_end=872
+  _globals['_DESCRIBEDATASETRESPONSE']._serialized_start=875
+  _globals['_DESCRIBEDATASETRESPONSE']._serialized_end=1205
+  _globals['_CAPACITY']._serialized_start=1207
+  _globals['_CAPACITY']._serialized_end=1262
+  _globals['_STREAMREQUEST']._serialized_start=1265
+  _globals['_STREAMREQUEST']._serialized_end=1531
+  _globals['_DATASOCKET']._serialized_start=1533
+  _globals['_DATASOCKET']._serialized_end=1606
+  _globals['_CLIENTREPORT']._serialized_start=1608
+  _globals['_CLIENTREPORT']._serialized_end=1726
+  _globals['_SHAREDMEMORYPROBE']._serialized_start=1728
+  _globals['_SHAREDMEMORYPROBE']._serialized_end=1776
+  _globals['_TENSORINFO']._serialized_start=1778
+  _globals['_TENSORINFO']._serialized_end=1866
+  _globals['_BATCHFRAME']._serialized_start=1869
+  _globals['_BATCHFRAME']._serialized_end=2169
+  _globals['_BATCHERROR']._serialized_start=2171
+  _globals['_BATCHERROR']._serialized_end=2214
+  _globals['_PROVENANCEREQUEST']._serialized_start=2216
+  _globals['_PROVENANCEREQUEST']._serialized_end=2301
+  _globals['_SAMPLESOURCE']._serialized_start=2303
+  _globals['_SAMPLESOURCE']._serialized_end=2355
+  _globals['_PROVENANCERESPONSE']._serialized_start=2357
+  _globals['_PROVENANCERESPONSE']._serialized_end=2419
+  _globals['_DATASERVICE']._serialized_start=2422
+  _globals['_DATASERVICE']._serialized_end=2751
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Coordinates(_message.Message):
-    __slots__ = ("dataset", "seed", "epoch", "shuffle", "rank", "world_size", "batch_size", "drop_last", "fingerprint", "start", "batch_tokens", "token_cost")
+    __slots__ = ("dataset", "seed", "epoch", "shuffle", "rank", "world_size", "batch_size", "drop_last", "fingerprint", "start", "batch_tokens", "token_cost", "excluded", "excluded_digest")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,8 @@ class Coordinates(_message.Message):
     START_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COST_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_DIGEST_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     seed: int
     epoch: int
@@ -32,7 +34,9 @@ class Coordinates(_message.Message):
     start: int
     batch_tokens: int
     token_cost: str
-    def __init__(self, dataset: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., start: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., token_cost: _Optional[str] = ...) -> None: ...
+    excluded: _containers.RepeatedScalarFieldContainer[int]
+    excluded_digest: str
+    def __init__(self, dataset: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., start: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., token_cost: _Optional[str] = ..., excluded: _Optional[_Iterable[int]] = ..., excluded_digest: _Optional[str] = ...) -> None: ...
 
 class Fingerprint(_message.Message):
     __slots__ = ("digest", "objects", "bytes")
@@ -67,10 +71,34 @@ class ListDatasetsResponse(_message.Message):
     def __init__(self, datasets: _Optional[_Iterable[_Union[DatasetInfo, _Mapping]]] = ...) -> None: ...
 
 class DescribeDatasetRequest(_message.Message):
-    __slots__ = ("coordinates",)
+    __slots__ = ("coordinates", "locate", "consumed")
     COORDINATES_FIELD_NUMBER: _ClassVar[int]
+    LOCATE_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
     coordinates: Coordinates
-    def __init__(self, coordinates: _Optional[_Union[Coordinates, _Mapping]] = ...) -> None: ...
+    locate: Locate
+    consumed: Consumed
+    def __init__(self, coordinates: _Optional[_Union[Coordinates, _Mapping]] = ..., locate: _Optional[_Union[Locate, _Mapping]] = ..., consumed: _Optional[_Union[Consumed, _Mapping]] = ...) -> None: ...
+
+class Consumed(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    def __init__(self, steps: _Optional[int] = ...) -> None: ...
+
+class Locate(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...
+
+class Located(_message.Message):
+    __slots__ = ("epoch", "batch_index")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    batch_index: int
+    def __init__(self, epoch: _Optional[int] = ..., batch_index: _Optional[int] = ...) -> None: ...
 
 class FieldSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")
@@ -83,7 +111,7 @@ class FieldSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DescribeDatasetResponse(_message.Message):
-    __slots__ = ("dataset", "format", "num_samples", "samples_per_rank", "batches_per_epoch", "fields", "fingerprint", "max_credits", "capacity")
+    __slots__ = ("dataset", "format", "num_samples", "samples_per_rank", "batches_per_epoch", "fields", "fingerprint", "max_credits", "capacity", "located", "consumed")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +121,8 @@ class DescribeDatasetResponse(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_CREDITS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    LOCATED_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     format: str
     num_samples: int
@@ -102,7 +132,9 @@ class DescribeDatasetResponse(_message.Message):
     fingerprint: Fingerprint
     max_credits: int
     capacity: Capacity
-    def __init__(self, dataset: _Optional[str] = ..., format: _Optional[str] = ..., num_samples: _Optional[int] = ..., samples_per_rank: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., max_credits: _Optional[int] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ...) -> None: ...
+    located: Located
+    consumed: int
+    def __init__(self, dataset: _Optional[str] = ..., format: _Optional[str] = ..., num_samples: _Optional[int] = ..., samples_per_rank: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., max_credits: _Optional[int] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., located: _Optional[_Union[Located, _Mapping]] = ..., consumed: _Optional[int] = ...) -> None: ...
 
 class Capacity(_message.Message):
     __slots__ = ("workers", "samples_per_second")
@@ -213,3 +245,25 @@ class BatchError(_message.Message):
     code: int
     message: str
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ProvenanceRequest(_message.Message):
+    __slots__ = ("coordinates", "batch_index")
+    COORDINATES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
+    coordinates: Coordinates
+    batch_index: int
+    def __init__(self, coordinates: _Optional[_Union[Coordinates, _Mapping]] = ..., batch_index: _Optional[int] = ...) -> None: ...
+
+class SampleSource(_message.Message):
+    __slots__ = ("sample_index", "source")
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    sample_index: int
+    source: str
+    def __init__(self, sample_index: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
+
+class ProvenanceResponse(_message.Message):
+    __slots__ = ("samples",)
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    samples: _containers.RepeatedCompositeFieldContainer[SampleSource]
+    def __init__(self, samples: _Optional[_Iterable[_Union[SampleSource, _Mapping]]] = ...) -> None: ...

@@ -49,6 +49,11 @@ class DataServiceStub:
                 request_serializer=stoker_dot_v1_dot_stoker__pb2.StreamRequest.SerializeToString,
                 response_deserializer=stoker_dot_v1_dot_stoker__pb2.BatchFrame.FromString,
                 _registered_method=True)
+        self.Provenance = channel.unary_unary(
+                '/stoker.v1.DataService/Provenance',
+                request_serializer=stoker_dot_v1_dot_stoker__pb2.ProvenanceRequest.SerializeToString,
+                response_deserializer=stoker_dot_v1_dot_stoker__pb2.ProvenanceResponse.FromString,
+                _registered_method=True)
 
 
 class DataServiceServicer:
@@ -76,6 +81,14 @@ class DataServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Provenance(self, request, context):
+        """Where each sample of one batch comes from: file and line, row group and row, tar member,
+        object key, a mixture's component. No sample is read.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DataServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +106,11 @@ def add_DataServiceServicer_to_server(servicer, server):
                     servicer.StreamBatches,
                     request_deserializer=stoker_dot_v1_dot_stoker__pb2.StreamRequest.FromString,
                     response_serializer=stoker_dot_v1_dot_stoker__pb2.BatchFrame.SerializeToString,
+            ),
+            'Provenance': grpc.unary_unary_rpc_method_handler(
+                    servicer.Provenance,
+                    request_deserializer=stoker_dot_v1_dot_stoker__pb2.ProvenanceRequest.FromString,
+                    response_serializer=stoker_dot_v1_dot_stoker__pb2.ProvenanceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +194,33 @@ class DataService:
             '/stoker.v1.DataService/StreamBatches',
             stoker_dot_v1_dot_stoker__pb2.StreamRequest.SerializeToString,
             stoker_dot_v1_dot_stoker__pb2.BatchFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Provenance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stoker.v1.DataService/Provenance',
+            stoker_dot_v1_dot_stoker__pb2.ProvenanceRequest.SerializeToString,
+            stoker_dot_v1_dot_stoker__pb2.ProvenanceResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,238 @@
+"""What a RemoteLoader does beside its loop, because a batch is a pure function of its
+coordinates: any batch on demand (`batch_at`), and later ones (seek, exclusions,
+provenance) built on it. `OnDemand` is a base of RemoteLoader (client/_loader.py); it reads
+the loader's fields named below and nothing else.
+
+Threading: the loop's thread, like the loader; a batch_at during an iteration opens a stream
+of its own (client/_oneshot.py) and uses buffers of its own, so the loop's window, buffers
+and position are untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from stoker.v1 import stoker_pb2 as pb
+
+from ._buffers import HostBuffers
+from ._contact import first_contact
+from ._exclusions import Excluded
+from ._oneshot import ask_sources, fetch_one
+from ._resume import Position
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ._chain import Chain
+    from ._errors import RemoteError
+    from ._frames import Assembled
+    from ._options import LoaderOptions
+    from ._pinning import Pinning
+    from ._resume import Coordinates, Saved
+    from ._servers import ServerSet
+    from ._stall import Stall
+    from ._stream import StreamSpec
+
+
+class OnDemand:
+    """batch_at and the conversions it shares with the loop (see the module docstring)."""
+
+    _options: LoaderOptions
+    _coords: Coordinates
+    _at: Position
+    _feed: Any  # a DeviceFeed, or None
+    _servers: ServerSet
+    _pinning: Pinning
+    _normalize: Any  # a Normalizer, or None
+    _aside: tuple[HostBuffers, Any] | None = None  # batch_at's buffers, and device feed
+    _described: dict[tuple[int, int], pb.DescribeDatasetResponse]
+    _stall: Stall
+    _chain: Chain
+
+    if TYPE_CHECKING:  # RemoteLoader's
+        def describe(self) -> pb.DescribeDatasetResponse: ...
+
+        def _ask(self, request: pb.DescribeDatasetRequest, epoch: int, start: int
+                 ) -> pb.DescribeDatasetResponse: ...
+
+        def _refuse(self, err: RemoteError) -> None: ...
+
+        def _spec(self, coordinates: pb.Coordinates, allocate: Any = None,
+                  finish: Any = None) -> StreamSpec: ...
+
+    def seek(self, step: int) -> None:
+        """Make the next batch global step `step` of this job: the batch every rank takes
+        after `step` steps, counted from epoch 0, batch 0 at these coordinates (under
+        batch_tokens, each epoch's plan's steps). After loading a model checkpoint,
+        `loader.seek(model_step)` is a complete resume: no loader state is needed (but the
+        exclusions, see exclude). One request, whatever the step: a server finds the epoch
+        and batch (docs/client.md#seek). Steps are counted at this loader's world_size and
+        batch size: a run that changed them resumes from a state_dict instead."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        pin = self._pinning.pin
+        request = pb.DescribeDatasetRequest(
+            coordinates=self._coords.message(0, 0, pin.digest if pin else ""),
+            locate=pb.Locate(step=step))
+        located = self._ask(request, 0, 0).located
+        if self._options.batch_tokens:  # its answer describes the epoch located
+            self._described[(located.epoch, 0)] = self._described.pop((0, 0))
+        self._at = Position(located.epoch, 0, located.batch_index)
+
+    def _planned(self, saved: Saved) -> int:
+        """Positions consumed by the job that saved `saved` (under batch_tokens, at its
+        world_size): where its epoch's plan ended step `next_batch` (one request)."""
+        pin = self._pinning.pin
+        at = saved.at
+        theirs = dataclasses.replace(self._coords, rank=0, world_size=saved.world_size)
+        request = pb.DescribeDatasetRequest(
+            coordinates=theirs.message(at.epoch, at.start, pin.digest if pin else ""),
+            consumed=pb.Consumed(steps=at.next_batch))
+        o = self._options
+        return first_contact(self._servers, lambda: request, connect_timeout=o.connect_timeout,
+                             timeout=o.timeout, tls=o.channels.tls,
+                             refuse=self._refuse).described.consumed
+
+    # -- exclusions -------------------------------------------------------------------------
+    def exclude(self, sample_indices: Iterable[int]) -> None:
+        """Leave these samples (dataset indices, as in `sample_index`) out of every batch
+        from the next one on, for the rest of the run: each batch that holds one has that
+        many fewer rows; every other sample stays where it was (positions are not
+        renumbered, so resume, `seek` and an elastic resume stay exact). The set only grows;
+        `state_dict()` records it (and `load_state_dict` adds a state's to the loader's), the
+        servers apply it on every rank. Call it between loops (after `break`), not inside
+        one: RuntimeError. At most 100,000 samples in all: ValueError past that
+        (docs/client.md#finding-and-skipping-the-data-behind-a-loss-spike)."""
+        if self._stall.running:
+            raise RuntimeError("exclude() inside a loop over the loader: leave the loop "
+                               "(break) first; the next loop goes on without those samples")
+        excluded = Excluded.union(self._coords.excluded, sample_indices)
+        if excluded != self._coords.excluded:
+            self._coords = dataclasses.replace(self._coords, excluded=excluded)
+            self._chain.drop()  # what it fetched ahead holds the samples
+
+    def _empty_batch(self, allocate: Any) -> Any:
+        """What makes the batch of 0 rows that a batch whose samples are all excluded is (on
+        a receive thread): every described field, its varying axes 0, in a buffer of
+        `allocate`'s; None before the dataset was described (no exclusion yet either)."""
+        if self._coords.excluded is None:
+            return None
+        fields = [pb.TensorInfo(name=f.name, dtype=f.dtype, shape=[0, *(max(d, 0) for d in
+                                                                         f.shape)])
+                  for f in self.describe().fields]
+
+        def empty(epoch: int, index: int) -> Assembled:
+            from ._frames import Assembled
+
+            return Assembled(index, epoch, allocate(64)[0], fields, 0)
+
+        return empty
+
+    @property
+    def excluded(self) -> tuple[int, ...]:
+        """The samples this run leaves out (sorted), see exclude."""
+        return self._coords.excluded.indices if self._coords.excluded else ()
+
+    # -- sizes: a Describe per epoch under batch_tokens, one for all epochs otherwise ------
+    def _key(self, epoch: int, start: int) -> tuple[int, int]:
+        """Where Describe's answer for `epoch`'s positions from `start` is cached: each epoch
+        of a token budget has its plan's steps; cut by count, every epoch has the same."""
+        return (epoch if self._options.batch_tokens else 0, start)
+
+    def _sizes(self, epoch: int, start: int) -> pb.DescribeDatasetResponse:
+        """Describe's answer for `epoch`'s positions from `start`, asked once."""
+        described = self._described.get(self._key(epoch, start))
+        if described is None:
+            pin = self._pinning.pin
+            request = pb.DescribeDatasetRequest(
+                coordinates=self._coords.message(epoch, start, pin.digest if pin else ""))
+            described = self._ask(request, epoch, start)
+        return described
+
+    def _following(self, epoch: int) -> pb.DescribeDatasetResponse | None:
+        """The sizes of `epoch` (the next one, whose first batches are asked for while the
+        loop ends its epoch) when known without a request; under batch_tokens one is made
+        (its plan's steps are its own)."""
+        if self._options.batch_tokens:
+            return self._sizes(epoch, 0)
+        return self._described.get(self._key(epoch, 0))
+
+    def batch_at(self, epoch: int, index: int) -> dict[str, Any]:
+        """The batch this rank is given at batch `index` of `epoch`: the same bytes, type and
+        device as iteration gives there, in one request to one server (a stream of its
+        own), whatever the loop is doing. In the epoch the loader is in, after an elastic
+        resume (`start`), `index` counts batches of that epoch's rest, as iteration does.
+        INVALID_ARGUMENT (RemoteError) for an index past the epoch."""
+        coordinates = self._coordinates_at(epoch, index)
+        _, feed = self._aside_buffers()
+        spec = self._spec(coordinates, allocate=lambda n: self._allocate_aside(n),
+                          finish=lambda b: self._convert(b, feed))
+        return self._handed(fetch_one(self._servers, spec, index, self._options.timeout), feed)
+
+    def provenance(self, epoch: int, index: int) -> list[dict[str, Any]]:
+        """Where each sample of `batch_at(epoch, index)` comes from, in its row order:
+        `{"sample_index": i, "source": "FILE line N" | "FILE row group G row R" |
+        "FILE member KEY.*" | "FILE tokens A..B" | path or s3:// key}` (a mixture's begins
+        "component 'NAME' sample J, "). One request; no sample is read."""
+        request = pb.ProvenanceRequest(coordinates=self._coordinates_at(epoch, index),
+                                       batch_index=index)
+        answer = ask_sources(self._servers, request, self._options.timeout)
+        return [{"sample_index": s.sample_index, "source": s.source} for s in answer.samples]
+
+    def _coordinates_at(self, epoch: int, index: int) -> pb.Coordinates:
+        """The coordinates of batch `index` of `epoch` (see batch_at), the data pinned."""
+        if epoch < 0 or index < 0:
+            raise ValueError(f"epoch and index must be >= 0, got epoch={epoch}, index={index}")
+        self.describe()  # pins the fingerprint: the batch is of the loop's data
+        pin = self._pinning.pin
+        start = self._at.start if epoch == self._at.epoch else 0
+        return self._coords.message(epoch, start, pin.digest if pin else "")
+
+    def _aside_buffers(self) -> tuple[HostBuffers, Any]:
+        """batch_at's own buffers (and CUDA stream): the loop's pools are sized to its window
+        and may all be in use."""
+        if self._aside is None:
+            feed = None
+            if self._feed is not None:
+                from ._device import DeviceFeed
+
+                feed = DeviceFeed(self._options.device, max_buffers=2,
+                                  normalize=self._feed.normalize)
+            self._aside = (HostBuffers(max_buffers=2), feed)
+        return self._aside
+
+    def _allocate_aside(self, nbytes: int) -> tuple[Any, np.ndarray]:
+        host, feed = self._aside_buffers()
+        if feed is not None:
+            return feed.allocate(nbytes)
+        buf = host.acquire(nbytes)
+        return buf, buf
+
+    def _convert(self, batch: Assembled, feed: Any) -> Any:
+        """An assembled batch as the caller gets it (receive threads): on `feed`'s device,
+        else numpy views or CPU tensors, normalized if asked."""
+        from ._frames import numpy_views
+
+        normalize = self._normalize
+        if feed is not None:
+            return feed.to_device(batch.buffer, batch.tensors)
+        arrays = numpy_views(batch.buffer, batch.tensors)
+        if self._options.output == "numpy":
+            return normalize.numpy(arrays) if normalize else arrays
+        import torch
+
+        tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
+        return normalize.torch(tensors) if normalize else tensors
+
+    def _handed(self, batch: Any, feed: Any) -> Any:
+        """A finished batch as the loop's thread hands it out: the current CUDA stream waits
+        for its copy; packed under pack=True."""
+        if feed is not None:
+            batch = feed.hand_over(*batch)
+        if self._options.pack:
+            from .packing import pack_padded
+
+            batch = pack_padded(batch)
+        return batch

@@ -1,0 +1,197 @@
+"""Determinism as a tool, through real servers: any batch on demand (`batch_at`) equals the
+batch iteration gives there, and asking for one does not disturb an iteration; `seek(step)`
+then iterating equals an unstopped run from that step, in one request however far."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import determinism_datasets
+import numpy as np
+import pytest
+
+from stoker.client import RemoteError, RemoteLoader
+from stoker.server import ServerProcess
+from stoker.v1 import stoker_pb2_grpc as pb_grpc
+
+from conftest import StartServer
+
+pytestmark = pytest.mark.timeout(120)
+
+WORLD = 2
+EPOCHS = 3
+# dataset -> its size argument
+SIZES: dict[str, dict[str, Any]] = {
+    "pics": {"batch_size": 2},
+    "toks": {"batch_size": 2},
+    "docs": {"batch_tokens": 64},
+    "mix": {"batch_size": 5},
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory,
+           start_server_module: StartServer) -> ServerProcess:
+    root = tmp_path_factory.mktemp("determinism")
+    return start_server_module(determinism_datasets.make(root), workers=2)
+
+
+def make(address: str, dataset: str, rank: int = 1, **kw: Any) -> RemoteLoader:
+    return RemoteLoader(address, dataset, **{**SIZES[dataset], **kw}, seed=7, rank=rank,
+                        world_size=WORLD, output="numpy", timeout=60)
+
+
+def same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("dataset", sorted(SIZES))
+def test_batch_at_equals_the_iterated_batch(server: ServerProcess, dataset: str) -> None:
+    with make(server.address, dataset) as loader:
+        iterated = [list(loader) for _ in range(EPOCHS)]
+        positions = [(e, i) for e in range(EPOCHS) for i in range(len(iterated[e]))]
+        for epoch, index in random.Random(dataset).sample(positions, 20):
+            assert same(loader.batch_at(epoch, index), iterated[epoch][index]), (epoch, index)
+
+
+def test_batch_at_mid_iteration_leaves_the_loop_as_it_was(server: ServerProcess) -> None:
+    with make(server.address, "toks") as plain:
+        expected = list(plain)
+    with make(server.address, "toks", prefetch=2) as loader:
+        got = []
+        for k, batch in enumerate(loader):
+            got.append(batch)
+            if k == 1:
+                aside = loader.batch_at(2, 3)
+                assert loader.state_dict()["next_batch"] == 2
+        with make(server.address, "toks") as other:
+            other.set_epoch(2)
+            assert same(aside, list(other)[3])
+    assert len(got) == len(expected) and all(map(same, got, expected))
+
+
+def test_batch_at_torch_output_and_errors(server: ServerProcess) -> None:
+    pytest.importorskip("torch")
+    with RemoteLoader(server.address, "toks", batch_size=4, seed=7, timeout=60) as loader:
+        first = next(iter(loader))
+        again = loader.batch_at(0, 0)
+        assert {type(v) for v in again.values()} == {type(v) for v in first.values()}
+        assert all(bool((again[k] == first[k]).all()) for k in first)
+        with pytest.raises(RemoteError) as e:
+            loader.batch_at(0, len(loader))
+        assert e.value.code.name == "INVALID_ARGUMENT"
+        with pytest.raises(ValueError, match="index"):
+            loader.batch_at(0, -1)
+
+
+def test_batch_at_in_an_epoch_resumed_at_another_world_size(server: ServerProcess) -> None:
+    with make(server.address, "pics", rank=0) as saver:
+        it = iter(saver)
+        next(it)
+        state = saver.state_dict()
+    with RemoteLoader(server.address, "pics", batch_size=2, seed=7, rank=0, world_size=3,
+                      output="numpy", timeout=60) as loader:
+        loader.load_state_dict(state)
+        rest = []
+        for batch in loader:  # still in epoch 0: batch_at counts from its `start`
+            rest.append(batch)
+            if len(rest) == 2:
+                break
+        assert same(loader.batch_at(0, 1), rest[1])
+
+
+
+# -- seek -----------------------------------------------------------------------------------
+def run(loader: RemoteLoader, epochs: int = EPOCHS) -> list[dict[str, np.ndarray]]:
+    """Every batch from the loader's position to the end of epoch `epochs - 1`."""
+    batches: list[dict[str, np.ndarray]] = []
+    while loader.state_dict()["epoch"] < epochs:
+        batches += list(loader)
+    return batches
+
+
+@pytest.mark.parametrize("dataset", ["toks", "docs", "mix"])
+def test_seek_then_iterating_equals_an_unstopped_run(server: ServerProcess,
+                                                     dataset: str) -> None:
+    with make(server.address, dataset) as loader:
+        unstopped = run(loader)
+    per_epoch = len(unstopped) // EPOCHS if dataset != "docs" else None
+    for step in sorted({0, 1, 5, len(unstopped) // 2, len(unstopped) - 1,
+                        *(random.Random(dataset).sample(range(len(unstopped)), 4))}):
+        with make(server.address, dataset) as loader:
+            loader.seek(step)
+            if per_epoch:
+                state = loader.state_dict()
+                assert (state["epoch"], state["next_batch"]) == divmod(step, per_epoch)
+            rest = run(loader)
+        assert len(rest) == len(unstopped) - step, step
+        assert all(map(same, rest, unstopped[step:])), step
+
+
+def test_seek_in_a_loader_that_iterated_goes_there(server: ServerProcess) -> None:
+    with make(server.address, "mix") as loader:
+        unstopped = run(loader)
+    with make(server.address, "mix") as loader:
+        it = iter(loader)
+        next(it), next(it)
+        loader.seek(3)
+        assert same(next(iter(loader)), unstopped[3])
+        loader.seek(len(unstopped) - 1)
+        assert same(next(iter(loader)), unstopped[-1])
+
+
+class Counted(pb_grpc.DataServiceStub):
+    """A stub that counts the DescribeDataset calls made through it."""
+
+    calls = 0
+
+    def __init__(self, channel: Any) -> None:
+        super().__init__(channel)
+        describe = self.DescribeDataset
+
+        def counted(*a: Any, **kw: Any) -> Any:
+            Counted.calls += 1
+            return describe(*a, **kw)
+
+        self.DescribeDataset = counted
+
+
+def test_seek_far_is_one_request_and_as_fast_as_near(server: ServerProcess,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pb_grpc, "DataServiceStub", Counted)
+    took: dict[int, list[float]] = {10: [], 100_000: []}
+    with make(server.address, "toks") as loader:
+        loader.describe()  # first contact aside
+        for _ in range(5):
+            for step in took:
+                before, t0 = Counted.calls, time.perf_counter()
+                loader.seek(step)
+                took[step].append(time.perf_counter() - t0)
+                assert Counted.calls == before + 1  # one request, not a replay
+        per_epoch = len(loader)
+        assert loader.state_dict()["epoch"] == 100_000 // per_epoch
+    near, far = (sorted(t)[2] for t in took.values())
+    assert far < 2 * near + 0.05, took  # medians; a generous floor for a busy machine
+
+
+def test_seek_errors(server: ServerProcess) -> None:
+    with make(server.address, "toks") as loader:
+        for bad in (-1, 1.5, True):
+            with pytest.raises(ValueError, match="step"):
+                loader.seek(bad)  # type: ignore[arg-type]
+
+
+def test_each_epoch_of_a_token_budget_has_its_own_plans_steps(server: ServerProcess) -> None:
+    """Plans differ by epoch: iterating gives each epoch all of its steps (once, the loader
+    kept epoch 0's count for every epoch, and lost or overran a step)."""
+    sizes = []
+    for epoch in range(EPOCHS + 1):
+        with make(server.address, "docs") as fresh:
+            fresh.set_epoch(epoch)
+            sizes.append(len(fresh))
+    assert len(set(sizes)) > 1  # else this test shows nothing: change the data
+    with make(server.address, "docs") as loader:
+        assert [len(list(loader)) for _ in sizes] == sizes

@@ -1,0 +1,141 @@
+"""Provenance through real servers: `loader.provenance(epoch, index)` and `stoker inspect
+--epoch E --index I` name, for each sample of a batch, the file and the line, row group and
+row, tar member or token range it came from, checked against the files themselves."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import determinism_datasets
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from stoker.client import RemoteError, RemoteLoader
+from stoker.server import ServerProcess
+
+from conftest import StartServer
+
+pytestmark = pytest.mark.timeout(120)
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("provenance")
+
+
+@pytest.fixture(scope="module")
+def server(root: Path, start_server_module: StartServer) -> ServerProcess:
+    return start_server_module(determinism_datasets.make(root),
+                               cache={"dir": str(root / "cache")})
+
+
+def sources(address: str, dataset: str, epoch: int = 1, index: int = 1
+            ) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+    size = {"batch_tokens": 64} if dataset == "docs" else {"batch_size": 3}
+    with RemoteLoader(address, dataset, **size, seed=7, rank=1, world_size=WORLD,
+                      output="numpy", timeout=60) as loader:
+        return loader.batch_at(epoch, index), loader.provenance(epoch, index)
+
+
+def rows_of(batch: dict[str, np.ndarray], found: list[dict[str, Any]]) -> list[tuple]:
+    """(row, sample index, source) of each sample, the indices checked against the batch's."""
+    assert [s["sample_index"] for s in found] == batch["sample_index"].tolist()
+    return [(row, s["sample_index"], s["source"]) for row, s in enumerate(found)]
+
+
+def test_tokens_name_the_file_and_the_token_range(server: ServerProcess, root: Path) -> None:
+    batch, found = sources(server.address, "toks")
+    for row, _, source in rows_of(batch, found):
+        path, first, end = re.fullmatch(r"(.+) tokens (\d+)\.\.(\d+)", source).groups()
+        tokens = np.fromfile(path, "<u2").astype(np.int64)
+        assert Path(path).parent == root / "tokens"
+        assert np.array_equal(tokens[int(first):int(end)], batch["input_ids"][row])
+
+
+def test_jsonl_names_the_file_and_the_line(server: ServerProcess, root: Path) -> None:
+    batch, found = sources(server.address, "docs")
+    for row, index, source in rows_of(batch, found):
+        path, line = re.fullmatch(r"(.+) line (\d+)", source).groups()
+        record = json.loads(Path(path).read_text().splitlines()[int(line) - 1])
+        assert record["label"] == index == batch["label"][row]
+        assert Path(path).parent == root / "jsonl"
+
+
+def test_parquet_names_the_file_the_row_group_and_the_row(server: ServerProcess) -> None:
+    batch, found = sources(server.address, "rows")
+    for row, _, source in rows_of(batch, found):
+        path, group, at = re.fullmatch(r"(.+) row group (\d+) row (\d+)", source).groups()
+        table = pq.ParquetFile(path).read_row_group(int(group))
+        assert table.column("label")[int(at)].as_py() == batch["label"][row]
+
+
+def test_tar_names_the_shard_and_the_member(server: ServerProcess, root: Path) -> None:
+    batch, found = sources(server.address, "shards")
+    for row, _, source in rows_of(batch, found):
+        path, key = re.fullmatch(r"(.+) member (.+)\.\*", source).groups()
+        with tarfile.open(path) as tar:
+            data = tar.extractfile(f"{key}.cls").read()
+        assert int(data) == batch["cls"][row]
+        assert Path(path).parent == root / "shards"
+
+
+def test_image_folder_names_the_file(server: ServerProcess, root: Path) -> None:
+    from PIL import Image
+
+    batch, found = sources(server.address, "pics")
+    classes = sorted(p.name for p in (root / "images").iterdir())
+    for row, _, source in rows_of(batch, found):
+        path = Path(source)
+        assert path.parent.parent == root / "images"
+        assert classes.index(path.parent.name) == batch["label"][row]
+        small = np.asarray(Image.open(path).convert("RGB").resize((4, 4), Image.BILINEAR))
+        assert np.abs(small.transpose(2, 0, 1).astype(int) - batch["image"][row]).max() <= 64
+
+
+def test_a_mixture_names_the_component(server: ServerProcess) -> None:
+    batch, found = sources(server.address, "mix")
+    names = ["a", "b"]
+    for row, _, source in rows_of(batch, found):
+        name, sample = re.fullmatch(r"component '(\w)' sample (\d+)", source).groups()
+        assert names.index(name) == batch["source"][row]
+        assert batch["x"][row][0] == int(sample)  # mixture_datasets.Named: x[0] is i
+
+
+def test_provenance_of_an_index_past_the_epoch(server: ServerProcess) -> None:
+    with pytest.raises(RemoteError) as e:
+        sources(server.address, "rows", index=1000)
+    assert e.value.code.name == "INVALID_ARGUMENT"
+
+
+def stoker(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stoker.server", *args], capture_output=True,
+                          text=True, timeout=100)
+
+
+def test_inspect_prints_each_samples_source_and_saves_the_arrays(
+        server: ServerProcess, tmp_path: Path) -> None:
+    batch, found = sources(server.address, "rows", epoch=2, index=3)
+    out = stoker("inspect", server.address, "rows", "--epoch", "2", "--index", "3",
+                 "--rank", "1", "--world-size", str(WORLD), "--batch-size", "3", "--seed", "7",
+                 "--drop-last", "--out", str(tmp_path / "b.npz"))
+    assert out.returncode == 0, out.stderr
+    assert f"samples {batch['sample_index'].tolist()}" in out.stdout
+    for row, s in enumerate(found):
+        assert f"{row:>5}{s['sample_index']:>10}  {s['source']}" in out.stdout
+    saved = np.load(tmp_path / "b.npz")
+    assert all(np.array_equal(saved[k], batch[k]) for k in batch)
+    out = stoker("inspect", server.address, "docs", "--batch-tokens", "64", "--index", "2",
+                 "--rank", "1", "--world-size", str(WORLD), "--seed", "7", "--epoch", "1")
+    assert out.returncode == 0, out.stderr
+    docs, found = sources(server.address, "docs", epoch=1, index=2)
+    assert f"samples {docs['sample_index'].tolist()}" in out.stdout
+    assert found[0]["source"] in out.stdout
