@@ -67,8 +67,9 @@ def children_of(pid: int) -> list[int]:
 
 
 def batches(server: ServerProcess, dataset: str, **kw) -> list[dict[str, np.ndarray]]:
+    """One epoch, and nothing of the next fetched ahead: what a server sends is that epoch."""
     with RemoteLoader(server.address, dataset, batch_size=4, output="numpy", timeout=60,
-                      **kw) as loader:
+                      prefetch_next_epoch=False, **kw) as loader:
         return list(loader)
 
 

@@ -163,7 +163,7 @@ def test_grpc_reflection_lists_and_describes_the_services(server) -> None:
         assert {"stoker.v1.DataService", "grpc.health.v1.Health"} <= set(db.get_services())
         service = DescriptorPool(db).FindServiceByName("stoker.v1.DataService")
         assert {m.name for m in service.methods} == {"ListDatasets", "DescribeDataset",
-                                                    "StreamBatches"}
+                                                    "StreamBatches", "Provenance"}
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
