@@ -247,7 +247,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                          persistent_workers=args.workers > 0, generator=g),
                 "stoker": RemoteLoader(
                     server.address, DATASET, batch_size=args.batch_size, seed=args.seed,
-                    shuffle=True, drop_last=True, prefetch=args.prefetch),
+                    shuffle=True, drop_last=True, prefetch=args.prefetch,
+                    prefetch_next_epoch=False),  # epochs interleaved with the peer's
             }
             lengths = {name: len(loader) for name, loader in loaders.items()}
             if lengths["dataloader"] != lengths["stoker"]:

@@ -174,6 +174,8 @@ def measure_w(args: argparse.Namespace, data_dir: Path, cfg_dir: Path, w: int,
     start_s = time.perf_counter() - t0
     g = torch.Generator()
     g.manual_seed(args.seed)
+    # The systems' epochs are interleaved: a stoker loader must not build its next epoch's
+    # first batches while a peer's epoch is being measured (prefetch_next_epoch=False).
     loaders: dict[str, Any] = {
         "dataloader": DataLoader(PillowPipeline(data_dir), batch_size=args.batch_size,
                                  shuffle=True, drop_last=True, num_workers=w,
@@ -184,11 +186,12 @@ def measure_w(args: argparse.Namespace, data_dir: Path, cfg_dir: Path, w: int,
                                        persistent_workers=True, generator=g),
         "stoker": RemoteLoader(server.address, "imgs", batch_size=args.batch_size,
                                seed=args.seed, shuffle=True, drop_last=True,
-                               prefetch=args.prefetch, **TRANSPORTS[args.transport]),
+                               prefetch=args.prefetch, prefetch_next_epoch=False,
+                               **TRANSPORTS[args.transport]),
         "stoker_uint8": RemoteLoader(server.address, "imgs_uint8", batch_size=args.batch_size,
                                      seed=args.seed, shuffle=True, drop_last=True,
                                      prefetch=args.prefetch, normalize={"image": (MEAN, STD)},
-                                     **TRANSPORTS[args.transport])}
+                                     prefetch_next_epoch=False, **TRANSPORTS[args.transport])}
     spdl = [spdl_name(t) for t in spdl_threads]
     for t, name in zip(spdl_threads, spdl, strict=True):
         loaders[name] = SpdlImageLoader(data_dir, args.batch_size, t, seed=args.seed)

@@ -79,7 +79,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         server = ServerProcess(config, workers=args.workers).start(timeout=300)
         res["server_start_s"] = time.perf_counter() - t0
-        loaders = {k: RemoteLoader(server.address, "imgs", batch_size=bs, seed=0)
+        # The two loaders' epochs are interleaved: neither builds ahead into the other's.
+        loaders = {k: RemoteLoader(server.address, "imgs", batch_size=bs, seed=0,
+                                   prefetch_next_epoch=False)
                    for k, bs in sizes.items()}
         try:
             # Untimed: the JPEGs into the page cache, the workers' first decodes.

@@ -271,7 +271,7 @@ class RemoteLoader(OnDemand):
         size = None if w.sized else w.fit(self._options.prefetch_bytes or 0)
         rows = described.samples_per_rank / max(described.batches_per_epoch, 1)
         size = w.adapt(scheduler.fleet(), rows, self._stall.wait_seconds,
-                       self._stall.loop_seconds()) or size
+                       self._stall.loop_seconds(), self._stats["batches"]) or size
         if size is not None:
             self._host.grow(size + 2)
             if self._feed is not None:

@@ -93,6 +93,11 @@ def credit_window(prefetch: int, max_credits: int, address: str) -> int:
 ADAPT_EVERY = 1.0
 STALL_GROW, STALL_SHRINK = 0.02, 0.005
 MARGIN, SPARE = 1.25, 2
+# A loop that stalls while the servers deliver at least this share of what they said they
+# can build waits on the fleet's rate, not on the window: a wider one would only queue more
+# batches at the servers (each a segment, and memory here) and lengthen the latency it is
+# measured by (credit to arrival includes the queue), so it is not grown then.
+SATURATED = 0.9
 
 
 class Window:
@@ -114,7 +119,7 @@ class Window:
         self.adapts, self.memory_budget = adapts, memory_budget
         self.floor = prefetch  # an adapting window never shrinks below it (nor below fit's)
         self.why = f"prefetch={prefetch}" if not adapts else f"default {prefetch} batches"
-        self._seen: tuple[float, float] | None = None  # (wait, loop) s at the last look
+        self._seen: tuple[float, float, int] | None = None  # (wait, loop s, batches) then
 
     @property
     def budget_batches(self) -> int:
@@ -141,16 +146,19 @@ class Window:
                 self.size = want
                 self.why = f"{fleet.workers} workers, their rate not measured yet"
 
-    def adapt(self, fleet: Fleet, rows: float, wait: float, loop: float) -> int | None:
+    def adapt(self, fleet: Fleet, rows: float, wait: float, loop: float, taken: int
+              ) -> int | None:
         """After a batch: the new size if it changes (None: it stays), from the fleet
-        (`rows`: samples a batch) and the loop's `wait` and `loop` seconds so far."""
+        (`rows`: samples a batch) and the loop's `wait` and `loop` seconds and the batches it
+        has `taken`, so far."""
         if not (self.adapts and self.batch_bytes):
             return None
         if self._seen is None or loop - self._seen[1] < ADAPT_EVERY:
-            self._seen = self._seen or (wait, loop)
+            self._seen = self._seen or (wait, loop, taken)
             return None
         stall = (wait - self._seen[0]) / (loop - self._seen[1])
-        self._seen = (wait, loop)
+        delivered = (taken - self._seen[2]) * rows / (loop - self._seen[1])  # samples/s
+        self._seen = (wait, loop, taken)
         rate = fleet.samples_per_second / rows if rows else 0.0  # batches/s
         if rate and fleet.latency:
             need = math.ceil(rate * fleet.latency * MARGIN) + SPARE
@@ -159,7 +167,11 @@ class Window:
         else:
             need, why = self.floor, self.why
         size = self.size
-        if stall > STALL_GROW:
+        if stall > STALL_GROW and delivered >= SATURATED * fleet.samples_per_second > 0:
+            why = (f"loop stalled {stall:.0%} with the servers at their rate ({delivered:,.0f} "
+                   f"of {fleet.samples_per_second:,.0f} samples/s): more servers would help, "
+                   "a wider window would not")
+        elif stall > STALL_GROW:
             size = max(size + 1, math.ceil(size * MARGIN), need)
             why = f"loop stalled {stall:.0%}: grown ({why})"
         elif size < need or stall < STALL_SHRINK:
