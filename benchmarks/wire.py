@@ -483,7 +483,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     (tls_server if name == "stoker_tls" else server).address,
                     f"b{p['size']}", batch_size=p["batch_size"], shuffle=False,
                     drop_last=True, output="numpy", prefetch=args.prefetch,
-                    shared_memory=name == "stoker_shm",
+                    # epochs interleaved with the other paths': none built ahead meanwhile
+                    prefetch_next_epoch=False, shared_memory=name == "stoker_shm",
                     **({"data_socket": False} if name == "stoker" else {}),
                     **({"tls": {"ca": str(cert)}} if name == "stoker_tls" else {}))
                     for name in STOKERS}
