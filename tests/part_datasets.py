@@ -5,6 +5,7 @@ loaded by real servers through `format: python` and `transform:`.
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import numpy as np
@@ -54,7 +55,8 @@ class Gated(Toy):
         if i == self.gate_at and not os.path.exists(self.gate):
             with open(self.fifo, "w") as f:  # blocks until the test reads
                 f.write(f"{os.getpid()}\n")
-            time.sleep(600)  # the test kills this worker
+            while True:  # until the test kills this worker
+                signal.pause()
         return super().__getitem__(i)
 
 
