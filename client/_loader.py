@@ -217,6 +217,7 @@ class RemoteLoader(OnDemand):
             progress = Progress(bar=o.progress, log_every=o.log_every, total=total,
                                 start=self._at.next_batch,
                                 label=f"{self.dataset} epoch {self._at.epoch}")
+        serving = scheduler.serving()
         stall = self._stall
         stall.begin(scheduler)
         finished = False
@@ -246,7 +247,11 @@ class RemoteLoader(OnDemand):
             stall.end()
             if progress is not None:
                 progress.close()
-            if not finished:  # else it goes on asking for the next epoch's first batches
+            # Unless it finished (it goes on asking for the next epoch's first batches), or a
+            # later loop has followed this scheduler on (this generator was let go after its
+            # last batch, and collected later): that loop's batches are not this one's to drop.
+            if not finished and self._chain.live is scheduler \
+                    and scheduler.serving() is serving:
                 self._chain.drop()
 
     def _spec(self, coordinates: pb.Coordinates, allocate: Any = None,

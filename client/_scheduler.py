@@ -190,6 +190,12 @@ class Scheduler(Crediting):
                 self._passes.add(spec, total)
                 self._assign(self._clock())
 
+    def serving(self) -> object:
+        """The pass the loop takes batches of now: a loop that started on it may close this
+        scheduler only while it still is (a later loop may have followed it on)."""
+        with self._cond:
+            return self._passes.loop
+
     def follow(self, epoch: int) -> bool:
         """The loop, done with its epoch, moves on to `epoch` (take() counts from its batch
         0); False if this scheduler does not serve it next (the caller closes it and starts

@@ -8,6 +8,7 @@ eight batches at once, as eight cores would.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -89,3 +90,21 @@ def test_batches_of_an_epoch_not_asked_for_are_dropped_and_counted(server) -> No
         fresh.set_epoch(0)
         assert [b["sample_index"].tolist() for b in fresh] == first
         assert fresh.stats()["dropped"] == 0
+
+
+def test_a_loop_let_go_after_its_last_batch_leaves_the_next_loop_alone(server) -> None:
+    """A generator that yielded its epoch's last batch and is collected while a later loop
+    runs on the same scheduler (the next epoch, fetched ahead) must not close it under that
+    loop."""
+    with RemoteLoader(server.address, "slow", batch_size=BATCH, output="numpy",
+                      shared_memory=False, timeout=20) as loader:
+        it = iter(loader)
+        first = [next(it)["sample_index"].tolist() for _ in range(len(loader))]
+        second = []
+        for k, batch in enumerate(loader):  # epoch 1 follows on
+            if k == 1:
+                del it  # collected now: its clean-up runs while this loop goes on
+                gc.collect()
+            second.append(batch["sample_index"].tolist())
+        assert len(second) == len(first) == PER_EPOCH and second != first
+        assert loader.stats()["dropped"] == 0
