@@ -157,9 +157,12 @@ class WorkerPool:
         except shm.ShmFull:  # a worker's own build meets it too, and says so as ever
             segment = None
         with self._lock:
-            if self._jobs.closing and segment is not None:
-                segments.give_back(segment)
-            self._check_locked()
+            try:
+                self._check_locked()
+            except BaseException:  # closing, no worker left, the dispatcher broke
+                if segment is not None:
+                    segments.give_back(segment)
+                raise
             fut = (self._jobs.add_locked(dataset, indices, ahead, key) if segment is None
                    else self._jobs.add_parts_locked(dataset, indices, ahead, key, plan,
                                                     segment))
