@@ -247,11 +247,8 @@ class RemoteLoader(OnDemand):
             stall.end()
             if progress is not None:
                 progress.close()
-            # Unless it finished (it goes on asking for the next epoch's first batches), or a
-            # later loop has followed this scheduler on (this generator was let go after its
-            # last batch, and collected later): that loop's batches are not this one's to drop.
-            if not finished and self._chain.live is scheduler \
-                    and scheduler.serving() is serving:
+            # Not once finished (it asks ahead), nor under a later loop that followed it on.
+            if not finished and self._chain.live is scheduler and scheduler.serving() is serving:
                 self._chain.drop()
 
     def _spec(self, coordinates: pb.Coordinates, allocate: Any = None,
