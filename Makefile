@@ -4,8 +4,13 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The training-framework integrations' tests (tests/frameworks) run from a venv of their own:
+# Lightning imports torchvision when it is installed, and the dev extra's torchvision (a CUDA
+# build LitData pulls in) fails to import beside the CPU torch. This venv has no torchvision.
+FW_VENV ?= .venv-frameworks
+FW_PY := $(FW_VENV)/bin/python
 
-.PHONY: install demo test lint bench proto reliability soak clean
+.PHONY: install install-frameworks demo test test-frameworks lint bench proto reliability soak clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,14 +20,30 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+$(FW_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(FW_VENV)
+	$(FW_PY) -m pip install --quiet torch==2.13.0
+	$(FW_PY) -m pip install --quiet -e ".[server,client,lightning,hf,ray]" \
+		"pytest>=8" "pytest-timeout>=2.3" "cryptography>=42"
+	@! $(FW_PY) -c "import torchvision" 2>/dev/null || \
+		{ echo "$(FW_VENV) must not have torchvision (Lightning would import it)"; exit 1; }
+	touch $@
+
+install-frameworks: $(FW_VENV)/.installed
+
 ## demo: prepare a small image dataset, start a data server, train a CNN from it
 demo: install
 	$(PY) examples/demo.py
 
-## test: lint, check the generated protobuf code, run the test suite
-test: install lint
+## test: lint, check the generated protobuf code, run the test suite, then the framework tests
+test: install install-frameworks lint
 	$(PY) protos/generate.py --check
 	$(PY) -m pytest
+	$(FW_PY) -m pytest -m frameworks tests/frameworks
+
+## test-frameworks: Lightning, the HF Trainer, torch.distributed.checkpoint and Ray, for real
+test-frameworks: install-frameworks
+	$(FW_PY) -m pytest -m frameworks tests/frameworks
 
 lint: install
 	$(PY) -m ruff check .
@@ -48,4 +69,4 @@ proto: install
 	$(PY) protos/generate.py
 
 clean:
-	rm -rf $(VENV) data results
+	rm -rf $(VENV) $(FW_VENV) data results

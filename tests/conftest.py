@@ -6,6 +6,7 @@ gets this folder on PYTHONPATH. Servers are stopped with SIGTERM and must exit 0
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -42,6 +43,10 @@ TOY_DATASETS: dict[str, Any] = {
 }
 
 StartServer = Callable[..., ServerProcess]
+
+# tests/frameworks needs the training frameworks, installed only in .venv-frameworks
+# (`make test-frameworks`, part of `make test`); from any other venv it is not collected.
+collect_ignore = [] if importlib.util.find_spec("lightning") else ["frameworks"]
 
 
 def rss_anon(pid: int) -> int:
