@@ -28,8 +28,9 @@ PAGE = ROOT / "docs" / "design.md"
 BEGIN = "<!-- where.py: begin (made by `python tools/where.py --write`; edit LAYERS there) -->"
 END = "<!-- where.py: end -->"
 # Import name -> folder, as pyproject's package-dir maps them.
-PACKAGES = {"stoker.server": "server", "stoker.client": "client", "stoker.v1": "protos/stoker/v1"}
-SCANNED = ("stoker.server", "stoker.client")
+PACKAGES = {"stoker.server": "server", "stoker.client": "client", "stoker.v1": "protos/stoker/v1",
+            "stoker.integrations": "integrations"}
+SCANNED = ("stoker.server", "stoker.client", "stoker.integrations")
 GENERATED = ("_pb2",)  # protoc's output: not ours to map
 
 
@@ -78,6 +79,8 @@ LAYERS = (
           ("stoker.server",),
           modules=(S, f"{S}.__main__", f"{S}.cli", f"{S}._process")),
     Layer("stoker.client", "the training side", ("stoker.v1",)),
+    Layer("stoker.integrations", "stoker inside training frameworks: public API only",
+          ("stoker.client", "stoker.server")),
 )
 
 
