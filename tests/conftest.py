@@ -72,11 +72,12 @@ def _starter(tmp_path: Path) -> Iterator[StartServer]:
 
     def start(datasets: dict[str, Any], workers: int = 1, server: dict[str, Any] | None = None,
               env: dict[str, str] | None = None, wrap: Sequence[str] = (),
-              cache: dict[str, Any] | None = None) -> ServerProcess:
+              cache: dict[str, Any] | None = None, host: str = "127.0.0.1") -> ServerProcess:
         config = write_config(tmp_path / f"config-{len(started)}.yaml",
                               {"server": server or {}, "cache": cache or {},
                                "datasets": datasets})
-        proc = ServerProcess(config, workers=workers, env=env or server_env(), wrap=wrap)
+        proc = ServerProcess(config, workers=workers, env=env or server_env(), wrap=wrap,
+                             host=host)
         started.append(proc)
         return proc.start()
 
@@ -87,7 +88,8 @@ def _starter(tmp_path: Path) -> Iterator[StartServer]:
 
 @pytest.fixture
 def start_server(tmp_path: Path) -> Iterator[StartServer]:
-    """start_server(datasets, workers=1, server={...}, cache={...}) -> a ready ServerProcess."""
+    """start_server(datasets, workers=1, server={...}, cache={...}, wrap=(...), host=...) -> a
+    ready ServerProcess (on another host: wrap=host.wrap, host=host.ip, tests/hosts.py)."""
     yield from _starter(tmp_path)
 
 
