@@ -126,7 +126,7 @@ class RemoteLoader(OnDemand):
         contact = first_contact(self._servers, lambda: request, connect_timeout=o.connect_timeout,
                                 timeout=o.timeout, tls=o.channels.tls, refuse=self._refuse)
         described, address = contact.described, contact.server.address
-        self._pinning.first(described.fingerprint, address)
+        self._pinning.first(contact)
         self._described[self._key(epoch, start)] = described
         self._window.heed(described.max_credits, address)
         if described.HasField("capacity"):
@@ -229,6 +229,9 @@ class RemoteLoader(OnDemand):
                                            stall.waiting(scheduler, t0, at.epoch, at.next_batch))
                 except DataMismatch as e:  # a server refused our fingerprint: name both
                     raise self._mismatched(e) from None
+                # The other servers' fingerprints, as they answer (before the loader's first
+                # batch is used, those that answer within CHECK_WAIT of the first)
+                self._pinning.look(first_batch=not self._stats["batches"])
                 waited = time.perf_counter() - t0
                 stall.wait_seconds += waited
                 if window.adapts or not window.sized:

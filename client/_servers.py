@@ -91,12 +91,17 @@ class Server:
     last_progress: float = 0.0
     batches: int = 0
     errors: int = 0
+    # Its answer to the loader's first Describe (client/_pinning.py), while it has not come:
+    # no credits until it does (an address that black-holes must not hold the first batches).
+    contact: grpc.Future | None = None
 
     @property
     def up(self) -> bool:
         return self.state is ServerState.UP
 
     def usable(self, now: float) -> bool:
+        if self.contact is not None and not self.contact.done():
+            return False
         return self.up or (self.state is ServerState.DOWN and now >= self.retry_at)
 
     def record_latency(self, seconds: float) -> None:
