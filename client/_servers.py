@@ -25,6 +25,10 @@ from ._stream import BatchStream
 RESOLVE_EVERY = 15.0  # seconds between resolutions of a dns: target, by default
 BACKOFF_FIRST, BACKOFF_MAX = 0.05, 2.0  # seconds before a failed server is tried again
 DRAIN_RETRY = 1.0  # seconds before a server that drained is tried again
+# Seconds between the credits a stalled server is given as probes (one at a time): its host
+# may have lost its network and found it again (a partition that healed), and only a batch
+# delivered says so. A probe's index is asked of an up server too, at once.
+PROBE_EVERY = 2.0
 # Seconds a refresh waits for its look-up before the loop goes on without it. Look-ups run
 # on a thread of their own: a DNS server that answers in seconds, or not at all (the system
 # resolver's timeouts are 5 s a try), would otherwise hold the training loop (and, under the
@@ -65,7 +69,7 @@ class ServerState(enum.Enum):
     UP = "up"  # takes credits
     DOWN = "down"  # its stream failed or it drained: no credits until retry_at
     DRAINING = "draining"  # refused a credit in-band: no new credits, finishes what it holds
-    STALLED = "stalled"  # held credits without delivering: no new ones until it delivers
+    STALLED = "stalled"  # held credits without delivering: a probe credit every PROBE_EVERY
     GONE = "gone"  # its dns name no longer lists it: no new credits
 
 
@@ -102,6 +106,9 @@ class Server:
     def usable(self, now: float) -> bool:
         if self.contact is not None and not self.contact.done():
             return False
+        if self.state is ServerState.STALLED:  # a probe PROBE_EVERY s after the last
+            last = max(self.outstanding.values(), default=self.retry_at - PROBE_EVERY)
+            return now >= max(self.retry_at, last + PROBE_EVERY)
         return self.up or (self.state is ServerState.DOWN and now >= self.retry_at)
 
     def record_latency(self, seconds: float) -> None:
@@ -119,8 +126,12 @@ class Server:
         streams, self.streams = list(self.streams.values()), {}
         return streams
 
-    def mark_stalled(self) -> None:
+    def mark_stalled(self, now: float) -> None:
+        """It held credits and delivered nothing for a while: others are asked for what it
+        holds, and from PROBE_EVERY s on it gets a probe credit (one at a time, PROBE_EVERY s
+        apart) until it delivers."""
         self.state = ServerState.STALLED
+        self.retry_at = now + PROBE_EVERY
 
     def mark_delivered(self, index: int, now: float) -> None:
         """Its stream answered `index` (a batch or an in-band error): it is alive."""
