@@ -229,9 +229,7 @@ class RemoteLoader(OnDemand):
                                            stall.waiting(scheduler, t0, at.epoch, at.next_batch))
                 except DataMismatch as e:  # a server refused our fingerprint: name both
                     raise self._mismatched(e) from None
-                # The other servers' fingerprints, as they answer (before the loader's first
-                # batch is used, those that answer within CHECK_WAIT of the first)
-                self._pinning.look(first_batch=not self._stats["batches"])
+                self._pinning.look(first_batch=not self._stats["batches"])  # other servers' data
                 waited = time.perf_counter() - t0
                 stall.wait_seconds += waited
                 if window.adapts or not window.sized:
