@@ -113,7 +113,6 @@ def grpc_options(settings: ServerSettings) -> list[tuple[str, Any]]:
     return [
         ("grpc.keepalive_time_ms", int(ping_after * 1000)),
         ("grpc.keepalive_timeout_ms", int(answer_within * 1000)),
-        ("grpc.http2.min_time_between_pings_ms", int(ping_after * 1000)),
         ("grpc.max_allowed_incoming_connections", settings.max_grpc_connections),
         ("grpc.server_handshake_timeout_ms", int(settings.grpc_handshake_timeout_seconds * 1000)),
         ("grpc.max_connection_idle_ms", int(settings.grpc_idle_seconds * 1000)),
