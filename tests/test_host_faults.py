@@ -4,9 +4,9 @@ until the partition heals, and an address that black-holes from the start.
 
 - A black-holed address among several costs the first batch no more than CHECK_WAIT
   (client/_pinning.py): first contact asks every server at once and a server gets no credits
-  before it answered.
-- A host silenced mid-epoch: its batches are asked of the other (hedge at once, stall after
-  STALL_MIN): nothing lost, nothing twice, the longest wait between batches bounded; healed,
+  before it answered; one with other data that answers late is refused when it answers.
+- A host silenced mid-epoch: its batches are asked of the other (the awaited one after
+  HEDGE_MIN, the rest after STALL_MIN): nothing lost, nothing twice, the longest wait between batches bounded; healed,
   it is used again within the client's re-probe of a failed server (docs/deployment.md).
 - A client whose host goes silent is let go by the server within silent_client_seconds: its
   stream ends, its credits and the shared memory it held are freed.
@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from stoker.client import RemoteLoader
+from stoker.client import DataMismatch, RemoteLoader
 from stoker.client._servers import BACKOFF_MAX, PROBE_EVERY
 
 from conftest import StartServer
@@ -83,6 +83,39 @@ def test_a_black_holed_first_address_costs_the_first_batch_little(
                   "loader starts", detail=f"first batch in {with_dead[1]:.2f} s against "
                   f"{without[1]:.2f} s without that address (+{extra:.2f} s, median of 3)")
     assert extra <= FIRST_BATCH_EXTRA, (with_dead, without)
+
+
+def test_a_server_with_other_data_that_answers_late_is_refused_when_it_answers(
+        two_hosts: tuple[Host, Host], start_server: StartServer, ledger) -> None:
+    """Fingerprints are compared as the servers answer: one whose host is cut off when the
+    loader starts, and back 1.5 s later, answers after the first batches were used (TCP
+    resends the connect 1 s, then 3 s after the first); it got no credits meanwhile, and its
+    answer stops the loader with the DataMismatch naming both."""
+    def versioned(version: int) -> dict[str, Any]:
+        return {"v": {"format": "python", "factory": "drift_datasets:Versioned",
+                      "options": {"n": 4000, "version": version, "delay": 0.002}}}
+
+    near, far = two_hosts
+    pinned = start_server(versioned(1), wrap=near.wrap, host=near.ip)
+    other = start_server(versioned(2), wrap=far.wrap, host=far.ip)
+    far.silence()
+    heal = threading.Timer(1.5, far.heal)
+    versions: list[int] = []
+    began = time.monotonic()
+    heal.start()
+    with pytest.raises(DataMismatch) as info:
+        with RemoteLoader([pinned.address, other.address], "v", **KW) as loader:
+            for batch in loader:
+                versions += batch["version"].tolist()
+    took = time.monotonic() - began
+    heal.join(10)
+    said = str(info.value)
+    ledger.record("servers", "a server with other data, its host cut off for 1.5 s as the "
+                  "loader starts, answers after the first batches",
+                  detail=f"DataMismatch naming both after {took:.1f} s and {len(versions)} "
+                  "samples, all from the pinned server")
+    assert pinned.address in said and other.address in said and "must not mix" in said, said
+    assert versions and set(versions) == {1}
 
 
 class Watch:
@@ -175,7 +208,7 @@ def test_a_partition_that_heals_is_used_again(two_hosts: tuple[Host, Host],
 
 CLIENT = """
 import sys
-from stoker.client import RemoteLoader
+from stoker.client import DataMismatch, RemoteLoader
 from stoker.client._servers import BACKOFF_MAX, PROBE_EVERY
 loader = RemoteLoader(sys.argv[1], "toy", batch_size=4, output="numpy", prefetch=8,
                       timeout=600)
