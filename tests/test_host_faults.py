@@ -6,8 +6,9 @@ until the partition heals, and an address that black-holes from the start.
   (client/_pinning.py): first contact asks every server at once and a server gets no credits
   before it answered; one with other data that answers late is refused when it answers.
 - A host silenced mid-epoch: its batches are asked of the other (the awaited one after
-  HEDGE_MIN, the rest after STALL_MIN): nothing lost, nothing twice, the longest wait between batches bounded; healed,
-  it is used again within the client's re-probe of a failed server (docs/deployment.md).
+  HEDGE_MIN, the rest after STALL_MIN): nothing lost, nothing twice, the longest wait between
+  batches bounded; healed, it is used again within the client's re-probe of a failed server
+  (docs/deployment.md).
 - A client whose host goes silent is let go by the server within silent_client_seconds: its
   stream ends, its credits and the shared memory it held are freed.
 """
