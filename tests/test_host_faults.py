@@ -16,6 +16,7 @@ until the partition heals, and an address that black-holes from the start.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -117,6 +118,19 @@ def test_a_server_with_other_data_that_answers_late_is_refused_when_it_answers(
                   "samples, all from the pinned server")
     assert pinned.address in said and other.address in said and "must not mix" in said, said
     assert versions and set(versions) == {1}
+
+
+def test_an_address_that_accepts_and_never_speaks_costs_the_first_batch_little(
+        start_server: StartServer) -> None:
+    """The same on one host, where namespaces cannot be made: a port whose listener never
+    accepts (the kernel completes TCP connects; nothing answers gRPC's preface) first."""
+    server = start_server(TOY)
+    with socket.create_server(("127.0.0.1", 0), backlog=16) as silent:
+        mute = f"127.0.0.1:{silent.getsockname()[1]}"
+        first_batch_seconds([server.address])  # warm
+        without = sorted(first_batch_seconds([server.address]) for _ in range(3))
+        with_mute = sorted(first_batch_seconds([mute, server.address]) for _ in range(3))
+    assert with_mute[1] - without[1] <= FIRST_BATCH_EXTRA, (with_mute, without)
 
 
 class Watch:
