@@ -214,3 +214,32 @@ def test_the_loop_adds_a_server_a_stalled_trainer_finds_and_drains_all_at_the_en
     assert proc.returncode == 0, err
     assert listing.read_text() == ""  # every server drained and off the list
     assert not any(r["action"] == "remove" for r in trace), trace
+
+
+def test_metrics_over_mutual_tls_are_read_with_the_ca_and_a_client_certificate(
+        tmp_path: Path, start_server) -> None:
+    """read_stall against a server with client_ca_file: without the CA, or without a client
+    certificate, it reads nothing and says why (Autoscaler logs it once per server); with
+    both it reads the page (no stall series yet: None, with nothing said)."""
+    import ssl
+
+    from stoker.server.tools.autoscale import read_stall
+    from stoker.server.tools.connect import Security, https_context
+
+    ca = Authority(tmp_path)
+    cert, client = ca.issue("server", server=True), ca.issue("client", server=False)
+    server = start_server({"toy": {"format": "python", "factory": "toy_datasets:toy"}},
+                          server={"tls": {"cert_file": str(cert.cert), "key_file": str(cert.key),
+                                          "client_ca_file": str(ca.ca)}})
+    assert server.http_url.startswith("https://")
+    full = https_context(Security({"ca": str(ca.ca), "cert": str(client.cert),
+                                   "key": str(client.key)}, None, None), "autoscale")
+    for context, why in ((None, "certificate verify failed"),
+                         (ssl.create_default_context(cafile=str(ca.ca)), ""),
+                         (full, None)):
+        said: list[BaseException] = []
+        assert read_stall(server.http_url, context=context, failed=said.append) is None
+        if why is None:
+            assert said == []
+        else:
+            assert len(said) == 1 and why in str(said[0]), said
