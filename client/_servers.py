@@ -25,9 +25,11 @@ from ._stream import BatchStream
 RESOLVE_EVERY = 15.0  # seconds between resolutions of a dns: target, by default
 BACKOFF_FIRST, BACKOFF_MAX = 0.05, 2.0  # seconds before a failed server is tried again
 DRAIN_RETRY = 1.0  # seconds before a server that drained is tried again
-# Seconds between the credits a stalled server is given as probes (one at a time): its host
-# may have lost its network and found it again (a partition that healed), and only a batch
-# delivered says so. A probe's index is asked of an up server too, at once.
+# Seconds after a stall (and after the last credit) before a stalled server is given a probe
+# credit: its host may have lost its network and found it again (a partition that healed),
+# and only a batch delivered says so. One probe at a time beyond what it held when it
+# stalled (so a server that wakes up never finds more credits than a window's: max_credits);
+# its index is asked of an up server too, at once.
 PROBE_EVERY = 2.0
 # Seconds a refresh waits for its look-up before the loop goes on without it. Look-ups run
 # on a thread of their own: a DNS server that answers in seconds, or not at all (the system
@@ -98,6 +100,7 @@ class Server:
     # Its answer to the loader's first Describe (client/_pinning.py), while it has not come:
     # no credits until it does (an address that black-holes must not hold the first batches).
     contact: grpc.Future | None = None
+    held_at_stall: int = 0  # credits it held when it stalled (see PROBE_EVERY)
 
     @property
     def up(self) -> bool:
@@ -106,7 +109,9 @@ class Server:
     def usable(self, now: float) -> bool:
         if self.contact is not None and not self.contact.done():
             return False
-        if self.state is ServerState.STALLED:  # a probe PROBE_EVERY s after the last
+        if self.state is ServerState.STALLED:  # a probe: see PROBE_EVERY
+            if len(self.outstanding) > self.held_at_stall:
+                return False
             last = max(self.outstanding.values(), default=self.retry_at - PROBE_EVERY)
             return now >= max(self.retry_at, last + PROBE_EVERY)
         return self.up or (self.state is ServerState.DOWN and now >= self.retry_at)
@@ -128,10 +133,11 @@ class Server:
 
     def mark_stalled(self, now: float) -> None:
         """It held credits and delivered nothing for a while: others are asked for what it
-        holds, and from PROBE_EVERY s on it gets a probe credit (one at a time, PROBE_EVERY s
-        apart) until it delivers."""
+        holds, and from PROBE_EVERY s on it gets a probe credit (one at a time) until it
+        delivers."""
         self.state = ServerState.STALLED
         self.retry_at = now + PROBE_EVERY
+        self.held_at_stall = len(self.outstanding)
 
     def mark_delivered(self, index: int, now: float) -> None:
         """Its stream answered `index` (a batch or an in-band error): it is alive."""
