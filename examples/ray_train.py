@@ -2,8 +2,8 @@
 
     python examples/ray_train.py [--servers 2] [--trainers 2] [--epochs 2] [--samples 512]
 
-Needs the ray extra (`pip install 'stoker[ray,client,server]'`). It starts a local Ray
-cluster (or joins the one `ray.init` already connected to), a fleet of `--servers` stoker
+Needs the ray extra (`pip install ".[ray,client,server]"` from a checkout). It starts a local
+Ray cluster (or joins the one `ray.init` already connected to), a fleet of `--servers` stoker
 servers as Ray actors (each asking for its workers + 1 CPUs), and a `TorchTrainer` of
 `--trainers` CPU workers. Each worker takes its rank and world size from Ray Train's context
 and reads its share of every epoch from the fleet (`fleet.target` with the `resolve` resolver:
