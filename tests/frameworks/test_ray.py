@@ -69,15 +69,15 @@ def reference() -> list[list[int]]:
     return [order[i : i + 2].tolist() for i in range(0, N, 2)]
 
 
-def read(fleet: Fleet, at: dict[int, Callable[[], None]] | None = None
+def read(fleet: Fleet, step: Callable[[int, RemoteLoader], None] | None = None
          ) -> tuple[list[list[int]], dict[str, Any]]:
-    """One epoch through the fleet's target; at[k]() runs after batch k."""
+    """One epoch through the fleet's target; step(k, loader) runs after batch k."""
     got = []
     with RemoteLoader(fleet.target, "toy", **KW) as loader:
         for k, batch in enumerate(loader):
             got.append(batch["sample_index"].tolist())
-            if at and k in at:
-                at[k]()
+            if step is not None:
+                step(k, loader)
         return got, loader.stats()
 
 
@@ -104,7 +104,7 @@ def test_two_server_actors_serve_an_epoch_exactly_on_the_cpus_they_ask_for(fleet
 def test_an_actor_killed_mid_epoch_loses_and_repeats_nothing(fleet, ledger) -> None:
     f = fleet(2, "kill")
     victim = f.servers[0]
-    got, stats = read(f, at={5: lambda: ray.kill(victim.actor)})
+    got, stats = read(f, lambda k, _: ray.kill(victim.actor) if k == 5 else None)
     record(ledger, "ray.kill one of 2 server actors mid-epoch", got)
     assert got == reference()
     # The server died with its actor (not a process left holding its port): the loader saw
@@ -132,12 +132,23 @@ def test_scaled_to_3_and_drained_back_to_1_while_a_loader_reads(fleet, ledger) -
         return lambda: threading.Thread(target=run, daemon=True).start()
 
     added: list[str] = []
-    got, stats = read(f, at={
-        5: in_background(lambda: added.extend(f.scale(3)), up),  # type: ignore[arg-type]
-        30: lambda: up.wait(60),
-        50: in_background(lambda: codes.extend(f.scale(1)), drained),  # type: ignore[arg-type]
-        75: lambda: drained.wait(60),  # the drain ended mid-epoch: 25 batches still to read
-    })
+    drain_at: list[int] = []
+
+    def step(k: int, loader: RemoteLoader) -> None:
+        if k == 5:
+            in_background(lambda: added.extend(f.scale(3)), up)()  # type: ignore[arg-type]
+        elif k == 30:
+            assert up.wait(60)
+        elif k > 30 and not drain_at:  # drain once the loader reads from all 3
+            used = {a for a, s in loader.stats()["servers"].items() if s["batches"]}
+            if set(added) <= used:
+                drain_at.append(k)
+                in_background(lambda: codes.extend(f.scale(1)), drained)()  # type: ignore
+        elif drain_at and k == drain_at[0] + 20:
+            assert drained.wait(60)  # the drain ended while the epoch still runs
+
+    got, stats = read(f, step)
+    assert drain_at and drain_at[0] + 20 < len(got) - 1, (drain_at, stats)
     assert up.is_set() and drained.is_set() and not errors, errors
     record(ledger, "scale 1 -> 3 -> 1 server actors (drain) mid-epoch", got)
     assert got == reference()
