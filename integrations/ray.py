@@ -95,7 +95,8 @@ class Fleet:
         actor writes it to its own disk; give absolute paths in it). `workers`: worker
         processes per server. `actor_options`: more of Ray's actor options, e.g.
         `{"resources": {"cpu_node": 0.01}}` or `{"label_selector": {...}}`; num_cpus
-        defaults to workers + 1."""
+        defaults to workers + 1. `env`: variables added to the servers' environment (the
+        actor's), e.g. PYTHONPATH for a `format: python` factory."""
         if isinstance(config, (str, os.PathLike)):
             config = os.fspath(config)
         elif not isinstance(config, Mapping):
