@@ -11,7 +11,8 @@ and position are untouched.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+import itertools
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from stoker.v1 import stoker_pb2 as pb
@@ -62,24 +63,34 @@ class OnDemand:
         def _spec(self, coordinates: pb.Coordinates, allocate: Any = None,
                   finish: Any = None) -> StreamSpec: ...
 
-    def seek(self, step: int) -> None:
+    def seek(self, step: int, world_sizes: int | Sequence[tuple[int, int]] | None = None
+             ) -> None:
         """Make the next batch global step `step` of this job: the batch every rank takes
         after `step` steps, counted from epoch 0, batch 0 at these coordinates (under
         batch_tokens, each epoch's plan's steps). After loading a model checkpoint,
         `loader.seek(model_step)` is a complete resume: no loader state is needed (but the
         exclusions, see exclude). One request, whatever the step: a server finds the epoch
-        and batch (docs/client.md#seek). Steps are counted at this loader's world_size and
-        batch size: a run that changed them resumes from a state_dict instead."""
+        and batch (docs/client.md#seek).
+
+        A job that ran at another world size says so: `world_sizes=4` (every one of the
+        `step` steps at 4 ranks), or `[(0, 4), (1200, 3)]` (steps from 0 at 4 ranks, from
+        1200 at 3: each stretch's first step, ascending). A step is one batch of every rank
+        at the size then; each change is an elastic resume (the positions consumed so far
+        start the rest of the epoch, re-cut at the new size), and this loader goes on at its
+        own size from `step`, exactly as `load_state_dict` of a state saved there would."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         pin = self._pinning.pin
         request = pb.DescribeDatasetRequest(
             coordinates=self._coords.message(0, 0, pin.digest if pin else ""),
-            locate=pb.Locate(step=step))
+            locate=pb.Locate(step=step, world_sizes=[
+                pb.WorldSizeFrom(from_step=f, world_size=w)
+                for f, w in _stretches(world_sizes, step)]))
         located = self._ask(request, 0, 0).located
-        if self._options.batch_tokens:  # its answer describes the epoch located
-            self._described[(located.epoch, 0)] = self._described.pop((0, 0))
-        self._at = Position(located.epoch, 0, located.batch_index)
+        at = Position(located.epoch, located.start, located.batch_index)
+        if self._key(at.epoch, at.start) != (0, 0):  # its answer describes the epoch located
+            self._described[self._key(at.epoch, at.start)] = self._described.pop((0, 0))
+        self._at = at
 
     def _planned(self, saved: Saved) -> int:
         """Positions consumed by the job that saved `saved` (under batch_tokens, at its
@@ -236,3 +247,27 @@ class OnDemand:
 
             batch = pack_padded(batch)
         return batch
+
+
+def _stretches(world_sizes: int | Sequence[tuple[int, int]] | None, step: int
+               ) -> list[tuple[int, int]]:
+    """seek's `world_sizes` as (from_step, world_size) pairs; ValueError naming what is not
+    (the servers check the order: from 0, ascending, none past `step`)."""
+    if world_sizes is None:
+        return []
+    if isinstance(world_sizes, int) and not isinstance(world_sizes, bool):
+        world_sizes = [(0, world_sizes)]
+    try:
+        pairs = [(f, w) for f, w in world_sizes]  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        pairs = []
+    if not pairs or any(isinstance(x, bool) or not isinstance(x, int) for p in pairs
+                        for x in p):
+        raise ValueError(f"world_sizes must be a world size (int) or (from_step, world_size) "
+                         f"pairs of ints, got {world_sizes!r}")
+    if pairs[0][0] != 0 or any(b[0] <= a[0] for a, b in itertools.pairwise(pairs)):
+        raise ValueError(f"world_sizes' from_steps must begin at 0 and ascend, got {pairs}")
+    if pairs[-1][0] > step or min(w for _, w in pairs) < 1:
+        raise ValueError(f"world_sizes must name sizes >= 1 from steps <= step={step}, got "
+                         f"{pairs}")
+    return pairs

@@ -4,6 +4,7 @@ then iterating equals an unstopped run from that step, in one request however fa
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from typing import Any
@@ -38,9 +39,10 @@ def server(tmp_path_factory: pytest.TempPathFactory,
     return start_server_module(determinism_datasets.make(root), workers=2)
 
 
-def make(address: str, dataset: str, rank: int = 1, **kw: Any) -> RemoteLoader:
+def make(address: str, dataset: str, rank: int = 1, world_size: int = WORLD, **kw: Any
+         ) -> RemoteLoader:
     return RemoteLoader(address, dataset, **{**SIZES[dataset], **kw}, seed=7, rank=rank,
-                        world_size=WORLD, output="numpy", timeout=60)
+                        world_size=world_size, output="numpy", timeout=60)
 
 
 def same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
@@ -131,6 +133,61 @@ def test_seek_then_iterating_equals_an_unstopped_run(server: ServerProcess,
         assert all(map(same, rest, unstopped[step:])), step
 
 
+def take(loader: RemoteLoader, steps: int) -> dict[str, Any]:
+    """The loader's state after `steps` more batches (across epochs)."""
+    taken = 0
+    while taken < steps:
+        for _ in loader:
+            taken += 1
+            if taken == steps:
+                break
+    return loader.state_dict()
+
+
+def resumed(address: str, dataset: str, history: list[tuple[int, int]], rank: int
+            ) -> list[dict[str, np.ndarray]]:
+    """Rank `rank`'s batches, to the end of epoch EPOCHS - 1, of a job that ran at each size
+    of `history` ((from_step, world_size)) from that step, resuming from rank 0's state."""
+    state = None
+    for (since, world), (until, _) in itertools.pairwise(history):
+        with make(address, dataset, rank=0, world_size=world) as loader:
+            if state is not None:
+                loader.load_state_dict(state)
+            state = take(loader, until - since)
+    with make(address, dataset, rank=rank, world_size=history[-1][1]) as loader:
+        loader.load_state_dict(state)
+        return run(loader)
+
+
+@pytest.mark.parametrize("dataset", ["toks", "docs", "mix"])
+def test_seek_after_an_elastic_change_equals_the_resumed_run(server: ServerProcess,
+                                                             dataset: str) -> None:
+    """A job ran 2 ranks, then 3 from step `change` (an elastic load_state_dict): a 3-rank
+    loader's seek(k, world_sizes=...) then iterating gives the batches that job gave from
+    step k on, for k at the change and after it, and with the change at k itself."""
+    with make(server.address, dataset) as loader:
+        change = len(loader) + 2  # in epoch 1, mid-epoch
+    history = [(0, 2), (change, 3)]
+    rest = resumed(server.address, dataset, history, rank=2)
+    for k in sorted({change, change + 1, change + len(rest) // 2, change + len(rest) - 1}):
+        with make(server.address, dataset, rank=2, world_size=3) as loader:
+            loader.seek(k, world_sizes=history)
+            got = run(loader)
+        assert len(got) == len(rest) - (k - change), k
+        assert all(map(same, got, rest[k - change:])), k
+    with make(server.address, dataset, rank=2, world_size=3) as loader:
+        loader.seek(change, world_sizes=2)  # every step before at 2 ranks: the same
+        assert all(map(same, run(loader), rest))
+
+
+def test_seek_across_two_changes_of_size(server: ServerProcess) -> None:
+    history = [(0, 2), (3, 4), (9, 3)]
+    rest = resumed(server.address, "docs", history, rank=0)
+    with make(server.address, "docs", rank=0, world_size=3) as loader:
+        loader.seek(10, world_sizes=history)
+        assert all(map(same, run(loader), rest[1:]))
+
+
 def test_seek_in_a_loader_that_iterated_goes_there(server: ServerProcess) -> None:
     with make(server.address, "mix") as loader:
         unstopped = run(loader)
@@ -182,6 +239,10 @@ def test_seek_errors(server: ServerProcess) -> None:
         for bad in (-1, 1.5, True):
             with pytest.raises(ValueError, match="step"):
                 loader.seek(bad)  # type: ignore[arg-type]
+        for bad_sizes in ("4", [(1, 4)], [(0, 4), (0, 3)], [(0, 0)], [(0, 4), (9, 3)],
+                          [(0, 2.0)]):
+            with pytest.raises(ValueError, match="world_sizes"):
+                loader.seek(5, world_sizes=bad_sizes)  # type: ignore[arg-type]
 
 
 def test_each_epoch_of_a_token_budget_has_its_own_plans_steps(server: ServerProcess) -> None:
