@@ -29,6 +29,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "toks": {"batch_size": 2},
     "docs": {"batch_tokens": 64},
     "mix": {"batch_size": 5},
+    "docmix": {"batch_tokens": 64},  # a mixture of two jsonl corpora, cut by tokens
 }
 
 
@@ -115,12 +116,12 @@ def run(loader: RemoteLoader, epochs: int = EPOCHS) -> list[dict[str, np.ndarray
     return batches
 
 
-@pytest.mark.parametrize("dataset", ["toks", "docs", "mix"])
+@pytest.mark.parametrize("dataset", ["toks", "docs", "mix", "docmix"])
 def test_seek_then_iterating_equals_an_unstopped_run(server: ServerProcess,
                                                      dataset: str) -> None:
     with make(server.address, dataset) as loader:
         unstopped = run(loader)
-    per_epoch = len(unstopped) // EPOCHS if dataset != "docs" else None
+    per_epoch = None if "batch_tokens" in SIZES[dataset] else len(unstopped) // EPOCHS
     for step in sorted({0, 1, 5, len(unstopped) // 2, len(unstopped) - 1,
                         *(random.Random(dataset).sample(range(len(unstopped)), 4))}):
         with make(server.address, dataset) as loader:
@@ -159,7 +160,7 @@ def resumed(address: str, dataset: str, history: list[tuple[int, int]], rank: in
         return run(loader)
 
 
-@pytest.mark.parametrize("dataset", ["toks", "docs", "mix"])
+@pytest.mark.parametrize("dataset", ["toks", "docs", "mix", "docmix"])
 def test_seek_after_an_elastic_change_equals_the_resumed_run(server: ServerProcess,
                                                              dataset: str) -> None:
     """A job ran 2 ranks, then 3 from step `change` (an elastic load_state_dict): a 3-rank

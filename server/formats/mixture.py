@@ -89,6 +89,14 @@ class Mixture:
         return keys
 
     # -- for the worker ----------------------------------------------------------------------
+    def lengths(self, components: list[np.ndarray | None]) -> np.ndarray | None:
+        """Each sample's token count over one period of the index space (an index's is that
+        of index % period: server/order/token_batches.py), given each component's own, in
+        `components:` order; None unless every component knows its lengths."""
+        if any(c is None for c in components):
+            return None
+        return np.concatenate(components).astype(np.int64)  # type: ignore[arg-type]
+
     def ordering(self, components: list[Ordering]) -> MixtureOrdering:
         """The positions -> indices map, given each component's own Ordering."""
         phases = [Phase(start, quantize(weights))

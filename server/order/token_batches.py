@@ -89,8 +89,9 @@ def check(lengths: np.ndarray | None, c: Coordinates) -> None:
     if lengths is None:
         raise CoordinateError(
             "batch_tokens", f"dataset {c.dataset!r} does not know its samples' lengths: token "
-                            "budgets need format jsonl or parquet with length_column set (see "
-                            "docs/configuration.md); use batch_size")
+                            "budgets need format jsonl or parquet with length_column set (a "
+                            "mixture: every component so; see docs/configuration.md); use "
+                            "batch_size")
     if len(lengths) and int(lengths.max()) > c.batch_tokens:
         i = int(np.argmax(lengths))
         raise CoordinateError(
@@ -121,17 +122,14 @@ def batch_samples(ordering: Ordering, lengths: np.ndarray, c: Coordinates,
         raise CoordinateError(
             "batch_index", f"must be in [0, {p.steps}) for this epoch and rank, got {batch_index}")
     positions = p.positions(batch_index, c.rank)
-    if not c.shuffle:
-        return positions.copy()
-    return ordering.epoch(c.seed, c.epoch, c.shuffle)[positions]
+    return np.array(ordering.indices(positions, c.seed, c.epoch, c.shuffle), dtype=np.int64)
 
 
 def _make(ordering: Ordering, lengths: np.ndarray, c: Coordinates, start: int) -> TokenPlan:
-    if c.shuffle:
-        order = ordering.epoch(c.seed, c.epoch, c.shuffle)[start:]
-    else:
-        order = np.arange(start, ordering.num_samples, dtype=np.int64)
-    lens = np.asarray(lengths, dtype=np.int64)[order]
+    order = ordering.indices(np.arange(start, ordering.num_samples, dtype=np.int64), c.seed,
+                             c.epoch, c.shuffle)
+    # A mixture's index space repeats its components' samples each period (its lengths')
+    lens = np.asarray(lengths, dtype=np.int64)[order % len(lengths)]
     costs = lens if c.token_cost == "tokens" else lens * lens
     world, budget = c.world_size, c.batch_tokens
     ends = np.cumsum(lens)  # tokens in positions [0, i] of `lens`
