@@ -36,6 +36,10 @@ if TYPE_CHECKING:
     from ._stall import Stall
     from ._stream import StreamSpec
 
+# provenance()'s parts of a sample's source (pb.SampleSource's fields of those names)
+PLACE = ("file", "offset", "nbytes", "line", "row_group", "row", "member", "component",
+         "component_index")
+
 
 class OnDemand:
     """batch_at and the conversions it shares with the loop (see the module docstring)."""
@@ -186,11 +190,16 @@ class OnDemand:
         """Where each sample of `batch_at(epoch, index)` comes from, in its row order:
         `{"sample_index": i, "source": "FILE line N" | "FILE row group G row R" |
         "FILE member KEY.*" | "FILE tokens A..B" | path or s3:// key}` (a mixture's begins
-        "component 'NAME' sample J, "). One request; no sample is read."""
+        "component 'NAME' sample J, "), and the same by part, each where the format knows
+        it: "file" (path or URL), "offset" and "nbytes" (the bytes read for the sample in
+        it: a jsonl record, a tar member, a tokens window), "line" (jsonl), "row_group" and
+        "row" (parquet), "member" (tar), "component" and "component_index" (a mixture).
+        One request; no sample is read."""
         request = pb.ProvenanceRequest(coordinates=self._coordinates_at(epoch, index),
                                        batch_index=index)
         answer = ask_sources(self._servers, request, self._options.timeout)
-        return [{"sample_index": s.sample_index, "source": s.source} for s in answer.samples]
+        return [{"sample_index": s.sample_index, "source": s.source,
+                 **{k: getattr(s, k) for k in PLACE if s.HasField(k)}} for s in answer.samples]
 
     def _coordinates_at(self, epoch: int, index: int) -> pb.Coordinates:
         """The coordinates of batch `index` of `epoch` (see batch_at), the data pinned."""

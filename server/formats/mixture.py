@@ -79,6 +79,12 @@ class Mixture:
         where = part.source_of(i) if part.source_of is not None else ""
         return f"component {self.names[c]!r} sample {i}" + (f", {where}" if where else "")
 
+    def place_of(self, index: int) -> dict[str, Any]:
+        c, _, i = self.locate(index)
+        part = self.parts[c]
+        inner = part.place_of(i) if part.place_of is not None else {}
+        return {"component": self.names[c], "component_index": i, **inner}
+
     def objects_of(self, indices: np.ndarray) -> list[str]:
         comp, _, local = locate(np.asarray(indices, dtype=np.int64), self.offsets, self.period)
         keys: list[str] = []

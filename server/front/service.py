@@ -227,7 +227,7 @@ class DataService:
         finally:
             self.pool.release(built)
         return pb.ProvenanceResponse(samples=[
-            pb.SampleSource(sample_index=int(i), source=where)
+            pb.SampleSource(sample_index=int(i), **where)
             for i, where in zip(indices.tolist(), json.loads(raw), strict=True)])
 
     def coordinates(self, c: pb.Coordinates, present: bool = True

@@ -267,12 +267,30 @@ class ProvenanceRequest(_message.Message):
     def __init__(self, coordinates: _Optional[_Union[Coordinates, _Mapping]] = ..., batch_index: _Optional[int] = ...) -> None: ...
 
 class SampleSource(_message.Message):
-    __slots__ = ("sample_index", "source")
+    __slots__ = ("sample_index", "source", "file", "offset", "nbytes", "line", "row_group", "row", "member", "component", "component_index")
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    ROW_GROUP_FIELD_NUMBER: _ClassVar[int]
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    COMPONENT_FIELD_NUMBER: _ClassVar[int]
+    COMPONENT_INDEX_FIELD_NUMBER: _ClassVar[int]
     sample_index: int
     source: str
-    def __init__(self, sample_index: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
+    file: str
+    offset: int
+    nbytes: int
+    line: int
+    row_group: int
+    row: int
+    member: str
+    component: str
+    component_index: int
+    def __init__(self, sample_index: _Optional[int] = ..., source: _Optional[str] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., line: _Optional[int] = ..., row_group: _Optional[int] = ..., row: _Optional[int] = ..., member: _Optional[str] = ..., component: _Optional[str] = ..., component_index: _Optional[int] = ...) -> None: ...
 
 class ProvenanceResponse(_message.Message):
     __slots__ = ("samples",)
