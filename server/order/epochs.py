@@ -59,7 +59,7 @@ def locate(meta: EpochSource, c: Coordinates, step: int,
     positions every rank had consumed (a prefix of the epoch's order) start the epoch's rest
     at the new size, whose batches go on counting steps. Cut by count, whole epochs are
     skipped by arithmetic; under batch_tokens each epoch's plan has its own steps (their
-    counts cached: token_batches.steps). CoordinateError for a negative step, a bad
+    counts cached: token_batches.STEPS). CoordinateError for a negative step, a bad
     history, or coordinates whose epochs have no batch."""
     if step < 0:
         raise CoordinateError("locate.step", f"must be >= 0, got {step}")
@@ -99,14 +99,20 @@ def _advance(meta: EpochSource, c: Coordinates, epoch: int, start: int, taken: i
     `epoch`'s positions from `start` (an epoch taken whole is the next one's beginning)."""
     while True:
         at = dataclasses.replace(c, epoch=epoch, start=start)
-        batches = epoch_size(meta, at)[0]
+        batches = (epoch_size(meta, at)[0] if not c.batch_tokens else
+                   token_batches.batches_per_epoch(meta.ordering, meta.lengths, at))  # type: ignore[arg-type]
         if taken + steps < batches:
             return epoch, start, taken + steps
         if not start and batches <= 0:
             raise CoordinateError("locate.step", "these coordinates give no batch per epoch")
         steps -= batches - taken
         epoch, start, taken = epoch + 1, 0, 0
-        if not c.batch_tokens and steps:  # every whole epoch has as many: arithmetic
+        if c.batch_tokens:  # each epoch its plan's steps, counted once
+            assert meta.lengths is not None
+            epoch, taken = token_batches.locate_whole(meta.ordering, meta.lengths,
+                                                      dataclasses.replace(c, epoch=epoch), steps)
+            return epoch, 0, taken
+        if steps:  # every whole epoch has as many: arithmetic
             whole = epoch_size(meta, dataclasses.replace(c, epoch=epoch, start=0))[0]
             if whole > 0:
                 skipped, steps = divmod(steps, whole)

@@ -33,8 +33,12 @@ number of steps (`steps`, which is len(loader)).
 
 from __future__ import annotations
 
+import bisect
+import collections
+import dataclasses
 import itertools
 import logging
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,14 +108,71 @@ def check(lengths: np.ndarray | None, c: Coordinates) -> None:
 def plan(ordering: Ordering, lengths: np.ndarray, c: Coordinates) -> TokenPlan:
     """The epoch's plan for `c` (checked), from PLANS. `lengths`: the dataset's, by index
     (the ordering belongs to that dataset, so the ordering names it in the cache's key)."""
-    start = getattr(c, "start", 0)
-    key = ("tokens", ordering, c.seed, c.epoch, c.shuffle, c.world_size, c.batch_tokens,
-           c.token_cost, start)
-    return PLANS.get(key, lambda: _make(ordering, lengths, c, start))  # type: ignore[arg-type,return-value]
+    key = _key(ordering, c)
+    made = PLANS.get(key, lambda: _make(ordering, lengths, c, key[-1]))  # type: ignore[arg-type,return-value]
+    STEPS.put(key, made.steps)
+    return made  # type: ignore[return-value]
 
 
 def batches_per_epoch(ordering: Ordering, lengths: np.ndarray, c: Coordinates) -> int:
-    return plan(ordering, lengths, c).steps
+    """The steps of `c`'s epoch: from STEPS once its plan was made, even if PLANS has let the
+    plan go (seek walks epochs by their steps: server/order/epochs.py locate)."""
+    found = STEPS.get(_key(ordering, c))
+    return found if found is not None else plan(ordering, lengths, c).steps
+
+
+def _key(ordering: Ordering, c: Coordinates) -> tuple:
+    return ("tokens", ordering, c.seed, c.epoch, c.shuffle, c.world_size, c.batch_tokens,
+            c.token_cost, getattr(c, "start", 0))
+
+
+class StepCounts:
+    """Each plan's steps by its key (an int each, at most `most`, the oldest out first).
+    Any thread."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self._items: collections.OrderedDict[tuple, int] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple) -> int | None:
+        with self._lock:
+            return self._items.get(key)
+
+    def put(self, key: tuple, steps: int) -> None:
+        with self._lock:
+            self._items[key] = steps
+            while len(self._items) > self.most:
+                self._items.popitem(last=False)
+
+
+STEPS = StepCounts(1 << 20)  # about 100 MB at most, far less in practice
+
+# Per family of plans (`_key` but epoch and start): the steps before each epoch, as far as
+# made (a seek to a far step walks every epoch before it once; later ones bisect).
+_RUNNING: dict[tuple, list[int]] = {}
+_RUNNING_LOCK = threading.Lock()
+
+
+def locate_whole(ordering: Ordering, lengths: np.ndarray, c: Coordinates, steps: int
+                 ) -> tuple[int, int]:
+    """(epoch, batch index) `steps` steps after the beginning of `c`'s epoch (start 0), each
+    epoch its plan's steps. The plans of the epochs up to it are made once (their steps kept
+    in _RUNNING; a later seek is a bisection). CoordinateError for an epoch without a step."""
+    family = _key(ordering, c)[:3] + _key(ordering, c)[4:-1]
+    with _RUNNING_LOCK:  # one walk at a time: a second seek waits for the first's epochs
+        if len(_RUNNING) >= 256 and family not in _RUNNING:
+            _RUNNING.clear()
+        before = _RUNNING.setdefault(family, [0])
+        while len(before) <= c.epoch or before[-1] <= before[c.epoch] + steps:
+            at = dataclasses.replace(c, epoch=len(before) - 1, start=0)
+            n = batches_per_epoch(ordering, lengths, at)
+            if n <= 0:
+                raise CoordinateError("locate.step", "these coordinates give no batch per epoch")
+            before.append(before[-1] + n)
+        target = before[c.epoch] + steps
+        epoch = bisect.bisect_right(before, target) - 1
+        return epoch, target - before[epoch]
 
 
 def batch_samples(ordering: Ordering, lengths: np.ndarray, c: Coordinates,
