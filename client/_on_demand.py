@@ -85,16 +85,19 @@ class OnDemand:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         pin = self._pinning.pin
+        stretches = _stretches(world_sizes, step)
         request = pb.DescribeDatasetRequest(
             coordinates=self._coords.message(0, 0, pin.digest if pin else ""),
             locate=pb.Locate(step=step, world_sizes=[
-                pb.WorldSizeFrom(from_step=f, world_size=w)
-                for f, w in _stretches(world_sizes, step)]))
-        located = self._ask(request, 0, 0).located
-        at = Position(located.epoch, located.start, located.batch_index)
-        if self._key(at.epoch, at.start) != (0, 0):  # its answer describes the epoch located
-            self._described[self._key(at.epoch, at.start)] = self._described.pop((0, 0))
-        self._at = at
+                pb.WorldSizeFrom(from_step=f, world_size=w) for f, w in stretches]))
+        # Its answer describes the epoch located, from the start located: cached there (a
+        # start > 0 is possible after a change of size: not a whole epoch's sizes to warn of)
+        rest = 1 if stretches else 0
+        described = self._ask(request, 0, rest)
+        self._described.pop(self._key(0, rest))
+        located = described.located
+        self._at = Position(located.epoch, located.start, located.batch_index)
+        self._described[self._key(located.epoch, located.start)] = described
 
     def _planned(self, saved: Saved) -> int:
         """Positions consumed by the job that saved `saved` (under batch_tokens, at its

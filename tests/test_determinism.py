@@ -162,7 +162,7 @@ def resumed(address: str, dataset: str, history: list[tuple[int, int]], rank: in
 
 @pytest.mark.parametrize("dataset", ["toks", "docs", "mix", "docmix"])
 def test_seek_after_an_elastic_change_equals_the_resumed_run(server: ServerProcess,
-                                                             dataset: str) -> None:
+                                                             dataset: str, ledger) -> None:
     """A job ran 2 ranks, then 3 from step `change` (an elastic load_state_dict): a 3-rank
     loader's seek(k, world_sizes=...) then iterating gives the batches that job gave from
     step k on, for k at the change and after it, and with the change at k itself."""
@@ -170,10 +170,17 @@ def test_seek_after_an_elastic_change_equals_the_resumed_run(server: ServerProce
         change = len(loader) + 2  # in epoch 1, mid-epoch
     history = [(0, 2), (change, 3)]
     rest = resumed(server.address, dataset, history, rank=2)
-    for k in sorted({change, change + 1, change + len(rest) // 2, change + len(rest) - 1}):
+    steps = sorted({change, change + 1, change + len(rest) // 2, change + len(rest) - 1})
+    for k in steps:
         with make(server.address, dataset, rank=2, world_size=3) as loader:
             loader.seek(k, world_sizes=history)
             got = run(loader)
+        lost, duplicated = ledger.compare(
+            [int(i) for b in got for i in b["sample_index"]],
+            [int(i) for b in rest[k - change:] for i in b["sample_index"]])
+        ledger.record("clients", f"seek after an elastic change (2 -> 3 ranks), {dataset}",
+                      lost=lost, duplicated=duplicated,
+                      detail=f"step {k}: the resumed run's samples from there, rank 2")
         assert len(got) == len(rest) - (k - change), k
         assert all(map(same, got, rest[k - change:])), k
     with make(server.address, dataset, rank=2, world_size=3) as loader:
