@@ -74,7 +74,7 @@ class OnDemand:
         batch_tokens, each epoch's plan's steps). After loading a model checkpoint,
         `loader.seek(model_step)` is a complete resume: no loader state is needed (but the
         exclusions, see exclude). One request, whatever the step: a server finds the epoch
-        and batch (docs/client.md#seek).
+        and batch (docs/client.md#any-batch-on-demand-batch_at-and-seek).
 
         A job that ran at another world size says so: `world_sizes=4` (every one of the
         `step` steps at 4 ranks), or `[(0, 4), (1200, 3)]` (steps from 0 at 4 ranks, from
