@@ -36,6 +36,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import heapq
 import itertools
 import logging
 import threading
@@ -280,16 +281,22 @@ def _split_even(lens: np.ndarray, costs: np.ndarray, world: int, budget: int
     tokens = [0] * world
     groups: list[list[int]] = [[] for _ in range(world)]
     lens_l, costs_l = lens.tolist(), costs.tolist()
+    # The least-loaded rank the item fits (the first such rank on a tie): the heap's least
+    # (load, rank) that fits; those passed over go back.
+    heap = [(0, r) for r in range(world)]
     for i in np.argsort(-costs, kind="stable").tolist():
-        best = -1
-        for r in range(world):
-            if tokens[r] + lens_l[i] <= budget and (best < 0 or load[r] < load[best]):
-                best = r
-        if best < 0:
+        passed = []
+        while heap and tokens[heap[0][1]] + lens_l[i] > budget:
+            passed.append(heapq.heappop(heap))
+        if not heap:
             return None
+        best = heap[0][1]
         groups[best].append(i)
         load[best] += costs_l[i]
         tokens[best] += lens_l[i]
+        heapq.heapreplace(heap, (load[best], best))
+        for item in passed:
+            heapq.heappush(heap, item)
     if any(not g for g in groups):
         return None
     for _ in range(IMPROVE_ROUNDS):
