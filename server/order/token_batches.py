@@ -110,9 +110,13 @@ def plan(ordering: Ordering, lengths: np.ndarray, c: Coordinates) -> TokenPlan:
     """The epoch's plan for `c` (checked), from PLANS. `lengths`: the dataset's, by index
     (the ordering belongs to that dataset, so the ordering names it in the cache's key)."""
     key = _key(ordering, c)
-    made = PLANS.get(key, lambda: _make(ordering, lengths, c, key[-1]))  # type: ignore[arg-type,return-value]
-    STEPS.put(key, made.steps)
-    return made  # type: ignore[return-value]
+
+    def make() -> TokenPlan:
+        made = _make(ordering, lengths, c, key[-1])
+        STEPS.put(key, made.steps)
+        return made
+
+    return PLANS.get(key, make)  # type: ignore[arg-type,return-value]
 
 
 def batches_per_epoch(ordering: Ordering, lengths: np.ndarray, c: Coordinates) -> int:
