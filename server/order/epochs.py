@@ -99,20 +99,20 @@ def _advance(meta: EpochSource, c: Coordinates, epoch: int, start: int, taken: i
     `epoch`'s positions from `start` (an epoch taken whole is the next one's beginning)."""
     while True:
         at = dataclasses.replace(c, epoch=epoch, start=start)
-        batches = (epoch_size(meta, at)[0] if not c.batch_tokens else
-                   token_batches.batches_per_epoch(meta.ordering, meta.lengths, at))  # type: ignore[arg-type]
+        if c.batch_tokens and not start:  # each epoch its plan's steps, counted once
+            assert meta.lengths is not None
+            epoch, taken = token_batches.locate_whole(meta.ordering, meta.lengths, at,
+                                                      taken + steps)
+            return epoch, 0, taken
+        batches = epoch_size(meta, at)[0] if not c.batch_tokens else \
+            token_batches.batches_per_epoch(meta.ordering, meta.lengths, at)  # type: ignore[arg-type]
         if taken + steps < batches:
             return epoch, start, taken + steps
         if not start and batches <= 0:
             raise CoordinateError("locate.step", "these coordinates give no batch per epoch")
         steps -= batches - taken
         epoch, start, taken = epoch + 1, 0, 0
-        if c.batch_tokens:  # each epoch its plan's steps, counted once
-            assert meta.lengths is not None
-            epoch, taken = token_batches.locate_whole(meta.ordering, meta.lengths,
-                                                      dataclasses.replace(c, epoch=epoch), steps)
-            return epoch, 0, taken
-        if steps:  # every whole epoch has as many: arithmetic
+        if steps and not c.batch_tokens:  # every whole epoch has as many: arithmetic
             whole = epoch_size(meta, dataclasses.replace(c, epoch=epoch, start=0))[0]
             if whole > 0:
                 skipped, steps = divmod(steps, whole)

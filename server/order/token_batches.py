@@ -163,30 +163,31 @@ def locate_whole(ordering: Ordering, lengths: np.ndarray, c: Coordinates, steps:
                  ) -> tuple[int, int]:
     """(epoch, batch index) `steps` steps after the beginning of `c`'s epoch (start 0), each
     epoch its plan's steps. The plans of the epochs up to it are made once (their steps kept:
-    STEPS; from epoch 0, their running sums in _RUNNING, which a later seek bisects; from a
-    later epoch, after an elastic change, a walk over STEPS). CoordinateError for an epoch
-    without a step."""
+    STEPS), and their running sums from epoch 0 (_RUNNING), which a later seek bisects; from
+    an epoch the sums do not reach yet (where an elastic change began a world size), a walk
+    over STEPS from there, not from 0. CoordinateError for an epoch without a step."""
     def count(epoch: int) -> int:
         n = batches_per_epoch(ordering, lengths, dataclasses.replace(c, epoch=epoch, start=0))
         if n <= 0:
             raise CoordinateError("locate.step", "these coordinates give no batch per epoch")
         return n
 
-    if c.epoch:
-        epoch = c.epoch
-        while steps >= (n := count(epoch)):
-            steps -= n
-            epoch += 1
-        return epoch, steps
     family = _key(ordering, c)[:3] + _key(ordering, c)[4:-1]
     with _RUNNING_LOCK:  # one walk at a time: a second seek waits for the first's epochs
         if len(_RUNNING) >= 256 and family not in _RUNNING:
             _RUNNING.clear()
         before = _RUNNING.setdefault(family, [0])
-        while before[-1] <= steps:
-            before.append(before[-1] + count(len(before) - 1))
-        epoch = bisect.bisect_right(before, steps) - 1
-        return epoch, steps - before[epoch]
+        if len(before) > c.epoch:  # the sums reach this epoch: extend them, bisect
+            target = before[c.epoch] + steps
+            while before[-1] <= target:
+                before.append(before[-1] + count(len(before) - 1))
+            epoch = bisect.bisect_right(before, target) - 1
+            return epoch, target - before[epoch]
+    epoch = c.epoch  # from an epoch after an elastic change: not the epochs before it
+    while steps >= (n := count(epoch)):
+        steps -= n
+        epoch += 1
+    return epoch, steps
 
 
 def batch_samples(ordering: Ordering, lengths: np.ndarray, c: Coordinates,
