@@ -1,6 +1,8 @@
 """Determinism as a tool, through real servers: any batch on demand (`batch_at`) equals the
 batch iteration gives there, and asking for one does not disturb an iteration; `seek(step)`
-then iterating equals an unstopped run from that step, in one request however far."""
+then iterating equals an unstopped run from that step, in one request however far, and after
+an elastic change (`world_sizes`) the run that resumed at the new size; for fixed batches,
+batch_tokens, a mixture and a mixture cut by tokens."""
 
 from __future__ import annotations
 
