@@ -1,14 +1,15 @@
 """The Hugging Face Trainer on a stoker server: crashed mid-epoch, resumed at the next batch.
 
-    python examples/hf_trainer.py [--steps 40] [--stop-at 12]
+    python examples/hf_trainer.py [--devices 2] [--steps 40] [--stop-at 12]
 
 A tiny regression model trains with `StokerTrainer` (stoker.integrations.hf), whose train
-loader is a RemoteLoader. The first `train()` raises an exception at step `--stop-at`, just
+loader is a RemoteLoader, in this process or, with `--devices N`, in N processes under
+torchrun (DDP on CPU, gloo). The first `train()` raises an exception at step `--stop-at`, just
 after the Trainer saved checkpoint-<stop-at> (with the loader's position in it); a new model,
 loader and trainer then call `train(resume_from_checkpoint=True)` and train to `--steps`. The
-example checks that the two runs together read exactly the batches one RemoteLoader reads in
-a run that never stopped, that the resumed run asked the server for none of the skipped
-batches, and that the loss fell. Exits non-zero otherwise.
+example checks that, on every rank, the two runs together read exactly the batches one
+RemoteLoader of that rank reads in a run that never stopped, and that the loss fell. Exits
+non-zero otherwise.
 
 `--address HOST:PORT` uses a running server that serves dataset "line" (framework_data.py);
 without it the example starts one.
@@ -20,6 +21,8 @@ import argparse
 import json
 import logging
 import os
+import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -85,10 +88,12 @@ def trainer(address: str, out: str, steps: int, save_steps: int, batch_size: int
     return StokerTrainer(model=model, args=args, train_loader=loader), model
 
 
-def unstopped(address: str, steps: int, batch_size: int) -> list[list[int]]:
-    """What a run that never stopped reads: `steps` batches, epoch after epoch."""
+def unstopped(address: str, steps: int, batch_size: int, rank: int = 0, world_size: int = 1
+              ) -> list[list[int]]:
+    """What `rank` reads in a run that never stopped: `steps` batches, epoch after epoch."""
     seen: list[list[int]] = []
-    with RemoteLoader(address, "line", batch_size=batch_size, timeout=60) as loader:
+    with RemoteLoader(address, "line", batch_size=batch_size, rank=rank, world_size=world_size,
+                      timeout=60) as loader:
         while len(seen) < steps:
             for batch in loader:
                 seen.append(batch["sample_index"].tolist())
@@ -97,45 +102,84 @@ def unstopped(address: str, steps: int, batch_size: int) -> list[list[int]]:
     return seen
 
 
-def check(address: str, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
-    first, model1 = trainer(address, tmp, args.steps, args.stop_at, args.batch_size)
+def train_twice(address: str, args: argparse.Namespace, out: str) -> None:
+    """This process's part (every rank runs it): a run stopped at `--stop-at`, then one
+    resumed from its checkpoint; writes what it read to `out`/rank<r>.json."""
+    first, model1 = trainer(address, out, args.steps, args.stop_at, args.batch_size)
     first.add_callback(StopAt(args.stop_at))
     try:
         first.train()
         raise SystemExit("FAILED: the first run did not stop")
     except Stop as e:
-        print(f"run 1: {e}, {Path(tmp, f'checkpoint-{args.stop_at}').name} saved")
+        if first.args.process_index == 0:
+            print(f"run 1: {e}, {Path(out, f'checkpoint-{args.stop_at}').name} saved")
     first.train_loader.close()
-    second, model2 = trainer(address, tmp, args.steps, args.stop_at, args.batch_size)
-    asked = second.train_loader.stats()["batches"]
+    if torch.distributed.is_initialized():  # a real crash stops every rank; this one, each
+        torch.distributed.barrier()          # at its own time: wait for the checkpoint
+    second, model2 = trainer(address, out, args.steps, args.stop_at, args.batch_size)
     second.train(resume_from_checkpoint=True)
-    print(f"run 2: resumed with resume_from_checkpoint, trained to step {args.steps}; the "
-          f"loader handed out {second.train_loader.stats()['batches'] - asked} batches")
-    got, want = model1.seen + model2.seen, unstopped(address, args.steps, args.batch_size)
-    differ = sum(a != b for a, b in zip(got, want, strict=False)) + abs(len(got) - len(want))
-    print(f"{len(got)} batches, {differ} differ from the unstopped run")
-    if differ:
-        raise SystemExit("FAILED: the two runs read other batches than an unstopped run")
-    losses = model1.losses + model2.losses
+    rank = second.args.process_index
+    if rank == 0:
+        print(f"run 2: resumed with resume_from_checkpoint, trained to step {args.steps}")
+    second.train_loader.close()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(
+        {"got": model1.seen + model2.seen, "losses": model1.losses + model2.losses,
+         "resumed_batches": len(model2.seen)}))
+
+
+def check(address: str, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
+    """Train twice (in this process, or in `--devices` processes under torchrun) and compare
+    every rank's batches with an unstopped loader's at that rank."""
+    if args.devices == 1:
+        train_twice(address, args, tmp)
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.devices}",
+               f"--master-port={port}", __file__, "--worker", tmp, "--address", address,
+               "--steps", str(args.steps), "--stop-at", str(args.stop_at), "--batch-size",
+               str(args.batch_size)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        print(done.stdout, end="")
+        if done.returncode != 0:
+            raise SystemExit(f"FAILED: torchrun exited {done.returncode}:\n{done.stderr}")
+    result: dict[str, Any] = {"ranks": {}}
+    for rank in range(args.devices):
+        read = json.loads(Path(tmp, f"rank{rank}.json").read_text())
+        got = read["got"]
+        want = unstopped(address, args.steps, args.batch_size, rank, args.devices)
+        differ = sum(a != b for a, b in zip(got, want, strict=False)) + abs(len(got) - len(want))
+        print(f"rank {rank}: {len(got)} batches, {differ} differ from the unstopped run")
+        if differ:
+            raise SystemExit(f"FAILED: rank {rank} read other batches than an unstopped run")
+        result["ranks"][rank] = {"got": got, "want": want,
+                                 "resumed_batches": read["resumed_batches"]}
+    losses = json.loads(Path(tmp, "rank0.json").read_text())["losses"]
     first5, last5 = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     print(f"loss: first 5 steps {first5:.3f}, last 5 {last5:.3f}")
     if not last5 < first5:
         raise SystemExit("FAILED: the loss did not fall")
-    second.train_loader.close()
-    return {"got": got, "want": want, "resumed_batches": len(model2.seen)}
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--devices", type=int, default=1,
+                   help="processes (DDP on CPU, gloo, started by torchrun; 1: this one)")
     p.add_argument("--steps", type=int, default=40, help="training steps in all")
     p.add_argument("--stop-at", type=int, default=12, help="the step the first run crashes at")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--address", help="a server that serves 'line' (else one is started)")
-    p.add_argument("--json", help="write the batches read and expected here")
+    p.add_argument("--json", help="write every rank's batches (read and expected) here")
+    p.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)  # a torchrun rank
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    if args.worker:
+        train_twice(args.address, args, args.worker)
+        return 0
     with tempfile.TemporaryDirectory(prefix="stoker-hf-") as tmp:
         if args.address:
             result = check(args.address, args, tmp)

@@ -13,7 +13,7 @@ What it changes in the Trainer, and why:
   is not a torch DataLoader through as it is (no re-sharding: the loader already reads this
   rank's share); StokerTrainer checks it came back unchanged.
 - Each checkpoint folder gets the loader's `state_dict()` (`stoker_loader.json`, written by
-  the main process; any rank's state is the job's position).
+  the main process before the Trainer's own files; any rank's state is the job's position).
 - `train(resume_from_checkpoint=...)` loads that state into the loader before training, so
   the loader is at the checkpoint's next batch. The Trainer would still skip the epoch's
   consumed batches by reading and discarding them (accelerate's `skip_first_batches`);
@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import transformers.trainer as hf_trainer
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from stoker.client import RemoteLoader
@@ -42,21 +42,6 @@ from stoker.client import RemoteLoader
 __all__ = ["STATE_FILE", "StokerTrainer"]
 
 STATE_FILE = "stoker_loader.json"  # the loader's state_dict(), in each checkpoint folder
-
-
-class _SaveLoaderState(TrainerCallback):
-    """Writes the loader's position into each checkpoint folder the Trainer has just saved."""
-
-    def __init__(self, loader: RemoteLoader) -> None:
-        self.loader = loader
-
-    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if not state.is_world_process_zero:
-            return
-        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if os.path.isdir(folder):
-            with open(os.path.join(folder, STATE_FILE), "w") as out:
-                json.dump(self.loader.state_dict(), out, default=int)
 
 
 class StokerTrainer(Trainer):
@@ -78,7 +63,6 @@ class StokerTrainer(Trainer):
                              f"{ours['rank']} of {ours['world_size']}: make it with "
                              "rank=args.process_index, world_size=args.world_size")
         self.train_loader = train_loader
-        self.add_callback(_SaveLoaderState(train_loader))
 
     def get_train_dataloader(self) -> RemoteLoader:  # type: ignore[override]
         prepared = self.accelerator.prepare(self.train_loader)
@@ -86,6 +70,18 @@ class StokerTrainer(Trainer):
             raise RuntimeError(f"accelerator.prepare replaced the RemoteLoader with "
                                f"{type(prepared).__name__}")
         return prepared
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """The loader's position first (the main process), then the Trainer's checkpoint, whose
+        trainer_state.json, written last, is what a resume reads: a checkpoint folder that has
+        one has the loader's state too."""
+        if self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial=trial),
+                                  f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, STATE_FILE), "w") as out:
+                json.dump(self.train_loader.state_dict(), out, default=int)
+        super()._save_checkpoint(model, trial)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any,
               **kwargs: Any) -> Any:

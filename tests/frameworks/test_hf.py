@@ -43,18 +43,26 @@ def batches_served(server: ServerProcess, dataset: str) -> int:
         rf'^stoker_batches_total{{dataset="{dataset}"[^}}]*}} (\S+)$', text, re.M))
 
 
+@pytest.mark.parametrize("devices", [1, 2])
 def test_a_run_stopped_mid_epoch_resumes_at_the_exact_next_batch(
-        line_server: ServerProcess, run_example, ledger, tmp_path: Path) -> None:
-    out = run_example("hf_trainer.py", "--address", line_server.address, "--steps", "36",
-                      "--stop-at", "12", "--json", str(tmp_path / "r.json"))
-    result = json.loads((tmp_path / "r.json").read_text())
-    got = [i for b in result["got"] for i in b]
-    lost, duplicated = ledger.compare(got, [i for b in result["want"] for i in b])
-    ledger.record("clients", "HF Trainer stopped by an exception at step 12 of 36 (epochs of "
-                  "30), resume_from_checkpoint", lost=lost, duplicated=duplicated,
-                  detail=f"{len(got)} samples, in an unstopped run's order")
-    assert result["got"] == result["want"], out.stdout
-    assert result["resumed_batches"] == 24
+        line_server: ServerProcess, run_example, ledger, tmp_path: Path, devices: int) -> None:
+    # 240 samples, batch 8: epochs of 30 steps in one process, 15 on each of 2 DDP ranks
+    # (torchrun, gloo); the runs cross them.
+    out = run_example("hf_trainer.py", "--address", line_server.address, "--devices",
+                      str(devices), "--steps", "36", "--stop-at", "12", "--json",
+                      str(tmp_path / "r.json"))
+    ranks = json.loads((tmp_path / "r.json").read_text())["ranks"]
+    assert sorted(ranks) == [str(r) for r in range(devices)]
+    got = [i for r in ranks.values() for b in r["got"] for i in b]
+    lost, duplicated = ledger.compare(got, [i for r in ranks.values() for b in r["want"]
+                                            for i in b])
+    ledger.record("clients", f"HF Trainer ({devices} process{'es, DDP gloo' if devices > 1 else ''}"
+                  ") stopped by an exception at step 12 of 36, resume_from_checkpoint",
+                  lost=lost, duplicated=duplicated,
+                  detail=f"{len(got)} samples, each rank in an unstopped run's order")
+    for rank in ranks.values():
+        assert rank["got"] == rank["want"], out.stdout
+        assert rank["resumed_batches"] == 24
 
 
 def resume_at(server: ServerProcess, folder: Path, step: int) -> tuple[float, int]:
