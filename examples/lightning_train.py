@@ -43,6 +43,12 @@ class Regression(L.LightningModule):
         self.net = torch.nn.Linear(FEATURES, 1)
         self.record, self.stop_at = record, stop_at
 
+    def on_train_start(self) -> None:
+        # Lightning trains on the data module's own loader: not wrapped, re-sharded or remade
+        if self.trainer.train_dataloader is not self.trainer.datamodule.loader:
+            raise RuntimeError(f"Lightning replaced the RemoteLoader with "
+                               f"{type(self.trainer.train_dataloader).__name__}")
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self.stop_at is not None and self.global_step == self.stop_at:
             raise Stop(f"stopped at step {self.global_step}")

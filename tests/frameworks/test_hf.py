@@ -112,3 +112,31 @@ def test_resuming_at_step_10000_reads_nothing_skipped_and_is_as_quick_as_at_10(
     # and the prefetch window (4), whatever the step.
     assert max(served[10_000]) <= 10 and max(served[10]) <= 10, served
     assert far_s < 2 * near + 0.5, timings
+
+
+def test_bad_loaders_and_checkpoints_are_refused_naming_what_is_wrong(
+        line_server: ServerProcess, tmp_path: Path) -> None:
+    from transformers import TrainingArguments
+
+    from stoker.client import RemoteLoader
+    from stoker.integrations.hf import StokerTrainer
+
+    args = TrainingArguments(str(tmp_path), max_steps=1, report_to="none", use_cpu=True)
+    with pytest.raises(TypeError, match="train_loader must be a RemoteLoader, got list"):
+        StokerTrainer(model=hf_trainer.Regression(), args=args, train_loader=[])
+    with RemoteLoader(line_server.address, "line", batch_size=8, rank=1, world_size=2) as wrong:
+        with pytest.raises(ValueError, match="train_loader reads rank 1 of world_size 2, but "
+                                             "this process is rank 0 of 1"):
+            StokerTrainer(model=hf_trainer.Regression(), args=args, train_loader=wrong)
+    trainer, _ = hf_trainer.trainer(line_server.address, str(tmp_path), 1, 1)
+    bare = tmp_path / "checkpoint-5"  # a plain Trainer's: no loader state
+    bare.mkdir()
+    with pytest.raises(FileNotFoundError, match=rf"checkpoint-5 has no {STATE_FILE}: not saved "
+                                                r"by StokerTrainer.*loader\.seek"):
+        trainer.train(resume_from_checkpoint=str(bare))
+    (bare / STATE_FILE).write_text(json.dumps(trainer.train_loader.state_dict()))
+    (bare / "trainer_state.json").write_text(json.dumps({"epoch": 3.5, "global_step": 105}))
+    with pytest.raises(ValueError, match=r"is at epoch 0, the Trainer's state in .* at epoch 3: "
+                                         r"not one checkpoint"):
+        trainer.train(resume_from_checkpoint=str(bare))
+    trainer.train_loader.close()

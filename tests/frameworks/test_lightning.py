@@ -37,3 +37,14 @@ def test_fit_stopped_mid_epoch_resumes_with_ckpt_path_at_the_exact_next_batch(
     if devices == 2:  # the ranks read disjoint shares: Lightning did not re-shard
         assert not {i for b in ranks["0"]["got"][:15] for i in b} & \
             {i for b in ranks["1"]["got"][:15] for i in b}
+
+
+def test_the_data_module_takes_its_rank_from_the_trainer_and_says_so() -> None:
+    from stoker.integrations.lightning import StokerDataModule
+
+    for name in ("rank", "world_size"):
+        with pytest.raises(TypeError, match=f"StokerDataModule takes no '{name}': the "
+                                            "trainer's global rank and world size"):
+            StokerDataModule("127.0.0.1:1", "line", 8, **{name: 0})
+    with pytest.raises(RuntimeError, match=r"made for a Trainer: pass it to trainer\.fit"):
+        StokerDataModule("127.0.0.1:1", "line", 8).train_dataloader()
