@@ -74,14 +74,16 @@ class StopAt(TrainerCallback):
 
 
 def trainer(address: str, out: str, steps: int, save_steps: int, batch_size: int = 8,
-            dataset: str = "line", **options: Any) -> tuple[StokerTrainer, Regression]:
+            dataset: str = "line", gradient_accumulation_steps: int = 1, **options: Any
+            ) -> tuple[StokerTrainer, Regression]:
     """A new StokerTrainer (and its model) reading `dataset` from `address` (RemoteLoader's
     `options`)."""
     torch.manual_seed(0)
     args = TrainingArguments(out, max_steps=steps, save_steps=save_steps, learning_rate=0.05,
                              lr_scheduler_type="constant", optim="sgd", logging_strategy="no",
                              report_to="none", disable_tqdm=True, use_cpu=True, seed=0,
-                             per_device_train_batch_size=batch_size)
+                             per_device_train_batch_size=batch_size,
+                             gradient_accumulation_steps=gradient_accumulation_steps)
     loader = RemoteLoader(address, dataset, batch_size=batch_size, rank=args.process_index,
                           world_size=args.world_size, timeout=60, **options)
     model = Regression()

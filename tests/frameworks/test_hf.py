@@ -65,6 +65,33 @@ def test_a_run_stopped_mid_epoch_resumes_at_the_exact_next_batch(
         assert rank["resumed_batches"] == 24
 
 
+def test_with_gradient_accumulation_that_does_not_divide_the_epoch(
+        line_server: ServerProcess, ledger, tmp_path: Path) -> None:
+    """4 batches a step, epochs of 30 batches (8 steps, the last of 2): stopped at step 3,
+    resumed to step 10 in the next epoch. The Trainer counts the epoch's consumed batches as
+    steps x 4; the loader's position says the same."""
+
+    def run(stop_at: int | None) -> list[list[int]]:
+        trainer, model = hf_trainer.trainer(line_server.address, str(tmp_path), 10, 3,
+                                            gradient_accumulation_steps=4)
+        if stop_at is not None:
+            trainer.add_callback(hf_trainer.StopAt(stop_at))
+            with pytest.raises(hf_trainer.Stop):
+                trainer.train()
+        else:
+            trainer.train(resume_from_checkpoint=True)
+        trainer.train_loader.close()
+        return model.seen
+
+    got = run(3) + run(None)
+    want = hf_trainer.unstopped(line_server.address, 38, 8)
+    lost, duplicated = ledger.compare([i for b in got for i in b], [i for b in want for i in b])
+    ledger.record("clients", "HF Trainer with gradient_accumulation_steps=4 (epochs of 30 "
+                  "batches) stopped at step 3, resume_from_checkpoint", lost=lost,
+                  duplicated=duplicated, detail=f"{len(got)} batches in an unstopped run's order")
+    assert got == want
+
+
 def resume_at(server: ServerProcess, folder: Path, step: int) -> tuple[float, int]:
     """Resume from checkpoint-`step` and train one step: (seconds from train() to the first
     batch, batches the server sent meanwhile)."""
