@@ -71,7 +71,7 @@ class StokerTrainer(Trainer):
                                f"{type(prepared).__name__}")
         return prepared
 
-    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+    def _save_checkpoint(self, model: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
         """The loader's position first (the main process), then the Trainer's checkpoint, whose
         trainer_state.json, written last, is what a resume reads: a checkpoint folder that has
         one has the loader's state too."""
@@ -81,7 +81,7 @@ class StokerTrainer(Trainer):
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, STATE_FILE), "w") as out:
                 json.dump(self.train_loader.state_dict(), out, default=int)
-        super()._save_checkpoint(model, trial)
+        super()._save_checkpoint(model, trial, *args, **kwargs)  # 4.x also passes metrics
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any,
               **kwargs: Any) -> Any:
