@@ -167,3 +167,15 @@ def test_bad_loaders_and_checkpoints_are_refused_naming_what_is_wrong(
                                          r"not one checkpoint"):
         trainer.train(resume_from_checkpoint=str(bare))
     trainer.train_loader.close()
+    # A loader state from another step than the Trainer's: the Trainer's skip says so
+    trainer, _ = hf_trainer.trainer(line_server.address, str(tmp_path / "run"), 2, 2)
+    trainer.train()
+    trainer.train_loader.close()
+    saved = tmp_path / "run" / "checkpoint-2"
+    (saved / STATE_FILE).write_text(json.dumps({**json.loads((saved / STATE_FILE).read_text()),
+                                                "next_batch": 1}))
+    trainer, _ = hf_trainer.trainer(line_server.address, str(tmp_path / "run"), 3, 2)
+    with pytest.raises(RuntimeError, match="the Trainer resumes after batch 2 of its epoch, but "
+                                           "the loader is at batch 1 of epoch 0"):
+        trainer.train(resume_from_checkpoint=str(saved))
+    trainer.train_loader.close()
