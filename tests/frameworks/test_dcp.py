@@ -80,5 +80,6 @@ def test_loader_state_keeps_what_a_bare_loader_loses_through_dcp(line_server: Se
             dcp.load({"loader": LoaderState(kept)}, checkpoint_id=tmp_path / "kept")
             dcp.load({"loader": bare}, checkpoint_id=tmp_path / "bare")
             assert kept.state_dict() == state
-            assert "start" not in bare.state_dict()["coordinates"]
+            assert "start" not in bare.state_dict()["coordinates"], \
+                "DCP now loads leaves a fresh state lacks: say so in docs/integrations.md"
     resumed.close()
