@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from ._rates import Rate
 from ._stream import BatchStream
 
 RESOLVE_EVERY = 15.0  # seconds between resolutions of a dns: target, by default
@@ -91,6 +92,8 @@ class Server:
     last_progress: float = 0.0
     batches: int = 0
     errors: int = 0
+    rate: Rate = field(default_factory=Rate)  # what it delivers per busy second
+    hedged: int = 0  # its batches also asked of a faster server because it was late
 
     @property
     def up(self) -> bool:
@@ -163,6 +166,8 @@ class Server:
     def stats(self) -> dict[str, Any]:
         return {"state": self.state.value, "batches": self.batches, "errors": self.errors,
                 "latency_seconds": self.latency, "outstanding": len(self.outstanding),
+                "batches_per_second": self.rate.batches_per_second,
+                "bytes_per_second": self.rate.bytes_per_second, "hedged": self.hedged,
                 "last_error": self.last_error}
 
 

@@ -184,7 +184,10 @@ def test_a_stalled_servers_batches_are_asked_elsewhere_and_it_gets_none_until_it
     b.deliver(3)  # late: dropped, but b is alive again
     assert state(servers, B)["state"] == "up" and state(servers, B)["batches"] == 0
     sched.take(4)
-    assert b.credits == [1, 3, 8]  # fewer outstanding than a (5, 6, 7)
+    # Up again, and measured: one batch in over STALL_MIN s of holding credits, where a
+    # delivers several a second, so 8 goes to a, which is expected to deliver it sooner
+    # (client/_rates.py; tests/test_stragglers.py).
+    assert b.credits == [1, 3] and a.credits[-1] == 8
 
 
 def test_the_awaited_batch_is_hedged_once_after_hedge_min_and_the_late_duplicate_dropped(

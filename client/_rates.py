@@ -1,0 +1,96 @@
+"""How fast each server delivers, learned from what it delivers (`Rate`), and what a new
+credit costs there (`costs`): the scheduler's measure of a slow server.
+
+A server's rate is counted while it holds credits ("busy"): batches and bytes delivered per
+busy second, averaged over the last few seconds of busy time (HALF_LIFE). Per batch, because
+a server short of CPU or workers delivers few batches; per byte, because a slow link delivers
+few bytes whatever the batches: a batch's expected time at a server is the longer of its
+seconds per batch and the fleet's mean batch bytes over its bytes/s, so a server measured on
+small batches is not taken for fast on large ones. Duplicates count: they were delivered.
+
+Threading: under the scheduler's lock, as the servers' other fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._servers import Server
+
+HALF_LIFE = 2.0  # busy seconds after which what a server delivered counts half
+MEASURED = 2  # batches delivered before its rate counts (one may come at once: a burst)
+
+
+@dataclass
+class Rate:
+    """Batches and bytes one server delivered over its busy seconds, decayed (HALF_LIFE)."""
+
+    batches: float = 0.0
+    nbytes: float = 0.0
+    seconds: float = 0.0
+    since: float | None = None  # busy since (a credit to an idle server, or a delivery)
+    delivered_count: int = 0
+    _marks: dict[object, int] = field(default_factory=dict)  # stream -> bytes seen
+
+    def busy(self, now: float) -> None:
+        """It had nothing outstanding and is credited now: its busy time starts."""
+        self.since = now
+
+    def delivered(self, now: float, stream: object, received: int, busy: bool) -> None:
+        """A batch (or an in-band error) came on `stream`, which has received `received`
+        bytes so far; `busy`: the server still holds credits after it."""
+        seen = self._marks.pop(stream, 0)
+        self._marks[stream] = received
+        while len(self._marks) > 4:  # streams of epochs gone
+            del self._marks[next(iter(self._marks))]
+        dt = max(0.0, now - (self.since if self.since is not None else now))
+        keep = 0.5 ** (dt / HALF_LIFE)
+        self.delivered_count += 1
+        self.batches = self.batches * keep + 1
+        self.nbytes = self.nbytes * keep + max(0, received - seen)
+        self.seconds = self.seconds * keep + dt
+        self.since = now if busy else None
+
+    def waiting(self, now: float) -> float:
+        """Seconds it has held credits since its last delivery (0.0: it holds none)."""
+        return now - self.since if self.since is not None else 0.0
+
+    @property
+    def measured(self) -> bool:
+        return self.delivered_count >= MEASURED and self.seconds > 0
+
+    @property
+    def batches_per_second(self) -> float | None:
+        return self.batches / self.seconds if self.measured else None
+
+    @property
+    def bytes_per_second(self) -> float | None:
+        return self.nbytes / self.seconds if self.measured and self.nbytes else None
+
+    def seconds_per_batch(self, batch_bytes: float) -> float | None:
+        """Expected busy seconds per batch of `batch_bytes` (None: not measured yet)."""
+        if not self.measured:
+            return None
+        per = self.seconds / self.batches
+        if batch_bytes and self.nbytes:
+            per = max(per, batch_bytes * self.seconds / self.nbytes)
+        return per
+
+
+def costs(servers: Iterable[Server], now: float) -> dict[Server, float]:
+    """Each server's expected seconds per batch of the fleet's mean size. A server not
+    measured yet is taken to be as fast as the fastest measured one (so it is tried, and
+    measured), but no faster than the seconds it has held credits without delivering any;
+    none measured: 1.0 each, which makes the earliest expected delivery the fewest
+    outstanding credits."""
+    servers = list(servers)
+    batches = sum(s.rate.batches for s in servers)
+    mean = sum(s.rate.nbytes for s in servers) / batches if batches else 0.0
+    known = {s: s.rate.seconds_per_batch(mean) for s in servers}
+    fastest = min((c for c in known.values() if c is not None), default=1.0)
+    return {s: c if c is not None else max(fastest, s.rate.waiting(now) if s.outstanding
+                                           else 0.0)
+            for s, c in known.items()}
