@@ -2,7 +2,9 @@
 credit costs there (`costs`): the scheduler's measure of a slow server.
 
 A server's rate is counted while it holds credits ("busy"): batches and bytes delivered per
-busy second, averaged over the last few seconds of busy time (HALF_LIFE). Per batch, because
+busy second, averaged over the last few seconds of busy time (HALF_LIFE); forgotten when it
+stalls or goes down (an outage is not a rate) and after FORGET s without credits (so a slow
+server that recovered is tried again). Per batch, because
 a server short of CPU or workers delivers few batches; per byte, because a slow link delivers
 few bytes whatever the batches: a batch's expected time at a server is the longer of its
 seconds per batch and the fleet's mean batch bytes over its bytes/s, so a server measured on
@@ -22,6 +24,9 @@ if TYPE_CHECKING:
 
 HALF_LIFE = 2.0  # busy seconds after which what a server delivered counts half
 MEASURED = 2  # batches delivered before its rate counts (one may come at once: a burst)
+# Seconds without credits after which a server's rate is forgotten: a slow server gets few or
+# no credits, so without this it would never show that its link or CPU has recovered.
+FORGET = 10.0
 
 
 @dataclass
@@ -32,12 +37,25 @@ class Rate:
     nbytes: float = 0.0
     seconds: float = 0.0
     since: float | None = None  # busy since (a credit to an idle server, or a delivery)
+    idle_at: float | None = None  # it has held no credits since
     delivered_count: int = 0
     _marks: dict[object, int] = field(default_factory=dict)  # stream -> bytes seen
 
     def busy(self, now: float) -> None:
         """It had nothing outstanding and is credited now: its busy time starts."""
-        self.since = now
+        if self.stale(now):
+            self.forget()
+        self.since, self.idle_at = now, None
+
+    def forget(self) -> None:
+        """Measure it afresh: it was out of use (stalled, down, idle for FORGET s), and what
+        it delivered before says little about what it delivers now."""
+        self.batches = self.nbytes = self.seconds = 0.0
+        self.since, self.idle_at, self.delivered_count = None, None, 0
+        self._marks.clear()
+
+    def stale(self, now: float) -> bool:
+        return self.idle_at is not None and now - self.idle_at >= FORGET
 
     def delivered(self, now: float, stream: object, received: int, busy: bool) -> None:
         """A batch (or an in-band error) came on `stream`, which has received `received`
@@ -53,6 +71,7 @@ class Rate:
         self.nbytes = self.nbytes * keep + max(0, received - seen)
         self.seconds = self.seconds * keep + dt
         self.since = now if busy else None
+        self.idle_at = None if busy else now
 
     def waiting(self, now: float) -> float:
         """Seconds it has held credits since its last delivery (0.0: it holds none)."""
@@ -70,9 +89,10 @@ class Rate:
     def bytes_per_second(self) -> float | None:
         return self.nbytes / self.seconds if self.measured and self.nbytes else None
 
-    def seconds_per_batch(self, batch_bytes: float) -> float | None:
-        """Expected busy seconds per batch of `batch_bytes` (None: not measured yet)."""
-        if not self.measured:
+    def seconds_per_batch(self, batch_bytes: float, now: float | None = None) -> float | None:
+        """Expected busy seconds per batch of `batch_bytes` (None: not measured yet, or, at
+        `now`, no longer: see FORGET)."""
+        if not self.measured or (now is not None and self.stale(now)):
             return None
         per = self.seconds / self.batches
         if batch_bytes and self.nbytes:
@@ -89,7 +109,7 @@ def costs(servers: Iterable[Server], now: float) -> dict[Server, float]:
     servers = list(servers)
     batches = sum(s.rate.batches for s in servers)
     mean = sum(s.rate.nbytes for s in servers) / batches if batches else 0.0
-    known = {s: s.rate.seconds_per_batch(mean) for s in servers}
+    known = {s: s.rate.seconds_per_batch(mean, now) for s in servers}
     fastest = min((c for c in known.values() if c is not None), default=1.0)
     return {s: c if c is not None else max(fastest, s.rate.waiting(now) if s.outstanding
                                            else 0.0)

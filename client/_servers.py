@@ -119,6 +119,7 @@ class Server:
 
     def mark_stalled(self) -> None:
         self.state = ServerState.STALLED
+        self.rate.forget()  # the time it stalled is no measure of its rate
 
     def mark_delivered(self, index: int, now: float) -> None:
         """Its stream answered `index` (a batch or an in-band error): it is alive."""
@@ -145,11 +146,13 @@ class Server:
         and closes them; try it again after DRAIN_RETRY (it may be restarting)."""
         self.state = self._down()
         self.retry_at, self.last_error = now + DRAIN_RETRY, "draining"
+        self.rate.forget()
 
     def mark_down(self, error: Any, now: float) -> None:
         """A stream of it failed (the caller lets go of them all: let_go): try it again
         after the backoff, which doubles each time."""
         self.state = self._down()
+        self.rate.forget()
         self.last_error = str(error)
         self.errors += 1
         self.retry_at = now + self.backoff

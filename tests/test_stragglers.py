@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_scheduler import T0, Channel, Clock, Streams, unused
+from test_scheduler import EPS, T0, Channel, Clock, Streams, unused
 
 from stoker.client import RemoteLoader
-from stoker.client._rates import Rate
+from stoker.client._rates import FORGET, Rate
 from stoker.client._scheduler import HEDGE_MIN, Scheduler
 from stoker.client._servers import ServerSet
 from stoker.client._stream import StreamSpec
@@ -125,11 +125,14 @@ def test_a_server_on_a_slow_link_does_not_drag_the_fleet(
 # -- in-process: the scheduler against servers the test plays, on a clock it moves ----------
 
 def simulate(seconds_per_batch: dict[str, float], total: int = 400, window: int = 32,
-             batch_bytes: int = 1000) -> tuple[float, float, list[str], Scheduler, ServerSet]:
+             batch_bytes: int = 1000, heal_at: float | None = None,
+             times: list[float] | None = None
+             ) -> tuple[float, float, list[str], Scheduler, ServerSet]:
     """The loop takes `total` batches as soon as each is in; each server works through its
-    credits in order, one every `seconds_per_batch[address]`, `batch_bytes` each. (Simulated
-    seconds the loop took, its longest wait for a batch, who delivered each batch it took,
-    the scheduler, its servers.)"""
+    credits in order, one every `seconds_per_batch[address]` (from `heal_at` s on, every
+    server as fast as the fastest), `batch_bytes` each. (Simulated seconds the loop took, its
+    longest wait for a batch, who delivered each batch it took, the scheduler, its
+    servers; and, into `times`, when it took each.)"""
     clock, streams = Clock(), Streams()
     servers = ServerSet(list(seconds_per_batch), channel=lambda address, options: Channel())
     spec = StreamSpec(pb.Coordinates(dataset="toy", batch_size=2, world_size=1),
@@ -142,6 +145,8 @@ def simulate(seconds_per_batch: dict[str, float], total: int = 400, window: int 
     last, longest = T0, 0.0
     while len(taken) < total:
         clock.now += 0.001
+        if heal_at is not None and clock.now - T0 >= heal_at:
+            seconds_per_batch = dict.fromkeys(seconds_per_batch, min(seconds_per_batch.values()))
         for address, each in seconds_per_batch.items():
             stream = streams.last(address)
             if done[address] >= len(stream.credits):
@@ -155,6 +160,8 @@ def simulate(seconds_per_batch: dict[str, float], total: int = 400, window: int 
         while len(taken) < total and sched.poll(len(taken), clock.now):
             taken.append(sched.take(len(taken)).rsplit(" ", 1)[1])
             last, longest = clock.now, max(longest, clock.now - last)
+            if times is not None:
+                times.append(clock.now - T0)
     return clock.now - T0, longest, taken, sched, servers
 
 
@@ -183,6 +190,33 @@ def test_credits_follow_the_rate_and_late_batches_are_hedged_early(fast: int) ->
     finally:
         sched.close()
         servers.close()
+
+
+def test_a_slow_server_that_recovers_gets_its_share_again() -> None:
+    at: list[float] = []
+    _, _, by, sched, servers = simulate({"fast:1": 0.01, "slow:1": 0.2}, total=3000,
+                                        heal_at=2.0, times=at)
+    try:
+        slow = [b for b, t in zip(by, at, strict=True) if t < 2.0]
+        healed = [b for b, t in zip(by, at, strict=True) if t > 4.0]
+        assert slow.count("slow:1") < 0.05 * len(slow)
+        assert healed and healed.count("slow:1") > 0.3 * len(healed)
+    finally:
+        sched.close()
+        servers.close()
+
+
+def test_a_rate_is_forgotten_after_forget_seconds_without_credits() -> None:
+    """A slow server gets no credits, so it could never show that it recovered: its rate is
+    forgotten FORGET s after its last credit was answered, and it is measured afresh."""
+    rate = Rate()
+    rate.busy(T0)
+    for k in range(1, 4):
+        rate.delivered(T0 + k, "stream", k * 1000, busy=k < 3)
+    assert rate.seconds_per_batch(1000, T0 + 3 + FORGET - EPS) == pytest.approx(1.0)
+    assert rate.seconds_per_batch(1000, T0 + 3 + FORGET) is None
+    rate.busy(T0 + 3 + FORGET)
+    assert rate.delivered_count == 0 and rate.seconds_per_batch(1000) is None
 
 
 def test_the_rate_is_per_batch_and_per_byte() -> None:
