@@ -23,10 +23,15 @@ if TYPE_CHECKING:
     from ._servers import Server
 
 HALF_LIFE = 2.0  # busy seconds after which what a server delivered counts half
-MEASURED = 2  # batches delivered before its rate counts (one may come at once: a burst)
+# A rate counts once its server has delivered MEASURED batches over MEASURED_SECONDS of holding
+# credits: the first few come faster than the rest (the link's buffers, a shaper's burst).
+MEASURED, MEASURED_SECONDS = 4, 0.2
 # Seconds without credits after which a server's rate is forgotten: a slow server gets few or
 # no credits, so without this it would never show that its link or CPU has recovered.
 FORGET = 10.0
+# A server not measured yet that has delivered nothing counts as slow once it has waited
+# this many times the lowest latency of those measured (its first batch is a latency).
+FIRST = 2.0
 
 
 @dataclass
@@ -77,9 +82,16 @@ class Rate:
         """Seconds it has held credits since its last delivery (0.0: it holds none)."""
         return now - self.since if self.since is not None else 0.0
 
+    def shown(self, now: float, first: float) -> float:
+        """What it has shown so far of its seconds per batch, at least (see costs)."""
+        if self.delivered_count:
+            return (self.seconds + self.waiting(now)) / (self.batches + 1)
+        waited = self.waiting(now)
+        return waited if first and waited > first else 0.0
+
     @property
     def measured(self) -> bool:
-        return self.delivered_count >= MEASURED and self.seconds > 0
+        return self.delivered_count >= MEASURED and self.seconds >= MEASURED_SECONDS
 
     @property
     def batches_per_second(self) -> float | None:
@@ -103,14 +115,23 @@ class Rate:
 def costs(servers: Iterable[Server], now: float) -> dict[Server, float]:
     """Each server's expected seconds per batch of the fleet's mean size. A server not
     measured yet is taken to be as fast as the fastest measured one (so it is tried, and
-    measured), but no faster than the seconds it has held credits without delivering any;
-    none measured: 1.0 each, which makes the earliest expected delivery the fewest
-    outstanding credits."""
+    measured), unless what it has shown already says it is slower: the seconds it has held
+    credits over the batches it delivered and the one it is on; or, before its first batch
+    (a latency more than a rate), the seconds it has waited for it, once longer than FIRST x
+    the lowest latency of those measured. None measured: 1.0 each, which makes the earliest
+    expected delivery the fewest outstanding credits."""
     servers = list(servers)
     batches = sum(s.rate.batches for s in servers)
     mean = sum(s.rate.nbytes for s in servers) / batches if batches else 0.0
     known = {s: s.rate.seconds_per_batch(mean, now) for s in servers}
     fastest = min((c for c in known.values() if c is not None), default=1.0)
-    return {s: c if c is not None else max(fastest, s.rate.waiting(now) if s.outstanding
-                                           else 0.0)
-            for s, c in known.items()}
+    latency = min((s.latency for s, c in known.items() if c is not None and s.latency),
+                  default=0.0)
+    cost = {}
+    for s, c in known.items():
+        if c is None:
+            c = fastest
+            if s.outstanding and not s.rate.stale(now):
+                c = max(c, s.rate.shown(now, first=FIRST * latency))
+        cost[s] = c
+    return cost

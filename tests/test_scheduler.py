@@ -166,15 +166,12 @@ def test_a_stalled_servers_batches_are_asked_elsewhere_and_it_gets_none_until_it
 
     clock.at(STALL_MIN - EPS)
     assert not sched.poll(1, T0)
-    # 1 and 3 were asked of a too: b, never measured, has held them for longer than a
-    # takes for several, so it counts as slow and they as late (client/_hedging.py;
-    # tests/test_stragglers.py). Hedges, not a failover: b is still up.
-    assert a.credits[-2:] == [1, 3] and sched.failovers == 0
-    assert state(servers, B)["state"] == "up" and state(servers, B)["hedged"] == 2
+    assert 3 not in a.credits and sched.failovers == 0  # (1, awaited, was hedged)
+    assert state(servers, B)["state"] == "up"
 
     clock.at(STALL_MIN + EPS)
     assert not sched.poll(1, T0)
-    assert a.credits[-1] == 3 and sched.failovers == 1  # nothing b holds left to ask
+    assert a.credits[-1] == 3 and sched.failovers == 1
     assert state(servers, B)["state"] == "stalled"
 
     for k in (1, 3):
@@ -187,9 +184,7 @@ def test_a_stalled_servers_batches_are_asked_elsewhere_and_it_gets_none_until_it
     b.deliver(3)  # late: dropped, but b is alive again
     assert state(servers, B)["state"] == "up" and state(servers, B)["batches"] == 0
     sched.take(4)
-    # Up again, and measured afresh (the time it stalled is no measure of its rate): as
-    # fast as a until it shows otherwise, with fewer outstanding (a holds 5, 6, 7).
-    assert b.credits == [1, 3, 8]
+    assert b.credits == [1, 3, 8]  # fewer outstanding than a (5, 6, 7)
 
 
 def test_the_awaited_batch_is_hedged_once_after_hedge_min_and_the_late_duplicate_dropped(
