@@ -3,8 +3,8 @@ credit costs there (`costs`): the scheduler's measure of a slow server.
 
 A server's rate is counted while it holds credits ("busy"): batches and bytes delivered per
 busy second, averaged over the last few seconds of busy time (HALF_LIFE); forgotten when it
-stalls or goes down (an outage is not a rate) and after FORGET s without credits (so a slow
-server that recovered is tried again). Per batch, because
+stalls, goes down or delivers after a long silence (an outage is not a rate: OUTAGE), and
+after FORGET s without credits (so a slow server that recovered is tried again). Per batch, because
 a server short of CPU or workers delivers few batches; per byte, because a slow link delivers
 few bytes whatever the batches: a batch's expected time at a server is the longer of its
 seconds per batch and the fleet's mean batch bytes over its bytes/s, so a server measured on
@@ -29,6 +29,10 @@ MEASURED, MEASURED_SECONDS = 4, 0.2
 # Seconds without credits after which a server's rate is forgotten: a slow server gets few or
 # no credits, so without this it would never show that its link or CPU has recovered.
 FORGET = 10.0
+# A delivery after more than OUTAGE x its seconds per batch (and OUTAGE_MIN s; before it is
+# measured, OUTAGE_MIN s) of holding credits ends an outage (a freeze, a partition healed, a
+# reconnect), which is no measure of its rate either: it is measured afresh from there.
+OUTAGE, OUTAGE_MIN = 10.0, 0.5
 # A server not measured yet that has delivered nothing counts as slow once it has waited
 # this many times the lowest latency of those measured (its first batch is a latency).
 FIRST = 2.0
@@ -66,10 +70,14 @@ class Rate:
         """A batch (or an in-band error) came on `stream`, which has received `received`
         bytes so far; `busy`: the server still holds credits after it."""
         seen = self._marks.pop(stream, 0)
+        dt = max(0.0, now - (self.since if self.since is not None else now))
+        if dt > OUTAGE_MIN and self.batches and (
+                not self.measured or dt > OUTAGE * self.seconds / self.batches):
+            self.forget()
+            seen, dt = received, 0.0  # this batch counts, the outage does not
         self._marks[stream] = received
         while len(self._marks) > 4:  # streams of epochs gone
             del self._marks[next(iter(self._marks))]
-        dt = max(0.0, now - (self.since if self.since is not None else now))
         keep = 0.5 ** (dt / HALF_LIFE)
         self.delivered_count += 1
         self.batches = self.batches * keep + 1

@@ -222,11 +222,26 @@ def test_a_rate_is_forgotten_after_forget_seconds_without_credits() -> None:
     rate = Rate()
     rate.busy(T0)
     for k in range(1, 6):
-        rate.delivered(T0 + k, "stream", k * 1000, busy=k < 5)
-    assert rate.seconds_per_batch(1000, T0 + 5 + FORGET - EPS) == pytest.approx(1.0)
-    assert rate.seconds_per_batch(1000, T0 + 5 + FORGET) is None
-    rate.busy(T0 + 5 + FORGET)
+        rate.delivered(T0 + k * 0.1, "stream", k * 1000, busy=k < 5)
+    assert rate.seconds_per_batch(1000, T0 + 0.5 + FORGET - EPS) == pytest.approx(0.1)
+    assert rate.seconds_per_batch(1000, T0 + 0.5 + FORGET) is None
+    rate.busy(T0 + 0.5 + FORGET)
     assert rate.delivered_count == 0 and rate.seconds_per_batch(1000) is None
+
+
+def test_an_outage_is_not_a_rate() -> None:
+    """A server measured at 0.01 s a batch that then delivers nothing for a second (frozen,
+    cut off) and comes back is measured afresh, not taken for 100x slower."""
+    rate = Rate()
+    rate.busy(T0)
+    for k in range(1, 51):
+        rate.delivered(T0 + k * 0.01, "stream", k * 1000, busy=True)
+    assert rate.seconds_per_batch(1000) == pytest.approx(0.01)
+    rate.delivered(T0 + 0.5 + 1.0, "stream", 51_000, busy=True)  # after the outage
+    assert rate.delivered_count == 1 and rate.seconds_per_batch(1000) is None
+    for k in range(1, 31):
+        rate.delivered(T0 + 1.5 + k * 0.01, "stream", (51 + k) * 1000, busy=True)
+    assert rate.seconds_per_batch(1000) == pytest.approx(0.01, rel=0.1)
 
 
 def test_the_rate_is_per_batch_and_per_byte() -> None:
