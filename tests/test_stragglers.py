@@ -41,6 +41,8 @@ N, BS, SEED, DIM, DELAY = 2000, 8, 5, 80, 0.002
 SLOW_LINK = "200kbit"
 EPOCHS = 4  # the first warms up (connections, the servers' first builds); the rest measured
 RATIO_FLOOR = 0.8  # asserted (a shared 2-core CI box); the issue's target is 0.9
+# The ratio before slow servers were routed around (main at b337af9, this test's setup).
+BEFORE = {1: 0.50, 2: 0.43}
 DATASETS = {"toy": {"format": "python", "factory": "toy_datasets:toy",
                     "options": {"n": N, "dim": DIM, "delay": DELAY}}}
 # shared_memory=False: the hosts share this machine's /dev/shm, which hosts apart do not.
@@ -116,7 +118,7 @@ def test_a_server_on_a_slow_link_does_not_drag_the_fleet(
                   f"{EPOCHS} epochs", tried=EPOCHS, lost=lost, duplicated=dup,
                   detail=f"{with_slow:.0f} samples/s against {alone:.0f} from the {fast} "
                          f"fast one{'s' if fast > 1 else ''} alone: {ratio:.2f} (before: "
-                         f"about 0.5; first epoch, rates not learned yet: "
+                         f"{BEFORE[fast]:.2f}; first epoch, rates not learned yet: "
                          f"{first / first_alone:.2f}); the slow one learned at "
                          f"{slow_rate:.0f} samples/s, {learned['batches']} of its batches "
                          f"used, {learned['hedged']} hedged")
