@@ -51,6 +51,13 @@ class Crediting:
     _clock: Callable[[], float]
     _on_batch: Callable[..., None]
     _on_end: Callable[..., None]
+    _cost_memo: tuple[float, dict[Server, float]] | None  # (now, costs then); see _costs
+
+    def _costs(self, now: float) -> dict[Server, float]:
+        """costs(), once for every credit sent at `now` (a delivery since forgets it)."""
+        if self._cost_memo is None or self._cost_memo[0] != now:
+            self._cost_memo = (now, costs(self._servers.servers.values(), now))
+        return self._cost_memo[1]
 
     def widen(self, window: int) -> None:
         """Keep up to `window` batches in flight from now on (more than before), and ask
@@ -105,7 +112,7 @@ class Crediting:
                       if s not in exclude and s.usable(now)]
         if not candidates:
             return False
-        cost = costs(self._servers.servers.values(), now)
+        cost = self._costs(now)
         server = min(candidates,
                      key=lambda s: ((len(s.outstanding) + 1) * cost[s], s.latency or 0.0))
         lane = self._passes.of(index)

@@ -19,7 +19,6 @@ Threading: under the scheduler's lock, as the rest of its state.
 from __future__ import annotations
 
 from ._crediting import Crediting
-from ._rates import costs
 
 SLOW = 2.0  # times the fastest server's seconds per batch
 
@@ -36,7 +35,7 @@ class Hedging(Crediting):
         up = [s for s in self._servers.servers.values() if s.up]
         if len(up) < 2:
             return
-        cost = costs(self._servers.servers.values(), now)
+        cost = self._costs(now)
         fastest = min(cost[s] for s in up)
         slow = [s for s in up if s.outstanding and cost[s] > SLOW * fastest]
         if not slow:

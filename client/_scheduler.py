@@ -99,6 +99,7 @@ class Scheduler(Hedging):
         self._ready: dict[int, Any] = {}
         self._holders: dict[int, set[Server]] = {}  # index -> servers asked for it
         self._hedged: set[int] = set()
+        self._cost_memo = None
         # Streams let go of whose receive thread has not ended yet: their bytes still count.
         self._leaving: set[BatchStream] = set()
         self._retries: dict[int, int] = {}
@@ -291,6 +292,7 @@ class Scheduler(Hedging):
             now = self._clock()
             server.mark_delivered(index, now)
             server.rate.delivered(now, stream, stream.bytes_received, bool(server.outstanding))
+            self._cost_memo = None
             if isinstance(item, RemoteError) and item.code == grpc.StatusCode.UNAVAILABLE:
                 server.mark_draining(item.details)  # it refuses new credits: send none
             if server.state is ServerState.DRAINING and not server.outstanding:
@@ -343,6 +345,7 @@ class Scheduler(Hedging):
                 self.failovers += 1
             server.outstanding.clear()
             server.mark_down(error, now)
+            self._cost_memo = None
             for other in server.let_go():
                 if other is not stream:
                     self._let_go(other)
