@@ -299,11 +299,12 @@ class RemoteLoader(OnDemand):
         caller waited for data and seconds spent iterating (`stall`: their ratio, the share of
         the loop's time it waited for data); batches/s since the loader was made; failovers
         (times a server's batches were asked of another because it failed or stalled);
-        hedges (times the awaited batch was also asked of a second server); `prefetch`: the
-        batches requested ahead now (more than prefetch for small batches); each server's
-        state and figures; how many host buffers were allocated (pinned ones with a CUDA device):
-        batches reuse buffers that nothing refers to any more; for a mixture, `sources`: the
-        samples handed out by component (its index in the mixture's `components:`)."""
+        hedges (times a batch was also asked of a second server: the awaited one, or one a
+        slow server would deliver late); `prefetch`: the batches requested ahead now (more
+        than prefetch for small batches); each server's state and figures (its rate too);
+        how many host buffers were allocated (pinned ones with a CUDA device): batches reuse
+        buffers that nothing refers to any more; for a mixture, `sources`: the samples
+        handed out by component (its index in the mixture's `components:`)."""
         at, batches, figure = self._at, self._stats["batches"], self._chain.figure
         now = time.perf_counter()
         elapsed = now - self._started
