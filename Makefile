@@ -55,10 +55,14 @@ lint: install
 bench: install
 	$(PY) -m benchmarks
 
-## reliability: the fault, load and bad-input tests; writes docs/reliability.md from their ledger
-reliability: install
+## reliability: the fault, load and bad-input tests, and the frameworks' resume tests (from
+## their own venv); writes docs/reliability.md from both ledgers
+reliability: install install-frameworks
 	$(PY) -m pytest -q --reliability-json=results/reliability.json
-	$(PY) tests/reliability.py results/reliability.json docs/soak.json > docs/reliability.md
+	$(FW_PY) -m pytest -q -m frameworks tests/frameworks \
+		--reliability-json=results/reliability-frameworks.json
+	$(PY) tests/reliability.py results/reliability.json results/reliability-frameworks.json \
+		docs/soak.json > docs/reliability.md
 
 ## soak: clients stream for MINUTES (default 30) from 2 servers killed and restarted in turn
 soak: install

@@ -2,8 +2,11 @@
 half that sends them; client/_scheduler.py has the rest: taking, failover, receiving).
 
 Each position in the window [next, next + window) that no live server holds goes to the
-usable server with the fewest outstanding credits (ties: the lowest latency), on that server's
-stream for the position's epoch (client/_passes.py), opened on first use.
+usable server expected to deliver it soonest: (its outstanding credits + 1) x its seconds per
+batch (client/_rates.py; servers not measured yet count as the fastest, so before any is
+measured that is the fewest outstanding credits), ties to the lowest latency; on that
+server's stream for the position's epoch (client/_passes.py), opened on first use. A slow
+server so gets credits in proportion to its rate.
 
 Threading: under the scheduler's lock, as the rest of its state.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ._rates import costs
 from ._servers import Server, ServerState
 
 if TYPE_CHECKING:
@@ -47,6 +51,18 @@ class Crediting:
     _clock: Callable[[], float]
     _on_batch: Callable[..., None]
     _on_end: Callable[..., None]
+    _cost_memo: tuple[float, dict[Server, float]] | None  # (now, costs then); see _costs
+
+    def _costs(self, now: float) -> dict[Server, float]:
+        """costs(), once for every credit sent at `now` (a delivery since forgets it)."""
+        if self._cost_memo is None or self._cost_memo[0] != now:
+            self._cost_memo = (now, costs(self._servers.servers.values(), now))
+        return self._cost_memo[1]
+
+    def _stalled(self) -> set[Server]:
+        """Servers stalled now: they take a probe credit (client/_servers.py, PROBE_EVERY),
+        never a hedge, which must go to a server known to deliver."""
+        return {s for s in self._servers.servers.values() if s.state is ServerState.STALLED}
 
     def widen(self, window: int) -> None:
         """Keep up to `window` batches in flight from now on (more than before), and ask
@@ -101,7 +117,9 @@ class Crediting:
                       if s not in exclude and s.usable(now)]
         if not candidates:
             return False
-        server = min(candidates, key=lambda s: (len(s.outstanding), s.latency or 0.0))
+        cost = self._costs(now)
+        server = min(candidates,
+                     key=lambda s: ((len(s.outstanding) + 1) * cost[s], s.latency or 0.0))
         lane = self._passes.of(index)
         stream = server.streams.get(lane.epoch)
         if stream is None:
@@ -110,6 +128,7 @@ class Crediting:
             server.mark_up(lane.epoch, stream)
         if not server.outstanding:
             server.last_progress = now  # patience runs from when it has work
+            server.rate.busy(now)
         server.outstanding[index] = now
         self._holders.setdefault(index, set()).add(server)
         if records is None:

@@ -125,16 +125,15 @@ class RemoteLoader(OnDemand):
         o = self._options
         contact = first_contact(self._servers, lambda: request, connect_timeout=o.connect_timeout,
                                 timeout=o.timeout, tls=o.channels.tls, refuse=self._refuse)
-        described, address = contact.described, contact.server.address
+        described = contact.described
         self._pinning.first(contact)
         self._described[self._key(epoch, start)] = described
-        self._window.heed(described.max_credits, address)
+        self._window.heed(described.max_credits, contact.server.address)
         if described.HasField("capacity"):
             c = contact.server.capacity = (described.capacity.workers,
                                            described.capacity.samples_per_second)
             self._window.start(Fleet(*c, None))
-        # What every epoch leaves out (token budgets drop at most world_size - 1 samples)
-        if not start and o.batch_tokens is None:
+        if not start and o.batch_tokens is None:  # what every epoch leaves out, said once
             say_dropped(described, o)
         return described
 
@@ -300,11 +299,12 @@ class RemoteLoader(OnDemand):
         caller waited for data and seconds spent iterating (`stall`: their ratio, the share of
         the loop's time it waited for data); batches/s since the loader was made; failovers
         (times a server's batches were asked of another because it failed or stalled);
-        hedges (times the awaited batch was also asked of a second server); `prefetch`: the
-        batches requested ahead now (more than prefetch for small batches); each server's
-        state and figures; how many host buffers were allocated (pinned ones with a CUDA device):
-        batches reuse buffers that nothing refers to any more; for a mixture, `sources`: the
-        samples handed out by component (its index in the mixture's `components:`)."""
+        hedges (times a batch was also asked of a second server: the awaited one, or one a
+        slow server would deliver late); `prefetch`: the batches requested ahead now (more
+        than prefetch for small batches); each server's state and figures (its rate too);
+        how many host buffers were allocated (pinned ones with a CUDA device): batches reuse
+        buffers that nothing refers to any more; for a mixture, `sources`: the samples
+        handed out by component (its index in the mixture's `components:`)."""
         at, batches, figure = self._at, self._stats["batches"], self._chain.figure
         now = time.perf_counter()
         elapsed = now - self._started

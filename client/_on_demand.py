@@ -11,7 +11,8 @@ and position are untouched.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+import itertools
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from stoker.v1 import stoker_pb2 as pb
@@ -34,6 +35,10 @@ if TYPE_CHECKING:
     from ._servers import ServerSet
     from ._stall import Stall
     from ._stream import StreamSpec
+
+# provenance()'s parts of a sample's source (pb.SampleSource's fields of those names)
+PLACE = ("file", "offset", "nbytes", "line", "row_group", "row", "member", "component",
+         "component_index")
 
 
 class OnDemand:
@@ -62,24 +67,37 @@ class OnDemand:
         def _spec(self, coordinates: pb.Coordinates, allocate: Any = None,
                   finish: Any = None) -> StreamSpec: ...
 
-    def seek(self, step: int) -> None:
+    def seek(self, step: int, world_sizes: int | Sequence[tuple[int, int]] | None = None
+             ) -> None:
         """Make the next batch global step `step` of this job: the batch every rank takes
         after `step` steps, counted from epoch 0, batch 0 at these coordinates (under
         batch_tokens, each epoch's plan's steps). After loading a model checkpoint,
         `loader.seek(model_step)` is a complete resume: no loader state is needed (but the
         exclusions, see exclude). One request, whatever the step: a server finds the epoch
-        and batch (docs/client.md#seek). Steps are counted at this loader's world_size and
-        batch size: a run that changed them resumes from a state_dict instead."""
+        and batch (docs/client.md#any-batch-on-demand-batch_at-and-seek).
+
+        A job that ran at another world size says so: `world_sizes=4` (every one of the
+        `step` steps at 4 ranks), or `[(0, 4), (1200, 3)]` (steps from 0 at 4 ranks, from
+        1200 at 3: each stretch's first step, ascending). A step is one batch of every rank
+        at the size then; each change is an elastic resume (the positions consumed so far
+        start the rest of the epoch, re-cut at the new size), and this loader goes on at its
+        own size from `step`, exactly as `load_state_dict` of a state saved there would."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         pin = self._pinning.pin
+        stretches = _stretches(world_sizes, step)
         request = pb.DescribeDatasetRequest(
             coordinates=self._coords.message(0, 0, pin.digest if pin else ""),
-            locate=pb.Locate(step=step))
-        located = self._ask(request, 0, 0).located
-        if self._options.batch_tokens:  # its answer describes the epoch located
-            self._described[(located.epoch, 0)] = self._described.pop((0, 0))
-        self._at = Position(located.epoch, 0, located.batch_index)
+            locate=pb.Locate(step=step, world_sizes=[
+                pb.WorldSizeFrom(from_step=f, world_size=w) for f, w in stretches]))
+        # Its answer describes the epoch located, from the start located: cached there (a
+        # start > 0 is possible after a change of size: not a whole epoch's sizes to warn of)
+        rest = 1 if stretches else 0
+        described = self._ask(request, 0, rest)
+        self._described.pop(self._key(0, rest))
+        located = described.located
+        self._at = Position(located.epoch, located.start, located.batch_index)
+        self._described[self._key(located.epoch, located.start)] = described
 
     def _planned(self, saved: Saved) -> int:
         """Positions consumed by the job that saved `saved` (under batch_tokens, at its
@@ -175,11 +193,16 @@ class OnDemand:
         """Where each sample of `batch_at(epoch, index)` comes from, in its row order:
         `{"sample_index": i, "source": "FILE line N" | "FILE row group G row R" |
         "FILE member KEY.*" | "FILE tokens A..B" | path or s3:// key}` (a mixture's begins
-        "component 'NAME' sample J, "). One request; no sample is read."""
+        "component 'NAME' sample J, "), and the same by part, each where the format knows
+        it: "file" (path or URL), "offset" and "nbytes" (the bytes read for the sample in
+        it: a jsonl record, a tar member, a tokens window), "line" (jsonl), "row_group" and
+        "row" (parquet), "member" (tar), "component" and "component_index" (a mixture).
+        One request; no sample is read."""
         request = pb.ProvenanceRequest(coordinates=self._coordinates_at(epoch, index),
                                        batch_index=index)
         answer = ask_sources(self._servers, request, self._options.timeout)
-        return [{"sample_index": s.sample_index, "source": s.source} for s in answer.samples]
+        return [{"sample_index": s.sample_index, "source": s.source,
+                 **{k: getattr(s, k) for k in PLACE if s.HasField(k)}} for s in answer.samples]
 
     def _coordinates_at(self, epoch: int, index: int) -> pb.Coordinates:
         """The coordinates of batch `index` of `epoch` (see batch_at), the data pinned."""
@@ -236,3 +259,27 @@ class OnDemand:
 
             batch = pack_padded(batch)
         return batch
+
+
+def _stretches(world_sizes: int | Sequence[tuple[int, int]] | None, step: int
+               ) -> list[tuple[int, int]]:
+    """seek's `world_sizes` as (from_step, world_size) pairs; ValueError naming what is not
+    (the servers check the order: from 0, ascending, none past `step`)."""
+    if world_sizes is None:
+        return []
+    if isinstance(world_sizes, int) and not isinstance(world_sizes, bool):
+        world_sizes = [(0, world_sizes)]
+    try:
+        pairs = [(f, w) for f, w in world_sizes]  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        pairs = []
+    if not pairs or any(isinstance(x, bool) or not isinstance(x, int) for p in pairs
+                        for x in p):
+        raise ValueError(f"world_sizes must be a world size (int) or (from_step, world_size) "
+                         f"pairs of ints, got {world_sizes!r}")
+    if pairs[0][0] != 0 or any(b[0] <= a[0] for a, b in itertools.pairwise(pairs)):
+        raise ValueError(f"world_sizes' from_steps must begin at 0 and ascend, got {pairs}")
+    if pairs[-1][0] > step or min(w for _, w in pairs) < 1:
+        raise ValueError(f"world_sizes must name sizes >= 1 from steps <= step={step}, got "
+                         f"{pairs}")
+    return pairs

@@ -1,8 +1,9 @@
 """Which server computes which batch, and what happens when one fails: one epoch's pass.
 
 The window [next, next + window) of batch indices is credited across the servers; each index
-goes to the usable server with the fewest outstanding credits (ties: the lowest latency), so a
-faster server, freeing its credits sooner, gets more. Batches are handed out in index order.
+goes to the usable server expected to deliver it soonest, from its outstanding credits and
+its measured rate (client/_crediting.py, client/_rates.py), so a faster server gets more.
+Batches are handed out in index order.
 
 Exactly once rests on batches being pure functions of their coordinates: any index may be
 asked of any server, any number of times, and the first answer wins. So:
@@ -12,7 +13,8 @@ asked of any server, any number of times, and the first answer wins. So:
   asked of others too, and it gets no new ones until it delivers again but a probe now and
   then (PROBE_EVERY, client/_servers.py: a partition may heal);
 - the index the loop waits on, outstanding too long at its server, is also asked of another
-  server (a hedge); the duplicate that may follow is dropped;
+  server (a hedge); the duplicate that may follow is dropped; so is a batch a slow server
+  holds that it will deliver after the loop needs it (client/_hedging.py);
 - an in-band UNAVAILABLE (a draining server refusing new credits) sends that index elsewhere;
 - an in-band INTERNAL (a worker died, or hung past the server's batch_timeout_seconds) is
   asked again of another usable server when there is one, else of the same one.
@@ -42,8 +44,8 @@ from typing import Any
 
 import grpc
 
-from ._crediting import Crediting
 from ._errors import RemoteError
+from ._hedging import Hedging
 from ._passes import Pass, Passes
 from ._servers import Fleet, Server, ServerSet, ServerState
 from ._stream import BatchStream, StreamFactory, StreamSpec
@@ -74,7 +76,7 @@ def _close_open_schedulers() -> None:
         scheduler.close_channels()
 
 
-class Scheduler(Crediting):
+class Scheduler(Hedging):
     """Batches [start, total) of one epoch, each asked of the servers with `spec`, at most
     `window` indices ahead of the loop, new ones `group` at a time while servers hold credits
     (see _assign); `timeout` s without progress is an error.
@@ -98,6 +100,7 @@ class Scheduler(Crediting):
         self._ready: dict[int, Any] = {}
         self._holders: dict[int, set[Server]] = {}  # index -> servers asked for it
         self._hedged: set[int] = set()
+        self._cost_memo = None
         # Streams let go of whose receive thread has not ended yet: their bytes still count.
         self._leaving: set[BatchStream] = set()
         self._retries: dict[int, int] = {}
@@ -160,6 +163,7 @@ class Scheduler(Crediting):
             # A loop that never waits must still see servers join and leave a dns name.
             self._servers.refresh(now)
             self._assign(now)
+            self._hedge_late(now)
         if isinstance(item, RemoteError):
             raise item
         return item
@@ -261,6 +265,7 @@ class Scheduler(Crediting):
                     s.mark_stalled(now)  # ask others for what it holds
                     self.failovers += 1
         self._assign(now)
+        self._hedge_late(now)
         # Hedge the batch the loop is waiting for.
         holders = self._holders.get(waiting_for, set())
         if waiting_for not in self._hedged and holders:
@@ -268,7 +273,7 @@ class Scheduler(Crediting):
             fastest = min((s.latency for s in self._servers.servers.values()
                            if s.latency is not None), default=0.0)
             if now - asked > max(HEDGE_MIN, 4 * fastest):
-                if self._credit(waiting_for, now, exclude=holders):
+                if self._credit(waiting_for, now, exclude=holders | self._stalled()):
                     self._hedged.add(waiting_for)
                     self.hedges += 1
 
@@ -287,6 +292,8 @@ class Scheduler(Crediting):
             index += lane.base  # a position from here on
             now = self._clock()
             server.mark_delivered(index, now)
+            server.rate.delivered(now, stream, stream.bytes_received, bool(server.outstanding))
+            self._cost_memo = None
             if isinstance(item, RemoteError) and item.code == grpc.StatusCode.UNAVAILABLE:
                 server.mark_draining(item.details)  # it refuses new credits: send none
             if server.state is ServerState.DRAINING and not server.outstanding:
@@ -339,6 +346,7 @@ class Scheduler(Crediting):
                 self.failovers += 1
             server.outstanding.clear()
             server.mark_down(error, now)
+            self._cost_memo = None
             for other in server.let_go():
                 if other is not stream:
                     self._let_go(other)

@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from ._rates import Rate
 from ._stream import BatchStream
 
 RESOLVE_EVERY = 15.0  # seconds between resolutions of a dns: target, by default
@@ -97,6 +98,8 @@ class Server:
     last_progress: float = 0.0
     batches: int = 0
     errors: int = 0
+    rate: Rate = field(default_factory=Rate)  # what it delivers per busy second
+    hedged: int = 0  # its batches also asked of a faster server because it was late
     # Its answer to the loader's first Describe (client/_pinning.py), while it has not come:
     # no credits until it does (an address that black-holes must not hold the first batches).
     contact: grpc.Future | None = None
@@ -138,6 +141,7 @@ class Server:
         self.state = ServerState.STALLED
         self.retry_at = now + PROBE_EVERY
         self.held_at_stall = len(self.outstanding)
+        self.rate.forget()  # the time it stalled is no measure of its rate
 
     def mark_delivered(self, index: int, now: float) -> None:
         """Its stream answered `index` (a batch or an in-band error): it is alive."""
@@ -164,11 +168,13 @@ class Server:
         and closes them; try it again after DRAIN_RETRY (it may be restarting)."""
         self.state = self._down()
         self.retry_at, self.last_error = now + DRAIN_RETRY, "draining"
+        self.rate.forget()
 
     def mark_down(self, error: Any, now: float) -> None:
         """A stream of it failed (the caller lets go of them all: let_go): try it again
         after the backoff, which doubles each time."""
         self.state = self._down()
+        self.rate.forget()
         self.last_error = str(error)
         self.errors += 1
         self.retry_at = now + self.backoff
@@ -185,6 +191,8 @@ class Server:
     def stats(self) -> dict[str, Any]:
         return {"state": self.state.value, "batches": self.batches, "errors": self.errors,
                 "latency_seconds": self.latency, "outstanding": len(self.outstanding),
+                "batches_per_second": self.rate.batches_per_second,
+                "bytes_per_second": self.rate.bytes_per_second, "hedged": self.hedged,
                 "last_error": self.last_error}
 
 

@@ -1,7 +1,7 @@
 """Tiny datasets of several formats, written to a folder, for the determinism tests
 (test_determinism.py, test_exclusions.py, test_provenance.py): image-folder, tokens, jsonl
-(with token lengths), parquet, tar, a `format: python` dataset of 48 samples (`plain`) and a
-mixture of `format: python` components."""
+(with token lengths, and a mixture of two), parquet, tar, a `format: python` dataset of 48
+samples (`plain`) and a mixture of `format: python` components."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 JSONL_ROWS = (0, 90, 200)  # two files: rows [0, 90) and [90, 200)
+MIXED_ROWS = 60  # docs_b's rows
 SEQ_LEN = 8
 TOKEN_FILES = (97, 130)  # tokens in each .bin file (uint16)
 ROWS = 40  # parquet rows, row groups of 10
@@ -44,6 +45,10 @@ def make(root: Path) -> dict[str, Any]:
         with open(root / "jsonl" / f"part-{f}.jsonl", "w") as out:
             for i in range(a, b):
                 out.write(json.dumps({"ids": [i] * int(lengths[i]), "label": i}) + "\n")
+    (root / "jsonl_b").mkdir()  # a second corpus, mixed with the first (`docmix`)
+    with open(root / "jsonl_b" / "part-0.jsonl", "w") as out:
+        for i, n in enumerate(doc_lengths()[:MIXED_ROWS][::-1] // 2 + 3):
+            out.write(json.dumps({"ids": [-1 - i] * int(n), "label": 1000 + i}) + "\n")
     (root / "rows").mkdir()
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -65,6 +70,11 @@ def make(root: Path) -> dict[str, Any]:
         "docs": {"format": "jsonl", "source": str(root / "jsonl"), "length_column": "ids",
                  "fields": {"ids": {"dtype": "int64", "shape": [-1]},
                             "label": {"dtype": "int64"}}},
+        "docs_b": {"format": "jsonl", "source": str(root / "jsonl_b"), "length_column": "ids",
+                   "fields": {"ids": {"dtype": "int64", "shape": [-1]},
+                              "label": {"dtype": "int64"}}},
+        "docmix": {"format": "mixture", "components": {"docs": 0.7, "docs_b": 0.3},
+                   "samples_per_epoch": 150},
         "rows": {"format": "parquet", "source": str(root / "rows"), "fields": {"label": {}}},
         "shards": {"format": "tar", "source": str(root / "shards"),
                    "fields": {"cls": {"ext": "cls", "decode": "int"}}},

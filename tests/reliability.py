@@ -11,9 +11,9 @@ per thing it tried:
 
 Rows are kept only for tests that passed; a failed test's rows show as FAILED. With
 `pytest --reliability-json PATH` the rows are written to PATH at the end of the run, and
-`python tests/reliability.py PATH docs/soak.json > docs/reliability.md` turns them, and
-the last soak run, into the page
-(`make reliability` does both). The page is therefore never typed by hand.
+`python tests/reliability.py PATH [PATH...] docs/soak.json > docs/reliability.md` turns them
+(several runs' rows: the main suite's and tests/frameworks', from its own venv), and the last
+soak run, into the page (`make reliability` does both). The page is therefore never typed by hand.
 """
 
 from __future__ import annotations
@@ -164,12 +164,16 @@ def _soak(r: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) not in (1, 2):
-        print("usage: python tests/reliability.py RESULTS.json [SOAK.json] > docs/reliability.md",
-              file=sys.stderr)
+    """RESULTS.json files (rows: a list; one per pytest run, e.g. the main suite's and
+    tests/frameworks' from its own venv) and at most one SOAK.json (a mapping), in any order."""
+    loaded = [json.loads(Path(a).read_text()) for a in argv]
+    rows = [row for got in loaded if isinstance(got, list) for row in got]
+    soaks = [got for got in loaded if isinstance(got, dict)]
+    if len(soaks) > 1 or len(soaks) == len(loaded):
+        print("usage: python tests/reliability.py RESULTS.json [MORE_RESULTS.json ...] "
+              "[SOAK.json] > docs/reliability.md", file=sys.stderr)
         return 2
-    soak = json.loads(Path(argv[1]).read_text()) if len(argv) == 2 else None
-    print(render(json.loads(Path(argv[0]).read_text()), soak), end="")
+    print(render(rows, soaks[0] if soaks else None), end="")
     return 0
 
 

@@ -239,3 +239,17 @@ def test_gpu_benchmark_skips_without_cuda_and_runs_its_cpu_standin(tmp_path: Pat
     assert [r["burn_ms"] for r in rows] == [0.0, 20.0] and rows[0]["over_counting"] == 1.0
     for row in rows:
         assert row["batches_per_s"]["median"] > 0 and row["client_cpu_ms_per_batch"]["median"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_quick_seek_benchmark_seeks_both_cuts(tmp_path: Path) -> None:
+    out = tmp_path / "seek.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "seek.py"), "--quick", "--repeats", "1",
+         "--json", str(out)], capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    res = json.loads(out.read_text())
+    assert res["check_problems"] == [] and res["server_exit_code"] == 0
+    assert set(res["systems"]) == {"fixed", "tokens"}
+    for system in res["systems"].values():
+        assert system["near_s"] > 0 and system["far_s"] > 0 and system["epoch_of_far"] > 0

@@ -30,13 +30,14 @@ _READERS = [f for f, m in zip(FORMATS, config_models(), strict=True) if issubcla
 # The optional parts each format has; a new format says here which it has.
 SHARDED = {"source_of", "shard_starts", "objects_of", "storage"}
 IMAGES = {"sample", "use_prefix_cache"}  # formats that may hold images (issue 17)
+PLACED = {"place_of"}  # provenance by part: file and byte offset, row group and row, member
 EXPECTED = {
-    "image-folder": {"source_of", "objects_of", "storage"} | IMAGES,
-    "jsonl": SHARDED,
-    "tokens": SHARDED,
+    "image-folder": {"source_of", "objects_of", "storage"} | IMAGES | PLACED,
+    "jsonl": SHARDED | PLACED,
+    "tokens": SHARDED | PLACED,
     "memmap": SHARDED,
-    "tar": SHARDED | IMAGES,
-    "parquet": SHARDED | IMAGES,
+    "tar": SHARDED | IMAGES | PLACED,
+    "parquet": SHARDED | IMAGES | PLACED,
     "text": {"sample", "source_of", "objects_of", "storage"},
     "mds": SHARDED | IMAGES,
     "litdata": SHARDED | IMAGES,
@@ -146,7 +147,7 @@ def test_a_format_has_its_parts_and_no_misspelled_one(configs, fmt: str, tmp_pat
 
 def test_a_transform_keeps_the_formats_parts_and_adds_sample(configs, tmp_path: Path) -> None:
     ds = opened(configs, "jsonl", tmp_path, transform="toy_datasets:jitter")
-    assert present(DatasetParts.of(ds)) == SHARDED | {"sample"}
+    assert present(DatasetParts.of(ds)) == SHARDED | PLACED | {"sample"}
 
 
 def test_a_misspelled_part_is_found() -> None:

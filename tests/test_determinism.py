@@ -1,9 +1,12 @@
 """Determinism as a tool, through real servers: any batch on demand (`batch_at`) equals the
 batch iteration gives there, and asking for one does not disturb an iteration; `seek(step)`
-then iterating equals an unstopped run from that step, in one request however far."""
+then iterating equals an unstopped run from that step, in one request however far, and after
+an elastic change (`world_sizes`) the run that resumed at the new size; for fixed batches,
+batch_tokens, a mixture and a mixture cut by tokens."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from typing import Any
@@ -28,6 +31,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "toks": {"batch_size": 2},
     "docs": {"batch_tokens": 64},
     "mix": {"batch_size": 5},
+    "docmix": {"batch_tokens": 64},  # a mixture of two jsonl corpora, cut by tokens
 }
 
 
@@ -38,9 +42,10 @@ def server(tmp_path_factory: pytest.TempPathFactory,
     return start_server_module(determinism_datasets.make(root), workers=2)
 
 
-def make(address: str, dataset: str, rank: int = 1, **kw: Any) -> RemoteLoader:
+def make(address: str, dataset: str, rank: int = 1, world_size: int = WORLD, **kw: Any
+         ) -> RemoteLoader:
     return RemoteLoader(address, dataset, **{**SIZES[dataset], **kw}, seed=7, rank=rank,
-                        world_size=WORLD, output="numpy", timeout=60)
+                        world_size=world_size, output="numpy", timeout=60)
 
 
 def same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
@@ -113,12 +118,12 @@ def run(loader: RemoteLoader, epochs: int = EPOCHS) -> list[dict[str, np.ndarray
     return batches
 
 
-@pytest.mark.parametrize("dataset", ["toks", "docs", "mix"])
+@pytest.mark.parametrize("dataset", ["toks", "docs", "mix", "docmix"])
 def test_seek_then_iterating_equals_an_unstopped_run(server: ServerProcess,
                                                      dataset: str) -> None:
     with make(server.address, dataset) as loader:
         unstopped = run(loader)
-    per_epoch = len(unstopped) // EPOCHS if dataset != "docs" else None
+    per_epoch = None if "batch_tokens" in SIZES[dataset] else len(unstopped) // EPOCHS
     for step in sorted({0, 1, 5, len(unstopped) // 2, len(unstopped) - 1,
                         *(random.Random(dataset).sample(range(len(unstopped)), 4))}):
         with make(server.address, dataset) as loader:
@@ -129,6 +134,68 @@ def test_seek_then_iterating_equals_an_unstopped_run(server: ServerProcess,
             rest = run(loader)
         assert len(rest) == len(unstopped) - step, step
         assert all(map(same, rest, unstopped[step:])), step
+
+
+def take(loader: RemoteLoader, steps: int) -> dict[str, Any]:
+    """The loader's state after `steps` more batches (across epochs)."""
+    taken = 0
+    while taken < steps:
+        for _ in loader:
+            taken += 1
+            if taken == steps:
+                break
+    return loader.state_dict()
+
+
+def resumed(address: str, dataset: str, history: list[tuple[int, int]], rank: int
+            ) -> list[dict[str, np.ndarray]]:
+    """Rank `rank`'s batches, to the end of epoch EPOCHS - 1, of a job that ran at each size
+    of `history` ((from_step, world_size)) from that step, resuming from rank 0's state."""
+    state = None
+    for (since, world), (until, _) in itertools.pairwise(history):
+        with make(address, dataset, rank=0, world_size=world) as loader:
+            if state is not None:
+                loader.load_state_dict(state)
+            state = take(loader, until - since)
+    with make(address, dataset, rank=rank, world_size=history[-1][1]) as loader:
+        loader.load_state_dict(state)
+        return run(loader)
+
+
+@pytest.mark.parametrize("dataset", ["toks", "docs", "mix", "docmix"])
+def test_seek_after_an_elastic_change_equals_the_resumed_run(server: ServerProcess,
+                                                             dataset: str, ledger) -> None:
+    """A job ran 2 ranks, then 3 from step `change` (an elastic load_state_dict): a 3-rank
+    loader's seek(k, world_sizes=...) then iterating gives the batches that job gave from
+    step k on, for k at the change and after it, and with the change at k itself."""
+    with make(server.address, dataset) as loader:
+        change = len(loader) + 2  # in epoch 1, mid-epoch
+    history = [(0, 2), (change, 3)]
+    rest = resumed(server.address, dataset, history, rank=2)
+    steps = sorted({change, change + 1, change + len(rest) // 2, change + len(rest) - 1})
+    for k in steps:
+        with make(server.address, dataset, rank=2, world_size=3) as loader:
+            loader.seek(k, world_sizes=history)
+            got = run(loader)
+        lost, duplicated = ledger.compare(
+            [int(i) for b in got for i in b["sample_index"]],
+            [int(i) for b in rest[k - change:] for i in b["sample_index"]])
+        ledger.record("clients", f"seek after an elastic change (2 -> 3 ranks), {dataset}",
+                      lost=lost, duplicated=duplicated,
+                      detail=f"step {k}: the resumed run's samples from there, rank 2")
+        assert len(got) == len(rest) - (k - change), k
+        assert all(map(same, got, rest[k - change:])), k
+    with make(server.address, dataset, rank=2, world_size=3) as loader:
+        loader.seek(change, world_sizes=2)  # every step before at 2 ranks: the same
+        assert all(map(same, run(loader), rest))
+
+
+def test_seek_across_two_changes_of_size(server: ServerProcess) -> None:
+    history = [(0, 2), (3, 4), (9, 3)]
+    rest = resumed(server.address, "docs", history, rank=0)
+    with make(server.address, "docs", rank=0, world_size=3) as loader:
+        loader.seek(10, world_sizes=history)
+        assert all(map(same, run(loader), rest[1:]))
 
 
 def test_seek_in_a_loader_that_iterated_goes_there(server: ServerProcess) -> None:
@@ -159,22 +226,28 @@ class Counted(pb_grpc.DataServiceStub):
         self.DescribeDataset = counted
 
 
-def test_seek_far_is_one_request_and_as_fast_as_near(server: ServerProcess,
+@pytest.mark.parametrize(("dataset", "far"), [("toks", 100_000), ("docs", 20_000)])
+def test_seek_far_is_one_request_and_as_fast_as_near(server: ServerProcess, dataset: str,
+                                                     far: int,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cut by count, arithmetic; under batch_tokens the first seek far makes the plans of the
+    epochs before it (once per server: about 4 ms an epoch of these 200 documents), and every
+    later one bisects their steps."""
     monkeypatch.setattr(pb_grpc, "DataServiceStub", Counted)
-    took: dict[int, list[float]] = {10: [], 100_000: []}
-    with make(server.address, "toks") as loader:
+    took: dict[int, list[float]] = {10: [], far: []}
+    with make(server.address, dataset, connect_timeout=100) as loader:
         loader.describe()  # first contact aside
+        loader.seek(far)  # under batch_tokens: the plans of the epochs before it, once
         for _ in range(5):
             for step in took:
                 before, t0 = Counted.calls, time.perf_counter()
                 loader.seek(step)
                 took[step].append(time.perf_counter() - t0)
                 assert Counted.calls == before + 1  # one request, not a replay
-        per_epoch = len(loader)
-        assert loader.state_dict()["epoch"] == 100_000 // per_epoch
-    near, far = (sorted(t)[2] for t in took.values())
-    assert far < 2 * near + 0.05, took  # medians; a generous floor for a busy machine
+        if dataset == "toks":
+            assert loader.state_dict()["epoch"] == far // len(loader)
+    near, farther = (sorted(t)[2] for t in took.values())
+    assert farther < 2 * near + 0.05, took  # medians; a generous floor for a busy machine
 
 
 def test_seek_errors(server: ServerProcess) -> None:
@@ -182,6 +255,10 @@ def test_seek_errors(server: ServerProcess) -> None:
         for bad in (-1, 1.5, True):
             with pytest.raises(ValueError, match="step"):
                 loader.seek(bad)  # type: ignore[arg-type]
+        for bad_sizes in ("4", [(1, 4)], [(0, 4), (0, 3)], [(0, 0)], [(0, 4), (9, 3)],
+                          [(0, 2.0)]):
+            with pytest.raises(ValueError, match="world_sizes"):
+                loader.seek(5, world_sizes=bad_sizes)  # type: ignore[arg-type]
 
 
 def test_each_epoch_of_a_token_budget_has_its_own_plans_steps(server: ServerProcess) -> None:

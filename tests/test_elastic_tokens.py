@@ -28,18 +28,19 @@ def server(tmp_path_factory: pytest.TempPathFactory,
     return start_server_module(determinism_datasets.make(tmp_path_factory.mktemp("elastic")))
 
 
-def make(address: str, rank: int, world: int, **kw: Any) -> RemoteLoader:
-    return RemoteLoader(address, "docs", batch_tokens=BUDGET, seed=3, rank=rank,
+def make(address: str, rank: int, world: int, dataset: str = "docs", **kw: Any
+         ) -> RemoteLoader:
+    return RemoteLoader(address, dataset, batch_tokens=BUDGET, seed=3, rank=rank,
                         world_size=world, output="numpy", timeout=60, **kw)
 
 
-def run(address: str, world: int, steps: int | None, state: dict | None
+def run(address: str, world: int, steps: int | None, state: dict | None, dataset: str = "docs"
         ) -> tuple[list[list[dict[str, np.ndarray]]], dict]:
     """Each rank's batches of `steps` steps (None: the rest of the epoch) from `state`, and
     rank 0's state after."""
     ranks, states = [], []
     for rank in range(world):
-        with make(address, rank, world) as loader:
+        with make(address, rank, world, dataset) as loader:
             if state is not None:
                 loader.load_state_dict(state)
             got = []
@@ -84,6 +85,33 @@ def test_the_rest_of_the_epoch_at_another_world_size(server: ServerProcess, ledg
     assert len(set(resumed)) == len(resumed)
     assert set(resumed) <= set(range(n_docs)) - {int(i) for rank in first for b in rank
                                                  for i in b["sample_index"]}
+
+
+@pytest.mark.parametrize(("n", "m"), [(2, 3), (4, 3)])
+def test_a_mixture_cut_by_tokens_goes_on_at_another_world_size(server: ServerProcess, ledger,
+                                                               n: int, m: int) -> None:
+    """batch_tokens on a mixture (of two jsonl corpora): each rank within 5% of the step's
+    tokens, both components in the batches, and the elastic resume as for one dataset."""
+    (whole,), _ = run(server.address, 1, None, None, "docmix")  # the epoch's every position
+    want = [int(i) for b in whole for i in b["sample_index"]]
+    first, state = run(server.address, n, 2, None, "docmix")
+    rest, after = run(server.address, m, None, state, "docmix")
+    assert after["epoch"] == 1
+    used = [int(i) for job in (first, rest) for rank in job for b in rank
+            for i in b["sample_index"]]
+    lost, duplicated = ledger.compare(used, want)
+    ledger.record("clients", f"resume batch_tokens on a mixture at {n} ranks -> {m}", tried=1,
+                  lost=lost, duplicated=duplicated,
+                  detail=f"{len(used)} of {len(want)} positions; the tail: fewer than {m}")
+    assert duplicated == 0 and lost < m and set(used) <= set(want)
+    sources = {int(s) for job in (first, rest) for rank in job for b in rank
+               for s in b["source"]}
+    assert sources == {0, 1}
+    for job in (first, rest):
+        for step in zip(*job, strict=True):
+            counts = [tokens(b) for b in step]
+            assert max(counts) <= BUDGET
+            assert max(counts) - min(counts) <= BALANCE * max(counts), counts
 
 
 def test_pack_goes_on_at_another_world_size(server: ServerProcess) -> None:

@@ -126,6 +126,22 @@ def test_seek_honours_the_exclusion(server: ServerProcess) -> None:
     assert not {5, 17} & set(indices(rest))
 
 
+def test_seek_after_an_elastic_change_honours_the_exclusion(server: ServerProcess) -> None:
+    """A 2-rank job took 5 steps, then 3 ranks went on without `out`: a 3-rank loader that
+    excludes them and seeks to step 7 with that history gives what that job gave there."""
+    _, state = job_steps(server.address, 2, 5, None)
+    out = [3, 11, 30]
+    with make(server.address, 1, 3) as resumed:
+        resumed.load_state_dict(state)
+        resumed.exclude(out)
+        want = list(_take(resumed, None))[2:]
+    with make(server.address, 1, 3) as loader:
+        loader.exclude(out)
+        loader.seek(7, world_sizes=[(0, 2), (5, 3)])
+        got = list(_take(loader, None))
+    assert got and indices(got) == indices(want) and not set(out) & set(indices(got))
+
+
 def test_exclude_errors(server: ServerProcess) -> None:
     with make(server.address) as loader:
         for bad in ([-1], [1.5], ["3"], [True]):

@@ -1,6 +1,7 @@
 """Provenance through real servers: `loader.provenance(epoch, index)` and `stoker inspect
 --epoch E --index I` name, for each sample of a batch, the file and the line, row group and
-row, tar member or token range it came from, checked against the files themselves."""
+row, tar member or token range it came from, and the byte offset and length read there,
+checked against the files themselves (the bytes at that offset are the sample's)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from conftest import StartServer
 pytestmark = pytest.mark.timeout(120)
 
 WORLD = 2
+SEQ = determinism_datasets.SEQ_LEN
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,7 @@ def server(root: Path, start_server_module: StartServer) -> ServerProcess:
 
 def sources(address: str, dataset: str, epoch: int = 1, index: int = 1
             ) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
-    size = {"batch_tokens": 64} if dataset == "docs" else {"batch_size": 3}
+    size = {"batch_tokens": 64} if dataset.startswith("doc") else {"batch_size": 3}
     with RemoteLoader(address, dataset, **size, seed=7, rank=1, world_size=WORLD,
                       output="numpy", timeout=60) as loader:
         return loader.batch_at(epoch, index), loader.provenance(epoch, index)
@@ -59,6 +61,11 @@ def test_tokens_name_the_file_and_the_token_range(server: ServerProcess, root: P
         tokens = np.fromfile(path, "<u2").astype(np.int64)
         assert Path(path).parent == root / "tokens"
         assert np.array_equal(tokens[int(first):int(end)], batch["input_ids"][row])
+        # by part: the bytes read, input_ids and the label after them
+        at, n = found[row]["offset"], found[row]["nbytes"]
+        assert found[row]["file"] == path and at == 2 * int(first) and n == 2 * (SEQ + 1)
+        read = np.frombuffer(Path(path).read_bytes()[at:at + n], "<u2").astype(np.int64)
+        assert np.array_equal(read, [*batch["input_ids"][row], batch["labels"][row][-1]])
 
 
 def test_jsonl_names_the_file_and_the_line(server: ServerProcess, root: Path) -> None:
@@ -68,6 +75,18 @@ def test_jsonl_names_the_file_and_the_line(server: ServerProcess, root: Path) ->
         record = json.loads(Path(path).read_text().splitlines()[int(line) - 1])
         assert record["label"] == index == batch["label"][row]
         assert Path(path).parent == root / "jsonl"
+        assert_record_at(found[row], path, int(line), batch["label"][row])
+
+
+def assert_record_at(place: dict[str, Any], path: str, line: int, label: int) -> None:
+    """`place`'s file, offset and nbytes are the record of `label`, at the line named."""
+    data = Path(place["file"]).read_bytes()
+    at, n = place["offset"], place["nbytes"]
+    assert place["file"] == path and place["line"] == line
+    assert json.loads(data[at:at + n])["label"] == label
+    assert at == 0 or data[at - 1:at] == b"\n"  # a whole line
+    assert data[at + n:at + n + 1] in (b"\n", b"")
+    assert data[:at].count(b"\n") == line - 1
 
 
 def test_parquet_names_the_file_the_row_group_and_the_row(server: ServerProcess) -> None:
@@ -76,6 +95,8 @@ def test_parquet_names_the_file_the_row_group_and_the_row(server: ServerProcess)
         path, group, at = re.fullmatch(r"(.+) row group (\d+) row (\d+)", source).groups()
         table = pq.ParquetFile(path).read_row_group(int(group))
         assert table.column("label")[int(at)].as_py() == batch["label"][row]
+        assert (found[row]["file"], found[row]["row_group"], found[row]["row"]) == (
+            path, int(group), int(at))
 
 
 def test_tar_names_the_shard_and_the_member(server: ServerProcess, root: Path) -> None:
@@ -86,6 +107,10 @@ def test_tar_names_the_shard_and_the_member(server: ServerProcess, root: Path) -
             data = tar.extractfile(f"{key}.cls").read()
         assert int(data) == batch["cls"][row]
         assert Path(path).parent == root / "shards"
+        place = found[row]  # by part: the member's data, at its byte offset in the shard
+        assert place["file"] == path and place["member"] == f"{key}.cls"
+        raw = Path(path).read_bytes()[place["offset"]:place["offset"] + place["nbytes"]]
+        assert raw == data
 
 
 def test_image_folder_names_the_file(server: ServerProcess, root: Path) -> None:
@@ -95,6 +120,8 @@ def test_image_folder_names_the_file(server: ServerProcess, root: Path) -> None:
     classes = sorted(p.name for p in (root / "images").iterdir())
     for row, _, source in rows_of(batch, found):
         path = Path(source)
+        assert found[row]["file"] == source and set(found[row]) == {"sample_index", "source",
+                                                                      "file"}
         assert path.parent.parent == root / "images"
         assert classes.index(path.parent.name) == batch["label"][row]
         small = np.asarray(Image.open(path).convert("RGB").resize((4, 4), Image.BILINEAR))
@@ -108,6 +135,19 @@ def test_a_mixture_names_the_component(server: ServerProcess) -> None:
         name, sample = re.fullmatch(r"component '(\w)' sample (\d+)", source).groups()
         assert names.index(name) == batch["source"][row]
         assert batch["x"][row][0] == int(sample)  # mixture_datasets.Named: x[0] is i
+        assert (found[row]["component"], found[row]["component_index"]) == (name, int(sample))
+
+
+def test_a_mixture_of_files_names_the_component_and_the_bytes(server: ServerProcess,
+                                                              root: Path) -> None:
+    batch, found = sources(server.address, "docmix")
+    assert {s["component"] for s in found} == {"docs", "docs_b"}
+    for row, _, source in rows_of(batch, found):
+        path, line = re.fullmatch(r"component '\w+' sample \d+, (.+) line (\d+)",
+                                  source).groups()
+        assert Path(path).parent == root / ("jsonl" if found[row]["component"] == "docs"
+                                            else "jsonl_b")
+        assert_record_at(found[row], path, int(line), batch["label"][row])
 
 
 def test_provenance_of_an_index_past_the_epoch(server: ServerProcess) -> None:
@@ -131,6 +171,7 @@ def test_inspect_prints_each_samples_source_and_saves_the_arrays(
     assert f"samples {batch['sample_index'].tolist()}" in out.stdout
     for row, s in enumerate(found):
         assert f"{row:>5}{s['sample_index']:>10}  {s['source']}" in out.stdout
+        assert f"row_group={s['row_group']}  row={s['row']}" in out.stdout
     saved = np.load(tmp_path / "b.npz")
     assert all(np.array_equal(saved[k], batch[k]) for k in batch)
     out = stoker("inspect", server.address, "docs", "--batch-tokens", "64", "--index", "2",
@@ -139,3 +180,5 @@ def test_inspect_prints_each_samples_source_and_saves_the_arrays(
     docs, found = sources(server.address, "docs", epoch=1, index=2)
     assert f"samples {docs['sample_index'].tolist()}" in out.stdout
     assert found[0]["source"] in out.stdout
+    assert f"offset={found[0]['offset']}  nbytes={found[0]['nbytes']}  line={found[0]['line']}" \
+        in out.stdout

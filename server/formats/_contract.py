@@ -57,6 +57,11 @@ class DatasetParts:
     # source_of(i) -> str: where sample i comes from, for error messages (file or object URL,
     # and the line, tar member or row inside it).
     source_of: Callable[[int], str] | None = None
+    # place_of(i) -> dict: what source_of says, by part, for provenance (ProvenanceRequest):
+    # "file" (path or URL), "offset" and "nbytes" (the bytes read for the sample in it), and
+    # the format's own ("line", "row_group", "row", "member"; a mixture's "component",
+    # "component_index"), each where the format knows it cheaply. No sample is read.
+    place_of: Callable[[int], dict[str, Any]] | None = None
     # An int64 array, ascending, starting at 0: the first sample of each shard (file, tar
     # shard, row group), which `shuffle: block` permutes.
     shard_starts: np.ndarray | None = None

@@ -153,5 +153,9 @@ class ImageFolder:
     def source_of(self, index: int) -> str:
         return self.storage.where(str(self.keys[index]))
 
+    def place_of(self, index: int) -> dict[str, Any]:
+        """Its file (path, or an object's s3:// URL), read whole."""
+        return {"file": self.source_of(index)}
+
     def objects_of(self, indices: np.ndarray) -> list[str]:
         return [str(k) for k in self.keys[indices]]

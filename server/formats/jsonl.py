@@ -331,6 +331,12 @@ class Jsonl:
 
     def source_of(self, index: int) -> str:
         """`FILE line N` (1-based) of sample `index`."""
+        place = self.place_of(index, nbytes=False)
+        return f"{place['file']} line {place['line']}"
+
+    def place_of(self, index: int, nbytes: bool = True) -> dict[str, Any]:
+        """Its file, line (1-based), and the byte offset and length of its record (without
+        the newline)."""
         key = str(self.keys[self.files.locate(index)[0]])
         mm = self._maps.get(key)
         start = int(self.offsets[index])
@@ -342,7 +348,11 @@ class Jsonl:
                             for a in range(0, start, CHUNK))
             finally:
                 del buf
-        return f"{self.storage.where(key)} line {line}"
+        place = {"file": self.storage.where(key), "offset": start, "line": line}
+        if nbytes and mm is not None and start < len(mm):
+            end = mm.find(b"\n", start)
+            place["nbytes"] = (end if end >= 0 else len(mm)) - start
+        return place
 
     def objects_of(self, indices: np.ndarray) -> list[str]:
         return self.keys[self.files.shards_of(indices)].tolist()

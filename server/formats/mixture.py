@@ -79,6 +79,12 @@ class Mixture:
         where = part.source_of(i) if part.source_of is not None else ""
         return f"component {self.names[c]!r} sample {i}" + (f", {where}" if where else "")
 
+    def place_of(self, index: int) -> dict[str, Any]:
+        c, _, i = self.locate(index)
+        part = self.parts[c]
+        inner = part.place_of(i) if part.place_of is not None else {}
+        return {"component": self.names[c], "component_index": i, **inner}
+
     def objects_of(self, indices: np.ndarray) -> list[str]:
         comp, _, local = locate(np.asarray(indices, dtype=np.int64), self.offsets, self.period)
         keys: list[str] = []
@@ -89,6 +95,14 @@ class Mixture:
         return keys
 
     # -- for the worker ----------------------------------------------------------------------
+    def lengths(self, components: list[np.ndarray | None]) -> np.ndarray | None:
+        """Each sample's token count over one period of the index space (an index's is that
+        of index % period: server/order/token_batches.py), given each component's own, in
+        `components:` order; None unless every component knows its lengths."""
+        if any(c is None for c in components):
+            return None
+        return np.concatenate(components).astype(np.int64)  # type: ignore[arg-type]
+
     def ordering(self, components: list[Ordering]) -> MixtureOrdering:
         """The positions -> indices map, given each component's own Ordering."""
         phases = [Phase(start, quantize(weights))

@@ -409,9 +409,14 @@ class Parquet(Sampled):
         use_cache(scope, [(f.name, f.pipeline) for f in self.fields])
 
     def source_of(self, index: int) -> str:
+        place = self.place_of(index)
+        return f"{place['file']} row group {place['row_group']} row {place['row']}"
+
+    def place_of(self, index: int) -> dict[str, Any]:
         g, row = self.groups.locate(index)
         key = str(self.keys[self.group_file[g]])
-        return f"{self.storage.where(key)} row group {int(self.group_index[g])} row {row}"
+        return {"file": self.storage.where(key), "row_group": int(self.group_index[g]),
+                "row": int(row)}
 
     def objects_of(self, indices: np.ndarray) -> list[str]:
         groups = self.groups.shards_of(indices)

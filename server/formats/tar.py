@@ -392,5 +392,18 @@ class Tar:
         shard = str(self.shard_keys[self.shards.locate(index)[0]])
         return f"{self.storage.where(shard)} member {self.keys[index].decode('utf-8')}.*"
 
+    def place_of(self, index: int) -> dict[str, Any]:
+        """Its shard and its first member's data: offset and size in the (uncompressed)
+        tar stream."""
+        shard = str(self.shard_keys[self.shards.locate(index)[0]])
+        place: dict[str, Any] = {"file": self.storage.where(shard)}
+        for m, ext in enumerate(self.exts):
+            if int(self.sizes[index, m]) >= 0:
+                place.update(member=f"{self.keys[index].decode('utf-8')}.{ext}",
+                             offset=int(self.offsets[index, m]),
+                             nbytes=int(self.sizes[index, m]))
+                break
+        return place
+
     def objects_of(self, indices: np.ndarray) -> list[str]:
         return self.shard_keys[self.shards.shards_of(indices)].tolist()

@@ -136,6 +136,13 @@ class Tokens:
         f, first = self._locate(index)
         return f"{self.storage.where(str(self.keys[f]))} tokens {first}..{first + self.seq_len}"
 
+    def place_of(self, index: int) -> dict[str, Any]:
+        """The seq_len + 1 tokens read (input_ids, and shifted by one, labels)."""
+        f, first = self._locate(index)
+        size = self.dtype.itemsize
+        return {"file": self.storage.where(str(self.keys[f])),
+                "offset": self.header_bytes + first * size, "nbytes": (self.seq_len + 1) * size}
+
     def objects_of(self, indices: np.ndarray) -> list[str]:
         return self.keys[self.files.shards_of(indices)].tolist()
 

@@ -186,10 +186,11 @@ class DataService:
             if request.HasField("consumed"):
                 taken = await asyncio.to_thread(consumed, meta, coords, request.consumed.steps)
             if request.HasField("locate"):
-                epoch, index = await asyncio.to_thread(locate, meta, coords,
-                                                       request.locate.step)
-                located = pb.Located(epoch=epoch, batch_index=index)
-                coords = dataclasses.replace(coords, epoch=epoch, start=0)
+                sizes = [(w.from_step, w.world_size) for w in request.locate.world_sizes]
+                epoch, start, index = await asyncio.to_thread(locate, meta, coords,
+                                                              request.locate.step, sizes)
+                located = pb.Located(epoch=epoch, batch_index=index, start=start)
+                coords = dataclasses.replace(coords, epoch=epoch, start=start)
             batches, per_rank = await asyncio.to_thread(epoch_size, meta, coords)
         except CoordinateError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -226,7 +227,7 @@ class DataService:
         finally:
             self.pool.release(built)
         return pb.ProvenanceResponse(samples=[
-            pb.SampleSource(sample_index=int(i), source=where)
+            pb.SampleSource(sample_index=int(i), **where)
             for i, where in zip(indices.tolist(), json.loads(raw), strict=True)])
 
     def coordinates(self, c: pb.Coordinates, present: bool = True

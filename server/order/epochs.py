@@ -4,6 +4,8 @@ epoch's size, cut by count or, under batch_tokens, by the token plan."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -48,26 +50,73 @@ def epoch_size(meta: EpochSource, c: Coordinates) -> tuple[int, int]:
     return batches_per_epoch(meta.num_samples, c), samples_per_rank(meta.num_samples, c)
 
 
-def locate(meta: EpochSource, c: Coordinates, step: int) -> tuple[int, int]:
-    """(epoch, batch index) of global step `step` of `c` counted from epoch 0, batch 0 (`c`'s
-    epoch and start ignored). Cut by count, every epoch has the same batches: arithmetic.
-    Under batch_tokens each epoch's plan has its own steps: the plans of the epochs before
-    the step are made (cached in PLANS), one per epoch skipped. CoordinateError for a
-    negative step, or coordinates whose epochs have no batch."""
+def locate(meta: EpochSource, c: Coordinates, step: int,
+           world_sizes: Sequence[tuple[int, int]] = ()) -> tuple[int, int, int]:
+    """(epoch, start, batch index) at `c`'s world_size of global step `step` counted from
+    epoch 0, batch 0 (`c`'s epoch and start ignored). `world_sizes`: (from_step, world_size)
+    of each stretch of steps taken at another size (the first from 0, ascending, none past
+    `step`); from `step` on, `c.world_size`. Each change of size is an elastic resume: the
+    positions every rank had consumed (a prefix of the epoch's order) start the epoch's rest
+    at the new size, whose batches go on counting steps. Cut by count, whole epochs are
+    skipped by arithmetic; under batch_tokens each epoch's plan has its own steps (their
+    counts cached: token_batches.STEPS). CoordinateError for a negative step, a bad
+    history, or coordinates whose epochs have no batch."""
     if step < 0:
         raise CoordinateError("locate.step", f"must be >= 0, got {step}")
-    epoch = 0
+    history = [*(_history(world_sizes, step) or [(0, c.world_size)]), (step, c.world_size)]
+    epoch, start, taken = 0, 0, 0
+    for (since, world), (until, then) in itertools.pairwise(history):
+        at = dataclasses.replace(c, rank=0, world_size=world)
+        epoch, start, taken = _advance(meta, at, epoch, start, taken, until - since)
+        if then != world:  # an elastic resume: what every rank consumed starts the rest
+            here = dataclasses.replace(at, epoch=epoch, start=start)
+            start, taken = consumed(meta, here, taken), 0
+    return epoch, start, taken
+
+
+def _history(world_sizes: Sequence[tuple[int, int]], step: int) -> list[tuple[int, int]]:
+    """`world_sizes` checked (see locate); [] stands for none."""
+    history = [(int(f), int(w)) for f, w in world_sizes]
+    if history and history[0][0] != 0:
+        raise CoordinateError("locate.world_sizes", f"the first must be from step 0, got "
+                                                    f"{history[0][0]}")
+    for (a, _), (b, _) in itertools.pairwise(history):
+        if b <= a:
+            raise CoordinateError("locate.world_sizes", f"from_step must ascend, got {b} "
+                                                        f"after {a}")
+    if history and history[-1][0] > step:
+        raise CoordinateError("locate.world_sizes", f"from_step {history[-1][0]} is past the "
+                                                    f"step located ({step})")
+    bad = [w for _, w in history if w < 1]
+    if bad:
+        raise CoordinateError("locate.world_sizes", f"world_size must be >= 1, got {bad[0]}")
+    return history
+
+
+def _advance(meta: EpochSource, c: Coordinates, epoch: int, start: int, taken: int,
+             steps: int) -> tuple[int, int, int]:
+    """(epoch, start, taken) after `steps` more steps under `c` from batch `taken` of
+    `epoch`'s positions from `start` (an epoch taken whole is the next one's beginning)."""
     while True:
-        at = dataclasses.replace(c, epoch=epoch, start=0)
-        steps = epoch_size(meta, at)[0]
-        if steps <= 0:
+        at = dataclasses.replace(c, epoch=epoch, start=start)
+        if c.batch_tokens and not start:  # each epoch its plan's steps, counted once
+            assert meta.lengths is not None
+            epoch, taken = token_batches.locate_whole(meta.ordering, meta.lengths, at,
+                                                      taken + steps)
+            return epoch, 0, taken
+        batches = epoch_size(meta, at)[0] if not c.batch_tokens else \
+            token_batches.batches_per_epoch(meta.ordering, meta.lengths, at)  # type: ignore[arg-type]
+        if taken + steps < batches:
+            return epoch, start, taken + steps
+        if not start and batches <= 0:
             raise CoordinateError("locate.step", "these coordinates give no batch per epoch")
-        if not c.batch_tokens:
-            return divmod(step, steps)
-        if step < steps:
-            return epoch, step
-        step -= steps
-        epoch += 1
+        steps -= batches - taken
+        epoch, start, taken = epoch + 1, 0, 0
+        if steps and not c.batch_tokens:  # every whole epoch has as many: arithmetic
+            whole = epoch_size(meta, dataclasses.replace(c, epoch=epoch, start=0))[0]
+            if whole > 0:
+                skipped, steps = divmod(steps, whole)
+                return epoch + skipped, 0, steps
 
 
 def consumed(meta: EpochSource, c: Coordinates, steps: int) -> int:

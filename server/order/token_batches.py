@@ -33,8 +33,13 @@ number of steps (`steps`, which is len(loader)).
 
 from __future__ import annotations
 
+import bisect
+import collections
+import dataclasses
+import heapq
 import itertools
 import logging
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,8 +94,9 @@ def check(lengths: np.ndarray | None, c: Coordinates) -> None:
     if lengths is None:
         raise CoordinateError(
             "batch_tokens", f"dataset {c.dataset!r} does not know its samples' lengths: token "
-                            "budgets need format jsonl or parquet with length_column set (see "
-                            "docs/configuration.md); use batch_size")
+                            "budgets need format jsonl or parquet with length_column set (a "
+                            "mixture: every component so; see docs/configuration.md); use "
+                            "batch_size")
     if len(lengths) and int(lengths.max()) > c.batch_tokens:
         i = int(np.argmax(lengths))
         raise CoordinateError(
@@ -103,14 +109,85 @@ def check(lengths: np.ndarray | None, c: Coordinates) -> None:
 def plan(ordering: Ordering, lengths: np.ndarray, c: Coordinates) -> TokenPlan:
     """The epoch's plan for `c` (checked), from PLANS. `lengths`: the dataset's, by index
     (the ordering belongs to that dataset, so the ordering names it in the cache's key)."""
-    start = getattr(c, "start", 0)
-    key = ("tokens", ordering, c.seed, c.epoch, c.shuffle, c.world_size, c.batch_tokens,
-           c.token_cost, start)
-    return PLANS.get(key, lambda: _make(ordering, lengths, c, start))  # type: ignore[arg-type,return-value]
+    key = _key(ordering, c)
+
+    def make() -> TokenPlan:
+        made = _make(ordering, lengths, c, key[-1])
+        STEPS.put(key, made.steps)
+        return made
+
+    return PLANS.get(key, make)  # type: ignore[arg-type,return-value]
 
 
 def batches_per_epoch(ordering: Ordering, lengths: np.ndarray, c: Coordinates) -> int:
-    return plan(ordering, lengths, c).steps
+    """The steps of `c`'s epoch: from STEPS once its plan was made, even if PLANS has let the
+    plan go (seek walks epochs by their steps: server/order/epochs.py locate)."""
+    found = STEPS.get(_key(ordering, c))
+    return found if found is not None else plan(ordering, lengths, c).steps
+
+
+def _key(ordering: Ordering, c: Coordinates) -> tuple:
+    return ("tokens", ordering, c.seed, c.epoch, c.shuffle, c.world_size, c.batch_tokens,
+            c.token_cost, getattr(c, "start", 0))
+
+
+class StepCounts:
+    """Each plan's steps by its key (an int each, at most `most`, the oldest out first).
+    Any thread."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self._items: collections.OrderedDict[tuple, int] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple) -> int | None:
+        with self._lock:
+            return self._items.get(key)
+
+    def put(self, key: tuple, steps: int) -> None:
+        with self._lock:
+            self._items[key] = steps
+            while len(self._items) > self.most:
+                self._items.popitem(last=False)
+
+
+STEPS = StepCounts(1 << 20)  # about 100 MB at most, far less in practice
+
+# Per family of plans (`_key` but epoch and start): the steps before each epoch, as far as
+# made (a seek to a far step walks every epoch before it once; later ones bisect).
+_RUNNING: dict[tuple, list[int]] = {}
+_RUNNING_LOCK = threading.Lock()
+
+
+def locate_whole(ordering: Ordering, lengths: np.ndarray, c: Coordinates, steps: int
+                 ) -> tuple[int, int]:
+    """(epoch, batch index) `steps` steps after the beginning of `c`'s epoch (start 0), each
+    epoch its plan's steps. The plans of the epochs up to it are made once (their steps kept:
+    STEPS), and their running sums from epoch 0 (_RUNNING), which a later seek bisects; from
+    an epoch the sums do not reach yet (where an elastic change began a world size), a walk
+    over STEPS from there, not from 0. CoordinateError for an epoch without a step."""
+    def count(epoch: int) -> int:
+        n = batches_per_epoch(ordering, lengths, dataclasses.replace(c, epoch=epoch, start=0))
+        if n <= 0:
+            raise CoordinateError("locate.step", "these coordinates give no batch per epoch")
+        return n
+
+    family = _key(ordering, c)[:3] + _key(ordering, c)[4:-1]
+    with _RUNNING_LOCK:  # one walk at a time: a second seek waits for the first's epochs
+        if len(_RUNNING) >= 256 and family not in _RUNNING:
+            _RUNNING.clear()
+        before = _RUNNING.setdefault(family, [0])
+        if len(before) > c.epoch:  # the sums reach this epoch: extend them, bisect
+            target = before[c.epoch] + steps
+            while before[-1] <= target:
+                before.append(before[-1] + count(len(before) - 1))
+            epoch = bisect.bisect_right(before, target) - 1
+            return epoch, target - before[epoch]
+    epoch = c.epoch  # from an epoch after an elastic change: not the epochs before it
+    while steps >= (n := count(epoch)):
+        steps -= n
+        epoch += 1
+    return epoch, steps
 
 
 def batch_samples(ordering: Ordering, lengths: np.ndarray, c: Coordinates,
@@ -121,17 +198,14 @@ def batch_samples(ordering: Ordering, lengths: np.ndarray, c: Coordinates,
         raise CoordinateError(
             "batch_index", f"must be in [0, {p.steps}) for this epoch and rank, got {batch_index}")
     positions = p.positions(batch_index, c.rank)
-    if not c.shuffle:
-        return positions.copy()
-    return ordering.epoch(c.seed, c.epoch, c.shuffle)[positions]
+    return np.array(ordering.indices(positions, c.seed, c.epoch, c.shuffle), dtype=np.int64)
 
 
 def _make(ordering: Ordering, lengths: np.ndarray, c: Coordinates, start: int) -> TokenPlan:
-    if c.shuffle:
-        order = ordering.epoch(c.seed, c.epoch, c.shuffle)[start:]
-    else:
-        order = np.arange(start, ordering.num_samples, dtype=np.int64)
-    lens = np.asarray(lengths, dtype=np.int64)[order]
+    order = ordering.indices(np.arange(start, ordering.num_samples, dtype=np.int64), c.seed,
+                             c.epoch, c.shuffle)
+    # A mixture's index space repeats its components' samples each period (its lengths')
+    lens = np.asarray(lengths, dtype=np.int64)[order % len(lengths)]
     costs = lens if c.token_cost == "tokens" else lens * lens
     world, budget = c.world_size, c.batch_tokens
     ends = np.cumsum(lens)  # tokens in positions [0, i] of `lens`
@@ -221,16 +295,22 @@ def _split_even(lens: np.ndarray, costs: np.ndarray, world: int, budget: int
     tokens = [0] * world
     groups: list[list[int]] = [[] for _ in range(world)]
     lens_l, costs_l = lens.tolist(), costs.tolist()
+    # The least-loaded rank the item fits (the first such rank on a tie): the heap's least
+    # (load, rank) that fits; those passed over go back.
+    heap = [(0, r) for r in range(world)]
     for i in np.argsort(-costs, kind="stable").tolist():
-        best = -1
-        for r in range(world):
-            if tokens[r] + lens_l[i] <= budget and (best < 0 or load[r] < load[best]):
-                best = r
-        if best < 0:
+        passed = []
+        while heap and tokens[heap[0][1]] + lens_l[i] > budget:
+            passed.append(heapq.heappop(heap))
+        if not heap:
             return None
+        best = heap[0][1]
         groups[best].append(i)
         load[best] += costs_l[i]
         tokens[best] += lens_l[i]
+        heapq.heapreplace(heap, (load[best], best))
+        for item in passed:
+            heapq.heappush(heap, item)
     if any(not g for g in groups):
         return None
     for _ in range(IMPROVE_ROUNDS):

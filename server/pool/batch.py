@@ -286,10 +286,12 @@ def probe_fields(dataset: DatasetParts) -> list[tuple[str, str, tuple[int, ...]]
 def build_sources(dataset: DatasetParts, indices: np.ndarray, segments: shm.SegmentPool
                   ) -> BuiltBatch:
     """Where each sample of `indices` comes from (the format's `source_of`: file and line,
-    row group and row, tar member, object key; "" where it cannot say), as a batch of one
-    row: SOURCES, the JSON list of those strings in UTF-8. No sample is read."""
+    row group and row, tar member, object key; "" where it cannot say; and its `place_of`,
+    by part), as a batch of one row: SOURCES, the JSON list of {"source": ..., **place} in
+    UTF-8. No sample is read."""
     started = time.perf_counter()
-    where = [dataset.source_of(int(i)) if dataset.source_of else "" for i in indices]
+    where = [{"source": dataset.source_of(int(i)) if dataset.source_of else "",
+              **(dataset.place_of(int(i)) if dataset.place_of else {})} for i in indices]
     raw = np.frombuffer(json.dumps(where).encode(), np.uint8)
     layout = plan_layout({SOURCES: raw}, 1, int(indices[0]) if len(indices) else 0)
     size = layout[-1].offset + layout[-1].nbytes

@@ -142,7 +142,9 @@ def _describe(name: str, ds: DatasetParts, config: Any, fp: Fingerprint,
     if cfg.draws_from:  # a mixture
         ordering: Any = ds.dataset.ordering([described[c].ordering for c in cfg.draws_from])
         return msg.DatasetMeta(ordering.num_samples, probe_fields(ds), ordering, fp,
-                               prefetches=ds.prefetches)
+                               ds.dataset.lengths([described[c].lengths
+                                                   for c in ds.dataset.names]),
+                               ds.prefetches)
     ordering = Ordering(len(ds.dataset), ds.shard_starts,
                         getattr(cfg, "shuffle", "global") == "block",
                         getattr(cfg, "shuffle_window", 1))

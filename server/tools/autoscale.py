@@ -225,13 +225,13 @@ def write_addresses(path: Path, addresses: Sequence[str]) -> None:
 
 
 # -- acting --------------------------------------------------------------------------------
-class Autoscaler:
-    """Local servers of one config, scaled on their stall. Threading: run() on one thread;
-    stop() from any (a signal handler too)."""
+class ScaleLoop:
+    """The loop of ticks, whatever starts the servers: observe their stall, decide(), act.
+    A subclass says how to list (http_urls), add and remove (drain) servers: `Autoscaler`
+    below with local processes, stoker.integrations.ray with Ray actors. Threading: loop()
+    on one thread; stop() from any (a signal handler too)."""
 
-    def __init__(self, config: str | os.PathLike[str], addresses: str | os.PathLike[str],
-                 policy: Policy, *, interval: float = 1.0, workers: int | None = None,
-                 host: str = "127.0.0.1", env: dict[str, str] | None = None,
+    def __init__(self, policy: Policy, *, interval: float = 1.0,
                  trace: Callable[[dict[str, Any]], None] | None = None,
                  tls: ssl.SSLContext | None = None, token: str | None = None) -> None:
         """`tls`: the context /metrics is read with where the servers serve https (the
@@ -239,40 +239,34 @@ class Autoscaler:
         they want (default $STOKER_TOKEN)."""
         if not interval > 0:
             raise ValueError(f"interval must be > 0 seconds, got {interval}")
-        self.config, self.addresses, self.policy = config, Path(addresses), policy
-        self.interval, self.workers, self.host, self.env = interval, workers, host, env
+        self.policy, self.interval = policy, interval
         self.trace = trace or (lambda row: None)
-        self.servers: list[Any] = []  # ServerProcess, oldest first
         self.history: list[Observation] = []
         self._stopping = threading.Event()
         self._token = token or os.environ.get("STOKER_TOKEN")
         self._tls = tls
         self._said: set[str] = set()  # servers whose /metrics failed, said once each
 
+    def http_urls(self) -> list[str]:
+        """The HTTP base URL of every server now (their /metrics carry the stall)."""
+        raise NotImplementedError
+
+    def add(self) -> None:
+        """Start one more server; return once it serves and trainers can find it."""
+        raise NotImplementedError
+
+    def remove(self) -> int:
+        """Drain one server: off the trainers' list first, then its graceful stop; its exit
+        code."""
+        raise NotImplementedError
+
     def stop(self) -> None:
         self._stopping.set()
 
-    def _publish(self) -> None:
-        write_addresses(self.addresses, [s.address for s in self.servers])
-
-    def _add(self) -> None:
-        from .._process import ServerProcess
-
-        server = ServerProcess(self.config, workers=self.workers, host=self.host,
-                               env=self.env).start()
-        self.servers.append(server)
-        self._publish()
-
-    def _remove(self) -> int:
-        """Drain the newest server: off the address list first (trainers stop crediting it
-        at their next resolution), then SIGTERM; its exit code."""
-        server = self.servers.pop()
-        self._publish()
-        return server.stop()
-
     def observe(self, t: float) -> Observation:
-        stalls = [s for s in (self._stall(p.http_url) for p in self.servers) if s is not None]
-        return Observation(t, len(self.servers), max(stalls) if stalls else None)
+        urls = self.http_urls()
+        stalls = [s for s in (self._stall(u) for u in urls) if s is not None]
+        return Observation(t, len(urls), max(stalls) if stalls else None)
 
     def _stall(self, url: str) -> float | None:
         def failed(error: BaseException) -> None:
@@ -286,35 +280,85 @@ class Autoscaler:
 
         return read_stall(url, self._token, context=self._tls, failed=failed)
 
-    def run(self) -> int:
-        """Tick until stop(); then drain every server. 0 if every server exited 0."""
+    def tick(self, t: float) -> Decision:
+        """Observe at `t` (seconds since the loop began), decide, trace and act."""
+        self.history.append(self.observe(t))
+        decision = decide(self.history, self.policy)
+        self.history = forget(self.history, self.policy)
+        last = self.history[-1]
+        self.trace({"t": round(last.t, 3), "servers": last.servers, "stall": last.stall,
+                    "decided_on": decision.stall, "action": decision.action.value,
+                    "reason": decision.reason})
+        if decision.action is Action.ADD:
+            self.add()
+        elif decision.action is Action.REMOVE:
+            code = self.remove()
+            if code != 0:
+                log.warning("a server drained by the autoscaler exited %d", code)
+        return decision
+
+    def loop(self) -> None:
+        """Tick every `interval` s until stop(); the servers stay as they are."""
         started = time.monotonic()
-        codes: list[int] = []
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            self.tick(now - started)
+            self._stopping.wait(max(0.0, self.interval - (time.monotonic() - now)))
+
+
+class Autoscaler(ScaleLoop):
+    """Local servers of one config (`stoker serve` child processes), scaled on their stall;
+    their addresses in a file that trainers' resolver reads."""
+
+    def __init__(self, config: str | os.PathLike[str], addresses: str | os.PathLike[str],
+                 policy: Policy, *, interval: float = 1.0, workers: int | None = None,
+                 host: str = "127.0.0.1", env: dict[str, str] | None = None,
+                 trace: Callable[[dict[str, Any]], None] | None = None,
+                 tls: ssl.SSLContext | None = None, token: str | None = None) -> None:
+        super().__init__(policy, interval=interval, trace=trace, tls=tls, token=token)
+        self.config, self.addresses = config, Path(addresses)
+        self.workers, self.host, self.env = workers, host, env
+        self.servers: list[Any] = []  # ServerProcess, oldest first
+        self.codes: list[int] = []  # exit codes of the servers drained
+
+    def _publish(self) -> None:
+        write_addresses(self.addresses, [s.address for s in self.servers])
+
+    def http_urls(self) -> list[str]:
+        return [s.http_url for s in self.servers]
+
+    def add(self) -> None:
+        from .._process import ServerProcess
+
+        server = ServerProcess(self.config, workers=self.workers, host=self.host,
+                               env=self.env).start()
+        self.servers.append(server)
+        self._publish()
+
+    def remove(self) -> int:
+        """Drain the newest server: off the address list first (trainers stop crediting it
+        at their next resolution), then SIGTERM; its exit code."""
+        server = self.servers.pop()
+        self._publish()
+        code = server.stop()
+        self.codes.append(code)
+        return code
+
+    def run(self) -> int:
+        """Start min_servers, tick until stop(); then drain every server. 0 if every server
+        exited 0."""
         try:
             for _ in range(self.policy.min_servers):
-                self._add()
-            while not self._stopping.is_set():
-                now = time.monotonic()
-                self.history.append(self.observe(now - started))
-                decision = decide(self.history, self.policy)
-                self.history = forget(self.history, self.policy)
-                last = self.history[-1]
-                self.trace({"t": round(last.t, 3), "servers": last.servers,
-                            "stall": last.stall, "decided_on": decision.stall,
-                            "action": decision.action.value, "reason": decision.reason})
-                if decision.action is Action.ADD:
-                    self._add()
-                elif decision.action is Action.REMOVE:
-                    codes.append(self._remove())
-                self._stopping.wait(max(0.0, self.interval - (time.monotonic() - now)))
+                self.add()
+            self.loop()
         finally:
             while self.servers:  # every one, whatever one of them does
                 try:
-                    codes.append(self._remove())
+                    self.remove()
                 except Exception:
                     log.exception("a server did not stop")
-                    codes.append(1)
-        return 0 if all(c == 0 for c in codes) else 1
+                    self.codes.append(1)
+        return 0 if all(c == 0 for c in self.codes) else 1
 
 
 # -- the command ---------------------------------------------------------------------------

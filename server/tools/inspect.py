@@ -153,6 +153,10 @@ def inspect(args: argparse.Namespace) -> int:
     print(f"\n{'row':>5}{'sample':>10}  source")
     for row, s in enumerate(sources):
         print(f"{row:>5}{s['sample_index']:>10}  {s['source'] or '(the format does not say)'}")
+        parts = "  ".join(f"{k}={v}" for k, v in s.items()
+                          if k not in ("sample_index", "source", "file"))
+        if parts:  # the file is in the source already
+            print(f"{'':>17}{parts}")
     if args.out:
         np.savez(args.out, **batch)
         print(f"\nwrote {args.out}: {', '.join(sorted(batch))} (numpy.load reads it)")

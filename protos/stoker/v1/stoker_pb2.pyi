@@ -87,18 +87,30 @@ class Consumed(_message.Message):
     def __init__(self, steps: _Optional[int] = ...) -> None: ...
 
 class Locate(_message.Message):
-    __slots__ = ("step",)
+    __slots__ = ("step", "world_sizes")
     STEP_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZES_FIELD_NUMBER: _ClassVar[int]
     step: int
-    def __init__(self, step: _Optional[int] = ...) -> None: ...
+    world_sizes: _containers.RepeatedCompositeFieldContainer[WorldSizeFrom]
+    def __init__(self, step: _Optional[int] = ..., world_sizes: _Optional[_Iterable[_Union[WorldSizeFrom, _Mapping]]] = ...) -> None: ...
+
+class WorldSizeFrom(_message.Message):
+    __slots__ = ("from_step", "world_size")
+    FROM_STEP_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    from_step: int
+    world_size: int
+    def __init__(self, from_step: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class Located(_message.Message):
-    __slots__ = ("epoch", "batch_index")
+    __slots__ = ("epoch", "batch_index", "start")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     batch_index: int
-    def __init__(self, epoch: _Optional[int] = ..., batch_index: _Optional[int] = ...) -> None: ...
+    start: int
+    def __init__(self, epoch: _Optional[int] = ..., batch_index: _Optional[int] = ..., start: _Optional[int] = ...) -> None: ...
 
 class FieldSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")
@@ -255,12 +267,30 @@ class ProvenanceRequest(_message.Message):
     def __init__(self, coordinates: _Optional[_Union[Coordinates, _Mapping]] = ..., batch_index: _Optional[int] = ...) -> None: ...
 
 class SampleSource(_message.Message):
-    __slots__ = ("sample_index", "source")
+    __slots__ = ("sample_index", "source", "file", "offset", "nbytes", "line", "row_group", "row", "member", "component", "component_index")
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    ROW_GROUP_FIELD_NUMBER: _ClassVar[int]
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    COMPONENT_FIELD_NUMBER: _ClassVar[int]
+    COMPONENT_INDEX_FIELD_NUMBER: _ClassVar[int]
     sample_index: int
     source: str
-    def __init__(self, sample_index: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
+    file: str
+    offset: int
+    nbytes: int
+    line: int
+    row_group: int
+    row: int
+    member: str
+    component: str
+    component_index: int
+    def __init__(self, sample_index: _Optional[int] = ..., source: _Optional[str] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., line: _Optional[int] = ..., row_group: _Optional[int] = ..., row: _Optional[int] = ..., member: _Optional[str] = ..., component: _Optional[str] = ..., component_index: _Optional[int] = ...) -> None: ...
 
 class ProvenanceResponse(_message.Message):
     __slots__ = ("samples",)

@@ -1,0 +1,145 @@
+"""How fast each server delivers, learned from what it delivers (`Rate`), and what a new
+credit costs there (`costs`): the scheduler's measure of a slow server.
+
+A server's rate is counted while it holds credits ("busy"): batches and bytes delivered per
+busy second, averaged over the last few seconds of busy time (HALF_LIFE); forgotten when it
+stalls, goes down or delivers after a long silence (an outage is not a rate: OUTAGE), and
+after FORGET s without credits (so a slow server that recovered is tried again). Per batch, because
+a server short of CPU or workers delivers few batches; per byte, because a slow link delivers
+few bytes whatever the batches: a batch's expected time at a server is the longer of its
+seconds per batch and the fleet's mean batch bytes over its bytes/s, so a server measured on
+small batches is not taken for fast on large ones. Duplicates count: they were delivered.
+
+Threading: under the scheduler's lock, as the servers' other fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._servers import Server
+
+HALF_LIFE = 2.0  # busy seconds after which what a server delivered counts half
+# A rate counts once its server has delivered MEASURED batches over MEASURED_SECONDS of holding
+# credits: the first few come faster than the rest (the link's buffers, a shaper's burst).
+MEASURED, MEASURED_SECONDS = 4, 0.2
+# Seconds without credits after which a server's rate is forgotten: a slow server gets few or
+# no credits, so without this it would never show that its link or CPU has recovered.
+FORGET = 10.0
+# A delivery after more than OUTAGE x its seconds per batch (and OUTAGE_MIN s; before it is
+# measured, OUTAGE_MIN s) of holding credits ends an outage (a freeze, a partition healed, a
+# reconnect), which is no measure of its rate either: it is measured afresh from there.
+OUTAGE, OUTAGE_MIN = 10.0, 0.5
+# A server not measured yet that has delivered nothing counts as slow once it has waited
+# this many times the lowest latency of those measured (its first batch is a latency).
+FIRST = 2.0
+
+
+@dataclass
+class Rate:
+    """Batches and bytes one server delivered over its busy seconds, decayed (HALF_LIFE)."""
+
+    batches: float = 0.0
+    nbytes: float = 0.0
+    seconds: float = 0.0
+    since: float | None = None  # busy since (a credit to an idle server, or a delivery)
+    idle_at: float | None = None  # it has held no credits since
+    delivered_count: int = 0
+    _marks: dict[object, int] = field(default_factory=dict)  # stream -> bytes seen
+
+    def busy(self, now: float) -> None:
+        """It had nothing outstanding and is credited now: its busy time starts."""
+        if self.stale(now):
+            self.forget()
+        self.since, self.idle_at = now, None
+
+    def forget(self) -> None:
+        """Measure it afresh: it was out of use (stalled, down, idle for FORGET s), and what
+        it delivered before says little about what it delivers now."""
+        self.batches = self.nbytes = self.seconds = 0.0
+        self.since, self.idle_at, self.delivered_count = None, None, 0
+        self._marks.clear()
+
+    def stale(self, now: float) -> bool:
+        return self.idle_at is not None and now - self.idle_at >= FORGET
+
+    def delivered(self, now: float, stream: object, received: int, busy: bool) -> None:
+        """A batch (or an in-band error) came on `stream`, which has received `received`
+        bytes so far; `busy`: the server still holds credits after it."""
+        seen = self._marks.pop(stream, 0)
+        dt = max(0.0, now - (self.since if self.since is not None else now))
+        if dt > OUTAGE_MIN and self.batches and (
+                not self.measured or dt > OUTAGE * self.seconds / self.batches):
+            self.forget()
+            seen, dt = received, 0.0  # this batch counts, the outage does not
+        self._marks[stream] = received
+        while len(self._marks) > 4:  # streams of epochs gone
+            del self._marks[next(iter(self._marks))]
+        keep = 0.5 ** (dt / HALF_LIFE)
+        self.delivered_count += 1
+        self.batches = self.batches * keep + 1
+        self.nbytes = self.nbytes * keep + max(0, received - seen)
+        self.seconds = self.seconds * keep + dt
+        self.since = now if busy else None
+        self.idle_at = None if busy else now
+
+    def waiting(self, now: float) -> float:
+        """Seconds it has held credits since its last delivery (0.0: it holds none)."""
+        return now - self.since if self.since is not None else 0.0
+
+    def shown(self, now: float, first: float) -> float:
+        """What it has shown so far of its seconds per batch, at least (see costs)."""
+        if self.delivered_count:
+            return (self.seconds + self.waiting(now)) / (self.batches + 1)
+        waited = self.waiting(now)
+        return waited if first and waited > first else 0.0
+
+    @property
+    def measured(self) -> bool:
+        return self.delivered_count >= MEASURED and self.seconds >= MEASURED_SECONDS
+
+    @property
+    def batches_per_second(self) -> float | None:
+        return self.batches / self.seconds if self.measured else None
+
+    @property
+    def bytes_per_second(self) -> float | None:
+        return self.nbytes / self.seconds if self.measured and self.nbytes else None
+
+    def seconds_per_batch(self, batch_bytes: float, now: float | None = None) -> float | None:
+        """Expected busy seconds per batch of `batch_bytes` (None: not measured yet, or, at
+        `now`, no longer: see FORGET)."""
+        if not self.measured or (now is not None and self.stale(now)):
+            return None
+        per = self.seconds / self.batches
+        if batch_bytes and self.nbytes:
+            per = max(per, batch_bytes * self.seconds / self.nbytes)
+        return per
+
+
+def costs(servers: Iterable[Server], now: float) -> dict[Server, float]:
+    """Each server's expected seconds per batch of the fleet's mean size. A server not
+    measured yet is taken to be as fast as the fastest measured one (so it is tried, and
+    measured), unless what it has shown already says it is slower: the seconds it has held
+    credits over the batches it delivered and the one it is on; or, before its first batch
+    (a latency more than a rate), the seconds it has waited for it, once longer than FIRST x
+    the lowest latency of those measured. None measured: 1.0 each, which makes the earliest
+    expected delivery the fewest outstanding credits."""
+    servers = list(servers)
+    batches = sum(s.rate.batches for s in servers)
+    mean = sum(s.rate.nbytes for s in servers) / batches if batches else 0.0
+    known = {s: s.rate.seconds_per_batch(mean, now) for s in servers}
+    fastest = min((c for c in known.values() if c is not None), default=1.0)
+    latency = min((s.latency for s, c in known.items() if c is not None and s.latency),
+                  default=0.0)
+    cost = {}
+    for s, c in known.items():
+        if c is None:
+            c = fastest
+            if s.outstanding and not s.rate.stale(now):
+                c = max(c, s.rate.shown(now, first=FIRST * latency))
+        cost[s] = c
+    return cost
