@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import enum
 import logging
+import queue
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -33,7 +34,7 @@ from .channel import hint
 
 CALL_TIMEOUT = 10.0  # seconds one DescribeDataset may take
 PROBE_TIMEOUT = 1.0  # seconds a diagnostic TCP connect may take
-PAUSE_FIRST, PAUSE_MAX = 0.05, 2.0  # seconds between rounds, doubling
+PAUSE_FIRST, PAUSE_MAX = 0.05, 2.0  # seconds before a server that failed is asked again, doubling
 # gRPC's words for a call that never reached a server's code: no connection, no name, no TLS.
 _UNREACHED = ("failed to connect", "errors resolving", "dns resolution failed", "socket closed",
               "connection reset", "connection refused", "broken pipe", "handshake", "ssl",
@@ -122,16 +123,21 @@ def explain(address: str, err: RemoteError | None, tls: bool) -> str:
 
 @dataclass(frozen=True)
 class Contact:
-    """The first description and the server that gave it."""
+    """The first description, the server that gave it, and the same question's calls to the
+    other servers still in flight (address -> future; their answers are for the pinning's
+    fingerprint check, client/_pinning.py)."""
 
     described: pb.DescribeDatasetResponse
     server: Server
+    pending: dict[str, grpc.Future] = field(default_factory=dict)
 
 
 def first_contact(servers: ServerSet, request: Callable[[], pb.DescribeDatasetRequest], *,
                   connect_timeout: float, timeout: float, tls: bool,
                   refuse: Callable[[RemoteError], None]) -> Contact:
-    """DescribeDataset of each server in turn, in rounds with backoff, until one answers.
+    """DescribeDataset of every server at once, each asked again with its own backoff after
+    it fails, until one answers: the first answer wins, so an address that black-holes (a
+    host gone, a firewall) costs nothing while another answers.
 
     `refuse(error)` sees every error a server answered and raises what must not be retried
     (FATAL codes, a DataMismatch). Gives up with UNAVAILABLE after `connect_timeout` s while
@@ -139,37 +145,68 @@ def first_contact(servers: ServerSet, request: Callable[[], pb.DescribeDatasetRe
     address, what it answered or what a TCP connect to each of its addresses found."""
     started = time.monotonic()
     errors: dict[str, RemoteError] = {}
-    answered = False
-    pause = PAUSE_FIRST
-    said_waiting = False
-    while True:
-        for server in list(servers.servers.values()):
+    answers: queue.SimpleQueue[tuple[Server, grpc.Future]] = queue.SimpleQueue()
+    asked: dict[str, grpc.Future] = {}  # address -> its call in flight
+    due: dict[str, float] = {}  # address -> when to ask it again
+    pauses: dict[str, float] = {}
+    answered = said_waiting = False
+    try:
+        while True:
+            now = time.monotonic()
+            waited = now - started
             limit = timeout if answered else min(connect_timeout, timeout)
-            left = max(limit - (time.monotonic() - started), 0.05)
+            if waited < limit:
+                for server in list(servers.servers.values()):
+                    if server.address not in asked and due.get(server.address, 0.0) <= now:
+                        due.pop(server.address, None)
+                        asked[server.address] = _ask(server, request(), answers,
+                                                     min(CALL_TIMEOUT, limit - waited))
+            # Wake for the next server due again, to give up in time, to look at a dns name
+            # now and then; past the limit, only for the calls in flight (their deadlines end
+            # them by then). About a second in, say what it waits for.
+            wake = min([*due.values(), started + limit]) if waited < limit else now + PAUSE_MAX
+            if not said_waiting and waited >= 1.0:
+                said_waiting = True
+                last = "; ".join(str(e) for e in errors.values()) or "no answer yet"
+                say(logging.INFO, "waiting up to %gs more for a data server at %s to answer "
+                    "(%s)", round(limit - waited, 1), servers.describe(), last)
+            elif not said_waiting:
+                wake = min(wake, started + 1.0)
+            if waited >= limit and not asked:
+                raise _none_answered(servers, errors, waited, answered, connect_timeout,
+                                     timeout, tls)
             try:
-                described = pb_grpc.DataServiceStub(server.channel).DescribeDataset(
-                    request(), timeout=min(CALL_TIMEOUT, left))
+                server, future = answers.get(timeout=min(max(wake - now, 0.01), PAUSE_MAX))
+            except queue.Empty:
+                servers.refresh(time.monotonic())
+                continue
+            if asked.get(server.address) is not future:
+                continue
+            del asked[server.address]
+            try:
+                return Contact(future.result(), server, asked)
             except grpc.RpcError as e:
                 err = RemoteError.from_rpc(e, server.address)
-                refuse(err)
-                answered = answered or reached(err)
-                errors[server.address] = err
-                say(logging.DEBUG, "DescribeDataset at %s: %s", server.address, err)
-                continue
-            return Contact(described, server)
-        limit = timeout if answered else min(connect_timeout, timeout)
-        waited = time.monotonic() - started
-        if waited >= limit:
-            raise _none_answered(servers, errors, waited, answered, connect_timeout, timeout,
-                                 tls)
-        if not said_waiting and waited + pause >= 1.0:
-            said_waiting = True
-            last = "; ".join(str(e) for e in errors.values()) or "no address resolved"
-            say(logging.INFO, "waiting up to %gs more for a data server at %s to answer "
-                "(%s)", round(limit - waited, 1), servers.describe(), last)
-        time.sleep(min(pause, limit - waited))
-        pause = min(pause * 2, PAUSE_MAX)
-        servers.refresh(time.monotonic())
+            say(logging.DEBUG, "DescribeDataset at %s: %s", server.address, err)
+            refuse(err)
+            answered = answered or reached(err)
+            errors[server.address] = err
+            pause = pauses.get(server.address, PAUSE_FIRST)
+            pauses[server.address] = min(pause * 2, PAUSE_MAX)
+            due[server.address] = time.monotonic() + pause
+    except BaseException:
+        for future in asked.values():
+            future.cancel()
+        raise
+
+
+def _ask(server: Server, request: pb.DescribeDatasetRequest,
+         answers: queue.SimpleQueue[tuple[Server, grpc.Future]], timeout: float) -> grpc.Future:
+    """DescribeDataset of `server`, its end put on `answers` (from a gRPC thread)."""
+    future = pb_grpc.DataServiceStub(server.channel).DescribeDataset.future(
+        request, timeout=max(timeout, 0.05))
+    future.add_done_callback(lambda f: answers.put((server, f)))
+    return future
 
 
 def _none_answered(servers: ServerSet, errors: dict[str, RemoteError], waited: float,

@@ -59,6 +59,11 @@ class Crediting:
             self._cost_memo = (now, costs(self._servers.servers.values(), now))
         return self._cost_memo[1]
 
+    def _stalled(self) -> set[Server]:
+        """Servers stalled now: they take a probe credit (client/_servers.py, PROBE_EVERY),
+        never a hedge, which must go to a server known to deliver."""
+        return {s for s in self._servers.servers.values() if s.state is ServerState.STALLED}
+
     def widen(self, window: int) -> None:
         """Keep up to `window` batches in flight from now on (more than before), and ask
         for new ones in groups (see _assign)."""

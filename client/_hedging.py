@@ -49,12 +49,13 @@ class Hedging(Crediting):
                 expected = (rank + 1) * cost[server]
                 if expected <= (index - self._next) / fleet:
                     continue  # in time
+                stalled = self._stalled()
                 others = [s for s in self._servers.servers.values()
-                          if s is not server and s.usable(now)]
+                          if s is not server and s not in stalled and s.usable(now)]
                 if not others or min((len(s.outstanding) + 1) * cost[s]
                                      for s in others) >= expected:
                     continue  # no one would deliver it sooner
-                if self._credit(index, now, exclude={server}):
+                if self._credit(index, now, exclude={server, *stalled}):
                     self._hedged.add(index)
                     self.hedges += 1
                     server.hedged += 1

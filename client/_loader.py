@@ -125,16 +125,15 @@ class RemoteLoader(OnDemand):
         o = self._options
         contact = first_contact(self._servers, lambda: request, connect_timeout=o.connect_timeout,
                                 timeout=o.timeout, tls=o.channels.tls, refuse=self._refuse)
-        described, address = contact.described, contact.server.address
-        self._pinning.first(described.fingerprint, address)
+        described = contact.described
+        self._pinning.first(contact)
         self._described[self._key(epoch, start)] = described
-        self._window.heed(described.max_credits, address)
+        self._window.heed(described.max_credits, contact.server.address)
         if described.HasField("capacity"):
             c = contact.server.capacity = (described.capacity.workers,
                                            described.capacity.samples_per_second)
             self._window.start(Fleet(*c, None))
-        # What every epoch leaves out (token budgets drop at most world_size - 1 samples)
-        if not start and o.batch_tokens is None:
+        if not start and o.batch_tokens is None:  # what every epoch leaves out, said once
             say_dropped(described, o)
         return described
 
@@ -229,6 +228,7 @@ class RemoteLoader(OnDemand):
                                            stall.waiting(scheduler, t0, at.epoch, at.next_batch))
                 except DataMismatch as e:  # a server refused our fingerprint: name both
                     raise self._mismatched(e) from None
+                self._pinning.look(first_batch=not self._stats["batches"])  # other servers' data
                 waited = time.perf_counter() - t0
                 stall.wait_seconds += waited
                 if window.adapts or not window.sized:

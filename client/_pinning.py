@@ -2,16 +2,20 @@
 
 A loader pins the fingerprint of the first server that describes the dataset, and from then on
 sends its digest in every stream's and Describe's coordinates: a server with other data refuses
-those (FAILED_PRECONDITION). Before its first epoch it also asks every reachable server once,
-so that two servers that listed the data at different times are named together before any
-batch is used (docs/client.md, "Servers that hold different data").
+those (FAILED_PRECONDITION). The other servers' descriptions are compared as they come (the
+first contact's calls to them, client/_contact.py, or new ones): a server gets no credits until
+its own has come, those that answer within CHECK_WAIT of the first are compared before any
+batch is used, and a later one that disagrees is refused when it answers, so that two servers
+that listed the data at different times are named together, while an address that black-holes
+holds up nothing (docs/client.md, "Servers that hold different data").
 
-Threading: used from the loop's thread only (the loader's).
-"""
+Threading: used from the loop's thread only (the loader's)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -25,9 +29,13 @@ from ._errors import DataMismatch, RemoteError
 from ._log import say
 
 if TYPE_CHECKING:
+    from ._contact import Contact
     from ._servers import ServerSet
 
 SHORT = len("sha256:") + 12
+# Seconds after the first answer that the other servers' answers are waited for before a
+# loader's first batch is used; later ones are compared as they come.
+CHECK_WAIT = 0.5
 
 
 @dataclass(frozen=True)
@@ -105,43 +113,73 @@ def describe_each(channels: Iterable[tuple[str, grpc.Channel]], coordinates: pb.
 class Pinning:
     """A loader's pinned fingerprint (`pin`, None until a server described the dataset) and
     its checks of the servers against it; `dataset` names the data in errors, and `timeout`
-    bounds each round of questions (at most 10 s)."""
+    bounds each server's answer (at most 10 s)."""
 
     def __init__(self, dataset: str, servers: ServerSet, timeout: float) -> None:
         self._dataset, self._servers = dataset, servers
         self._timeout = min(10.0, timeout)
         self.pin: Pin | None = None
-        self.checked = False  # every reachable server asked once for its fingerprint
+        self.checked = False  # every server asked once for its fingerprint
+        self._asked: dict[str, grpc.Future] = {}  # address -> its Describe, not compared yet
+        self._pinned_at = 0.0
+        self._heed: Callable[[int, str], None] = lambda credits, address: None
 
-    def first(self, fp: pb.Fingerprint, address: str) -> None:
-        """A server described the dataset: the first to do so sets the pin."""
+    def first(self, contact: Contact) -> None:
+        """A server described the dataset: the first to do so sets the pin, and the calls of
+        its first contact to the others are kept to compare their answers."""
         if self.pin is None:
-            self.pin = Pin.of(fp, address)
+            self.pin = Pin.of(contact.described.fingerprint, contact.server.address)
+            self._asked = dict(contact.pending)
+            self._pinned_at = time.monotonic()
 
     def check_servers(self, coordinates: pb.Coordinates,
                       heed: Callable[[int, str], None]) -> None:
-        """Ask every server that answers for its fingerprint, once: servers with other data
-        than the pinned one are a DataMismatch before any batch is used; each that agrees has
-        its max_credits `heed`ed. (Servers that come up later refuse our streams themselves:
-        the coordinates carry the digest.)"""
+        """Ask every other server for its fingerprint, once (those the first contact has not
+        asked already), without waiting: each gets no credits until it has answered (its
+        `contact`), and `look` compares the answers; each that agrees has its max_credits
+        `heed`ed. (Servers that come up later refuse our streams themselves: the
+        coordinates carry the digest.)"""
         pin = self.pin
         self.checked = True
         if pin is None:
             return
-        others = [(s.address, s.channel) for s in self._servers.servers.values()
-                  if s.address != pin.address]
-        found = describe_each(others, coordinates, self._timeout)
-        for address, err in found.items():
-            if isinstance(err, RemoteError):
-                say(logging.WARNING, "%s did not answer (%s); going on with the servers that "
-                    "did, and trying it again in the background", address, err)
-        for address, d in found.items():
-            if isinstance(d, RemoteError):
+        self._heed = heed
+        others = [s for s in self._servers.servers.values() if s.address != pin.address]
+        for server in others:
+            if server.address not in self._asked:
+                self._asked[server.address] = pb_grpc.DataServiceStub(
+                    server.channel).DescribeDataset.future(
+                    pb.DescribeDatasetRequest(coordinates=coordinates), timeout=self._timeout)
+            server.contact = self._asked[server.address]
+        self.look()
+
+    def look(self, first_batch: bool = False) -> None:
+        """Compare the servers that have answered since the last look: a server with other
+        data than the pinned one is a DataMismatch. Before the first batch is used
+        (`first_batch`), wait for the others until CHECK_WAIT s after the pin was set."""
+        if not self._asked:
+            return
+        if first_batch:
+            until = self._pinned_at + CHECK_WAIT
+            for future in self._asked.values():
+                with contextlib.suppress(grpc.FutureTimeoutError):
+                    future.exception(timeout=max(until - time.monotonic(), 0.0))
+        for address, future in list(self._asked.items()):
+            if not future.done():
                 continue
-            fp = d.fingerprint
+            del self._asked[address]
+            try:
+                d = future.result()
+            except grpc.RpcError as e:
+                say(logging.WARNING, "%s did not answer (%s); going on with the servers that "
+                    "did, and trying it again in the background", address,
+                    RemoteError.from_rpc(e, address))
+                continue
+            fp, pin = d.fingerprint, self.pin
+            assert pin is not None
             if pin.digest and fp.digest and fp.digest != pin.digest:
                 raise mismatch(self._dataset, pin, address, fp.digest, fp)
-            heed(d.max_credits, address)
+            self._heed(d.max_credits, address)
 
     def refused(self, address: str, digest: str, coordinates: pb.Coordinates) -> DataMismatch:
         """The DataMismatch for a server that refused our fingerprint, with its own."""

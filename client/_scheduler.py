@@ -10,7 +10,8 @@ asked of any server, any number of times, and the first answer wins. So:
 - a stream that fails (server killed, draining, unreachable) puts its indices back, and they
   go to other servers; the failed server is retried with backoff;
 - a server that holds credits and delivers nothing for a while is "stalled": its indices are
-  asked of others too, and it gets no new ones until it delivers again;
+  asked of others too, and it gets no new ones until it delivers again but a probe now and
+  then (PROBE_EVERY, client/_servers.py: a partition may heal);
 - the index the loop waits on, outstanding too long at its server, is also asked of another
   server (a hedge); the duplicate that may follow is dropped; so is a batch a slow server
   holds that it will deliver after the loop needs it (client/_hedging.py);
@@ -261,7 +262,7 @@ class Scheduler(Hedging):
             if s.outstanding and s.up:
                 patience = max(STALL_MIN, 10 * (s.latency or 0.0))
                 if now - s.last_progress > patience:
-                    s.mark_stalled()  # ask others for what it holds
+                    s.mark_stalled(now)  # ask others for what it holds
                     self.failovers += 1
         self._assign(now)
         self._hedge_late(now)
@@ -272,7 +273,7 @@ class Scheduler(Hedging):
             fastest = min((s.latency for s in self._servers.servers.values()
                            if s.latency is not None), default=0.0)
             if now - asked > max(HEDGE_MIN, 4 * fastest):
-                if self._credit(waiting_for, now, exclude=holders):
+                if self._credit(waiting_for, now, exclude=holders | self._stalled()):
                     self._hedged.add(waiting_for)
                     self.hedges += 1
 

@@ -26,6 +26,12 @@ from ._stream import BatchStream
 RESOLVE_EVERY = 15.0  # seconds between resolutions of a dns: target, by default
 BACKOFF_FIRST, BACKOFF_MAX = 0.05, 2.0  # seconds before a failed server is tried again
 DRAIN_RETRY = 1.0  # seconds before a server that drained is tried again
+# Seconds after a stall (and after the last credit) before a stalled server is given a probe
+# credit: its host may have lost its network and found it again (a partition that healed),
+# and only a batch delivered says so. One probe at a time beyond what it held when it
+# stalled (so a server that wakes up never finds more credits than a window's: max_credits);
+# its index is asked of an up server too, at once.
+PROBE_EVERY = 2.0
 # Seconds a refresh waits for its look-up before the loop goes on without it. Look-ups run
 # on a thread of their own: a DNS server that answers in seconds, or not at all (the system
 # resolver's timeouts are 5 s a try), would otherwise hold the training loop (and, under the
@@ -66,7 +72,7 @@ class ServerState(enum.Enum):
     UP = "up"  # takes credits
     DOWN = "down"  # its stream failed or it drained: no credits until retry_at
     DRAINING = "draining"  # refused a credit in-band: no new credits, finishes what it holds
-    STALLED = "stalled"  # held credits without delivering: no new ones until it delivers
+    STALLED = "stalled"  # held credits without delivering: a probe credit every PROBE_EVERY
     GONE = "gone"  # its dns name no longer lists it: no new credits
 
 
@@ -94,12 +100,23 @@ class Server:
     errors: int = 0
     rate: Rate = field(default_factory=Rate)  # what it delivers per busy second
     hedged: int = 0  # its batches also asked of a faster server because it was late
+    # Its answer to the loader's first Describe (client/_pinning.py), while it has not come:
+    # no credits until it does (an address that black-holes must not hold the first batches).
+    contact: grpc.Future | None = None
+    held_at_stall: int = 0  # credits it held when it stalled (see PROBE_EVERY)
 
     @property
     def up(self) -> bool:
         return self.state is ServerState.UP
 
     def usable(self, now: float) -> bool:
+        if self.contact is not None and not self.contact.done():
+            return False
+        if self.state is ServerState.STALLED:  # a probe: see PROBE_EVERY
+            if len(self.outstanding) > self.held_at_stall:
+                return False
+            last = max(self.outstanding.values(), default=self.retry_at - PROBE_EVERY)
+            return now >= max(self.retry_at, last + PROBE_EVERY)
         return self.up or (self.state is ServerState.DOWN and now >= self.retry_at)
 
     def record_latency(self, seconds: float) -> None:
@@ -117,8 +134,13 @@ class Server:
         streams, self.streams = list(self.streams.values()), {}
         return streams
 
-    def mark_stalled(self) -> None:
+    def mark_stalled(self, now: float) -> None:
+        """It held credits and delivered nothing for a while: others are asked for what it
+        holds, and from PROBE_EVERY s on it gets a probe credit (one at a time) until it
+        delivers."""
         self.state = ServerState.STALLED
+        self.retry_at = now + PROBE_EVERY
+        self.held_at_stall = len(self.outstanding)
         self.rate.forget()  # the time it stalled is no measure of its rate
 
     def mark_delivered(self, index: int, now: float) -> None:

@@ -47,13 +47,11 @@ log = logging.getLogger("stoker.server")
 
 # Frames are at most MAX_FRAME_BYTES; requests are small (their limit, max_request_bytes,
 # comes from the config: grpc.max_receive_message_length; so do the connection limits,
-# limits.grpc_options). Keepalive pings let a server notice a vanished client (and free what
-# its stream held) without waiting for TCP to time out.
+# limits.grpc_options, and keepalive pings there: they let a server notice a vanished client,
+# and free what its streams held, within silent_client_seconds).
 # No SO_REUSEPORT: a second server on a taken port must fail, not share it silently.
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
     # Clients ping every 10 s to notice a frozen server; accept that (the default allows one

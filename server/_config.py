@@ -143,8 +143,17 @@ class ServerSettings(Strict):
     # descriptor for ever: uvicorn has no such timeout).
     http_header_timeout_seconds: float = Field(10.0, gt=0, le=3600)
     # gRPC connections open at once (grpc.max_allowed_incoming_connections): more are closed
-    # at accept. gRPC has no per-address cap.
+    # at accept.
     max_grpc_connections: int = Field(512, ge=1, le=1 << 20)
+    # gRPC connections one client address may have calls open on at once (gRPC has no
+    # per-address cap: server/front/limits.py counts them by the calls' peers); a call on
+    # one more connection: RESOURCE_EXHAUSTED naming this key.
+    max_grpc_connections_per_client: int = Field(32, ge=1, le=1 << 20)
+    # Seconds within which a client that went silent (its host gone, its network cut: no
+    # FIN, no RST) is let go: its streams end, their credits, kept batches and shared
+    # memory are freed. Keepalive pings, and TCP_USER_TIMEOUT on what was sent
+    # (server/front/limits.py, grpc_options).
+    silent_client_seconds: float = Field(40.0, ge=3, le=3600)
     # Seconds a gRPC connection has to finish its handshake (the HTTP/2 preface, TLS): silent
     # TCP connections are closed after this (gRPC's own default is 120 s).
     grpc_handshake_timeout_seconds: float = Field(10.0, gt=0, le=3600)

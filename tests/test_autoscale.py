@@ -12,9 +12,11 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from certs import Authority
 
 from stoker.client import RemoteLoader
 from stoker.server import write_config
@@ -130,18 +132,33 @@ def test_bad_policies_and_gauges() -> None:
     assert parse_gauge(text, "stoker_client_data_stall") == [0.5]
 
 
+@pytest.mark.parametrize("secure", ["plain", "tls", "mtls"])
 def test_the_loop_adds_a_server_a_stalled_trainer_finds_and_drains_all_at_the_end(
-        tmp_path: Path) -> None:
+        tmp_path: Path, secure: str) -> None:
     """A trainer that wants data faster than one server makes it: `stoker autoscale` adds a
     second server, the trainer reads from it (dns target, resolver on the address file);
-    with the trainer gone the stall is absent and nothing is removed; SIGTERM drains all."""
-    config = write_config(tmp_path / "c.yaml", {"server": {"grace_seconds": 5}, "datasets": {
+    with the trainer gone the stall is absent and nothing is removed; SIGTERM drains all.
+    Under TLS the servers serve /metrics over https, read with the fleet's CA (and, under
+    mutual TLS, a client certificate: without one, or without the CA, nothing would scale)."""
+    server: dict[str, Any] = {"grace_seconds": 5}
+    flags: list[str] = []
+    tls: Any = False
+    if secure != "plain":
+        ca = Authority(tmp_path)
+        cert, client = ca.issue("server", server=True), ca.issue("client", server=False)
+        server["tls"] = {"cert_file": str(cert.cert), "key_file": str(cert.key)}
+        flags, tls = ["--tls-ca", str(ca.ca)], {"ca": str(ca.ca)}
+        if secure == "mtls":
+            server["tls"]["client_ca_file"] = str(ca.ca)
+            flags += ["--tls-cert", str(client.cert), "--tls-key", str(client.key)]
+            tls |= {"cert": str(client.cert), "key": str(client.key)}
+    config = write_config(tmp_path / "c.yaml", {"server": server, "datasets": {
         "toy": {"format": "python", "factory": "toy_datasets:toy",
                 "options": {"n": 100_000, "delay": 0.01}}}})
     listing = tmp_path / "servers.txt"
     cmd = [sys.executable, "-m", "stoker.server.cli", "autoscale", "--config", str(config),
            "--addresses", str(listing), "--max-servers", "2", "--cooldown", "2", "--window",
-           "1.5", "--interval", "0.25", "--workers", "1"]
+           "1.5", "--interval", "0.25", "--workers", "1", *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **server_env()})
     rows: queue.Queue[dict] = queue.Queue()
@@ -166,7 +183,7 @@ def test_the_loop_adds_a_server_a_stalled_trainer_finds_and_drains_all_at_the_en
         until(lambda r: r["servers"] == 1, 60)  # up, and ticking
         seen: set[str] = set()
         with RemoteLoader("dns:///local:0", "toy", batch_size=4, shuffle=False,
-                          output="numpy", prefetch=4, dns_refresh=0.1,
+                          output="numpy", prefetch=4, dns_refresh=0.1, tls=tls,
                           resolver=lambda target: listing.read_text().split()) as loader:
             it = iter(loader)
             expected = 0
@@ -197,3 +214,32 @@ def test_the_loop_adds_a_server_a_stalled_trainer_finds_and_drains_all_at_the_en
     assert proc.returncode == 0, err
     assert listing.read_text() == ""  # every server drained and off the list
     assert not any(r["action"] == "remove" for r in trace), trace
+
+
+def test_metrics_over_mutual_tls_are_read_with_the_ca_and_a_client_certificate(
+        tmp_path: Path, start_server) -> None:
+    """read_stall against a server with client_ca_file: without the CA, or without a client
+    certificate, it reads nothing and says why (Autoscaler logs it once per server); with
+    both it reads the page (no stall series yet: None, with nothing said)."""
+    import ssl
+
+    from stoker.server.tools.autoscale import read_stall
+    from stoker.server.tools.connect import Security, https_context
+
+    ca = Authority(tmp_path)
+    cert, client = ca.issue("server", server=True), ca.issue("client", server=False)
+    server = start_server({"toy": {"format": "python", "factory": "toy_datasets:toy"}},
+                          server={"tls": {"cert_file": str(cert.cert), "key_file": str(cert.key),
+                                          "client_ca_file": str(ca.ca)}})
+    assert server.http_url.startswith("https://")
+    full = https_context(Security({"ca": str(ca.ca), "cert": str(client.cert),
+                                   "key": str(client.key)}, None, None), "autoscale")
+    for context, why in ((None, "certificate verify failed"),
+                         (ssl.create_default_context(cafile=str(ca.ca)), ""),
+                         (full, None)):
+        said: list[BaseException] = []
+        assert read_stall(server.http_url, context=context, failed=said.append) is None
+        if why is None:
+            assert said == []
+        else:
+            assert len(said) == 1 and why in str(said[0]), said

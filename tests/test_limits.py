@@ -428,3 +428,39 @@ def test_a_dataset_name_with_a_slash_is_served_over_http(start_server: StartServ
     ledger.record("http", "GET /v1/datasets/{name} for a name with a slash", tried=2,
                   detail="200 for a/b and a%2Fb; 404 for a/c")
     assert missing.value.code == 404
+
+
+def test_grpc_connections_are_capped_per_client_address(start_server: StartServer,
+                                                        ledger) -> None:
+    """One address's calls on a third connection are refused (max_grpc_connections_per_client
+    =2), more calls on a connection it has are not, and another address is served meanwhile:
+    the server listens on both stacks, so 127.0.0.1 and ::1 are two clients."""
+    server = start_server(TOY, host="::", server={"max_grpc_connections_per_client": 2})
+    port = server.ready["grpc_port"]
+    # A channel of its own per connection: channels with the same target and options would
+    # share one.
+    channels = [grpc.insecure_channel(f"127.0.0.1:{port}",
+                                      options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(3)]
+    calls = []
+    try:
+        for channel in channels[:2]:
+            calls.append(raw_stream(channel, hold=True))
+            next(calls[-1])
+        calls.append(raw_stream(channels[0], hold=True))  # a second call on a connection
+        next(calls[-1])
+        with pytest.raises(grpc.RpcError) as refused:
+            next(raw_stream(channels[2], hold=True))
+        got = epoch(f"[::1]:{port}")  # another client, served as usual
+    finally:
+        for call in calls:
+            call.cancel()
+        for channel in channels:
+            channel.close()
+    ledger.record("load", "gRPC connections from one client address past its cap",
+                  tried=3, detail="calls on a third connection RESOURCE_EXHAUSTED naming "
+                  "max_grpc_connections_per_client=2; more calls on the first two, and another "
+                  "address's epoch, served")
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_grpc_connections_per_client=2" in refused.value.details()
+    assert got == list(range(40))

@@ -15,7 +15,7 @@ import pytest
 
 from stoker.client import RemoteError
 from stoker.client._scheduler import BATCH_RETRIES, HEDGE_MIN, STALL_MIN, Scheduler
-from stoker.client._servers import BACKOFF_FIRST, DRAIN_RETRY, ServerSet
+from stoker.client._servers import BACKOFF_FIRST, DRAIN_RETRY, PROBE_EVERY, Server, ServerSet
 from stoker.client._stream import StreamSpec
 from stoker.v1 import stoker_pb2 as pb
 
@@ -153,7 +153,7 @@ def test_a_widened_window_asks_for_new_batches_in_groups(run) -> None:
     assert a.credits == list(range(24))
 
 
-def test_a_stalled_servers_batches_are_asked_elsewhere_and_it_gets_none_until_it_delivers(
+def test_a_stalled_servers_batches_are_asked_elsewhere_and_it_gets_only_probes_until_it_delivers(
         run) -> None:
     clock, streams, servers, sched = run()
     a, b = streams.last(A), streams.last(B)
@@ -180,11 +180,27 @@ def test_a_stalled_servers_batches_are_asked_elsewhere_and_it_gets_none_until_it
         sched.take(k)
     assert b.credits == [1, 3]  # stalled: nothing new
     assert a.credits[-3:] == [5, 6, 7]
+    clock.at(STALL_MIN + PROBE_EVERY + 2 * EPS)  # but a probe now and then, one at a time
+    sched.take(4)
+    assert b.credits == [1, 3, 8]
+    assert not sched.poll(5, T0)
+    assert b.credits == [1, 3, 8]  # one probe at a time
 
     b.deliver(3)  # late: dropped, but b is alive again
     assert state(servers, B)["state"] == "up" and state(servers, B)["batches"] == 0
-    sched.take(4)
-    assert b.credits == [1, 3, 8]  # fewer outstanding than a (5, 6, 7)
+
+
+def test_a_stalled_server_gets_one_probe_beyond_what_it_held() -> None:
+    """Probes of a silent server stop at one beyond what it held when it stalled: woken up,
+    it must not find more credits than a window's (a server refuses more than max_credits)."""
+    server = Server(B, Channel(), outstanding={1: T0, 3: T0})
+    server.mark_stalled(T0 + STALL_MIN)
+    probe_at = T0 + STALL_MIN + PROBE_EVERY
+    assert not server.usable(probe_at - EPS) and server.usable(probe_at)
+    server.outstanding[8] = probe_at  # the probe
+    assert not any(server.usable(probe_at + k * PROBE_EVERY) for k in range(1, 20))
+    server.mark_delivered(3, probe_at + 1)  # it answers: up again, credited as any other
+    assert server.up and server.usable(probe_at + 1)
 
 
 def test_the_awaited_batch_is_hedged_once_after_hedge_min_and_the_late_duplicate_dropped(

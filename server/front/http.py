@@ -113,6 +113,10 @@ class Stats(BaseModel):
     building_batches: int
     # Built batches the front end holds: being sent, or kept for other jobs.
     held_batches: int
+    # Shared memory the streams hold for their clients (batches being sent, or lent and not
+    # yet released): freed when a stream ends, a silent client's within
+    # silent_client_seconds (docs/deployment.md).
+    stream_held_bytes: int = 0
     draining: bool
     # Workers killed and replaced for a batch over batch_timeout_seconds, since the start.
     worker_timeouts: int = 0
@@ -202,7 +206,7 @@ def make_app(service: Any = None, token: bytes | None = None) -> FastAPI:
         live, pool = service.metrics.stats(), service.pool_status()
         return Stats(window_seconds=live["window_seconds"], workers=pool["workers"],
                      queued_batches=pool["queued"], building_batches=pool["building"],
-                     held_batches=pool["held"],
+                     held_batches=pool["held"], stream_held_bytes=service.admission.held,
                      draining=service.draining, worker_timeouts=pool.get("timeouts", 0),
                      datasets={k: DatasetRates(**v) for k, v in live["datasets"].items()},
                      capacity=Capacity(**live["capacity"]))

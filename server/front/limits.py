@@ -6,7 +6,8 @@ goes on serving everyone else. What each bounds:
 - descriptors: `raise_nofile` lifts the soft RLIMIT_NOFILE to the hard one at start (workers
   inherit it), and `nofile_warning` says when the configured limits need more than that;
 - gRPC connections: `grpc_options` (a connection cap, handshake and idle timeouts, streams per
-  connection);
+  connection, keepalive: a silent client let go within silent_client_seconds), and
+  `Admission.open`'s count of the connections one client address has calls on;
 - calls held open: `Admission.open` counts batch streams and health watches, per client
   address and in all;
 - shared memory: `Admission.hold` counts the bytes of batches built and not yet sent or
@@ -92,11 +93,26 @@ def nofile_warning(settings: ServerSettings, soft: int, hard: int) -> str | None
             "lower those limits")
 
 
+def keepalive(settings: ServerSettings) -> tuple[float, float]:
+    """(seconds without traffic before a keepalive ping, seconds the ping has to be
+    answered) for silent_client_seconds: a quarter each. gRPC pings a connection once it has
+    heard nothing for the first (a connection that heard something meanwhile waits one period
+    more), and closes it when the answer does not come within the second; the kernel closes
+    it sooner when what was sent goes unacknowledged that long (gRPC sets TCP_USER_TIMEOUT to
+    the second). So a silent client is let go within 3/4 of silent_client_seconds, plus the
+    time its streams take to end (server/front/session.py, close)."""
+    quarter = settings.silent_client_seconds / 4
+    return quarter, quarter
+
+
 def grpc_options(settings: ServerSettings) -> list[tuple[str, Any]]:
     """The gRPC server options that bound connections. grpc.max_connection_age_ms stays
     unset: a batch stream lasts an epoch, and the GOAWAY at a connection's age (plus its
     grace) would cut it."""
+    ping_after, answer_within = keepalive(settings)
     return [
+        ("grpc.keepalive_time_ms", int(ping_after * 1000)),
+        ("grpc.keepalive_timeout_ms", int(answer_within * 1000)),
         ("grpc.max_allowed_incoming_connections", settings.max_grpc_connections),
         ("grpc.server_handshake_timeout_ms", int(settings.grpc_handshake_timeout_seconds * 1000)),
         ("grpc.max_connection_idle_ms", int(settings.grpc_idle_seconds * 1000)),
@@ -150,21 +166,31 @@ class Admission:
     def __init__(self, settings: ServerSettings) -> None:
         self._settings = settings
         self._open_of: collections.Counter[str] = collections.Counter()  # streams + watches
+        # client -> its connections (peers: address and port) with calls open -> how many
+        self._connections_of: dict[str, collections.Counter[str]] = {}
         self._open: collections.Counter[Kind] = collections.Counter()
         self._held_of: collections.Counter[str] = collections.Counter()
         self.held = 0
         self.held_cap, self.held_cap_says = held_cap(settings)
 
     @contextlib.contextmanager
-    def open(self, client: str, kind: Kind) -> Iterator[None]:
-        """Count one call of `kind` from `client` while the block runs; Refused if over a
-        limit: the client's own first (RESOURCE_EXHAUSTED: every server would say the same to
-        this client), then the server's (streams: UNAVAILABLE, another server may have room)."""
+    def open(self, client: str, kind: Kind, peer: str = "") -> Iterator[None]:
+        """Count one call of `kind` from `client`, on its connection `peer` (the call's peer:
+        address and port), while the block runs; Refused if over a limit: the client's own
+        first (RESOURCE_EXHAUSTED: every server would say the same to this client), then
+        the server's (streams: UNAVAILABLE, another server may have room)."""
         s = self._settings
         if self._open_of[client] >= s.max_streams_per_client:
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"streams: this client has {self._open_of[client]} open, this server "
                           f"allows max_streams_per_client={s.max_streams_per_client}")
+        connections = self._connections_of.get(client, collections.Counter())
+        if peer not in connections and len(connections) >= s.max_grpc_connections_per_client:
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"connections: this client has calls open on {len(connections)} "
+                          "gRPC connections, this server allows "
+                          f"max_grpc_connections_per_client={s.max_grpc_connections_per_client}"
+                          "; open one channel per server and share it")
         if kind is Kind.STREAM and self._open[kind] >= s.max_streams:
             raise Refused(grpc.StatusCode.UNAVAILABLE,
                           f"streams: this server has {self._open[kind]} open, "
@@ -175,6 +201,8 @@ class Admission:
                           f"max_health_watches={s.max_health_watches}")
         self._open_of[client] += 1
         self._open[kind] += 1
+        self._connections_of[client] = connections
+        connections[peer] += 1
         try:
             yield
         finally:
@@ -182,6 +210,11 @@ class Admission:
             self._open_of[client] -= 1
             if not self._open_of[client]:
                 del self._open_of[client]
+            connections[peer] -= 1
+            if not connections[peer]:
+                del connections[peer]
+            if not connections:
+                self._connections_of.pop(client, None)
 
     def over(self, client: str, nbytes: int) -> str | None:
         """Why `client` may not hold `nbytes` more shared memory (None: it may)."""
@@ -230,8 +263,8 @@ class LimitedHealth(health.aio.HealthServicer):
     async def Watch(self, request: Any, context: Any) -> None:
         with contextlib.ExitStack() as admitted:
             try:
-                admitted.enter_context(
-                    self._admission.open(self._client_of(context.peer()), Kind.WATCH))
+                admitted.enter_context(self._admission.open(
+                    self._client_of(context.peer()), Kind.WATCH, context.peer()))
             except Refused as e:
                 await context.abort(e.code, str(e))  # raises: the call ends here
             await super().Watch(request, context)

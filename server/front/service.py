@@ -265,13 +265,14 @@ class DataService:
     async def StreamBatches(self, requests: AsyncIterator[pb.StreamRequest],
                             context: grpc.aio.ServicerContext) -> None:
         """A batch stream, if its client (peer address, port aside) has fewer than
-        max_streams_per_client streams and health watches open, and the server fewer than
-        max_streams: a client that opens streams without end would hold memory and a share of
-        the workers each."""
+        max_streams_per_client streams and health watches open, on fewer than
+        max_grpc_connections_per_client connections (this one aside), and the server fewer
+        than max_streams: a client that opens streams without end would hold memory and a
+        share of the workers each."""
         with contextlib.ExitStack() as admitted:
             client = client_of(context.peer())
             try:
-                admitted.enter_context(self.admission.open(client, Kind.STREAM))
+                admitted.enter_context(self.admission.open(client, Kind.STREAM, context.peer()))
             except Refused as e:
                 log.log(logging.WARNING if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED
                         else logging.INFO, "a stream from %s refused, %s: %s", context.peer(),

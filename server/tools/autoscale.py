@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import enum
+import http.client
 import json
 import logging
 import math
 import os
 import signal
+import ssl
 import statistics
 import sys
 import threading
@@ -34,6 +36,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
+
+from .connect import add_security, https_context, security
 
 log = logging.getLogger("stoker.server")
 
@@ -180,30 +184,34 @@ def decide(history: Sequence[Observation], policy: Policy) -> Decision:
 
 # -- observing -----------------------------------------------------------------------------
 def parse_gauge(text: str, name: str) -> list[float]:
-    """Every value of the gauge `name` in Prometheus text (any labels); NaN left out."""
-    values = []
-    for line in text.splitlines():
-        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
-            try:
-                value = float(line.rsplit(None, 1)[1])
-            except (IndexError, ValueError):
-                continue
-            if not math.isnan(value):
-                values.append(value)
-    return values
+    """Every value of the gauge `name` in Prometheus text (any labels), read by
+    prometheus_client's parser; NaN left out, and text it cannot parse has none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        return [sample.value for family in text_string_to_metric_families(text)
+                for sample in family.samples
+                if sample.name == name and not math.isnan(sample.value)]
+    except ValueError:
+        return []
 
 
-def read_stall(http_url: str, token: str | None = None,
-               timeout: float = SCRAPE_TIMEOUT) -> float | None:
-    """The worst stall one server's clients report, from its /metrics; None when it has no
-    stall series (no client reported) or cannot be read now."""
+def read_stall(http_url: str, token: str | None = None, timeout: float = SCRAPE_TIMEOUT,
+               context: ssl.SSLContext | None = None,
+               failed: Callable[[BaseException], None] | None = None) -> float | None:
+    """The worst stall one server's clients report, from its /metrics (over https with
+    `context`, the fleet's CA and a client certificate: `stoker autoscale --tls-ca ...`);
+    None when it has no stall series (no client reported) or cannot be read now, and then
+    `failed(error)` hears why."""
     request = urllib.request.Request(http_url.rstrip("/") + "/metrics")
     if token:
         request.add_header("authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as r:
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as r:
             text = r.read().decode()
-    except (OSError, urllib.error.URLError):
+    except (OSError, urllib.error.URLError, http.client.HTTPException) as e:
+        if failed is not None:
+            failed(e)
         return None  # starting, draining, or gone: no information from it
     values = parse_gauge(text, STALL_GAUGE)
     return max(values) if values else None
@@ -224,14 +232,20 @@ class ScaleLoop:
     on one thread; stop() from any (a signal handler too)."""
 
     def __init__(self, policy: Policy, *, interval: float = 1.0,
-                 trace: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 trace: Callable[[dict[str, Any]], None] | None = None,
+                 tls: ssl.SSLContext | None = None, token: str | None = None) -> None:
+        """`tls`: the context /metrics is read with where the servers serve https (the
+        fleet's CA, and a client certificate under mutual TLS); `token`: the bearer token
+        they want (default $STOKER_TOKEN)."""
         if not interval > 0:
             raise ValueError(f"interval must be > 0 seconds, got {interval}")
         self.policy, self.interval = policy, interval
         self.trace = trace or (lambda row: None)
         self.history: list[Observation] = []
         self._stopping = threading.Event()
-        self._token = os.environ.get("STOKER_TOKEN")
+        self._token = token or os.environ.get("STOKER_TOKEN")
+        self._tls = tls
+        self._said: set[str] = set()  # servers whose /metrics failed, said once each
 
     def http_urls(self) -> list[str]:
         """The HTTP base URL of every server now (their /metrics carry the stall)."""
@@ -251,8 +265,20 @@ class ScaleLoop:
 
     def observe(self, t: float) -> Observation:
         urls = self.http_urls()
-        stalls = [s for s in (read_stall(u, self._token) for u in urls) if s is not None]
+        stalls = [s for s in (self._stall(u) for u in urls) if s is not None]
         return Observation(t, len(urls), max(stalls) if stalls else None)
+
+    def _stall(self, url: str) -> float | None:
+        def failed(error: BaseException) -> None:
+            # A TLS or token mistake would hold the fleet at its size for ever, silently.
+            reason = getattr(error, "reason", error)
+            if url not in self._said and not isinstance(reason, ConnectionRefusedError):
+                self._said.add(url)
+                log.warning("autoscale: cannot read %s/metrics (%s); no information from it "
+                            "until it can be read (--tls-ca, --tls-cert/--tls-key, "
+                            "--token-file)", url, reason)
+
+        return read_stall(url, self._token, context=self._tls, failed=failed)
 
     def tick(self, t: float) -> Decision:
         """Observe at `t` (seconds since the loop began), decide, trace and act."""
@@ -287,8 +313,9 @@ class Autoscaler(ScaleLoop):
     def __init__(self, config: str | os.PathLike[str], addresses: str | os.PathLike[str],
                  policy: Policy, *, interval: float = 1.0, workers: int | None = None,
                  host: str = "127.0.0.1", env: dict[str, str] | None = None,
-                 trace: Callable[[dict[str, Any]], None] | None = None) -> None:
-        super().__init__(policy, interval=interval, trace=trace)
+                 trace: Callable[[dict[str, Any]], None] | None = None,
+                 tls: ssl.SSLContext | None = None, token: str | None = None) -> None:
+        super().__init__(policy, interval=interval, trace=trace, tls=tls, token=token)
         self.config, self.addresses = config, Path(addresses)
         self.workers, self.host, self.env = workers, host, env
         self.servers: list[Any] = []  # ServerProcess, oldest first
@@ -355,6 +382,9 @@ def add_command(sub: Any) -> None:
     p.add_argument("--interval", type=float, default=1.0, help="seconds between ticks")
     p.add_argument("--workers", type=int, help="worker processes per server")
     p.add_argument("--host", default="127.0.0.1", help="address the servers bind")
+    # The servers' /metrics: over https with the fleet's CA (and a client certificate where
+    # they require one) when their config has `tls:`; the options `stoker stats` takes.
+    add_security(p)
     p.add_argument("--log-level", default="WARNING", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default WARNING")
     p.set_defaults(func=run_command)
@@ -368,9 +398,11 @@ def run_command(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
                         cooldown=args.cooldown, window=args.window, memory=args.memory)
         if not Path(args.config).is_file():
             raise ValueError(f"--config {args.config}: no such file")
+        sec = security(args)
         scaler = Autoscaler(args.config, args.addresses, policy, interval=args.interval,
                             workers=args.workers, host=args.host,
-                            trace=lambda row: print(json.dumps(row), file=out, flush=True))
+                            trace=lambda row: print(json.dumps(row), file=out, flush=True),
+                            tls=https_context(sec, "autoscale"), token=sec.token)
     except ValueError as e:
         print(f"stoker autoscale: {e}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ way within CONTACT_SECONDS, instead of `inspect` waiting out its batch timeout i
 from __future__ import annotations
 
 import argparse
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,25 @@ def add_security(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key", type=Path, metavar="PEM", help="its private key")
     parser.add_argument("--tls-server-name", metavar="NAME",
                         help="the name the server's certificate must carry")
+
+
+def https_context(sec: Security, command: str) -> ssl.SSLContext | None:
+    """The TLS context for reading a server's HTTP port with `sec`'s --tls options (None
+    without TLS); ValueError, naming `command`, for files that do not load or an option the
+    standard library's HTTP client cannot honour."""
+    if not sec.uses_tls:
+        return None
+    files = sec.tls if isinstance(sec.tls, dict) else {}
+    if files.get("server_name"):  # urllib checks the certificate against the URL's host only
+        raise ValueError(f"{command}: --tls-server-name is not supported; give the address by "
+                         "the name the certificate carries")
+    try:
+        context = ssl.create_default_context(cafile=files.get("ca"))
+        if files.get("cert"):
+            context.load_cert_chain(files["cert"], files.get("key"))
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"{command}: the --tls files do not load: {e}") from None
+    return context
 
 
 def explain(address: str, code: str, details: str, sec: Security, seconds: float) -> str:

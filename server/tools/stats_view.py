@@ -10,14 +10,13 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import ssl
 import sys
 import time
 import urllib.error
 import urllib.request
 from typing import Any
 
-from .connect import CONTACT_SECONDS, TLS_FLAGS, Security, add_security, security
+from .connect import CONTACT_SECONDS, TLS_FLAGS, Security, add_security, https_context, security
 
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: a terminal redraws in place
 
@@ -33,29 +32,13 @@ def stats_url(address: str, sec: Security) -> str:
     return f"{'https' if sec.uses_tls else 'http'}://{address}/v1/stats"
 
 
-def _context(sec: Security) -> ssl.SSLContext | None:
-    if not sec.uses_tls:
-        return None
-    files = sec.tls if isinstance(sec.tls, dict) else {}
-    if files.get("server_name"):  # urllib checks the certificate against the URL's host only
-        raise ValueError("stats: --tls-server-name is not supported; give the address by the "
-                         "name the certificate carries")
-    try:
-        context = ssl.create_default_context(cafile=files.get("ca"))
-        if files.get("cert"):
-            context.load_cert_chain(files["cert"], files.get("key"))
-    except (OSError, ssl.SSLError) as e:
-        raise ValueError(f"stats: the --tls files do not load: {e}") from None
-    return context
-
-
 def fetch(address: str, sec: Security, timeout: float = CONTACT_SECONDS) -> dict[str, Any]:
     """The server's /v1/stats; StatsError with a one-line explanation."""
     url = stats_url(address, sec)
     request = urllib.request.Request(url, headers={"accept": "application/json"})
     if sec.token is not None:
         request.add_header("authorization", f"Bearer {sec.token}")
-    context = _context(sec)
+    context = https_context(sec, "stats")
     try:
         with urllib.request.urlopen(request, timeout=timeout, context=context) as r:
             return json.loads(r.read())
@@ -69,13 +52,13 @@ def fetch(address: str, sec: Security, timeout: float = CONTACT_SECONDS) -> dict
             raise StatsError(f"{url}: 404: not a stoker HTTP port?") from None
         raise StatsError(f"{url}: HTTP {e.code}: {e.reason}") from None
     except urllib.error.URLError as e:
-        raise StatsError(_explain(url, e.reason, sec)) from None
+        raise StatsError(explain_url(url, e.reason, sec)) from None
     except http.client.RemoteDisconnected as e:
-        raise StatsError(_explain(url, e, sec)) from None
+        raise StatsError(explain_url(url, e, sec)) from None
     except http.client.HTTPException as e:  # an answer that is not HTTP/1.1
         raise StatsError(_not_http(url, str(e.args[0] if e.args else ""), sec)) from None
     except (ConnectionError, TimeoutError, OSError, ValueError) as e:
-        raise StatsError(_explain(url, e, sec)) from None
+        raise StatsError(explain_url(url, e, sec)) from None
 
 
 def _not_http(url: str, line: str, sec: Security) -> str:
@@ -87,7 +70,8 @@ def _not_http(url: str, line: str, sec: Security) -> str:
     return f"{url}: the answer is not HTTP/1.1: {line[:40]!r}"
 
 
-def _explain(url: str, reason: Any, sec: Security) -> str:
+def explain_url(url: str, reason: Any, sec: Security) -> str:
+    """One line for a failed HTTP(S) read of `url`: what to change."""
     text = str(reason)
     low = text.lower()
     if isinstance(reason, ConnectionRefusedError) or "refused" in low:
@@ -143,7 +127,7 @@ def show(args: argparse.Namespace) -> int:
         return 2
     try:
         sec = security(args)
-        _context(sec)
+        https_context(sec, "stats")
     except ValueError as e:
         print(e, file=sys.stderr)
         return 1
