@@ -60,7 +60,10 @@ class Host:
         # Interface names are at most 15 characters.
         self.outside = f"s{pid % 100000}o{index}"
         self.inside = f"s{pid % 100000}i{index}"
-        net = 100 + pid % 100  # one /16 a test process, so two processes' links differ
+        # One /16 a test process, so two processes' links differ: pytest-xdist's workers are
+        # numbered (gw0, gw1, ...); a process of its own takes one by its pid.
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+        net = 100 + int(worker[2:]) % 50 if worker.startswith("gw") else 150 + pid % 100
         self.subnet = f"10.{net}.{index}"
         self.ip = f"{self.subnet}.2"  # the host's address, as the trainer dials it
         self.gateway = f"{self.subnet}.1"  # the trainer's end of the link

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,15 +66,17 @@ class Ledger:
         return lost, duplicated
 
 
-_LEDGERS: list[Ledger] = []
+_ROWS: list[Row] = []  # every passed or failed test's rows, as their reports arrive
 _FAILED: set[str] = set()
 
 
 @pytest.fixture
-def ledger(request: pytest.FixtureRequest) -> Ledger:
+def ledger(request: pytest.FixtureRequest) -> Iterator[Ledger]:
     book = Ledger(request.node.nodeid)
-    _LEDGERS.append(book)
-    return book
+    yield book
+    # On the test's report (its teardown's), so that they reach the process that writes the
+    # page also under pytest-xdist, where tests run in worker processes.
+    request.node.user_properties.append(("ledger", [asdict(r) for r in book.rows]))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -85,17 +87,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.failed:
         _FAILED.add(report.nodeid)
+    if report.when == "teardown":
+        for key, rows in report.user_properties:
+            if key == "ledger":
+                _ROWS.extend(Row(**r) for r in rows)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     path = session.config.getoption("--reliability-json")
-    if not path:
+    if not path or hasattr(session.config, "workerinput"):  # an xdist worker: not its page
         return
     rows = []
-    for book in _LEDGERS:
-        for row in book.rows:
-            row.passed = row.test not in _FAILED
-            rows.append(asdict(row))
+    for row in _ROWS:
+        row.passed = row.test not in _FAILED
+        rows.append(asdict(row))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(rows, indent=1) + "\n")
 

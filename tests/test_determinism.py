@@ -211,19 +211,27 @@ def test_seek_in_a_loader_that_iterated_goes_there(server: ServerProcess) -> Non
 
 
 class Counted(pb_grpc.DataServiceStub):
-    """A stub that counts the DescribeDataset calls made through it."""
+    """A stub that counts the DescribeDataset calls made through it (blocking or `.future`:
+    first contact asks every server at once, with futures)."""
 
     calls = 0
 
     def __init__(self, channel: Any) -> None:
         super().__init__(channel)
-        describe = self.DescribeDataset
+        self.DescribeDataset = _CountedCall(self.DescribeDataset)
 
-        def counted(*a: Any, **kw: Any) -> Any:
-            Counted.calls += 1
-            return describe(*a, **kw)
 
-        self.DescribeDataset = counted
+class _CountedCall:
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    def __call__(self, *a: Any, **kw: Any) -> Any:
+        Counted.calls += 1
+        return self._call(*a, **kw)
+
+    def future(self, *a: Any, **kw: Any) -> Any:
+        Counted.calls += 1
+        return self._call.future(*a, **kw)
 
 
 @pytest.mark.parametrize(("dataset", "far"), [("toks", 100_000), ("docs", 20_000)])
