@@ -9,7 +9,8 @@ PY := $(VENV)/bin/python
 # build LitData pulls in) fails to import beside the CPU torch. This venv has no torchvision.
 FW_VENV ?= .venv-frameworks
 FW_PY := $(FW_VENV)/bin/python
-# Test processes (pytest-xdist) for the main suite: CI's machine has 2 cores.
+# Test processes (pytest-xdist) for the main suite: CI's machine has 2 cores. Tests marked
+# `serial` (timing figures a second process beside them would bend) run alone, after.
 JOBS ?= 2
 
 .PHONY: install install-frameworks demo test test-frameworks lint bench proto reliability soak clean
@@ -40,7 +41,8 @@ demo: install
 ## test: lint, check the generated protobuf code, run the test suite, then the framework tests
 test: install install-frameworks lint
 	$(PY) protos/generate.py --check
-	$(PY) -m pytest -n $(JOBS)
+	$(PY) -m pytest -n $(JOBS) -m "not serial"
+	$(PY) -m pytest -m serial
 	$(FW_PY) -m pytest -m frameworks tests/frameworks
 
 ## test-frameworks: Lightning, the HF Trainer, torch.distributed.checkpoint and Ray, for real
@@ -60,10 +62,12 @@ bench: install
 ## reliability: the fault, load and bad-input tests, and the frameworks' resume tests (from
 ## their own venv); writes docs/reliability.md from both ledgers
 reliability: install install-frameworks
-	$(PY) -m pytest -q -n $(JOBS) --reliability-json=results/reliability.json
+	$(PY) -m pytest -q -n $(JOBS) -m "not serial" --reliability-json=results/reliability.json
+	$(PY) -m pytest -q -m serial --reliability-json=results/reliability-serial.json
 	$(FW_PY) -m pytest -q -m frameworks tests/frameworks \
 		--reliability-json=results/reliability-frameworks.json
-	$(PY) tests/reliability.py results/reliability.json results/reliability-frameworks.json \
+	$(PY) tests/reliability.py results/reliability.json results/reliability-serial.json \
+		results/reliability-frameworks.json \
 		docs/soak.json > docs/reliability.md
 
 ## soak: clients stream for MINUTES (default 30) from 2 servers killed and restarted in turn

@@ -16,7 +16,9 @@ import pytest
 
 from stoker.client import RemoteLoader
 
-pytestmark = pytest.mark.timeout(120)
+# serial: timing figures (waits, shares of a rate) that a second test process beside them would
+# bend; `make test` runs them alone, after the rest in parallel.
+pytestmark = [pytest.mark.timeout(120), pytest.mark.serial]
 
 BATCH, PER_EPOCH, EPOCHS = 64, 10, 4
 STEP = 0.1  # seconds of "training step" per batch

@@ -12,7 +12,9 @@ import pytest
 
 from stoker.client import RemoteLoader
 
-pytestmark = pytest.mark.timeout(120)
+# serial: timing figures (waits, shares of a rate) that a second test process beside them would
+# bend; `make test` runs them alone, after the rest in parallel.
+pytestmark = [pytest.mark.timeout(120), pytest.mark.serial]
 
 BATCH, WORKERS, DELAY = 16, 2, 0.003  # a batch: 48 ms of one worker, asleep
 

@@ -33,7 +33,9 @@ from stoker.client._servers import BACKOFF_MAX, PROBE_EVERY
 from conftest import StartServer
 from hosts import Host, hosts_or_skip
 
-pytestmark = pytest.mark.timeout(60)
+# serial: timing figures (waits, shares of a rate) that a second test process beside them would
+# bend; `make test` runs them alone, after the rest in parallel.
+pytestmark = [pytest.mark.timeout(60), pytest.mark.serial]
 
 N, BS = 600, 4
 TOY = {"toy": {"format": "python", "factory": "toy_datasets:toy",

@@ -32,7 +32,9 @@ from stoker.v1 import stoker_pb2 as pb
 from conftest import StartServer
 from hosts import Host, hosts_or_skip
 
-pytestmark = pytest.mark.timeout(120)
+# serial: timing figures (waits, shares of a rate) that a second test process beside them would
+# bend; `make test` runs them alone, after the rest in parallel.
+pytestmark = [pytest.mark.timeout(120), pytest.mark.serial]
 
 # 2 ms samples of about 500 bytes (x: 80 float32, tokens: 2 x 80 uint8), 8 a batch: a fast
 # server with 2 workers builds ~1,000 samples/s; over 200 kbit/s (25 KB/s) a server sends
