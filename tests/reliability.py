@@ -119,8 +119,9 @@ def render(rows: list[dict[str, Any]], soak: dict[str, Any] | None = None) -> st
         "Do not edit. -->",
         "",
         "Every row is a fault injected or a class of bad input tried by a test in `tests/`, "
-        "on loopback, against real server processes. *Tried* counts the cases (faults, "
-        "requests, generated examples). *Lost* and *duplicated* count samples, compared "
+        "on loopback or between network namespaces (tests/hosts.py), against real server "
+        "processes, and for tests/frameworks with the real frameworks. *Tried* counts the "
+        "cases (faults, requests, generated examples). *Lost* and *duplicated* count samples, compared "
         "element for element with a failure-free run.",
         "",
         f"**{len(rows)} rows, {sum(r['tried'] for r in rows)} cases tried: "
