@@ -121,8 +121,8 @@ def render(rows: list[dict[str, Any]], soak: dict[str, Any] | None = None) -> st
         "Every row is a fault injected or a class of bad input tried by a test in `tests/`, "
         "on loopback or between network namespaces (tests/hosts.py), against real server "
         "processes, and for tests/frameworks with the real frameworks. *Tried* counts the "
-        "cases (faults, requests, generated examples). *Lost* and *duplicated* count samples, compared "
-        "element for element with a failure-free run.",
+        "cases (faults, requests, generated examples). *Lost* and *duplicated* count samples, "
+        "compared element for element with a failure-free run.",
         "",
         f"**{len(rows)} rows, {sum(r['tried'] for r in rows)} cases tried: "
         f"{lost} samples lost, {dup} duplicated, {failed} rows failed.**",
