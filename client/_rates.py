@@ -29,8 +29,8 @@ MEASURED, MEASURED_SECONDS = 4, 0.2
 # Seconds without credits after which a server's rate is forgotten: a slow server gets few or
 # no credits, so without this it would never show that its link or CPU has recovered.
 FORGET = 10.0
-# A delivery after more than OUTAGE x its seconds per batch (and OUTAGE_MIN s; before it is
-# measured, OUTAGE_MIN s) of holding credits ends an outage (a freeze, a partition healed, a
+# A delivery after more than OUTAGE x its seconds per batch so far (and OUTAGE_MIN s) of
+# holding credits ends an outage (a freeze, a partition healed, a
 # reconnect), which is no measure of its rate either: it is measured afresh from there.
 OUTAGE, OUTAGE_MIN = 10.0, 0.5
 # A server not measured yet that has delivered nothing counts as slow once it has waited
@@ -61,7 +61,8 @@ class Rate:
         it delivered before says little about what it delivers now."""
         self.batches = self.nbytes = self.seconds = 0.0
         self.since, self.idle_at, self.delivered_count = None, None, 0
-        self._marks.clear()
+        # _marks stay: they are the bytes its open streams had delivered, not a measure; a
+        # delivery after this counts only its own bytes.
 
     def stale(self, now: float) -> bool:
         return self.idle_at is not None and now - self.idle_at >= FORGET
@@ -71,8 +72,10 @@ class Rate:
         bytes so far; `busy`: the server still holds credits after it."""
         seen = self._marks.pop(stream, 0)
         dt = max(0.0, now - (self.since if self.since is not None else now))
-        if dt > OUTAGE_MIN and self.batches and (
-                not self.measured or dt > OUTAGE * self.seconds / self.batches):
+        # An outage: a wait longer than OUTAGE_MIN and than OUTAGE x its seconds per batch
+        # so far. Not before one wait is counted (seconds 0: just measured afresh), so a
+        # server slower than OUTAGE_MIN a batch is measured too, not reset at each batch.
+        if dt > OUTAGE_MIN and self.seconds and dt > OUTAGE * self.seconds / self.batches:
             self.forget()
             seen, dt = received, 0.0  # this batch counts, the outage does not
         self._marks[stream] = received

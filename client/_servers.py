@@ -125,8 +125,11 @@ class Server:
     # -- transitions -----------------------------------------------------------------------
     def mark_up(self, epoch: int, stream: BatchStream) -> None:
         """A new stream, for `epoch`, is open to it (it was usable: up, or down and due for
-        a retry)."""
-        self.state = ServerState.UP
+        a retry, or stalled and due for a probe). A stalled server stays stalled: a stream
+        opened for its probe (the epoch it stalled in was let go) is no sign of life; it is
+        up again when it delivers (mark_delivered)."""
+        if self.state is not ServerState.STALLED:
+            self.state = ServerState.UP
         self.streams[epoch] = stream
 
     def let_go(self) -> list[BatchStream]:

@@ -25,7 +25,7 @@ from test_scheduler import EPS, T0, Channel, Clock, Streams, unused
 from stoker.client import RemoteLoader
 from stoker.client._rates import FORGET, Rate
 from stoker.client._scheduler import HEDGE_MIN, Scheduler
-from stoker.client._servers import ServerSet
+from stoker.client._servers import ServerSet, ServerState
 from stoker.client._stream import StreamSpec
 from stoker.v1 import stoker_pb2 as pb
 
@@ -246,6 +246,46 @@ def test_an_outage_is_not_a_rate() -> None:
     for k in range(1, 31):
         rate.delivered(T0 + 1.5 + k * 0.01, "stream", (51 + k) * 1000, busy=True)
     assert rate.seconds_per_batch(1000) == pytest.approx(0.01, rel=0.1)
+
+
+def test_a_server_slower_than_the_outage_floor_is_measured() -> None:
+    """A server that takes 0.6 s a batch (longer than OUTAGE_MIN) is measured at 0.6 s,
+    not taken for an outage at each batch and left unmeasured (costed as the fastest)."""
+    rate = Rate()
+    rate.busy(T0)
+    for k in range(1, 11):
+        rate.delivered(T0 + k * 0.6, "stream", k * 1000, busy=True)
+    assert rate.seconds_per_batch(1000) == pytest.approx(0.6)
+    assert rate.batches_per_second == pytest.approx(1 / 0.6)
+
+
+def test_after_a_forget_a_delivery_counts_only_its_own_bytes() -> None:
+    """A rate forgotten (a stall, FORGET) while its stream stays open: the next batch on
+    that stream adds its own bytes, not all the stream delivered since it opened (which
+    would take a slow link for a fast one, and inflate the fleet's mean batch)."""
+    rate = Rate()
+    rate.busy(T0)
+    for k in range(1, 11):
+        rate.delivered(T0 + k * 0.1, "stream", k * 1_000_000, busy=True)
+    rate.forget()
+    rate.busy(T0 + 5)
+    rate.delivered(T0 + 5.1, "stream", 11_000_000, busy=True)
+    assert rate.nbytes == 1_000_000
+
+
+def test_a_probe_of_a_stalled_server_on_a_new_stream_leaves_it_stalled() -> None:
+    """A stalled server whose probe opens a stream (the epoch it stalled in was let go) is
+    not up until it delivers: others still take what it holds."""
+    servers = ServerSet(["a:1"], channel=lambda address, options: Channel())
+    server = servers.servers["a:1"]
+    server.outstanding[0] = T0
+    server.mark_stalled(T0 + 1)
+    server.mark_up(1, object())  # type: ignore[arg-type]
+    assert server.state is ServerState.STALLED
+    server.mark_delivered(0, T0 + 2)
+    assert server.state is ServerState.UP
+    server.let_go()  # the stand-in stream has nothing to close
+    servers.close()
 
 
 def test_the_rate_is_per_batch_and_per_byte() -> None:
