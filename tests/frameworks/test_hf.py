@@ -17,6 +17,8 @@ import pytest
 from stoker.integrations.hf import STATE_FILE
 from stoker.server import ServerProcess
 
+from resumed_runs import stopped_and_resumed
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import hf_trainer  # examples/hf_trainer.py: its model and trainer are this test's
 
@@ -45,17 +47,14 @@ def batches_served(server: ServerProcess, dataset: str) -> int:
 
 @pytest.mark.parametrize("devices", [1, 2])
 def test_a_run_stopped_mid_epoch_resumes_at_the_exact_next_batch(
-        line_server: ServerProcess, run_example, ledger, tmp_path: Path, devices: int) -> None:
+        line_server: ServerProcess, run_example, ledger, tmp_path: Path, devices: int
+) -> None:
     # 240 samples, batch 8: epochs of 30 steps in one process, 15 on each of 2 DDP ranks
     # (torchrun, gloo); the runs cross them.
-    out = run_example("hf_trainer.py", "--address", line_server.address, "--devices",
-                      str(devices), "--steps", "36", "--stop-at", "12", "--json",
-                      str(tmp_path / "r.json"))
-    ranks = json.loads((tmp_path / "r.json").read_text())["ranks"]
-    assert sorted(ranks) == [str(r) for r in range(devices)]
-    got = [i for r in ranks.values() for b in r["got"] for i in b]
-    lost, duplicated = ledger.compare(got, [i for r in ranks.values() for b in r["want"]
-                                            for i in b])
+    run = stopped_and_resumed(run_example, "hf_trainer.py", line_server.address, devices,
+                              tmp_path)
+    out, ranks, got = run.out, run.ranks, run.samples("got")
+    lost, duplicated = ledger.compare(got, run.samples("want"))
     ledger.record("clients", f"HF Trainer ({devices} process{'es, DDP gloo' if devices > 1 else ''}"
                   ") stopped by an exception at step 12 of 36, resume_from_checkpoint",
                   lost=lost, duplicated=duplicated,

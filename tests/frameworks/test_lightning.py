@@ -5,28 +5,26 @@ other rank by running the script again)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from stoker.server import ServerProcess
 
+from resumed_runs import stopped_and_resumed
+
 pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.mark.parametrize("devices", [1, 2])
 def test_fit_stopped_mid_epoch_resumes_with_ckpt_path_at_the_exact_next_batch(
-        line_server: ServerProcess, run_example, ledger, tmp_path: Path, devices: int) -> None:
+        line_server: ServerProcess, run_example, ledger, tmp_path: Path, devices: int
+) -> None:
     # 240 samples, batch 8: epochs of 30 steps at 1 rank, 15 at 2; the run crosses them.
-    out = run_example("lightning_train.py", "--address", line_server.address, "--devices",
-                      str(devices), "--steps", "36", "--stop-at", "12", "--json",
-                      str(tmp_path / "r.json"))
-    ranks = json.loads((tmp_path / "r.json").read_text())["ranks"]
-    assert sorted(ranks) == [str(r) for r in range(devices)]
-    got = [i for r in ranks.values() for b in r["got"] for i in b]
-    want = [i for r in ranks.values() for b in r["want"] for i in b]
-    lost, duplicated = ledger.compare(got, want)
+    run = stopped_and_resumed(run_example, "lightning_train.py", line_server.address, devices,
+                              tmp_path)
+    out, ranks, got = run.out, run.ranks, run.samples("got")
+    lost, duplicated = ledger.compare(got, run.samples("want"))
     ledger.record("clients", f"Lightning fit ({devices} process{'es' if devices > 1 else ''}"
                   f"{', DDP gloo' if devices > 1 else ''}) stopped by an exception at step 12 "
                   "of 36, resumed with ckpt_path", lost=lost, duplicated=duplicated,
