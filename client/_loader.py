@@ -6,6 +6,7 @@ thread per stream assembles batches, so at most `prefetch` batches wait in host 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -83,7 +84,7 @@ class RemoteLoader(OnDemand):
         # Describe's answers by (epoch, start) (epoch 0 stands for every epoch but under
         # batch_tokens, whose plans differ): the whole epoch (start 0), a resumed one's rest.
         self._described: dict[tuple[int, int], pb.DescribeDatasetResponse] = {}
-        self._pinning = Pinning(dataset, self._servers, o.timeout)
+        self._pinning = Pinning(dataset, self._servers, o.timeout, self._coords.order)
         self._window = Window(o.prefetch, o.adapts, o.memory_budget)
         self._stall = Stall(dataset, o.timeout)
         self._stats = {"batches": 0}
@@ -177,6 +178,10 @@ class RemoteLoader(OnDemand):
         the rest of that order: ValueError, unless `allow_changed_data` (the loader then goes
         on with the servers' data)."""
         saved = Saved.read(state, self._coords)
+        if saved.order != self._coords.order:  # the run goes on in the order it began in
+            self._coords = dataclasses.replace(self._coords, order=saved.order)
+            self._pinning.order = saved.order
+            self._described.clear()
         if saved.digest and not allow_changed_data:
             self.describe()
             saved.check_data(self.dataset, self._pinning.pin)

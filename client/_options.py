@@ -18,7 +18,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from ._normalize import Normalizer
-from ._resume import Coordinates
+from ._resume import ORDER_VERSIONS, Coordinates
 from ._servers import RESOLVE_EVERY, Resolver
 from .channel import ChannelMaker
 
@@ -80,6 +80,7 @@ class LoaderOptions:
     seed: int = 0
     shuffle: bool = True
     drop_last: bool = True
+    order: str = "index"  # a shuffled epoch's order version: ORDER_VERSIONS (docs/client.md)
     # rank, world_size, prefetch and prefetch_bytes: None is "not given", resolved on
     # construction (default_rank_world, prefetching): ints from then on.
     rank: int | None = None
@@ -115,6 +116,9 @@ class LoaderOptions:
                     "adapts": self.prefetch is None}
         for name, value in resolved.items():
             object.__setattr__(self, name, value)  # frozen: only here, once
+        if self.order not in ORDER_VERSIONS:
+            raise ValueError(f"order must be one of {', '.join(map(repr, ORDER_VERSIONS))}, "
+                             f"got {self.order!r}")
         if self.batch_size is not None and self.batch_tokens is not None:
             raise ValueError(f"batch_size={self.batch_size} and batch_tokens="
                              f"{self.batch_tokens}: give one, not both")
@@ -169,7 +173,7 @@ class LoaderOptions:
         assert self.rank is not None and self.world_size is not None  # resolved
         return Coordinates(self.dataset, self.seed, self.shuffle, self.rank, self.world_size,
                            self.batch_size or 0, self.drop_last, self.batch_tokens,
-                           self.token_cost)
+                           self.token_cost, order=ORDER_VERSIONS[self.order])
 
     @property
     def on_device(self) -> bool:

@@ -92,6 +92,23 @@ def mismatch(dataset: str, pin: Pin, address: str, digest: str,
         address, digest)
 
 
+def order_refusal(dataset: str, order: int, address: str,
+                  described: pb.DescribeDatasetResponse) -> DataMismatch | None:
+    """The DataMismatch for a server that cannot compute this loader's order version (one
+    older than it: its fingerprint lists no orders), or None."""
+    if not described.HasField("fingerprint"):
+        return None
+    orders = list(described.fingerprint.orders) or [1]  # before index orders: legacy only
+    if order in orders:
+        return None
+    return DataMismatch(
+        f"dataset {dataset!r}: {address} computes order versions {orders}, not this loader's "
+        f"{order}: it is older than this client, and would serve other batches for the same "
+        "coordinates; upgrade it, or give the loader only servers that can (a run resumed from "
+        "a state saved before order versions uses 1, 'legacy', which every server computes)",
+        address, described.fingerprint.digest)
+
+
 def describe_each(channels: Iterable[tuple[str, grpc.Channel]], coordinates: pb.Coordinates,
                   timeout: float) -> dict[str, pb.DescribeDatasetResponse | RemoteError]:
     """Each server's description of the dataset (its fingerprint, its max_credits), asked all
@@ -115,8 +132,10 @@ class Pinning:
     its checks of the servers against it; `dataset` names the data in errors, and `timeout`
     bounds each server's answer (at most 10 s)."""
 
-    def __init__(self, dataset: str, servers: ServerSet, timeout: float) -> None:
+    def __init__(self, dataset: str, servers: ServerSet, timeout: float, order: int = 1
+                 ) -> None:
         self._dataset, self._servers = dataset, servers
+        self.order = order  # the loader's order version: a server must compute it
         self._timeout = min(10.0, timeout)
         self.pin: Pin | None = None
         self.checked = False  # every server asked once for its fingerprint
@@ -128,6 +147,10 @@ class Pinning:
         """A server described the dataset: the first to do so sets the pin, and the calls of
         its first contact to the others are kept to compare their answers."""
         if self.pin is None:
+            refused = order_refusal(self._dataset, self.order, contact.server.address,
+                                    contact.described)
+            if refused is not None:
+                raise refused
             self.pin = Pin.of(contact.described.fingerprint, contact.server.address)
             self._asked = dict(contact.pending)
             self._pinned_at = time.monotonic()
@@ -179,6 +202,9 @@ class Pinning:
             assert pin is not None
             if pin.digest and fp.digest and fp.digest != pin.digest:
                 raise mismatch(self._dataset, pin, address, fp.digest, fp)
+            refused = order_refusal(self._dataset, self.order, address, d)
+            if refused is not None:
+                raise refused
             self._heed(d.max_credits, address)
 
     def refused(self, address: str, digest: str, coordinates: pb.Coordinates) -> DataMismatch:

@@ -32,8 +32,14 @@ _MISSING = object()
 # Every other key (dataset, seed, shuffle, drop_last) fixes the order or its tail: equal.
 ELASTIC = ("rank", "world_size", "batch_size", "start")
 # Keys a state carries into the loader that loads it: the samples the run left out (added to
-# the loader's own). An older stoker refuses such a state (its coordinates differ).
-CARRIED = ("excluded",)
+# the loader's own), and the order version (a run goes on in the order it began in). An older
+# stoker refuses such a state (its coordinates differ).
+CARRIED = ("excluded", "order")
+# A shuffled epoch's order versions by name (Coordinates.order, as on the wire): "index" is a
+# keyed bijection evaluated per position, what new loaders use; "legacy" the whole epoch's
+# numpy permutation of stoker before it, which states saved then (no "order" key) resume.
+ORDER_VERSIONS = {"legacy": 1, "index": 2}
+LEGACY = ORDER_VERSIONS["legacy"]
 
 
 @dataclass(frozen=True)
@@ -52,15 +58,19 @@ class Coordinates:
     batch_tokens: int | None = None
     token_cost: str = "tokens"
     excluded: Excluded | None = None  # samples the run leaves out (RemoteLoader.exclude)
+    order: int = ORDER_VERSIONS["index"]  # the order version (ORDER_VERSIONS)
 
     def fields(self) -> dict[str, Any]:
         """pb.Coordinates' fields, and state_dict()'s "coordinates", in that order;
-        batch_tokens and token_cost only under a token budget (older state_dicts match);
-        never `excluded` (state_of and message add it where there is one)."""
+        batch_tokens and token_cost only under a token budget, `order` only where it is not
+        the legacy one (older state_dicts match); never `excluded` (state_of and message add
+        it where there is one)."""
         found = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         del found["excluded"]
         if self.batch_tokens is None:
             del found["batch_tokens"], found["token_cost"]
+        if self.order == LEGACY:
+            del found["order"]
         return found
 
     def message(self, epoch: int, start: int = 0, fingerprint: str = "") -> pb.Coordinates:
@@ -115,6 +125,7 @@ class Saved:
     batch_size: int
     fingerprint: Mapping[str, Any] | None
     excluded: Excluded | None = None
+    order: int = LEGACY  # the order version it was saved in (none recorded: legacy)
 
     @classmethod
     def read(cls, state: Any, coords: Coordinates) -> Saved:
@@ -140,9 +151,14 @@ class Saved:
         if not isinstance(excluded, list | tuple):
             raise ValueError(f"state_dict's 'excluded' must be a list of sample indices, got "
                              f"{excluded!r}")
+        order = saved.get("order", LEGACY)
+        if isinstance(order, bool) or order not in ORDER_VERSIONS.values():
+            raise ValueError(f"state_dict's 'order' must be one of "
+                             f"{sorted(ORDER_VERSIONS.values())} ({', '.join(ORDER_VERSIONS)}), "
+                             f"got {order!r}: saved by a newer stoker?")
         return cls(Position(found["epoch"], found["start"], found["next_batch"]),
                    found["world_size"], found["batch_size"], state.get("fingerprint") or None,
-                   Excluded.union(None, excluded))
+                   Excluded.union(None, excluded), order)
 
     @property
     def digest(self) -> str:

@@ -29,7 +29,7 @@ from ..order import token_batches
 from ..order.epochs import consumed, epoch_size, locate, samples_of
 from ..order.exclusion import Exclusion
 from ..order.fingerprint import Fingerprint, short_digest
-from ..order.sampling import CoordinateError, Coordinates
+from ..order.sampling import ORDER_LEGACY, ORDERS_KNOWN, CoordinateError, Coordinates
 from ..pool import shm
 from ..pool.layout import SOURCES
 from ..pool.workers import BatchFailed, DatasetMeta, WorkerPool
@@ -66,7 +66,7 @@ def _shorten(name: str, limit: int = 100) -> str:
 
 def fingerprint_pb(fp: Fingerprint | None) -> pb.Fingerprint | None:
     return None if fp is None else pb.Fingerprint(digest=fp.digest, objects=fp.objects,
-                                                   bytes=fp.bytes)
+                                                   bytes=fp.bytes, orders=ORDERS_KNOWN)
 
 
 def _parse(message: Any, raw: bytes) -> Any:
@@ -253,7 +253,8 @@ class DataService:
                                  c.batch_size, c.drop_last, c.start,
                                  c.batch_tokens, c.token_cost or "tokens",
                                  Exclusion.of(list(c.excluded), c.excluded_digest,
-                                              meta.num_samples))
+                                              meta.num_samples),
+                                 c.order or ORDER_LEGACY)
             coords.validate(meta.num_samples)
             if coords.batch_tokens:
                 token_batches.check(meta.lengths, coords)

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from .sampling import ORDERS, CoordinateError, Ordering
+from .sampling import ORDER_LEGACY, ORDERS, CoordinateError, Ordering
 
 UNITS = 1 << 20  # a phase's weights, as integers summing to this
 # Positions are dealt to components in pieces of this many, permuted within each
@@ -178,18 +178,18 @@ class MixtureOrdering:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, _constants={}, _lock=threading.Lock())
 
-    def indices(self, positions: np.ndarray, seed: int, epoch: int, shuffle: bool
-                ) -> np.ndarray:
-        """The index-space values of an epoch's `positions` (int64, a new array): sliced
-        from the whole epoch's, kept in ORDERS like an Ordering's epoch order (a batch
-        then costs what it costs a plain dataset), or, where the epoch is larger than that
-        cache, computed for these positions alone."""
-        if self.num_samples * 8 <= ORDERS.max_bytes:
+    def indices(self, positions: np.ndarray, seed: int, epoch: int, shuffle: bool,
+                order: int = ORDER_LEGACY) -> np.ndarray:
+        """The index-space values of an epoch's `positions` (int64, a new array): computed
+        for these positions alone under an index order (each component's draws through its
+        own keyed order); under the legacy order sliced from the whole epoch's, kept in
+        ORDERS, where the epoch fits that cache."""
+        if order == ORDER_LEGACY and self.num_samples * 8 <= ORDERS.max_bytes:
             return self.epoch(seed, epoch, shuffle)[positions]
-        return self._compute(np.asarray(positions, dtype=np.int64), seed, epoch, shuffle)
+        return self._compute(np.asarray(positions, dtype=np.int64), seed, epoch, shuffle, order)
 
-    def _compute(self, positions: np.ndarray, seed: int, epoch: int, shuffle: bool
-                 ) -> np.ndarray:
+    def _compute(self, positions: np.ndarray, seed: int, epoch: int, shuffle: bool,
+                 order: int = ORDER_LEGACY) -> np.ndarray:
         if (epoch + 1) * self.num_samples >= MAX_POSITION:
             raise CoordinateError("epoch", f"{epoch} is beyond what a mixture of "
                                            f"{self.num_samples} samples an epoch can count")
@@ -202,7 +202,7 @@ class MixtureOrdering:
             local = np.empty(len(pos), dtype=np.int64)
             for e in np.unique(own_epoch).tolist():
                 same = own_epoch == e
-                local[same] = self.components[c].indices(pos[same], seed, e, shuffle)
+                local[same] = self.components[c].indices(pos[same], seed, e, shuffle, order)
             out[mine] = own_epoch * self.period + self.offsets[c] + local
         return out
 
@@ -253,8 +253,16 @@ class MixtureOrdering:
         at = ends[where] - sizes[where] + (g - lo)
         return c_all[at], d_all[at]
 
-    def epoch(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-        """The whole epoch's index-space values (read-only), from ORDERS."""
+    def epoch(self, seed: int, epoch: int, shuffle: bool, order: int = ORDER_LEGACY
+              ) -> np.ndarray:
+        """The whole epoch's index-space values (read-only): from ORDERS under the legacy
+        order; computed for the caller under an index order (tests, tools: O(n))."""
+        if order != ORDER_LEGACY:
+            whole = self._compute(np.arange(self.num_samples, dtype=np.int64), seed, epoch,
+                                  shuffle, order)
+            whole.flags.writeable = False
+            return whole
+
         def compute() -> np.ndarray:
             order = self._compute(np.arange(self.num_samples, dtype=np.int64), seed, epoch,
                                   shuffle)

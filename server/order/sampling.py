@@ -1,9 +1,17 @@
 """Which samples make batch k: a pure function of the coordinates.
 
-Orderings are numpy index arrays computed from (seed, epoch) and cached, never Python lists
-(lists of Python ints in forked processes grow memory by copy-on-write). The cache of epoch
-orders is bounded in bytes (`ORDERS`): a client choosing many seeds of a large dataset makes
-the server compute orders again, never hold them all.
+An epoch's order comes in two named versions (`Coordinates.order`):
+
+- ORDER_INDEX ("index", the default of new runs): a keyed bijection of the epoch's positions
+  evaluated per position (order/permute.py). A batch's samples cost O(batch) time and memory
+  whatever the dataset's size; nothing is cached but a block shuffle's shard order (small).
+- ORDER_LEGACY ("legacy", what stoker did before, and what requests that name no order get):
+  the whole epoch's permutation, `default_rng([seed, epoch]).permutation(n)`, materialized and
+  kept in `ORDERS`, bounded in bytes. It stays so that checkpoints saved under it resume the
+  same order exactly; docs/design.md, "Orders".
+
+Index arrays are numpy, never Python lists (lists of Python ints in forked processes grow
+memory by copy-on-write).
 """
 
 from __future__ import annotations
@@ -12,12 +20,21 @@ import collections
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .permute import keys_for, permute, permute_each, window_keys
+
 if TYPE_CHECKING:
     from .exclusion import Exclusion
+
+
+# Order versions, by number on the wire and in checkpoints, by name for users.
+ORDER_LEGACY = 1
+ORDER_INDEX = 2
+ORDER_NAMES = {ORDER_LEGACY: "legacy", ORDER_INDEX: "index"}
+ORDERS_KNOWN = tuple(ORDER_NAMES)
 
 
 class CoordinateError(ValueError):
@@ -46,6 +63,7 @@ class Coordinates:
     token_cost: str = "tokens"  # with batch_tokens: what ranks are balanced by
     # Samples left out of every batch (server/order/exclusion.py's Exclusion), or None.
     excluded: Exclusion | None = None
+    order: int = ORDER_LEGACY  # the order version (ORDER_NAMES); a request naming none: legacy
 
     def validate(self, num_samples: int | None = None) -> None:
         """Raise CoordinateError naming the first field no dataset (or, given its size, this
@@ -69,6 +87,10 @@ class Coordinates:
             raise CoordinateError("epoch", f"must be >= 0, got {self.epoch}")
         if self.start < 0:
             raise CoordinateError("start", f"must be >= 0, got {self.start}")
+        if self.order not in ORDER_NAMES:
+            raise CoordinateError("order", f"must be one of {sorted(ORDER_NAMES)} "
+                                           f"({', '.join(ORDER_NAMES.values())}), got "
+                                           f"{self.order}: a newer client than this server?")
         if num_samples is not None and self.start > num_samples:
             raise CoordinateError(
                 "start", f"must be <= the epoch's {num_samples} positions (dataset "
@@ -160,7 +182,8 @@ class Ordering:
     global: a permutation of all samples. block: the shards (files, tar shards, row groups;
     `shard_starts` gives each one's first sample) in a random order, then the samples of each
     window of `window` consecutive shards shuffled together, so a reader goes through a few
-    shards at a time, each from start to end. Both are functions of (seed, epoch) alone.
+    shards at a time, each from start to end. Both are functions of (seed, epoch) alone, in
+    either order version (see the module docstring). Any thread.
     """
 
     def __init__(self, num_samples: int, shard_starts: np.ndarray | None = None,
@@ -171,22 +194,68 @@ class Ordering:
         self.shard_starts = starts
         self.shard_ends = np.append(starts[1:], num_samples)
         self.window = window
+        self._shard_orders = _SmallCache(SHARD_ORDERS_KEPT)
 
-    def epoch(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-        """The whole dataset's order for one epoch (read-only int64 array), from ORDERS."""
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_shard_orders"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _shard_orders=_SmallCache(SHARD_ORDERS_KEPT))
+
+    def epoch(self, seed: int, epoch: int, shuffle: bool, order: int = ORDER_LEGACY
+              ) -> np.ndarray:
+        """The whole dataset's order for one epoch (read-only int64 array). Legacy orders come
+        from ORDERS; an index order is computed for the caller (tests, tools: O(n))."""
+        if order == ORDER_INDEX:
+            whole = self.indices(np.arange(self.num_samples, dtype=np.int64), seed, epoch,
+                                 shuffle, order)
+            whole.flags.writeable = False
+            return whole
         if not shuffle:
             return self._order(seed, epoch, shuffle)
         return ORDERS.get((self, seed, epoch), lambda: self._order(seed, epoch, shuffle))
 
-    def indices(self, positions: np.ndarray, seed: int, epoch: int, shuffle: bool
-                ) -> np.ndarray:
+    def indices(self, positions: np.ndarray, seed: int, epoch: int, shuffle: bool,
+                order: int = ORDER_LEGACY) -> np.ndarray:
         """The dataset indices at an epoch's `positions` (a mixture's ordering maps them
         through its components instead: server/order/mixture.py)."""
         if not shuffle:
             return positions
-        return self.epoch(seed, epoch, shuffle)[positions]
+        if order == ORDER_LEGACY:
+            return self.epoch(seed, epoch, shuffle)[positions]
+        positions = np.asarray(positions, dtype=np.int64)
+        if not self.block:
+            return permute(positions, self.num_samples, keys_for(seed, epoch, _SALT_GLOBAL))
+        return self._block_indices(positions, seed, epoch)
+
+    def _shards(self, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(the epoch's shard order, each slot's first position in it: len + 1), cached: a
+        few int64 per shard."""
+        def make() -> tuple[np.ndarray, np.ndarray]:
+            count = len(self.shard_starts)
+            shards = permute(np.arange(count, dtype=np.int64), count,
+                             keys_for(seed, epoch, _SALT_SHARDS))
+            sizes = (self.shard_ends - self.shard_starts)[shards]
+            firsts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+            return shards, firsts
+        return self._shard_orders.get((seed, epoch), make)
+
+    def _block_indices(self, positions: np.ndarray, seed: int, epoch: int) -> np.ndarray:
+        """Block shuffle by index: position p lies in window w of the shard order (its
+        shards' samples at [lo, hi)); the window's own keyed permutation moves it within."""
+        shards, firsts = self._shards(seed, epoch)
+        count, window = len(shards), self.window
+        slot = np.searchsorted(firsts, positions, side="right") - 1
+        w = slot // window
+        lo = firsts[w * window]
+        hi = firsts[np.minimum(w * window + window, count)]
+        keys = window_keys(keys_for(seed, epoch, _SALT_WINDOWS), w)
+        at = lo + permute_each(positions - lo, hi - lo, keys)
+        slot = np.searchsorted(firsts, at, side="right") - 1
+        return self.shard_starts[shards[slot]] + (at - firsts[slot])
 
     def _order(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+        """The legacy order (ORDER_LEGACY), whole: kept as it was, for old checkpoints."""
         n = self.num_samples
         if not shuffle:
             order = np.arange(n, dtype=np.int64)
@@ -207,6 +276,33 @@ class Ordering:
         return order
 
 
+# What an index order's keys are drawn for, besides (seed, epoch): each its own stream.
+_SALT_GLOBAL, _SALT_SHARDS, _SALT_WINDOWS = 0x6F72646572, 0x7368617264, 0x77696E646F77
+SHARD_ORDERS_KEPT = 8  # block shuffles' shard orders kept per dataset (a few int64 a shard)
+
+
+class _SmallCache:
+    """At most `most` values by key, the oldest out first; a value is made outside the lock
+    (two threads may both make it: it is a pure function). Any thread."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self._items: dict[Hashable, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        with self._lock:
+            found = self._items.get(key)
+        if found is not None:
+            return found
+        value = make()
+        with self._lock:
+            self._items[key] = value
+            while len(self._items) > self.most:
+                self._items.pop(next(iter(self._items)))
+        return value
+
+
 def samples_per_rank(num_samples: int, c: Coordinates) -> int:
     """Each rank's share of the epoch's positions from `c.start` on: the rest of the order
     cut to a multiple of world_size."""
@@ -222,7 +318,7 @@ def rank_samples(ordering: Ordering, c: Coordinates) -> np.ndarray:
     per epoch, and none of the `start` positions consumed before.
     """
     stop = c.start + samples_per_rank(ordering.num_samples, c) * c.world_size
-    order = ordering.epoch(c.seed, c.epoch, c.shuffle)
+    order = ordering.epoch(c.seed, c.epoch, c.shuffle, c.order)
     return order[c.start + c.rank : stop : c.world_size]
 
 
@@ -246,4 +342,4 @@ def batch_samples(ordering: Ordering, c: Coordinates, batch_index: int) -> np.nd
     at = c.start + c.rank
     positions = np.arange(at + first * c.world_size, at + stop * c.world_size, c.world_size,
                           dtype=np.int64)
-    return ordering.indices(positions, c.seed, c.epoch, c.shuffle)
+    return ordering.indices(positions, c.seed, c.epoch, c.shuffle, c.order)

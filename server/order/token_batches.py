@@ -112,7 +112,7 @@ def plan(ordering: Ordering, lengths: np.ndarray, c: Coordinates) -> TokenPlan:
     key = _key(ordering, c)
 
     def make() -> TokenPlan:
-        made = _make(ordering, lengths, c, key[-1])
+        made = _make(ordering, lengths, c, c.start)
         STEPS.put(key, made.steps)
         return made
 
@@ -128,7 +128,7 @@ def batches_per_epoch(ordering: Ordering, lengths: np.ndarray, c: Coordinates) -
 
 def _key(ordering: Ordering, c: Coordinates) -> tuple:
     return ("tokens", ordering, c.seed, c.epoch, c.shuffle, c.world_size, c.batch_tokens,
-            c.token_cost, getattr(c, "start", 0))
+            c.token_cost, getattr(c, "start", 0), c.order)
 
 
 class StepCounts:
@@ -172,7 +172,8 @@ def locate_whole(ordering: Ordering, lengths: np.ndarray, c: Coordinates, steps:
             raise CoordinateError("locate.step", "these coordinates give no batch per epoch")
         return n
 
-    family = _key(ordering, c)[:3] + _key(ordering, c)[4:-1]
+    key = _key(ordering, c)  # epoch and start left out: [3] and [-2]
+    family = key[:3] + key[4:-2] + key[-1:]
     with _RUNNING_LOCK:  # one walk at a time: a second seek waits for the first's epochs
         if len(_RUNNING) >= 256 and family not in _RUNNING:
             _RUNNING.clear()
@@ -198,12 +199,13 @@ def batch_samples(ordering: Ordering, lengths: np.ndarray, c: Coordinates,
         raise CoordinateError(
             "batch_index", f"must be in [0, {p.steps}) for this epoch and rank, got {batch_index}")
     positions = p.positions(batch_index, c.rank)
-    return np.array(ordering.indices(positions, c.seed, c.epoch, c.shuffle), dtype=np.int64)
+    return np.array(ordering.indices(positions, c.seed, c.epoch, c.shuffle, c.order),
+                    dtype=np.int64)
 
 
 def _make(ordering: Ordering, lengths: np.ndarray, c: Coordinates, start: int) -> TokenPlan:
     order = ordering.indices(np.arange(start, ordering.num_samples, dtype=np.int64), c.seed,
-                             c.epoch, c.shuffle)
+                             c.epoch, c.shuffle, c.order)
     # A mixture's index space repeats its components' samples each period (its lengths')
     lens = np.asarray(lengths, dtype=np.int64)[order % len(lengths)]
     costs = lens if c.token_cost == "tokens" else lens * lens

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Coordinates(_message.Message):
-    __slots__ = ("dataset", "seed", "epoch", "shuffle", "rank", "world_size", "batch_size", "drop_last", "fingerprint", "start", "batch_tokens", "token_cost", "excluded", "excluded_digest")
+    __slots__ = ("dataset", "seed", "epoch", "shuffle", "rank", "world_size", "batch_size", "drop_last", "fingerprint", "start", "batch_tokens", "token_cost", "excluded", "excluded_digest", "order")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class Coordinates(_message.Message):
     TOKEN_COST_FIELD_NUMBER: _ClassVar[int]
     EXCLUDED_FIELD_NUMBER: _ClassVar[int]
     EXCLUDED_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     seed: int
     epoch: int
@@ -36,17 +37,20 @@ class Coordinates(_message.Message):
     token_cost: str
     excluded: _containers.RepeatedScalarFieldContainer[int]
     excluded_digest: str
-    def __init__(self, dataset: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., start: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., token_cost: _Optional[str] = ..., excluded: _Optional[_Iterable[int]] = ..., excluded_digest: _Optional[str] = ...) -> None: ...
+    order: int
+    def __init__(self, dataset: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., start: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., token_cost: _Optional[str] = ..., excluded: _Optional[_Iterable[int]] = ..., excluded_digest: _Optional[str] = ..., order: _Optional[int] = ...) -> None: ...
 
 class Fingerprint(_message.Message):
-    __slots__ = ("digest", "objects", "bytes")
+    __slots__ = ("digest", "objects", "bytes", "orders")
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    ORDERS_FIELD_NUMBER: _ClassVar[int]
     digest: str
     objects: int
     bytes: int
-    def __init__(self, digest: _Optional[str] = ..., objects: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+    orders: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, digest: _Optional[str] = ..., objects: _Optional[int] = ..., bytes: _Optional[int] = ..., orders: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListDatasetsRequest(_message.Message):
     __slots__ = ()
