@@ -64,7 +64,7 @@ class Client(threading.Thread):
         try:
             # Clients 0, 4, ... read shared memory; 2, 6, ... take payloads in gRPC frames;
             # the odd ones (half) take the path between machines, the data connection.
-            with RemoteLoader(self.addresses, "toy", batch_size=BS, seed=self.k,
+            with RemoteLoader(self.addresses, "toy", batch_size=BS, seed=self.k, order="legacy",
                               output="numpy", prefetch=4, timeout=120,
                               shared_memory=self.k % 4 == 0,
                               data_socket=self.k % 4 != 2) as loader:

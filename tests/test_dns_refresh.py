@@ -23,7 +23,8 @@ N, B = 300, 2  # 150 batches, 10 ms a sample: ~3 s on one server, time for the c
 DATASETS = {"toy": {"format": "python", "factory": "toy_datasets:toy",
                     "options": {"n": N, "delay": 0.01}}}
 GRACE = 30  # a's drain takes less: the loop lets go of it
-KW = dict(batch_size=B, seed=3, shuffle=True, output="numpy", prefetch=6, timeout=60)
+KW = dict(batch_size=B, seed=3, shuffle=True, order="legacy",
+          output="numpy", prefetch=6, timeout=60)
 
 
 class Names:

@@ -22,7 +22,8 @@ from conftest import server_env
 # Slow enough (10 ms a sample) that faults land mid-epoch; 30 batches of 2.
 DATASETS = {"toy": {"format": "python", "factory": "toy_datasets:toy",
                     "options": {"n": 60, "delay": 0.01}}}
-KW = dict(batch_size=2, seed=7, shuffle=True, output="numpy", prefetch=6, timeout=60)
+KW = dict(batch_size=2, seed=7, shuffle=True, order="legacy",
+          output="numpy", prefetch=6, timeout=60)
 
 
 @pytest.fixture

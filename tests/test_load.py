@@ -58,7 +58,8 @@ def test_32_streams_on_one_server(start_server: StartServer, ledger) -> None:
     def client(k: int) -> None:
         mine, lat = [], []
         try:
-            with RemoteLoader(server.address, "noise", batch_size=BS, seed=k, output="numpy",
+            with RemoteLoader(server.address, "noise", batch_size=BS, seed=k, order="legacy",
+                              output="numpy",
                               prefetch=PREFETCH, timeout=60, shared_memory=k % 2 == 0) as ld:
                 it = iter(ld)
                 for _ in range(BATCHES):

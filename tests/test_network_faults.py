@@ -38,7 +38,8 @@ DATASETS = {"toy": {"format": "python", "factory": "toy_datasets:toy",
                     "options": {"n": N, "delay": 0.01}}}
 # data_socket=False: these faults are on gRPC frames through `proxies`; the default path (the
 # data connection, dialled past a proxy in front of gRPC alone) is under `data_proxies`.
-KW: dict[str, Any] = dict(batch_size=BS, seed=SEED, shuffle=True, output="numpy", prefetch=4,
+KW: dict[str, Any] = dict(batch_size=BS, seed=SEED, shuffle=True, order="legacy",
+                          output="numpy", prefetch=4,
                           timeout=20, shared_memory=False, data_socket=False)
 HEAL_AFTER = 0.6  # seconds a temporary fault lasts
 REFERENCE = np.random.default_rng([SEED, 0]).permutation(N).tolist()

@@ -200,7 +200,7 @@ def test_a_server_killed_mid_batch_loses_and_repeats_nothing(tmp_path: Path,
     victim, other = (ServerProcess(config, workers=4, env=server_env()) for _ in range(2))
     delivered: list[int] = []
     with victim, other, RemoteLoader([victim.address, other.address], "d", batch_size=BATCH,
-                                     seed=3, output="numpy", timeout=60,
+                                     seed=3, order="legacy", output="numpy", timeout=60,
                                      shared_memory=False) as loader:
         for k, batch in enumerate(loader):
             delivered += batch["sample_index"].tolist()

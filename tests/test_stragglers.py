@@ -48,7 +48,7 @@ BEFORE = {1: 0.50, 2: 0.43}
 DATASETS = {"toy": {"format": "python", "factory": "toy_datasets:toy",
                     "options": {"n": N, "dim": DIM, "delay": DELAY}}}
 # shared_memory=False: the hosts share this machine's /dev/shm, which hosts apart do not.
-KW: dict[str, Any] = dict(batch_size=BS, shuffle=True, output="numpy", timeout=30,
+KW: dict[str, Any] = dict(batch_size=BS, shuffle=True, order="legacy", output="numpy", timeout=30,
                           shared_memory=False)
 
 

@@ -39,7 +39,8 @@ DATASETS = {"toy": {"format": "python", "factory": "toy_datasets:toy",
                     "options": {"n": N, "delay": 0.004}},
             "flaky": TOY_DATASETS["flaky"]}
 # One epoch a job: nothing of the next is fetched ahead (and built) while it ends.
-KW: dict[str, Any] = dict(batch_size=BATCH, seed=11, shuffle=True, output="numpy", timeout=60,
+KW: dict[str, Any] = dict(batch_size=BATCH, seed=11, shuffle=True, order="legacy",
+                          output="numpy", timeout=60,
                           prefetch_next_epoch=False)
 Batches = list[dict[str, np.ndarray]]
 

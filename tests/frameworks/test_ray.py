@@ -37,7 +37,8 @@ CONFIG = {"server": {"grace_seconds": 2}, "datasets": {
             "options": {"n": N, "delay": 0.005}},
     "endless": {"format": "python", "factory": "toy_datasets:toy",
                 "options": {"n": 100_000, "delay": 0.01}}}}
-KW = dict(batch_size=2, seed=7, shuffle=True, output="numpy", prefetch=6, timeout=60,
+KW = dict(batch_size=2, seed=7, shuffle=True, order="legacy",
+          output="numpy", prefetch=6, timeout=60,
           resolver=resolve, dns_refresh=0.1)
 
 
