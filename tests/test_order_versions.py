@@ -1,0 +1,108 @@
+"""Order versions: new runs read the index order, states saved before it resume the legacy
+order exactly, and a server that cannot compute a loader's order is refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from stoker.client import DataMismatch, RemoteLoader
+from stoker.server.order.sampling import ORDER_INDEX, Ordering
+from stoker.v1 import stoker_pb2 as pb
+from stoker.v1 import stoker_pb2_grpc as pb_grpc
+
+N, SEED, BS, WORLD = 120, 7, 5, 2
+DATASETS = {"n120": {"format": "python", "factory": "toy_datasets:toy", "options": {"n": N}}}
+
+# What RemoteLoader.state_dict() returned before order versions, rank 1 of 2, 3 batches into
+# epoch 1 (its fingerprint left out: the test's server lists another moment's data).
+SAVED_BEFORE = {"coordinates": {"dataset": "n120", "seed": SEED, "shuffle": True, "rank": 1,
+                                "world_size": WORLD, "batch_size": BS, "drop_last": True},
+                "epoch": 1, "next_batch": 3}
+
+
+@pytest.fixture(scope="module")
+def address(start_server_module) -> str:
+    return start_server_module(DATASETS).address
+
+
+def loader(address: str, **kw: Any) -> RemoteLoader:
+    kw = {"seed": SEED, "rank": 1, "world_size": WORLD, "output": "numpy", "timeout": 60, **kw}
+    return RemoteLoader(address, "n120", batch_size=BS, **kw)
+
+
+def indices(batches: Any) -> list[int]:
+    return [i for b in batches for i in b["sample_index"].tolist()]
+
+
+def test_a_state_saved_before_index_orders_resumes_the_legacy_order_exactly(address) -> None:
+    legacy = np.random.default_rng([SEED, 1]).permutation(N)  # what stoker did then
+    rank1 = legacy[1::WORLD].tolist()
+    with loader(address) as ld:  # a new loader: its own order would be the index one
+        ld.load_state_dict(SAVED_BEFORE)
+        rest = indices(ld)
+        state = ld.state_dict()
+    assert rest == rank1[3 * BS:]
+    assert "order" not in state["coordinates"]  # still a legacy state, as it was saved
+    with loader(address) as ld:  # and the next epoch goes on in the legacy order
+        ld.load_state_dict(state)
+        assert indices(ld) == np.random.default_rng([SEED, 2]).permutation(N)[1::WORLD].tolist()
+
+
+def test_new_runs_read_the_index_order_and_save_it(address) -> None:
+    want = Ordering(N).indices(np.arange(1, N, WORLD), SEED, 0, True, ORDER_INDEX).tolist()
+    with loader(address) as ld:
+        it = iter(ld)
+        first = indices([next(it) for _ in range(2)])
+        state = ld.state_dict()
+        it.close()
+    assert first == want[: 2 * BS]
+    assert first != np.random.default_rng([SEED, 0]).permutation(N)[1::WORLD][: 2 * BS].tolist()
+    assert state["coordinates"]["order"] == ORDER_INDEX
+    with loader(address, world_size=3, rank=0) as ld:  # elastic: the rest of the same order
+        ld.load_state_dict(state)
+        assert ld.state_dict()["coordinates"]["order"] == ORDER_INDEX
+    with loader(address, order="legacy") as ld:  # a state of another order: not resumed
+        assert ld.state_dict().get("coordinates", {}).get("order") is None
+        ld.load_state_dict(state)  # the run's order is the state's
+        assert ld.state_dict()["coordinates"]["order"] == ORDER_INDEX
+
+
+def test_an_order_the_server_does_not_know_is_refused_naming_it(address) -> None:
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.DataServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.DescribeDataset(pb.DescribeDatasetRequest(coordinates=pb.Coordinates(
+                dataset="n120", seed=1, shuffle=True, world_size=1, batch_size=4, order=9)),
+                timeout=30)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "order" in (raised.value.details() or "")
+        described = stub.DescribeDataset(pb.DescribeDatasetRequest(coordinates=pb.Coordinates(
+            dataset="n120", world_size=1, batch_size=4)), timeout=30)
+    assert sorted(described.fingerprint.orders) == [1, 2]
+
+
+def test_a_server_older_than_index_orders_is_refused(address) -> None:
+    """A server that lists no orders (one from before them) would serve the legacy order for
+    an index-order loader's coordinates: the loader refuses it."""
+    from stoker.client._pinning import order_refusal
+
+    old = pb.DescribeDatasetResponse(fingerprint=pb.Fingerprint(digest="sha256:ab"))
+    refused = order_refusal("n120", ORDER_INDEX, "old:1", old)
+    assert isinstance(refused, DataMismatch) and "old:1" in str(refused)
+    assert order_refusal("n120", 1, "old:1", old) is None  # a legacy run may use it
+    new = pb.DescribeDatasetResponse(fingerprint=pb.Fingerprint(digest="sha256:ab",
+                                                                orders=[1, 2]))
+    assert order_refusal("n120", ORDER_INDEX, "new:1", new) is None
+
+
+def test_bad_order_names_are_refused() -> None:
+    with pytest.raises(ValueError, match="order must be one of"):
+        RemoteLoader("127.0.0.1:1", "n120", batch_size=4, order="feistel")
+    with pytest.raises(ValueError, match="'order'"):
+        with loader("127.0.0.1:1") as ld:
+            ld.load_state_dict({**SAVED_BEFORE, "coordinates": {
+                **SAVED_BEFORE["coordinates"], "order": 9}})
