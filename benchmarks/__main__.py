@@ -53,6 +53,9 @@ SCENARIOS: dict[str, tuple[str, list[str], list[str]]] = {
     "pipeline_batch": ("pipeline_batch.py", [], ["--quick"]),
     # ResNet-50 and a GPT-2 small where CUDA is (skips without), and a CPU stand-in (issue 31).
     "gpu": ("gpu.py", [], ["--quick"]),
+    # The first batch of a new shuffled epoch and the server's memory, 1e5 to 1e9 samples
+    # (issue 38: orders that cost a batch, not a dataset).
+    "orders": ("orders.py", [], ["--quick"]),
 }
 
 

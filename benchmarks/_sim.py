@@ -52,3 +52,17 @@ class Waiting:
     def __getitem__(self, i: int) -> dict[str, Any]:
         time.sleep(self.seconds)
         return {"x": self.x}
+
+
+class Free:
+    """Sample i: {"i": int64 i}, at no cost: what a batch's order and collation cost alone
+    (the orders scenario: 1e5 to 1e9 samples, nothing held per sample)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"i": np.int64(i)}
