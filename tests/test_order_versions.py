@@ -106,3 +106,26 @@ def test_bad_order_names_are_refused() -> None:
         with loader("127.0.0.1:1") as ld:
             ld.load_state_dict({**SAVED_BEFORE, "coordinates": {
                 **SAVED_BEFORE["coordinates"], "order": 9}})
+
+
+def test_stats_show_memory_and_index_orders_hold_none(start_server) -> None:
+    """Epochs and seeds of a billion-sample dataset under index orders: the legacy order cache
+    stays empty and /v1/stats says so, with the processes' resident memory."""
+    import json
+    import urllib.request
+
+    server = start_server({"big": {"format": "python", "factory": "toy_datasets:Counting",
+                                   "options": {"n": 10**9}}})
+    for seed in range(3):
+        with RemoteLoader(server.address, "big", batch_size=8, seed=seed, world_size=8,
+                          rank=7, output="numpy", timeout=60) as ld:
+            for epoch in range(2):
+                ld.set_epoch(epoch)
+                it = iter(ld)
+                assert len(next(it)["sample_index"]) == 8
+                it.close()
+    with urllib.request.urlopen(server.http_url + "/v1/stats", timeout=30) as r:
+        memory = json.loads(r.read())["memory"]
+    assert memory["legacy_order_cache_bytes"] == 0
+    assert memory["legacy_order_cache_max_bytes"] == 1 << 30
+    assert memory["front_end_rss_anon_bytes"] > 0 and memory["workers_rss_anon_bytes"] > 0

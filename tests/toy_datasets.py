@@ -98,6 +98,19 @@ class Ramp:
         return {"ramp": (np.arange(self.size, dtype=np.uint16) // 64 + i).astype(np.uint16)}
 
 
+class Counting:
+    """Sample i is {"i": int64 i}: costs nothing, any size (a billion samples, say)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        return {"i": np.int64(i)}
+
+
 class Hangs(Toy):
     """Toy, except that reading sample `hang_at` hangs for ever the first time, in whichever
     worker reads it first (the flag file `flag` marks that one did: later attempts read it

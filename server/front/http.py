@@ -45,6 +45,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .auth import EXEMPT_HTTP_PATHS, REFUSAL, bearer_ok
 from .listen import listen
+from .memory_stats import memory_stats
 from .tls import uvicorn_options
 
 PAGE = Path(__file__).parent / "static" / "index.html"
@@ -106,6 +107,15 @@ class DatasetRates(BaseModel):
     client_windows: list[ClientWindow] = []
 
 
+class Memory(BaseModel):
+    front_end_rss_anon_bytes: int
+    workers_rss_anon_bytes: int
+    legacy_order_cache_bytes: int
+    legacy_order_cache_max_bytes: int
+    token_plan_cache_bytes: int
+    token_plan_cache_max_bytes: int
+
+
 class Stats(BaseModel):
     window_seconds: float
     workers: int
@@ -123,6 +133,8 @@ class Stats(BaseModel):
     datasets: dict[str, DatasetRates]
     # What this server can do: its clients' windows follow it (docs/tuning.md).
     capacity: Capacity | None = None
+    # Resident memory and the order and plan caches against their caps (memory_stats.py).
+    memory: Memory | None = None
 
 
 def make_app(service: Any = None, token: bytes | None = None) -> FastAPI:
@@ -209,7 +221,8 @@ def make_app(service: Any = None, token: bytes | None = None) -> FastAPI:
                      held_batches=pool["held"], stream_held_bytes=service.admission.held,
                      draining=service.draining, worker_timeouts=pool.get("timeouts", 0),
                      datasets={k: DatasetRates(**v) for k, v in live["datasets"].items()},
-                     capacity=Capacity(**live["capacity"]))
+                     capacity=Capacity(**live["capacity"]),
+                     memory=Memory(**memory_stats(service.pool.pids())))
 
     return app
 

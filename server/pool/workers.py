@@ -233,6 +233,11 @@ class WorkerPool:
                     "held": len(self._jobs.lent),
                     "timeouts": self._dispatcher.timeouts}
 
+    def pids(self) -> list[int]:
+        """The worker processes' pids (for their memory in /v1/stats). Any thread."""
+        with self._lock:
+            return [w.process.pid for w in self._workers.workers if w.process.pid]
+
     def capacity(self) -> tuple[int, float]:
         """(workers ready, the pool's measured build rate in samples/s: the workers over a
         worker's running mean time per sample; 0.0 before the first batch). Any thread."""
