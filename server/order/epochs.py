@@ -10,8 +10,9 @@ from typing import Protocol
 
 import numpy as np
 
-from . import token_batches
+from . import token_batches, token_windows
 from .sampling import (
+    ORDER_LEGACY,
     CoordinateError,
     Coordinates,
     Ordering,
@@ -34,7 +35,8 @@ def samples_of(meta: EpochSource, c: Coordinates, index: int) -> np.ndarray:
     the excluded samples (server/order/exclusion.py)."""
     if c.batch_tokens:
         assert meta.lengths is not None  # checked with the coordinates
-        samples = token_batches.batch_samples(meta.ordering, meta.lengths, c, index)
+        plans = token_batches if c.order == ORDER_LEGACY else token_windows
+        samples = plans.batch_samples(meta.ordering, meta.lengths, c, index)
     else:
         samples = batch_samples(meta.ordering, c, index)
     return samples if c.excluded is None else c.excluded.drop(samples)
@@ -45,6 +47,9 @@ def epoch_size(meta: EpochSource, c: Coordinates) -> tuple[int, int]:
     the epoch's steps divided by world_size (ranks' counts differ, their tokens do not)."""
     if c.batch_tokens:
         assert meta.lengths is not None
+        if c.order != ORDER_LEGACY:  # windows: the positions planned, less the tail
+            steps = token_windows.batches_per_epoch(meta.ordering, meta.lengths, c)
+            return steps, max(meta.num_samples - c.start, 0) // c.world_size
         p = token_batches.plan(meta.ordering, meta.lengths, c)
         return p.steps, len(p.members) // c.world_size
     return batches_per_epoch(meta.num_samples, c), samples_per_rank(meta.num_samples, c)
@@ -99,20 +104,20 @@ def _advance(meta: EpochSource, c: Coordinates, epoch: int, start: int, taken: i
     `epoch`'s positions from `start` (an epoch taken whole is the next one's beginning)."""
     while True:
         at = dataclasses.replace(c, epoch=epoch, start=start)
-        if c.batch_tokens and not start:  # each epoch its plan's steps, counted once
+        if c.batch_tokens and not start and c.order == ORDER_LEGACY:  # each its plan's steps
             assert meta.lengths is not None
             epoch, taken = token_batches.locate_whole(meta.ordering, meta.lengths, at,
                                                       taken + steps)
             return epoch, 0, taken
-        batches = epoch_size(meta, at)[0] if not c.batch_tokens else \
-            token_batches.batches_per_epoch(meta.ordering, meta.lengths, at)  # type: ignore[arg-type]
+        batches = epoch_size(meta, at)[0] if not c.batch_tokens or c.order != ORDER_LEGACY \
+            else token_batches.batches_per_epoch(meta.ordering, meta.lengths, at)  # type: ignore[arg-type]
         if taken + steps < batches:
             return epoch, start, taken + steps
         if not start and batches <= 0:
             raise CoordinateError("locate.step", "these coordinates give no batch per epoch")
         steps -= batches - taken
         epoch, start, taken = epoch + 1, 0, 0
-        if steps and not c.batch_tokens:  # every whole epoch has as many: arithmetic
+        if steps and (not c.batch_tokens or c.order != ORDER_LEGACY):  # whole epochs alike
             whole = epoch_size(meta, dataclasses.replace(c, epoch=epoch, start=0))[0]
             if whole > 0:
                 skipped, steps = divmod(steps, whole)
@@ -130,5 +135,7 @@ def consumed(meta: EpochSource, c: Coordinates, steps: int) -> int:
                                                 f"got {steps}")
     if c.batch_tokens:
         assert meta.lengths is not None
+        if c.order != ORDER_LEGACY:
+            return token_windows.consumed(meta.ordering, meta.lengths, c, steps)
         return int(token_batches.plan(meta.ordering, meta.lengths, c).cuts[steps])
     return min(c.start + steps * c.batch_size * c.world_size, meta.num_samples)

@@ -1,0 +1,244 @@
+"""Token budgets under index orders: plans made for windows of positions, each alone.
+
+token_batches.py plans a whole epoch at once (the legacy order's way: 2 us and 8 bytes a
+sample, before the first batch). Here an epoch's positions from `start` are cut into windows
+of `window` positions (the last one shorter), and window w gets a fixed number of steps,
+S(size of w), computed from the dataset's length statistics alone:
+
+    S(p) = ceil(p * (mean + Z * std / sqrt(p)) / (world_size * batch_tokens * FILL))
+
+(mean and std of the samples' lengths, the largest over shards or mixture components: a
+window is a sample of them), at most p // world_size. So an epoch has
+(windows - 1) * S(window) + S(last window's size) steps, in closed form: its length, a seek
+to any step and the window that holds it are arithmetic, and a batch costs one window's plan
+(kept in token_batches.PLANS, by bytes).
+
+A window's plan: its positions' lengths, cut into S contiguous runs of about equal tokens
+(run ends tried around each target, up to MAX_TRIES, for the first one whose split across the
+ranks fits the budget and is balanced within BALANCE), each run split across the ranks as
+token_batches splits a step. Steps are contiguous runs of positions, so "consumed after step
+s" is still a prefix of the order (what an elastic resume hands on). A run that no end makes
+splittable (samples long against batch_tokens) gives up its longest samples until it is:
+they are `dropped`, counted and logged, like the epoch's tail (at most world_size - 1
+positions of the last window). With samples short against the budget the slack Z * std leaves
+makes this vanishingly rare; what it costs is fill: about FILL / (1 + Z * cv / sqrt(window))
+of world_size * batch_tokens a step.
+
+Threading: pure functions over their arguments, plans cached in PLANS (any thread).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from .sampling import CoordinateError, Coordinates, Ordering
+from .token_batches import BALANCE, MAX_TRIES, PLANS, TokenPlan, _imbalance, _split
+
+log = logging.getLogger("stoker.server")
+
+FILL = 0.95  # a step's expected tokens, of world_size * batch_tokens
+Z = 6.0  # standard deviations of a window's mean length allowed for
+WINDOW = 32768  # positions a window, at least
+MIN_STEPS = 64  # ... and enough for this many steps of the mean length
+MAX_WINDOW = 1 << 21
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How an epoch under `c` is cut: windows of `window` positions from `start`, `steps`
+    steps each (the last window `last` positions, `last_steps` steps)."""
+
+    start: int
+    window: int
+    steps: int
+    windows: int
+    last: int
+    last_steps: int
+
+    @property
+    def total(self) -> int:
+        return (self.windows - 1) * self.steps + self.last_steps if self.windows else 0
+
+    def window_of(self, step: int) -> tuple[int, int]:
+        """(window, step within it) of the epoch's step `step`."""
+        w = min(step // self.steps, self.windows - 1) if self.steps else self.windows - 1
+        return w, step - w * self.steps
+
+    def bounds(self, w: int) -> tuple[int, int, int]:
+        """(first position, positions, steps) of window w."""
+        first = self.start + w * self.window
+        if w == self.windows - 1:
+            return first, self.last, self.last_steps
+        return first, self.window, self.steps
+
+
+_STATS: dict[tuple[int, int], tuple[float, float]] = {}
+_STATS_LOCK = threading.Lock()
+
+
+def _length_stats(ordering: Ordering, lengths: np.ndarray) -> tuple[float, float]:
+    """(mean, std) of a window's lengths to plan for: the largest over the groups a window may
+    draw from unevenly (a mixture's components, a block shuffle's shards), once per dataset."""
+    key = (id(ordering), id(lengths))
+    with _STATS_LOCK:
+        found = _STATS.get(key)
+    if found is not None:
+        return found
+    lens = np.asarray(lengths, dtype=np.float64)
+    starts = getattr(ordering, "offsets", None)  # a mixture: its components
+    if starts is None and getattr(ordering, "block", False):
+        starts = ordering.shard_starts
+    if starts is None or len(starts) <= 1:
+        found = (float(lens.mean()) if len(lens) else 0.0, float(lens.std()) if len(lens) else 0.0)
+    else:
+        bounds = np.append(np.asarray(starts, dtype=np.int64), len(lens))
+        groups = [lens[a:b] for a, b in itertools.pairwise(bounds) if b > a]
+        found = (max(float(g.mean()) for g in groups), max(float(g.std()) for g in groups))
+    with _STATS_LOCK:
+        if len(_STATS) >= 256:
+            _STATS.clear()
+        _STATS[key] = found
+    return found
+
+
+def _steps_for(positions: int, mean: float, std: float, c: Coordinates) -> int:
+    if positions < c.world_size:
+        return 0
+    high = mean + Z * std / math.sqrt(positions)
+    need = math.ceil(positions * high / (c.world_size * c.batch_tokens * FILL))
+    return max(1, min(need, positions // c.world_size))
+
+
+def shape(ordering: Ordering, lengths: np.ndarray, c: Coordinates) -> Shape:
+    """The epoch's windows and steps under `c` (arithmetic on the length statistics)."""
+    mean, std = _length_stats(ordering, lengths)
+    rest = max(ordering.num_samples - c.start, 0)
+    per_step = max(c.world_size * c.batch_tokens * FILL / max(mean, 1.0), 1.0)
+    window = int(min(max(WINDOW, math.ceil(MIN_STEPS * per_step)), MAX_WINDOW))
+    windows = -(-rest // window)
+    if not windows:
+        return Shape(c.start, window, 0, 0, 0, 0)
+    last = rest - (windows - 1) * window
+    return Shape(c.start, window, _steps_for(window, mean, std, c), windows, last,
+                 _steps_for(last, mean, std, c))
+
+
+def batches_per_epoch(ordering: Ordering, lengths: np.ndarray, c: Coordinates) -> int:
+    return shape(ordering, lengths, c).total
+
+
+def window_plan(ordering: Ordering, lengths: np.ndarray, c: Coordinates, w: int) -> TokenPlan:
+    """Window w's plan (from PLANS): its cuts and members are positions of the epoch."""
+    key = ("window", ordering, c.seed, c.epoch, c.shuffle, c.world_size, c.batch_tokens,
+           c.token_cost, c.start, c.order, w)
+    return PLANS.get(key, lambda: _make(ordering, lengths, c, w))  # type: ignore[return-value]
+
+
+def batch_samples(ordering: Ordering, lengths: np.ndarray, c: Coordinates,
+                  batch_index: int) -> np.ndarray:
+    """Dataset indices of rank c.rank's batch `batch_index` (a new array)."""
+    s = shape(ordering, lengths, c)
+    if not 0 <= batch_index < s.total:
+        raise CoordinateError(
+            "batch_index", f"must be in [0, {s.total}) for this epoch and rank, got {batch_index}")
+    w, k = s.window_of(batch_index)
+    positions = window_plan(ordering, lengths, c, w).positions(k, c.rank)
+    return np.array(ordering.indices(positions, c.seed, c.epoch, c.shuffle, c.order),
+                    dtype=np.int64)
+
+
+def consumed(ordering: Ordering, lengths: np.ndarray, c: Coordinates, steps: int) -> int:
+    """Where step `steps` begins (all before it consumed): a position of the epoch."""
+    s = shape(ordering, lengths, c)
+    if steps >= s.total:
+        return ordering.num_samples
+    w, k = s.window_of(steps)
+    return int(window_plan(ordering, lengths, c, w).cuts[k])
+
+
+def _make(ordering: Ordering, lengths: np.ndarray, c: Coordinates, w: int) -> TokenPlan:
+    s = shape(ordering, lengths, c)
+    first, size, steps = s.bounds(w)
+    index = ordering.indices(np.arange(first, first + size, dtype=np.int64), c.seed, c.epoch,
+                             c.shuffle, c.order)
+    # A mixture's index space repeats its components' samples each period (its lengths')
+    lens = np.asarray(lengths, dtype=np.int64)[np.asarray(index) % len(lengths)]
+    costs = lens if c.token_cost == "tokens" else lens * lens
+    world, budget = c.world_size, c.batch_tokens
+    ends = np.cumsum(lens)
+    total = int(ends[-1]) if size else 0
+    cuts, members, offsets, imbalance = [0], [], [0], []
+    unbalanced = dropped = 0
+    for k in range(steps):
+        a = cuts[-1]
+        left = steps - k - 1  # runs after this one: each needs world positions
+        lo, hi = a + world, size - left * world
+        if k == steps - 1:
+            lo = hi = size
+        target = int(np.searchsorted(ends, total * (k + 1) / steps, side="left")) + 1
+        best: tuple[float, int, list[list[int]]] | None = None
+        for b in _around(min(max(target, lo), hi), lo, hi):
+            groups = _split(lens[a:b], costs[a:b], world, budget)
+            if groups is None:
+                continue
+            gap = _imbalance(costs[a:b], groups)
+            if best is None or gap < best[0]:
+                best = (gap, b, groups)
+            if gap <= BALANCE:
+                break
+        if best is None:  # no end fits: the run's longest samples give way
+            b = min(max(target, lo), hi)
+            groups, lost = _fit(lens, costs, a, b, world, budget)
+            dropped += lost
+            best = (_imbalance(costs[a:b], groups), b, groups)
+        gap, b, groups = best
+        unbalanced += gap > BALANCE
+        for g in groups:
+            members.append(np.sort(np.asarray(g, dtype=np.int64)) + a + first)
+            offsets.append(offsets[-1] + len(g))
+        imbalance.append(gap)
+        cuts.append(b)
+    if not steps:
+        dropped += size
+    plan = TokenPlan(world, np.asarray(cuts, dtype=np.int64) + first,
+                     np.concatenate(members) if members else np.zeros(0, np.int64),
+                     np.asarray(offsets, dtype=np.int64), np.asarray(imbalance, np.float64),
+                     unbalanced, dropped)
+    for arr in (plan.cuts, plan.members, plan.offsets, plan.imbalance):
+        arr.flags.writeable = False
+    if unbalanced or (dropped and w != s.windows - 1):
+        log.warning("dataset %r epoch %d window %d: %d of %d steps of batch_tokens=%d over %d "
+                    "ranks not balanced within %d%%, %d samples left out (samples long "
+                    "against batch_tokens?)", c.dataset, c.epoch, w, unbalanced, steps,
+                    budget, world, 100 * BALANCE, dropped)
+    return plan
+
+
+def _around(target: int, lo: int, hi: int) -> list[int]:
+    """Run ends to try: the target, then alternately before and after it, within [lo, hi]."""
+    found = [target]
+    for d in range(1, MAX_TRIES):
+        found += [b for b in (target - d, target + d) if lo <= b <= hi]
+        if len(found) >= MAX_TRIES:
+            break
+    return found
+
+
+def _fit(lens: np.ndarray, costs: np.ndarray, a: int, b: int, world: int, budget: int
+         ) -> tuple[list[list[int]], int]:
+    """A split of run [a, b) without its longest samples, as few as make it fit; (groups,
+    samples left out). One sample a rank always fits (each is at most the budget)."""
+    order = np.argsort(-lens[a:b], kind="stable")
+    for lost in range(1, b - a - world + 1):
+        keep = np.sort(order[lost:])
+        groups = _split(lens[a:b][keep], costs[a:b][keep], world, budget)
+        if groups is not None:
+            return [keep[g].tolist() for g in groups], lost
+    keep = np.sort(order[b - a - world:])
+    return [[int(i)] for i in keep], b - a - world
