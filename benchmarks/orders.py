@@ -13,6 +13,12 @@ the same way. The server's resident memory (RssAnon, front end and workers toget
 after the server's first batch and after all of them: its growth is what the epochs held.
 The legacy order (the whole epoch's permutation) is timed the same way up to `--legacy-max`
 samples, and a mixture of three components of N samples each at the largest size.
+
+Token budgets: a Parquet file of `--documents` rows with a `length` column (log-normal
+lengths, 1..4096 tokens), `format: parquet` with `length_column`, batch_tokens 8192 over 8
+ranks: the first batch of epochs 0..2, and on a fresh server `seek(1_000_000)` then its batch,
+for the index order (windows) and, up to `--legacy-max` documents, the legacy one (the whole
+epoch's plan); the server's memory growth over them.
 """
 
 from __future__ import annotations
@@ -33,9 +39,10 @@ from stoker.server import ServerProcess, write_config
 
 HERE = Path(__file__).resolve().parent
 FULL = {"sizes": [10**5, 10**6, 10**7, 10**8, 10**9], "legacy_max": 10**7, "seeds": 4,
-        "epochs": 5}
+        "epochs": 5, "documents": 10**7}
 QUICK = {"sizes": [10**5, 10**6, 10**7, 10**8, 10**9], "legacy_max": 10**6, "seeds": 2,
-         "epochs": 3}
+         "epochs": 3, "documents": 10**6}
+TOKENS, FAR = 8192, 1_000_000
 BATCH, WORLD, RANKS, RESUMED_WORLD = 256, 8, (0, 7), 5
 
 
@@ -97,6 +104,54 @@ def measure(n: int, order: str, mixture: bool, p: dict[str, Any], work: Path,
             "elastic_first_batch_s": elastic, "rss_growth_bytes": grown}
 
 
+def documents(work: Path, n: int) -> Path:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    lengths = np.clip(np.random.default_rng(0).lognormal(5.0, 1.0, n), 1, 4096).astype(np.int32)
+    path = work / f"docs-{n}.parquet"
+    pq.write_table(pa.table({"length": lengths, "label": np.arange(n, dtype=np.int64)}), path,
+                   row_group_size=1 << 20)
+    return path
+
+
+def measure_tokens(path: Path, order: str, work: Path, problems: list[str]) -> dict[str, Any]:
+    config = write_config(work / f"tokens-{order}.yaml", {"datasets": {"docs": {
+        "format": "parquet", "source": str(path), "length_column": "length",
+        "fields": {"label": {}}}}})
+    kw = {"batch_tokens": TOKENS, "world_size": WORLD, "rank": 7, "order": order, "seed": 1,
+          "output": "numpy", "prefetch": 2, "timeout": 1200, "connect_timeout": 600,
+          "prefetch_next_epoch": False}
+    out: dict[str, Any] = {"order": order}
+    # A fresh server each: the seek's is cold. The legacy order's seek plans every epoch before
+    # the step, whole (minutes at these sizes): not run.
+    for part in ("epochs", "seek") if order == "index" else ("epochs",):
+        server = ServerProcess(config, workers=1).start(timeout=600)
+        try:
+            assert server.proc is not None
+            with RemoteLoader(server.address, "docs", **kw) as ld:
+                ld.describe()
+                base = group(server.proc.pid, children=True)["RssAnon"]
+                if part == "epochs":
+                    out["first_batch_s"] = [first_batch(ld, e) for e in range(3)]
+                    out["steps_per_epoch"] = len(ld)
+                else:
+                    t0 = time.perf_counter()
+                    ld.seek(FAR)
+                    it = iter(ld)
+                    next(it)
+                    out["seek_s"] = time.perf_counter() - t0
+                    out["seek_epoch"] = ld.state_dict()["epoch"]
+                    it.close()
+                out[f"rss_growth_{part}_bytes"] = (group(server.proc.pid, children=True)
+                                                   ["RssAnon"] - base)
+        finally:
+            if (code := server.stop()):
+                problems.append(f"tokens {order} {part}: server exit code {code}")
+    return out
+
+
 def run(args: Any) -> dict[str, Any]:
     settle(args, QUICK, FULL)
     p = {k: getattr(args, k) for k in FULL} | {"quick": args.quick, "batch": BATCH,
@@ -112,6 +167,10 @@ def run(args: Any) -> dict[str, Any]:
                 res["rows"].append(measure(n, "legacy", False, p, work, res["check_problems"]))
         res["rows"].append(measure(max(p["sizes"]), "index", True, p, work,
                                    res["check_problems"]))
+        path = documents(work, p["documents"])
+        res["tokens"] = [measure_tokens(path, order, work, res["check_problems"])
+                         for order in ("index", "legacy")
+                         if order == "index" or p["documents"] <= p["legacy_max"]]
     for r in res["rows"]:
         goal = 0.5 if r["mixture"] else 0.2
         if r["order"] == "index" and (r["first_batch_s"]["max"] > goal
@@ -120,6 +179,12 @@ def run(args: Any) -> dict[str, Any]:
                 f"N={r['samples']}{' mixture' if r['mixture'] else ''}: first batch max "
                 f"{r['first_batch_s']['max']:.3f} s (goal {goal}), memory "
                 f"+{r['rss_growth_bytes'] / 2**20:.1f} MiB (goal 64)")
+    for t in res["tokens"]:
+        if t["order"] == "index" and (max(t["first_batch_s"]) > 1.0 or t["seek_s"] > 2.0 or max(
+                t["rss_growth_epochs_bytes"], t["rss_growth_seek_bytes"]) > 256 << 20):
+            res.setdefault("goal_missed", []).append(
+                f"tokens: first batch max {max(t['first_batch_s']):.2f} s (goal 1), seek "
+                f"{t['seek_s']:.2f} s (goal 2), memory goal 256 MiB")
     return res
 
 
@@ -137,6 +202,16 @@ def report(res: dict[str, Any]) -> str:
                      f"{r['first_batch_s']['max'] * 1e3:>8.1f} "
                      f"{r['elastic_first_batch_s'] * 1e3:>10.1f} "
                      f"{r['rss_growth_bytes'] / 2**20:>9.1f}")
+    lines += ["", f"token budgets: {p['documents']:,} documents, batch_tokens {TOKENS}, "
+              f"rank 7 of {WORLD}", f"{'order':<8} {'steps/epoch':>11} {'first batch s':>24} "
+              f"{'seek s':>7} {'epoch':>6} {'RSS +MiB':>9}"]
+    for t in res.get("tokens", []):
+        firsts = " ".join(f"{x:.2f}" for x in t["first_batch_s"])
+        seek = (f"{t['seek_s']:>7.2f} {t['seek_epoch']:>6}" if "seek_s" in t
+                else f"{'-':>7} {'-':>6}")
+        grown = max(t["rss_growth_epochs_bytes"], t.get("rss_growth_seek_bytes", 0))
+        lines.append(f"{t['order']:<8} {t['steps_per_epoch']:>11} {firsts:>24} {seek} "
+                     f"{grown / 2**20:>9.1f}")
     lines += ["", "GOALS MISSED:", *(f"  - {x}" for x in res["goal_missed"])
               ] if res.get("goal_missed") else []
     lines += ["", "CHECK PROBLEMS:", *(f"  - {x}" for x in res["check_problems"])
@@ -148,7 +223,7 @@ def main() -> int:
     ap = scenario_parser(__doc__ or "")
     ap.add_argument("--sizes", type=lambda s: [int(float(x)) for x in s.split(",")],
                     default=None, help="comma-separated sample counts, e.g. 1e5,1e9")
-    for key in ("legacy_max", "seeds", "epochs"):
+    for key in ("legacy_max", "seeds", "epochs", "documents"):
         ap.add_argument(f"--{key.replace('_', '-')}", dest=key, type=lambda s: int(float(s)),
                         default=None)
     return run_scenario(ap.parse_args(), run, report)

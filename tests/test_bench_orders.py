@@ -18,7 +18,8 @@ def test_orders_scenario_times_first_batches_of_both_orders(tmp_path: Path) -> N
     out = tmp_path / "orders.json"
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "orders.py"), "--sizes", "1e4,1e9",
-         "--legacy-max", "1e4", "--seeds", "1", "--epochs", "2", "--json", str(out)],
+         "--legacy-max", "1e4", "--seeds", "1", "--epochs", "2", "--documents", "2e4",
+         "--json", str(out)],
         capture_output=True, text=True, timeout=220, cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     res = json.loads(out.read_text())
@@ -31,3 +32,6 @@ def test_orders_scenario_times_first_batches_of_both_orders(tmp_path: Path) -> N
         assert 0 < r["first_batch_s"]["min"] <= r["first_batch_s"]["median"] \
             <= r["first_batch_s"]["max"]
         assert r["elastic_first_batch_s"] > 0
+    (tokens,) = res["tokens"]  # 2e4 documents: past --legacy-max, the index order only
+    assert tokens["order"] == "index" and tokens["steps_per_epoch"] > 0
+    assert len(tokens["first_batch_s"]) == 3 and tokens["seek_s"] > 0
