@@ -6,7 +6,6 @@ thread per stream assembles batches, so at most `prefetch` batches wait in host 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -178,14 +177,10 @@ class RemoteLoader(OnDemand):
         the rest of that order: ValueError, unless `allow_changed_data` (the loader then goes
         on with the servers' data)."""
         saved = Saved.read(state, self._coords)
-        if saved.order != self._coords.order:  # the run goes on in the order it began in
-            self._coords = dataclasses.replace(self._coords, order=saved.order)
-            self._pinning.order = saved.order
-            self._described.clear()
+        self._carry(saved)
         if saved.digest and not allow_changed_data:
             self.describe()
             saved.check_data(self.dataset, self._pinning.pin)
-        self.exclude(saved.excluded.indices if saved.excluded else ())
         self._at = saved.position_for(self._coords, self._planned)
 
     # -- iteration -------------------------------------------------------------------------

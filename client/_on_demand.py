@@ -113,6 +113,15 @@ class OnDemand:
                              timeout=o.timeout, tls=o.channels.tls,
                              refuse=self._refuse).described.consumed
 
+    def _carry(self, saved: Saved) -> None:
+        """What a loaded state brings into this loader: its exclusions (added to ours) and
+        its order version (the run goes on in the order it began in)."""
+        if saved.order != self._coords.order:
+            self._coords = dataclasses.replace(self._coords, order=saved.order)
+            self._pinning.order = saved.order
+            self._described.clear()
+        self.exclude(saved.excluded.indices if saved.excluded else ())
+
     # -- exclusions -------------------------------------------------------------------------
     def exclude(self, sample_indices: Iterable[int]) -> None:
         """Leave these samples (dataset indices, as in `sample_index`) out of every batch

@@ -220,10 +220,10 @@ def _make(ordering: Ordering, lengths: np.ndarray, c: Coordinates, start: int) -
         b_max = max(b_max, a + world)  # every sample fits B, so world of them fit world * B
         best: tuple[float, int, list[list[int]]] | None = None
         for b in range(b_max, max(a + world, b_max - MAX_TRIES) - 1, -1):
-            groups = _split(lens[a:b], costs[a:b], world, budget)
+            groups = split_step(lens[a:b], costs[a:b], world, budget)
             if groups is None:
                 continue
-            gap = _imbalance(costs[a:b], groups)
+            gap = imbalance(costs[a:b], groups)
             if best is None or gap < best[0]:
                 best = (gap, b, groups)
             if gap <= BALANCE:
@@ -251,19 +251,19 @@ def _make(ordering: Ordering, lengths: np.ndarray, c: Coordinates, start: int) -
     return p
 
 
-def _imbalance(costs: np.ndarray, groups: list[list[int]]) -> float:
+def imbalance(costs: np.ndarray, groups: list[list[int]]) -> float:
     loads = [int(costs[g].sum()) for g in groups]
     top = max(loads)
     return (top - min(loads)) / top if top else 0.0
 
 
-def _split(lens: np.ndarray, costs: np.ndarray, world: int, budget: int
+def split_step(lens: np.ndarray, costs: np.ndarray, world: int, budget: int
            ) -> list[list[int]] | None:
     """Items 0..len-1 over `world` ranks, each rank's tokens at most `budget`: by length
     (`_split_by_length`) where that is balanced, else as evenly as LPT and a few improvements
     make them; None if an item fits no rank or a rank is left empty."""
     groups = _split_by_length(lens, costs, world, budget)
-    if groups is not None and _imbalance(costs, groups) <= BALANCE:
+    if groups is not None and imbalance(costs, groups) <= BALANCE:
         return groups
     return _split_even(lens, costs, world, budget)
 

@@ -15,11 +15,12 @@ to any step and the window that holds it are arithmetic, and a batch costs one w
 (kept in token_batches.PLANS, by bytes).
 
 A window's plan: its positions' lengths, cut into S contiguous runs, each ending near its
-share of the tokens left (run ends tried around that target, up to MAX_TRIES, for the first one whose split across the
-ranks fits the budget and is balanced within BALANCE), each run split across the ranks as
-token_batches splits a step. Steps are contiguous runs of positions, so "consumed after step
-s" is still a prefix of the order (what an elastic resume hands on). A run that no end makes
-splittable (samples long against batch_tokens) gives up its longest samples until it is:
+share of the tokens left (run ends tried around that target, up to MAX_TRIES, for the first
+one whose split across the ranks fits the budget and is balanced within BALANCE), each run
+split across the ranks as token_batches splits a step. Steps are contiguous runs of
+positions, so "consumed after step s" is still a prefix of the order (what an elastic
+resume hands on). A run that no end makes splittable (samples long against batch_tokens)
+gives up its longest samples until it is:
 they are `dropped`, counted and logged, like the epoch's tail (at most world_size - 1
 positions of the last window). With samples short against the budget the slack Z * std leaves
 makes this rare (none in 5 windows of 32,768 log-normal lengths up to the budget itself);
@@ -41,7 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .sampling import CoordinateError, Coordinates, Ordering
-from .token_batches import BALANCE, MAX_TRIES, PLANS, TokenPlan, _imbalance, _split
+from .token_batches import BALANCE, MAX_TRIES, PLANS, TokenPlan, split_step
+from .token_batches import imbalance as gap_of
 
 log = logging.getLogger("stoker.server")
 
@@ -193,10 +195,10 @@ def _make(ordering: Ordering, lengths: np.ndarray, c: Coordinates, w: int) -> To
         target = int(np.searchsorted(ends, share, side="left")) + 1
         best: tuple[float, int, list[list[int]]] | None = None
         for b in _around(min(max(target, lo), hi), lo, hi):
-            groups = _split(lens[a:b], costs[a:b], world, budget)
+            groups = split_step(lens[a:b], costs[a:b], world, budget)
             if groups is None:
                 continue
-            gap = _imbalance(costs[a:b], groups)
+            gap = gap_of(costs[a:b], groups)
             if best is None or gap < best[0]:
                 best = (gap, b, groups)
             if gap <= BALANCE:
@@ -205,7 +207,7 @@ def _make(ordering: Ordering, lengths: np.ndarray, c: Coordinates, w: int) -> To
             b = min(max(target, lo), hi)
             groups, lost = _fit(lens, costs, a, b, world, budget)
             dropped += lost
-            best = (_imbalance(costs[a:b], groups), b, groups)
+            best = (gap_of(costs[a:b], groups), b, groups)
         gap, b, groups = best
         unbalanced += gap > BALANCE
         for g in groups:
@@ -246,7 +248,7 @@ def _fit(lens: np.ndarray, costs: np.ndarray, a: int, b: int, world: int, budget
     order = np.argsort(-lens[a:b], kind="stable")
     for lost in range(1, b - a - world + 1):
         keep = np.sort(order[lost:])
-        groups = _split(lens[a:b][keep], costs[a:b][keep], world, budget)
+        groups = split_step(lens[a:b][keep], costs[a:b][keep], world, budget)
         if groups is not None:
             return [keep[g].tolist() for g in groups], lost
     keep = np.sort(order[b - a - world:])
