@@ -1,0 +1,446 @@
+"""`format: chat`: conversations rendered through a chat template, tokenized and masked once
+at open, packed whole into rows of `seq_len` tokens.
+
+Conversations: the records of every `.jsonl` file (`field` a dotted path to the list of
+messages) and every `.parquet` file (`field` a list<struct> column), in key order, records in
+file order, as `format: text` reads documents. Each is rendered by chat_template.py (as
+`transformers` renders it), the text is tokenized with the tokenizer.json's added tokens
+recognized (as `apply_chat_template(tokenize=True)` does), and a token is trained on where
+its characters overlap a span the template marked (transformers' `assistant_masks`).
+
+A record that cannot be rendered (not a list of messages, a role the template refuses, any
+template error) does not stop the open: under `on_error: raise` it becomes a row of its own,
+after the packed rows, whose read fails (DATA_LOSS naming the file, line or row, and the
+template's message); under `skip` it is left out, counted and logged.
+
+The rendered corpus lives in the cache folder, `DIR/chat/HASH.*` (tokens, trained flags,
+offsets, sources, and HASH.json with the errors), HASH covering the files' keys, sizes and
+versions, the field, the tokenizer file, the template, its special tokens and `loss_on`; it is
+built once under an fcntl lock and memory-mapped by every worker, as in formats/text.py.
+
+Rows. The plan is made once, at open, from the lengths alone: a conversation longer than
+seq_len is cut to its first seq_len tokens (`long: truncate`), left out (`drop`) or cut into
+seq_len pieces (`split`, each piece placed like a conversation). `pack: false`: a piece per
+row, in file order. `pack: true`: the pieces of each window of WINDOW consecutive ones (file
+order) go into rows best fit decreasing (the longest first, each into the fullest row it fits
+in). The number of rows is therefore the same for every (seed, epoch): it is the dataset's
+len(), which clients and every server agree on; the client's `shuffle=True` orders the rows by
+(seed, epoch) like any dataset's samples, so elastic resume, `batch_at` and `seek` are exact
+as they are for any dataset. (A packing that changed per epoch would change len() per epoch,
+which the ordering in server/order/ does not allow.)
+
+Each row, every field [seq_len]: `input_ids` (pad_id after the real tokens), `labels` (the
+next token of the same conversation where that token is trained on, else -100; -100 at a
+conversation's last token and on padding; a `split` piece's last token has its next piece's
+first token as label when trained), `position_ids` (0.. within each piece; the padding one
+more segment 0, 1, ... as in `format: text`), `document_ids` (int32, 0, 1, ... per piece, -1
+on padding), `attention_mask` (1 on real tokens, 0 on padding).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import hashlib
+import itertools
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..order.sampling import EpochKey
+from ..sources import ObjectInfo, Storage
+from ..sources.cache import LOCKS, TMP, file_lock
+from .chat_template import ChatTemplate, TemplateError
+from .text import IGNORE, SUFFIXES, _lookup
+
+log = logging.getLogger("stoker.server")
+
+VERSION = 1  # of the cached corpus
+WINDOW = 8192  # pieces packed together: the plan's unit of work
+BATCH = 256  # conversations tokenized per call
+FILES = (".tokens.npy", ".trained.npy", ".offsets.npy", ".sources.npy", ".json")
+
+
+class _Record(NamedTuple):
+    file: int
+    where: int  # jsonl: line (1-based); parquet: row (0-based)
+    messages: Any
+    error: str  # why there are no messages
+
+
+def _jsonl_records(f: int, path: Path, field: str) -> Iterator[_Record]:
+    parts = field.split(".")
+    with open(path, "rb") as fh:
+        for n, line in enumerate(fh, 1):
+            body = line.rstrip(b"\n")
+            if body in (b"", b"\r"):
+                continue
+            try:
+                yield _Record(f, n, _lookup(json.loads(body), parts), "")
+            except json.JSONDecodeError as e:
+                yield _Record(f, n, None, f"not valid JSON: {e.msg} at column {e.colno}")
+            except UnicodeDecodeError as e:
+                yield _Record(f, n, None, f"not valid UTF-8 at byte {e.start + 1}")
+            except KeyError as e:
+                yield _Record(f, n, None, f"field {field!r}: {e.args[0]}")
+
+
+def _parquet_records(f: int, path: Path, where: str, field: str) -> Iterator[_Record]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{where}: not a readable Parquet file: {e}") from None
+    with pf:
+        if field not in pf.schema_arrow.names:
+            raise ValueError(f"{where}: field {field!r}: no such column; the file has columns "
+                             f"{pf.schema_arrow.names}")
+        row = 0
+        for g in range(pf.num_row_groups):
+            for value in pf.read_row_group(g, columns=[field]).column(0).to_pylist():
+                yield _Record(f, row, value, "")
+                row += 1
+
+
+def _trained(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """uint8 per token: 1 where its characters overlap a span (spans sorted, as rendered):
+    transformers' assistant_masks, a token at a time there, here at once."""
+    if not spans or not len(offsets):
+        return np.zeros(len(offsets), np.uint8)
+    s = np.asarray(spans, np.int64).reshape(-1, 2)
+    j = np.searchsorted(s[:, 1], offsets[:, 0], side="right")  # first span ending after it
+    inside = j < len(s)
+    out = np.zeros(len(offsets), np.uint8)
+    out[inside] = offsets[inside, 1] > s[j[inside], 0]
+    return out
+
+
+class _Corpus(NamedTuple):
+    tokens: np.ndarray
+    trained: np.ndarray
+    offsets: np.ndarray
+    sources: np.ndarray
+    meta: dict[str, Any]
+
+
+def _open_cached(base: str) -> _Corpus | None:
+    try:
+        meta = json.loads(Path(base + ".json").read_text())
+        arrays = [np.load(base + s, mmap_mode="r") for s in FILES[:4]]
+    except (OSError, ValueError, KeyError):
+        return None
+    tokens, trained, offsets, sources = (np.asarray(a) for a in arrays)
+    if (len(tokens) != len(trained) or len(offsets) != meta["conversations"] + 1
+            or int(offsets[-1]) != len(tokens) or len(sources) != meta["conversations"]):
+        return None
+    for s in FILES:  # a hit is a use: the disk cache evicts least recently used first
+        with contextlib.suppress(OSError):
+            os.utime(base + s)
+    return _Corpus(tokens, trained, offsets, sources, meta)
+
+
+class Chat:
+    """Thread-safe: rows are built from read-only arrays and a plan made at open."""
+
+    def __init__(self, cfg: Any, storage: Storage, pattern: str | None = None,
+                 cache_dir: str | os.PathLike[str] | None = None) -> None:
+        import tokenizers
+
+        self.storage = storage
+        self.seq_len = int(cfg.seq_len)
+        self.field = cfg.field
+        infos = storage.list(pattern)
+        if pattern is None:
+            infos = [o for o in infos if o.key.endswith(SUFFIXES)]
+        if not infos:
+            raise ValueError(f"{storage.url}: no .jsonl or .parquet files match "
+                             f"{pattern or '**'!r}")
+        for o in infos:
+            if not o.key.endswith(SUFFIXES):
+                raise ValueError(f"{storage.where(o.key)}: not a .jsonl or .parquet file")
+        self.keys = [o.key for o in infos]
+        raw = Path(cfg.tokenizer).read_bytes()
+        try:
+            self.tokenizer = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
+        except Exception as e:  # the library's own parse errors
+            raise ValueError(f"tokenizer {cfg.tokenizer}: cannot load: {e}") from None
+        self.template = ChatTemplate.for_tokenizer(cfg.tokenizer, cfg.chat_template,
+                                                   cfg.loss_on)
+        special = self.template.special
+        ids = {k: self.tokenizer.token_to_id(v) for k, v in special.items()}
+        self.pad_id = next(i for i in (cfg.pad_id, ids.get("pad_token"), ids.get("eos_token"), 0)
+                           if i is not None)
+        digest = hashlib.sha256(json.dumps({
+            "version": VERSION, "url": storage.url, "field": cfg.field,
+            "files": [[o.key, o.size, o.version] for o in infos],
+            "tokenizer": [tokenizers.__version__, hashlib.sha256(raw).hexdigest()],
+            "template": self.template.text, "special": special, "loss_on": cfg.loss_on,
+        }, sort_keys=True).encode()).hexdigest()[:40]
+        corpus = self._corpus(Path(cache_dir) if cache_dir is not None else None, digest, infos)
+        self.tokens, self.trained, self.offsets, self.sources = corpus[:4]
+        self.errors = {int(d): e for d, e in corpus.meta["errors"]}
+        self._plan(cfg)
+        log.info("%s: %d conversations, %d tokens in %d rows of %d: packing efficiency %.4f; "
+                 "%d longer than seq_len (%s), %d bad (%s)", storage.url,
+                 len(self.offsets) - 1, self.total_tokens, self.length, self.seq_len,
+                 self.packing_efficiency, self.long_conversations, cfg.long,
+                 len(self.errors), cfg.on_error)
+        if self.errors and cfg.on_error == "skip":
+            d, e = next(iter(self.errors.items()))
+            log.warning("%s: skipped %d bad conversations, the first: %s", storage.url,
+                        len(self.errors), self._error(d, e))
+
+    # -- the corpus ------------------------------------------------------------------------
+    def _corpus(self, cache_dir: Path | None, digest: str, infos: list[ObjectInfo]) -> _Corpus:
+        folder = None
+        if cache_dir is not None:
+            try:
+                (cache_dir / "chat").mkdir(parents=True, exist_ok=True)
+                (cache_dir / LOCKS).mkdir(exist_ok=True)
+                folder = cache_dir / "chat"
+            except OSError as e:
+                log.warning("%s: cannot keep the rendered corpus in %s (%s)", self.storage.url,
+                            cache_dir, e)
+        if folder is not None:
+            with file_lock(folder.parent / LOCKS / f"chat-{digest}"):
+                found = _open_cached(str(folder / digest))
+                if found is None:
+                    self._build(folder, digest, infos)
+                    found = _open_cached(str(folder / digest))
+            if found is not None:
+                return found
+        scratch = Path(tempfile.mkdtemp(prefix="stoker-chat-"))
+        try:  # the maps stay valid after the files are removed
+            self._build(scratch, digest, infos)
+            corpus = _open_cached(str(scratch / digest))
+            assert corpus is not None
+            return corpus
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def _records(self, infos: list[ObjectInfo]) -> Iterator[_Record]:
+        for f, o in enumerate(infos):
+            path = self.storage.local_path(o.key)
+            if o.key.endswith(".jsonl"):
+                yield from _jsonl_records(f, path, self.field)
+            else:
+                yield from _parquet_records(f, path, self.storage.where(o.key), self.field)
+
+    def render(self, messages: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, trained flags) of one conversation; TemplateError when it cannot be."""
+        text, spans = self.template.render(messages)
+        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        return (np.asarray(enc.ids, np.int64),
+                _trained(np.asarray(enc.offsets, np.int64).reshape(-1, 2), spans))
+
+    def _build(self, folder: Path, digest: str, infos: list[ObjectInfo]) -> None:
+        t0 = time.perf_counter()
+        tokens: list[np.ndarray] = []
+        trained: list[np.ndarray] = []
+        lengths: list[int] = []
+        sources: list[tuple[int, int]] = []
+        errors: list[tuple[int, str]] = []
+        texts: list[tuple[str, list[tuple[int, int]]]] = []
+
+        def flush() -> None:
+            encs = self.tokenizer.encode_batch([t for t, _ in texts], add_special_tokens=False)
+            for (_, spans), enc in zip(texts, encs, strict=True):
+                ids = np.asarray(enc.ids, np.int64)
+                tokens.append(ids)
+                trained.append(_trained(np.asarray(enc.offsets, np.int64).reshape(-1, 2),
+                                        spans))
+                lengths[len(tokens) - 1] = len(ids)
+            texts.clear()
+
+        for rec in self._records(infos):
+            d = len(sources)
+            sources.append((rec.file, rec.where))
+            lengths.append(0)
+            error = rec.error
+            if not error:
+                try:
+                    texts.append(self.template.render(rec.messages))
+                except TemplateError as e:
+                    error = str(e)
+            if error:
+                errors.append((d, error))
+                texts.append(("", []))  # keeps tokens[] aligned with the records
+            if len(texts) >= BATCH:
+                flush()
+        if texts:
+            flush()
+        top = max(self.tokenizer.get_vocab_size(with_added_tokens=True) - 1, 0)
+        dtype = np.dtype("<u2" if top < 1 << 16 else "<u4")
+        empty = np.zeros(0, np.int64)
+        arrays = {".tokens.npy": np.concatenate([empty, *tokens]).astype(dtype),
+                  ".trained.npy": np.concatenate([empty.astype(np.uint8), *trained]),
+                  ".offsets.npy": np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]
+                                                 ).astype(np.int64),
+                  ".sources.npy": np.asarray(sources, np.int64).reshape(-1, 2)}
+        tmp = {s: folder / f"{TMP}{os.getpid()}-{digest}{s}" for s in FILES}
+        try:
+            for s, a in arrays.items():
+                np.save(tmp[s], a)
+            tmp[".json"].write_text(json.dumps({
+                "conversations": len(sources), "tokens": int(sum(lengths)), "errors": errors,
+                "seconds": time.perf_counter() - t0, "files": [o.key for o in infos]}))
+            for s in FILES:
+                os.replace(tmp[s], folder / f"{digest}{s}")
+        finally:
+            for path in tmp.values():
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+
+    # -- the plan --------------------------------------------------------------------------
+    def _plan(self, cfg: Any) -> None:
+        n = self.seq_len
+        lengths = np.diff(self.offsets)
+        bad = np.zeros(len(lengths), bool)
+        bad[list(self.errors)] = True
+        long = (lengths > n) & ~bad
+        self.long_conversations = int(long.sum())
+        keep = ~bad & (lengths > 0)
+        if cfg.long == "drop":
+            keep &= ~long
+        docs = np.flatnonzero(keep)
+        if cfg.long == "split":
+            pieces = -(-lengths[docs] // n)
+            doc = np.repeat(docs, pieces)
+            k = np.arange(len(doc)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+            p = k * n
+            q = np.minimum(p + n, lengths[doc])
+        else:
+            doc, p, q = docs, np.zeros(len(docs), np.int64), np.minimum(lengths[docs], n)
+        self.split = cfg.long == "split"
+        rows = (np.arange(len(doc)) if not cfg.pack
+                else self._pack(q - p))  # row of each piece
+        order = np.lexsort((np.arange(len(doc)), rows))
+        self.piece_doc, self.piece_p, self.piece_q = doc[order], p[order], q[order]
+        packed = int(rows.max()) + 1 if len(rows) else 0
+        self.row_starts = np.searchsorted(rows[order], np.arange(packed + 1)).astype(np.int64)
+        # Under raise, each bad record is a row of its own after the packed ones.
+        self.error_rows = (np.flatnonzero(bad) if cfg.on_error == "raise"
+                           else np.zeros(0, np.int64))
+        self.packed_rows = packed
+        self.length = packed + len(self.error_rows)
+        if self.length == 0:
+            raise ValueError(f"{self.storage.url}: no conversation to serve "
+                             f"({len(lengths)} records, {len(self.errors)} bad)")
+        self.row_tokens = np.concatenate([np.add.reduceat(
+            self.piece_q - self.piece_p, self.row_starts[:-1]) if packed else
+            np.zeros(0, np.int64), np.zeros(len(self.error_rows), np.int64)]).astype(np.int64)
+        self.total_tokens = int(self.row_tokens.sum())
+        self.packing_efficiency = self.total_tokens / max(1, packed * n)
+
+    def _pack(self, sizes: np.ndarray) -> np.ndarray:
+        """Each piece's row: best fit decreasing within windows of WINDOW pieces."""
+        rows = np.empty(len(sizes), np.int64)
+        base = 0
+        for w in range(0, len(sizes), WINDOW):
+            part = sizes[w : w + WINDOW]
+            free: list[tuple[int, int]] = []  # (room left, row), sorted
+            count = 0
+            for i in np.argsort(-part, kind="stable"):
+                size = int(part[i])
+                j = bisect.bisect_left(free, (size, -1))
+                if j < len(free):
+                    room, row = free.pop(j)
+                else:
+                    room, row, count = self.seq_len, count, count + 1
+                rows[w + i] = base + row
+                if room > size:
+                    bisect.insort(free, (room - size, row))
+            base += count
+        return rows
+
+    def sample_lengths(self) -> np.ndarray:
+        """Each row's real tokens (token budgets, `batch_tokens`)."""
+        return np.maximum(self.row_tokens, 1)
+
+    # -- rows ------------------------------------------------------------------------------
+    def _pieces(self, index: int) -> Iterator[tuple[int, int, int]]:
+        if not 0 <= index < self.length:
+            raise IndexError(f"row {index} not in [0, {self.length})")
+        if index >= self.packed_rows:
+            d = int(self.error_rows[index - self.packed_rows])
+            raise ValueError(self._error(d, self.errors[d]))
+        for j in range(int(self.row_starts[index]), int(self.row_starts[index + 1])):
+            yield int(self.piece_doc[j]), int(self.piece_p[j]), int(self.piece_q[j])
+
+    def sample(self, index: int, key: EpochKey | None = None) -> dict[str, np.ndarray]:
+        n = self.seq_len
+        input_ids = np.full(n, self.pad_id, np.int64)
+        labels = np.full(n, IGNORE, np.int64)
+        position_ids = np.zeros(n, np.int64)
+        document_ids = np.full(n, -1, np.int32)
+        t = 0
+        for seg, (d, p, q) in enumerate(self._pieces(index)):
+            first = int(self.offsets[d])
+            last = int(self.offsets[d + 1]) if self.split else first + q
+            k = q - p
+            input_ids[t : t + k] = self.tokens[first + p : first + q]
+            nxt = slice(first + p + 1, min(first + q + 1, last))
+            m = nxt.stop - nxt.start
+            labels[t : t + m] = np.where(self.trained[nxt] != 0,
+                                         self.tokens[nxt].astype(np.int64), IGNORE)
+            position_ids[t : t + k] = np.arange(k)
+            document_ids[t : t + k] = seg
+            t += k
+        position_ids[t:] = np.arange(n - t)
+        attention_mask = (document_ids >= 0).astype(np.int64)
+        return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
+                "document_ids": document_ids, "attention_mask": attention_mask}
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        return self.sample(index)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def _where(self, d: int) -> str:
+        f, where = (int(x) for x in self.sources[d])
+        key = self.keys[f]
+        return f"{self.storage.where(key)} {'line' if key.endswith('.jsonl') else 'row'} {where}"
+
+    def _error(self, d: int, error: str) -> str:
+        return f"{self._where(d)}: {error}"
+
+    def source_of(self, index: int) -> str:
+        """The conversations row `index` holds (the same for every epoch)."""
+        if self.packed_rows <= index < self.length:
+            # what its read error names already, so that the error says it once
+            return self._where(int(self.error_rows[index - self.packed_rows]))
+        parts = [f"{self._where(d)} tokens {p}..{q}" for d, p, q in self._pieces(index)]
+        more = f" and {len(parts) - 4} more" if len(parts) > 4 else ""
+        return f"row {index}: " + ", ".join(parts[:4]) + more
+
+    def objects_of(self, indices: np.ndarray) -> list[str]:
+        return []  # rows read the rendered corpus, mapped at open
+
+    def preview(self, count: int = 2) -> list[str]:
+        """The first `count` conversations as the model sees them, trained tokens in [[ ]]."""
+        out = []
+        for d in range(min(count, len(self.offsets) - 1)):
+            if d in self.errors:
+                out.append(f"{self._error(d, self.errors[d])}")
+                continue
+            a, b = int(self.offsets[d]), int(self.offsets[d + 1])
+            ids, flags = self.tokens[a:b].tolist(), self.trained[a:b]
+            cuts = [0, *(np.flatnonzero(np.diff(flags)) + 1).tolist(), len(ids)]
+            text = "".join(
+                ("[[{}]]" if flags[i] else "{}").format(
+                    self.tokenizer.decode(ids[i:j], skip_special_tokens=False))
+                for i, j in itertools.pairwise(cuts) if j > i)
+            out.append(f"{self._where(d)}: {b - a} tokens, {int(flags.sum())} trained: "
+                       + json.dumps(text, ensure_ascii=False))
+        return out
