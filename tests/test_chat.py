@@ -5,6 +5,8 @@ from real servers (bad records, workers, elastic resume)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -276,3 +278,19 @@ def test_stoker_check_shows_the_masked_rendering(chats, tmp_path: Path, capsys) 
     shown = json.loads(line[line.index('"'):])
     answer = next(m["content"] for m in first if m["role"] == "assistant")
     assert f"<|im_start|>assistant\n[[{answer}<|im_end|>\n]]" in shown
+
+
+@pytest.mark.timeout(300)
+def test_quick_chat_benchmark_checks_its_rows(tmp_path: Path) -> None:
+    """The `chat` scenario runs: every row once, the server's rows equal the DataLoader's."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "chat.json"
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "chat.py"), "--quick", "--json", str(out)],
+        capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    res = json.loads(out.read_text())
+    assert res["check_problems"] == [] and res["server_exit_code"] == 0
+    assert res["compared_rows"] > 0 and res["corpus"]["packing_efficiency"] > 0.95
+    assert res["ratio_rows_per_s"] > 0 and res["ratio_cpu_per_row"] > 0
