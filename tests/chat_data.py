@@ -22,7 +22,7 @@ CHATML = (
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 CHATML_PLAIN = CHATML.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>", "<image>"]
 
 WORDS = ["the", "data", "server", "packs", "tokens", "into", "rows", "of", "text", "héllo",
          "日本語", "a", "GPU", "never", "waits", "why?", "sure!", "😀", "naïve", "Ω", "\n",

@@ -54,7 +54,9 @@ import numpy as np
 from ..order.sampling import EpochKey
 from ..sources import Storage
 from .chat_corpus import Renderer
+from .chat_images import Images, output_shape
 from .chat_template import ChatTemplate
+from .samples import padded
 from .text import IGNORE, SUFFIXES
 
 log = logging.getLogger("stoker.server")
@@ -94,16 +96,21 @@ class Chat:
         ids = {k: self.tokenizer.token_to_id(v) for k, v in special.items()}
         self.pad_id = next(i for i in (cfg.pad_id, ids.get("pad_token"), ids.get("eos_token"), 0)
                            if i is not None)
+        image_token, image_count, pipeline, shape = self._image_settings(cfg.images)
         digest = hashlib.sha256(json.dumps({
             "version": VERSION, "url": storage.url, "field": cfg.field,
             "files": [[o.key, o.size, o.version] for o in infos],
             "tokenizer": [tokenizers.__version__, hashlib.sha256(raw).hexdigest()],
             "template": self.template.text, "special": special, "loss_on": cfg.loss_on,
+            "images": [image_token, image_count, cfg.images and cfg.images.column],
         }, sort_keys=True).encode()).hexdigest()[:40]
-        self.renderer = Renderer(storage, cfg.field, self.tokenizer, self.template)
-        corpus = self.renderer.load(Path(cache_dir) if cache_dir is not None else None, digest,
-                                    infos)
+        renderer = Renderer(storage, cfg.field, self.tokenizer, self.template, image_token,
+                            image_count, cfg.images.column if cfg.images else None)
+        corpus = renderer.load(Path(cache_dir) if cache_dir is not None else None, digest, infos)
         self.tokens, self.trained, self.offsets, self.sources = corpus[:4]
+        self.images = (None if pipeline is None else
+                       Images(storage, pipeline, shape, *corpus[4:8]))
+        self.image_tokens = image_count
         self.errors = {int(d): e for d, e in corpus.meta["errors"]}
         self._plan(cfg)
         log.info("%s: %d conversations, %d tokens in %d rows of %d: packing efficiency %.4f; "
@@ -116,6 +123,24 @@ class Chat:
             log.warning("%s: skipped %d bad conversations, the first: %s", storage.url,
                         len(self.errors), self._error(d, e))
 
+    def _image_settings(self, cfg: Any) -> tuple[int | None, int, Any, tuple[int, ...]]:
+        """(the image token's id, tokens per image, the pipeline, its output shape)."""
+        if cfg is None:
+            return None, 0, None, ()
+        from ..images import image_pipeline
+
+        token = self.tokenizer.token_to_id(cfg.token)
+        if token is None:
+            raise ValueError(f"images.token {cfg.token!r} is not a token of the tokenizer (add "
+                             "it as an added token)")
+        pipeline = image_pipeline(cfg)
+        shape = output_shape(pipeline)
+        count = cfg.tokens or (shape[1] // cfg.patch) * (shape[2] // cfg.patch)
+        if count < 1:
+            raise ValueError(f"images.patch {cfg.patch} is larger than the images "
+                             f"({shape[1]}x{shape[2]})")
+        return int(token), int(count), pipeline, shape
+
     # -- the plan --------------------------------------------------------------------------
     def _plan(self, cfg: Any) -> None:
         n = self.seq_len
@@ -127,6 +152,11 @@ class Chat:
         keep = ~bad & (lengths > 0)
         if cfg.long == "drop":
             keep &= ~long
+        # A cut could fall inside an image block: a long conversation with images is left out.
+        with_images = (np.zeros(len(lengths), bool) if self.images is None
+                       else np.diff(self.images.offsets) > 0)
+        self.long_with_images = int(np.count_nonzero(long & with_images & keep))
+        keep &= ~(long & with_images)
         docs = np.flatnonzero(keep)
         if cfg.long == "split":
             pieces = -(-lengths[docs] // n)
@@ -213,8 +243,25 @@ class Chat:
             t += k
         position_ids[t:] = np.arange(n - t)
         attention_mask = (document_ids >= 0).astype(np.int64)
-        return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
-                "document_ids": document_ids, "attention_mask": attention_mask}
+        row = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
+               "document_ids": document_ids, "attention_mask": attention_mask}
+        if self.images is not None:
+            self._add_images(row, index, key or EpochKey())
+        return row
+
+    def _add_images(self, row: dict[str, Any], index: int, key: EpochKey) -> None:
+        """pixel_values [k, 3, H, W] and image_positions [k] (both padded to the batch's
+        largest k), image_counts (k): the row's images in order, where each block starts."""
+        assert self.images is not None
+        images, positions, t = [], [], 0
+        for d, p, q in self._pieces(index):
+            for j in self.images.of(d):  # whole conversations only: every block inside
+                images.append(j)
+                positions.append(t + int(self.images.at[j]) - p)
+            t += q - p
+        row["pixel_values"] = padded(self.images.pixels(images, key.rng(index)), (0,))
+        row["image_positions"] = padded(np.asarray(positions, np.int64), (0,))
+        row["image_counts"] = np.int64(len(images))
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         return self.sample(index)

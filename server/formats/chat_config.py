@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo, model_validator
 
-from .config_base import RelativeToConfig, Sourced, TokenId, relative_to_config
+from .config_base import RelativeToConfig, Sourced, Strict, TokenId, relative_to_config
+from .image_config import ImageSize, Transforms, size_or_transforms
 
 
 def _tokenizer_json(v: str) -> str:
@@ -46,6 +47,32 @@ def _template_path(v: Any, info: ValidationInfo) -> Any:
 ChatTemplate = Annotated[str | None, AfterValidator(_template), BeforeValidator(_template_path)]
 
 
+class ChatImages(Strict):
+    """Images inside conversations: content parts {"type": "image", "image": PATH or bytes}
+    (or images from `column`), each decoded and transformed on the server, its place in the
+    text (`token`, as the template writes it) expanded to a block of image tokens."""
+
+    token: str = Field(min_length=1, description="the text the template writes for an image "
+                       "(one token of the tokenizer, e.g. <image>)")
+    tokens: int | None = Field(None, ge=1, description="image tokens per image")
+    patch: int | None = Field(None, ge=1, description="or: (height // patch) x (width // "
+                              "patch) tokens, from the transformed image's size")
+    size: ImageSize | None = None
+    transforms: Transforms | None = None
+    column: str | None = Field(None, min_length=1, description="a list of images beside the "
+                               "messages, for image parts that hold none")
+    layout: ClassVar[str] = "chw"  # what server/images.py reads of an image block
+
+    @model_validator(mode="after")
+    def _one_each(self) -> ChatImages:
+        if (self.tokens is None) == (self.patch is None):
+            raise ValueError("give either tokens (per image) or patch, not both or neither")
+        size_or_transforms(self.size, self.transforms)
+        if self.size is None and self.transforms is None:
+            raise ValueError("give size or transforms: every image needs the same shape")
+        return self
+
+
 class ChatDataset(Sourced):
     """Conversations (a list of {role, content} messages in a field of .jsonl records or a
     column of .parquet files), rendered through a chat template, tokenized and masked once at
@@ -65,5 +92,6 @@ class ChatDataset(Sourced):
     long: Literal["truncate", "drop", "split"] = "truncate"
     pad_id: TokenId | None = None  # default: the tokenizer's PAD, else its EOS, else 0
     shuffle: Literal["global"] = "global"  # rows have no shards
+    images: ChatImages | None = None
 
     uses_cache_dir: ClassVar[bool] = True  # the rendered, tokenized conversations
