@@ -201,3 +201,16 @@ def test_served_batches_are_the_same_from_1_and_2_workers(vlm, tmp_path: Path,
             ld.batch_at(0, 1)
     assert info.value.code == grpc.StatusCode.DATA_LOSS
     assert "a.jsonl line 2 tokens 0.." in str(info.value) and "gone.png" in str(info.value)
+
+
+def test_patch_sets_the_block_from_the_image_size(vlm, tmp_path: Path) -> None:
+    by_patch, _ = open_vlm(vlm, tmp_path / "p", pack=False, images={
+        "token": "<image>", "patch": 4, "size": 8, "column": "images"})  # (8/4)^2 = 4 tokens
+    by_count, _ = open_vlm(vlm, tmp_path / "c", pack=False, images={
+        "token": "<image>", "tokens": 4, "size": 8, "column": "images"})
+    assert by_patch.image_tokens == 4
+    for i in (1, 2, 3):
+        assert np.array_equal(by_patch[i]["input_ids"], by_count[i]["input_ids"])
+        assert np.array_equal(by_patch[i]["pixel_values"], by_count[i]["pixel_values"])
+    with pytest.raises(ValueError, match=r"images.token '<img>' is not a token"):
+        open_vlm(vlm, tmp_path / "x", images={"token": "<img>", "tokens": 2, "size": 8})

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from stoker.server import _config as c
 from stoker.server.formats import FORMATS
-from stoker.server.formats.chat_config import ChatDataset
+from stoker.server.formats.chat_config import ChatDataset, ChatImages
 from stoker.server.formats.config_base import Sourced
 from stoker.server.formats.image_config import TRANSFORMS
 from stoker.server.formats.image_folder_config import ImageFolderDataset
@@ -49,6 +49,7 @@ SECTIONS: dict[type[BaseModel], str] = {
     TokensDataset: "#### `format: tokens`",
     TextDataset: "#### `format: text`",
     ChatDataset: "#### `format: chat`",
+    ChatImages: "##### Images in conversations",
     MemmapDataset: "#### `format: memmap`",
     MdsDataset: "#### Migrating from Mosaic Streaming and LitData",
     LitdataDataset: "#### Migrating from Mosaic Streaming and LitData",
