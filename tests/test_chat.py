@@ -229,24 +229,34 @@ def read_epoch(address: str, **kw: Any) -> dict[str, np.ndarray]:
     return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
 
 
+def conversations_of(rows: dict[str, np.ndarray]) -> list[tuple[int, ...]]:
+    """Each conversation a batch's rows hold, as its token ids."""
+    return [tuple(row[d == s].tolist()) for row, d in zip(rows["input_ids"],
+                                                          rows["document_ids"], strict=True)
+            for s in range(int(d.max()) + 1)]
+
+
 def test_served_rows_do_not_depend_on_workers_and_resume_4_to_3(chats, tmp_path: Path,
                                                                  start_server) -> None:
     block = {"format": "chat", "source": chats["source"], "tokenizer": str(chats["tok"]),
-             "seq_len": 512}
+             "seq_len": 2048}
     one = start_server({"chat": block}, workers=1)
     two = start_server({"chat": block}, workers=2)
     a, b = read_epoch(one.address), read_epoch(two.address)
     for k in a:
         assert np.array_equal(a[k], b[k]), k
     rows = len(a["sample_index"])
+    every = conversations_of(a)
+    assert len(every) == len(set(every)) == N  # an epoch: each conversation once
     # 4 ranks read 2 batches of 3 each, then 3 ranks the rest of the epoch, on the other server
-    used, state = [], None
+    used, got, state = [], [], None
     for rank in range(4):
         with RemoteLoader(one.address, "chat", batch_size=3, rank=rank, world_size=4, seed=9,
                           shuffle=True, output="numpy", timeout=60) as ld:
             ld.set_epoch(1)
             for n, batch in enumerate(ld, 1):
                 used += batch["sample_index"].tolist()
+                got += conversations_of(batch)
                 if n == 2:
                     break
             state = ld.state_dict()
@@ -254,14 +264,36 @@ def test_served_rows_do_not_depend_on_workers_and_resume_4_to_3(chats, tmp_path:
         with RemoteLoader(two.address, "chat", batch_size=3, rank=rank, world_size=3, seed=9,
                           shuffle=True, output="numpy", timeout=60) as ld:
             ld.load_state_dict(state)
-            used += [i for batch in ld for i in batch["sample_index"].tolist()]
-    assert len(used) == len(set(used))  # no row, so no conversation, read twice
+            for batch in ld:
+                used += batch["sample_index"].tolist()
+                got += conversations_of(batch)
+    assert len(got) == len(set(got))  # no conversation read twice
     rest = rows - 24
-    assert len(used) == 24 + rest - rest % 9  # the tail: less than a step of 3 ranks x 3
-    # each conversation is in exactly one row: the rows cover every conversation once
-    ds = open_chat(chats, tmp_path, seq_len=512)
-    docs = [s for i in range(len(ds)) for s in ds.source_of(i).split(", ")]
-    assert len(docs) == len(set(docs)) == N
+    tail = rest % 9  # the documented tail: less than one step of 3 ranks x 3 rows
+    assert len(used) == len(set(used)) == 24 + rest - tail and 0 < tail < 9
+    missed = set(every) - set(got)  # exactly the conversations of the tail's rows
+    with RemoteLoader(one.address, "chat", batch_size=1, shuffle=False, output="numpy",
+                      timeout=60) as ld:
+        tail_rows = sorted(set(range(rows)) - set(used))
+        assert missed == {c for r in tail_rows
+                          for c in conversations_of(ld.batch_at(0, r))}  # unshuffled: row r
+
+
+def test_batch_tokens_and_seek(chats, start_server) -> None:
+    block = {"format": "chat", "source": chats["source"], "tokenizer": str(chats["tok"]),
+             "seq_len": 2048, "pack": False}
+    server = start_server({"chat": block}, workers=2)
+    with RemoteLoader(server.address, "chat", batch_tokens=4096, seed=2, shuffle=True,
+                      output="numpy", timeout=60) as ld:
+        batches = list(ld)
+        assert all(int(b["attention_mask"].sum()) <= 4096 for b in batches)
+        seen = np.concatenate([b["sample_index"] for b in batches])
+        assert len(seen) == len(set(seen.tolist())) >= N - 1  # the tail: < 1 conversation
+        assert np.mean([len(b["sample_index"]) for b in batches]) > 4
+        ld.seek(5)
+        after = next(iter(ld))
+        assert np.array_equal(after["input_ids"], batches[5]["input_ids"])
+        assert np.array_equal(ld.batch_at(0, 7)["labels"], batches[7]["labels"])
 
 
 def test_stoker_check_shows_the_masked_rendering(chats, tmp_path: Path, capsys) -> None:
