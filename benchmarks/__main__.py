@@ -42,6 +42,9 @@ SCENARIOS: dict[str, tuple[str, list[str], list[str]]] = {
     "scale": ("scale.py", [], ["--quick"]),
     "s3": ("storage.py", [], ["--quick"]),
     "packing": ("packing.py", [], ["--quick"]),
+    # Conversations rendered, masked and packed by the server against transformers'
+    # apply_chat_template in a DataLoader (issue 43).
+    "chat": ("chat.py", [], ["--quick"]),
     "mixture": ("mixture.py", [], ["--quick"]),
     "token_budgets": ("token_budgets.py", [], ["--quick"]),
     "elastic": ("elastic.py", [], ["--quick"]),

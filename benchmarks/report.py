@@ -449,6 +449,31 @@ def sweep(r: dict[str, Any], plots: Path) -> list[str]:
             *_table(["run", "server CPU s (median)", "images/s per job (median)"], rows)]
 
 
+def chat(r: dict[str, Any], plots: Path) -> list[str]:
+    c, sy, p = r["corpus"], r["systems"], r["params"]
+    rows = [[name, _spread(s["rows_per_s"], ".1f"),
+             f"{1e3 * s['cpu_per_row_s']['median']:.3f}"] for name, s in sy.items()]
+    fig, ax = plt.subplots(figsize=(6.4, 2.0))
+    ax.barh(list(sy), [s["rows_per_s"]["median"] for s in sy.values()])
+    ax.set_xscale("log")
+    ax.set_xlabel(f"rows of {p['seq_len']} tokens per second (median, log scale)")
+    ax.grid(alpha=0.3, axis="x")
+    plot = _save(fig, plots, "chat.png")
+    return [f"`format: chat`: {c['conversations']} generated conversations rendered through a "
+            "ChatML template with `{% generation %}` markers, masked and packed into rows of "
+            f"{p['seq_len']} tokens (packing efficiency {c['packing_efficiency']:.4f}), served "
+            f"by {p['workers']} server workers, against the same rendering, masking and "
+            "packing (`apply_chat_template(..., return_assistant_tokens_mask=True)`, the same "
+            f"rows) in a torch DataLoader with {p['workers']} workers on the same cores. The "
+            "server renders once, at start "
+            f"({r['start_s']:.1f} s; the DataLoader's length pass {r['peer_plan_s']:.1f} s); "
+            "the DataLoader renders every epoch. stoker / DataLoader: rows/s "
+            f"**{r['ratio_rows_per_s']:.1f}x** (goal >= 1.5x), trainer CPU per row "
+            f"**{r['ratio_cpu_per_row']:.3f}x** (goal <= 0.1x).", "",
+            *_table(["system", "rows/s median [min, max]", "trainer CPU ms/row"], rows),
+            plot, ""]
+
+
 # (results file, title, renderer): a file may feed several sections.
 SECTIONS: list[tuple[str, str, Section]] = [
     ("pipeline", "Image pipeline: stoker vs DataLoader", pipeline),
@@ -464,6 +489,7 @@ SECTIONS: list[tuple[str, str, Section]] = [
     ("scale", "Scale", scale),
     ("s3", "S3: local disk vs object store", s3),
     ("packing", "Sequence packing", packing),
+    ("chat", "Conversations: rendered, masked and packed", chat),
     ("mixture", "Mixtures", mixture),
     ("token_budgets", "Token budgets", token_budgets),
     ("elastic", "Elastic: servers join and leave a running trainer", elastic),

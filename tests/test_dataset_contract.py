@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from chat_data import make_tokenizer
 from PIL import Image
 
 from stoker.server import Config
@@ -39,6 +40,7 @@ EXPECTED = {
     "tar": SHARDED | IMAGES | PLACED,
     "parquet": SHARDED | IMAGES | PLACED,
     "text": {"sample", "source_of", "objects_of", "storage"},
+    "chat": {"sample", "source_of", "objects_of", "storage", "sample_lengths"},
     "mds": SHARDED | IMAGES,
     "litdata": SHARDED | IMAGES,
 }
@@ -83,8 +85,8 @@ def png() -> bytes:
 def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """A tiny dataset of every format, two shards where the format has shards."""
     root = tmp_path_factory.mktemp("contract")
-    for d in ("images/cat", "jsonl", "tokens", "memmap", "tar", "parquet", "text", "mds",
-              "litdata"):
+    for d in ("images/cat", "jsonl", "tokens", "memmap", "tar", "parquet", "text", "chat",
+              "mds", "litdata"):
         (root / d).mkdir(parents=True)
     write_chunked(root / "mds", "mds")
     write_chunked(root / "litdata", "litdata")
@@ -101,6 +103,8 @@ def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
         pq.write_table(pa.table({"x": [1, 2, 3]}), root / "parquet" / f"{name}.parquet",
                        row_group_size=2)
         (root / "text" / f"{name}.jsonl").write_text(json.dumps({"text": "hello world"}) + "\n")
+        (root / "chat" / f"{name}.jsonl").write_text(json.dumps({"messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
     return {
         "image-folder": {"source": str(root / "images"), "size": 4},
         "jsonl": {"source": str(root / "jsonl"), "fields": {"x": {"dtype": "int64"}}},
@@ -110,6 +114,8 @@ def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
                                                                   "decode": "int"}}},
         "parquet": {"source": str(root / "parquet"), "fields": {"x": {}}},
         "text": {"source": str(root / "text"), "seq_len": 4},
+        "chat": {"source": str(root / "chat"), "seq_len": 64,
+                 "tokenizer": str(make_tokenizer(root / "tok", ["hi", "hello"]))},
         "mds": {"source": str(root / "mds"), "fields": {"x": {}}},
         "litdata": {"source": str(root / "litdata"), "fields": {"0": {}}},
     }
@@ -141,7 +147,8 @@ def test_a_format_has_its_parts_and_no_misspelled_one(configs, fmt: str, tmp_pat
     assert len(ds) > 0 and parts.read(0, EpochKey()).keys() == ds[0].keys()
     if parts.shard_starts is not None:  # two files, or row groups: more than one shard
         assert parts.shard_starts[0] == 0 and len(parts.shard_starts) >= 2
-    if parts.objects_of is not None and fmt != "text":  # text reads its tokenized corpus
+    # text and chat read their tokenized corpus: no object to fetch
+    if parts.objects_of is not None and fmt not in ("text", "chat"):
         assert parts.objects_of(np.array([len(ds) - 1]))
 
 

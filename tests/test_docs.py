@@ -11,6 +11,8 @@ import pytest
 from pydantic import BaseModel
 
 from stoker.server import _config as c
+from stoker.server.formats import FORMATS
+from stoker.server.formats.chat_config import ChatDataset, ChatImages
 from stoker.server.formats.config_base import Sourced
 from stoker.server.formats.image_config import TRANSFORMS
 from stoker.server.formats.image_folder_config import ImageFolderDataset
@@ -46,6 +48,8 @@ SECTIONS: dict[type[BaseModel], str] = {
     JsonField: "#### `format: jsonl`",
     TokensDataset: "#### `format: tokens`",
     TextDataset: "#### `format: text`",
+    ChatDataset: "#### `format: chat`",
+    ChatImages: "##### Images in conversations",
     MemmapDataset: "#### `format: memmap`",
     MdsDataset: "#### Migrating from Mosaic Streaming and LitData",
     LitdataDataset: "#### Migrating from Mosaic Streaming and LitData",
@@ -91,6 +95,6 @@ def test_every_dataset_format_has_a_section() -> None:
     union = typing.get_args(c.DatasetConfig)[0]
     formats = {typing.get_args(m.model_fields["format"].annotation)[0]
                for m in typing.get_args(union)}
-    assert len(formats) == 11
+    assert len(formats) == len(FORMATS)
     for f in formats:
         assert f"#### `format: {f}`" in DOC, f

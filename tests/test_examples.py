@@ -31,3 +31,13 @@ def test_a_mixture_run_stopped_at_2_trainers_resumes_at_3(tmp_path: Path) -> Non
     assert out.returncode == 0, out.stdout + out.stderr
     assert "0 differ from the unstopped run" in out.stdout, out.stdout
     assert "3 trainers: the rest of epoch 0 from slot 480" in out.stdout, out.stdout
+
+
+@pytest.mark.timeout(240)
+def test_sft_learns_from_conversations_rendered_and_masked_by_the_server(tmp_path: Path) -> None:
+    pytest.importorskip("tokenizers")
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "sft.py"), "--steps", "100",
+                          "--log-every", "50"], capture_output=True, text=True, timeout=230,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "server exit 0" in out.stdout and "trained on)" in out.stdout

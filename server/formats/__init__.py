@@ -36,6 +36,7 @@ FORMATS: dict[str, tuple[str, str]] = {
     "tar": ("tar_config:TarDataset", "tar:Tar"),
     "parquet": ("parquet_config:ParquetDataset", "parquet:Parquet"),
     "text": ("text_config:TextDataset", "text:Text"),
+    "chat": ("chat_config:ChatDataset", "chat:Chat"),
     "mds": ("mds_config:MdsDataset", "mds:Mds"),
     "litdata": ("litdata_config:LitdataDataset", "litdata:Litdata"),
     "mixture": ("mixture_config:MixtureDataset", "mixture:Mixture"),

@@ -1,0 +1,97 @@
+"""The config model of `format: chat` (read by formats/chat.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo, model_validator
+
+from .config_base import RelativeToConfig, Sourced, Strict, TokenId, relative_to_config
+from .image_config import ImageSize, Transforms, size_or_transforms
+
+
+def _tokenizer_json(v: str) -> str:
+    path = Path(v).expanduser()
+    if path.suffix != ".json":
+        raise ValueError(f"expected a Hugging Face tokenizer file (*.json), got {v!r}")
+    if not path.is_file():
+        raise ValueError(f"tokenizer file not found: {path}")
+    return str(path)
+
+
+# A local tokenizer.json, relative to the config file; its tokenizer_config.json beside it.
+ChatTokenizer = Annotated[str, AfterValidator(_tokenizer_json), RelativeToConfig]
+
+
+def _template(v: str | None) -> str | None:
+    # A value without a Jinja tag that names a .jinja file is the file; anything else is inline.
+    if v is None or "{" in v:
+        return v
+    path = Path(v).expanduser()
+    if path.suffix not in (".jinja", ".j2", ".jinja2"):
+        raise ValueError("expected inline Jinja text (with {{ }} or {% %}) or a .jinja file, "
+                         f"got {v!r}")
+    if not path.is_file():
+        raise ValueError(f"chat_template file not found: {path}")
+    return str(path)
+
+
+def _template_path(v: Any, info: ValidationInfo) -> Any:
+    if isinstance(v, str) and "{" in v:  # inline text is not a path
+        return v
+    return relative_to_config(v, info)
+
+
+# Inline Jinja text, or a .jinja file (relative to the config file).
+ChatTemplate = Annotated[str | None, AfterValidator(_template), BeforeValidator(_template_path)]
+
+
+class ChatImages(Strict):
+    """Images inside conversations: content parts {"type": "image", "image": PATH or bytes}
+    (or images from `column`), each decoded and transformed on the server, its place in the
+    text (`token`, as the template writes it) expanded to a block of image tokens."""
+
+    token: str = Field(min_length=1, description="the text the template writes for an image "
+                       "(one token of the tokenizer, e.g. <image>)")
+    tokens: int | None = Field(None, ge=1, description="image tokens per image")
+    patch: int | None = Field(None, ge=1, description="or: (height // patch) x (width // "
+                              "patch) tokens, from the transformed image's size")
+    size: ImageSize | None = None
+    transforms: Transforms | None = None
+    column: str | None = Field(None, min_length=1, description="a list of images beside the "
+                               "messages, for image parts that hold none")
+    layout: ClassVar[str] = "chw"  # what server/images.py reads of an image block
+
+    @model_validator(mode="after")
+    def _one_each(self) -> ChatImages:
+        if (self.tokens is None) == (self.patch is None):
+            raise ValueError("give either tokens (per image) or patch, not both or neither")
+        size_or_transforms(self.size, self.transforms)
+        if self.size is None and self.transforms is None:
+            raise ValueError("give size or transforms: every image needs the same shape")
+        return self
+
+
+class ChatDataset(Sourced):
+    """Conversations (a list of {role, content} messages in a field of .jsonl records or a
+    column of .parquet files), rendered through a chat template, tokenized and masked once at
+    open, and packed whole into rows of seq_len tokens (see formats/chat.py)."""
+
+    format: Literal["chat"]
+    field: str = Field("messages", min_length=1,
+                       description="jsonl: a dotted path in each record; parquet: a column")
+    tokenizer: ChatTokenizer = Field(description="a tokenizer.json (Hugging Face tokenizers); "
+                                     "its tokenizer_config.json beside it gives chat_template "
+                                     "and the special tokens")
+    chat_template: ChatTemplate = Field(
+        None, description="inline Jinja text or a .jinja file; default: tokenizer_config.json's")
+    loss_on: Literal["assistant", "last_assistant", "all"] = "assistant"
+    seq_len: int = Field(ge=2)
+    pack: bool = True
+    long: Literal["truncate", "drop", "split"] = "truncate"
+    pad_id: TokenId | None = None  # default: the tokenizer's PAD, else its EOS, else 0
+    shuffle: Literal["global"] = "global"  # rows have no shards
+    images: ChatImages | None = None
+
+    uses_cache_dir: ClassVar[bool] = True  # the rendered, tokenized conversations
