@@ -24,6 +24,8 @@ from stoker.server.formats import FORMATS, OPTIONAL, DatasetParts, config_models
 from stoker.server.formats.config_base import Sourced
 from stoker.server.order.sampling import EpochKey
 
+from tfrecord_files import example, write_array_record, write_tfrecord
+
 # The formats that read storage (not python, not mixture).
 _READERS = [f for f, m in zip(FORMATS, config_models(), strict=True) if issubclass(m, Sourced)]
 
@@ -41,6 +43,8 @@ EXPECTED = {
     "text": {"sample", "source_of", "objects_of", "storage"},
     "mds": SHARDED | IMAGES,
     "litdata": SHARDED | IMAGES,
+    "tfrecord": SHARDED | IMAGES | PLACED,
+    "array_record": SHARDED | IMAGES | PLACED,
 }
 
 
@@ -101,6 +105,9 @@ def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
         pq.write_table(pa.table({"x": [1, 2, 3]}), root / "parquet" / f"{name}.parquet",
                        row_group_size=2)
         (root / "text" / f"{name}.jsonl").write_text(json.dumps({"text": "hello world"}) + "\n")
+        write_tfrecord(root / "tfrecord" / f"{name}.tfrecord", [example(x=1), example(x=2)])
+        write_array_record(root / "array_record" / f"{name}.array_record",
+                           [example(x=1), example(x=2)])
     return {
         "image-folder": {"source": str(root / "images"), "size": 4},
         "jsonl": {"source": str(root / "jsonl"), "fields": {"x": {"dtype": "int64"}}},
@@ -112,6 +119,9 @@ def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
         "text": {"source": str(root / "text"), "seq_len": 4},
         "mds": {"source": str(root / "mds"), "fields": {"x": {}}},
         "litdata": {"source": str(root / "litdata"), "fields": {"0": {}}},
+        "tfrecord": {"source": str(root / "tfrecord"), "features": {"x": {"kind": "int64"}}},
+        "array_record": {"source": str(root / "array_record"),
+                         "features": {"x": {"kind": "int64"}}},
     }
 
 

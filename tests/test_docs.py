@@ -91,6 +91,6 @@ def test_every_dataset_format_has_a_section() -> None:
     union = typing.get_args(c.DatasetConfig)[0]
     formats = {typing.get_args(m.model_fields["format"].annotation)[0]
                for m in typing.get_args(union)}
-    assert len(formats) == 11
+    assert len(formats) == 13
     for f in formats:
         assert f"#### `format: {f}`" in DOC, f
