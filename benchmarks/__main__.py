@@ -53,6 +53,9 @@ SCENARIOS: dict[str, tuple[str, list[str], list[str]]] = {
     "pipeline_batch": ("pipeline_batch.py", [], ["--quick"]),
     # ResNet-50 and a GPT-2 small where CUDA is (skips without), and a CPU stand-in (issue 31).
     "gpu": ("gpu.py", [], ["--quick"]),
+    # tf.data service (dispatcher + W workers) and plain tf.data against stoker, the image
+    # pipeline from TFRecord files; TensorFlow from .venv-tf (make install-tf) (issue 42).
+    "tfdata": ("tfdata_service.py", [], ["--quick"]),
 }
 
 

@@ -19,6 +19,7 @@ from _page import save as _save
 from _page import spread as _spread
 from _page import table as _table
 from report_fleet import fastest_tcp, fleet, gpu, pipeline_batch
+from report_tfdata import tfdata
 
 Section = Callable[[dict[str, Any], Path], list[str]]
 
@@ -472,6 +473,7 @@ SECTIONS: list[tuple[str, str, Section]] = [
     ("fleet", "Fleet: one rank against many server workers", fleet),
     ("pipeline_batch", "Image pipeline: batch 256 against batch 32", pipeline_batch),
     ("gpu", "GPU: ResNet-50 and GPT-2 small, and the client's cost to a busy trainer", gpu),
+    ("tfdata", "tf.data service and tf.data: the same pipeline from TFRecord", tfdata),
 ]
 
 

@@ -30,7 +30,9 @@ from stoker.server.formats import open_dataset
 from stoker.server.images import image_pipeline
 from stoker.server.order.sampling import EpochKey
 
+import s3_endpoint as s3
 from conftest import StartServer, server_env
+from s3_endpoint import moto_endpoint_fixture  # noqa: F401  (the moto_endpoint fixture)
 from tfrecord_files import example, frame, write_array_record, write_tfrecord
 
 pytest.importorskip("array_record")
@@ -189,6 +191,27 @@ def test_block_shuffle_reads_whole_files_in_sequence(start_server: StartServer,
     files = [i // 6 for i in order]
     runs = [f for k, f in enumerate(files) if k == 0 or files[k - 1] != f]
     assert sorted(runs) == [0, 1, 2, 3]  # each file once, read through before the next
+
+
+def test_tfrecord_and_array_record_files_on_s3_are_served(moto_endpoint: s3.MotoServer,
+                                                          tmp_path: Path) -> None:
+    datasets = both_formats(tmp_path / "local")
+    client = s3.s3_client(moto_endpoint.url)
+    bucket = s3.new_bucket(client)
+    s3.put_objects(client, bucket, {f"{kind}/{p.name}": p.read_bytes() for kind in ("tfr", "ar")
+                                    for p in (tmp_path / "local" / kind).iterdir()})
+    for name, kind in (("tfrecord", "tfr"), ("array_record", "ar")):
+        datasets[name]["source"] = f"s3://{bucket}/{kind}"
+    config = write_config(tmp_path / "c.yaml", {
+        "s3": {"endpoint_url": moto_endpoint.url, "region": "us-east-1"},
+        "cache": {"dir": str(tmp_path / "cache")}, "datasets": datasets})
+    with ServerProcess(config, workers=1, env={**server_env(), **s3.s3_env()}) as server:
+        for name in datasets:
+            with RemoteLoader(server.address, name, batch_size=5, shuffle=False,
+                              drop_last=False, output="numpy", timeout=60) as loader:
+                got = [int(i) for b in loader for i in b["idx"]]
+            assert got == list(range(N)), name
+    assert list((tmp_path / "cache" / "tfrecord").glob("*.index.npy"))
 
 
 # -- errors name the file and the record --------------------------------------------------------

@@ -121,9 +121,9 @@ class _Files:
                 log.warning("%s: cannot keep TFRecord indexes in %s; each worker indexes "
                             "(and decompresses) the files itself", storage.url, cache_dir)
 
-    def __del__(self) -> None:
+    def __del__(self, _close: Any = os.close) -> None:
         for fd in getattr(self, "_memory", {}).values():
-            os.close(fd)
+            _close(fd)
 
     def open_all(self, infos: list[ObjectInfo]) -> list[np.ndarray]:
         """Every file's index, in `infos` order: first those no other process is making,
@@ -226,9 +226,9 @@ class _Fd:
     def __init__(self, path: Path) -> None:
         self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
 
-    def __del__(self) -> None:
+    def __del__(self, _close: Any = os.close) -> None:  # os may be gone at interpreter exit
         if hasattr(self, "fd"):
-            os.close(self.fd)
+            _close(self.fd)
 
 
 class Tfrecord:
