@@ -242,6 +242,8 @@ def corrupt(start_server_module, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("corrupt")
     cases = corrupt_files(root)
     datasets = {f"c{k}": block for k, (block, _, _) in enumerate(cases.values())}
+    datasets.update({f"s{k}": {**block, "on_error": "skip"}
+                     for k, (block, _, _) in enumerate(cases.values())})
     return start_server_module(datasets, cache={"dir": str(root / "cache")}), cases
 
 
@@ -264,6 +266,30 @@ def test_a_bad_record_fails_its_batch_naming_the_file_and_the_record(corrupt, le
     lost, dup = ledger.compare(got, list(range(bad - bad % 2)))
     ledger.record("corrupt input", f"TFRecord: {name}, on_error: raise", lost=lost,
                   duplicated=dup, detail=f"DATA_LOSS naming sample {bad} and {where}")
+    assert lost == dup == 0
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_on_error_skip_replaces_a_bad_record_the_same_way_every_time(corrupt, ledger,
+                                                                     case: int) -> None:
+    server, cases = corrupt
+    name, (_, bad, _) = list(cases.items())[case]
+    runs = []
+    for _ in range(2):
+        with RemoteLoader(server.address, f"s{case}", batch_size=2, shuffle=False,
+                          output="numpy", timeout=60) as loader:
+            runs.append([(int(i), int(x)) for b in loader
+                         for i, x in zip(b["sample_index"], b["idx"], strict=True)])
+    assert runs[0] == runs[1]  # the same stand-in on every run
+    got = runs[0]
+    assert all(i == x for i, x in got)  # a stand-in is a whole other record
+    stand_in = got[bad][0]
+    assert stand_in != bad and 0 <= stand_in < 8
+    want = [stand_in if i == bad else i for i in range(8)]
+    lost, dup = ledger.compare([i for i, _ in got], want)
+    ledger.record("corrupt input", f"TFRecord: {name}, on_error: skip", lost=lost,
+                  duplicated=dup, detail=f"sample {bad} replaced by record {stand_in}, "
+                                         "the same on two runs; the epoch whole")
     assert lost == dup == 0
 
 
