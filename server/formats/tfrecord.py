@@ -138,10 +138,22 @@ class _Files:
         return [found[o.key] for o in infos]
 
     def local_path(self, key: str) -> Path:
+        """The file to read `key`'s records from; a decompressed copy that the disk cache
+        evicted is made again (under its lock, as at open)."""
         if self.compression[key] == "none":
             return self.storage.local_path(key)
         if self.folder is None:
             return Path(f"/proc/self/fd/{self._memory[key]}")
+        path = self._inflated(key)
+        if not path.exists():
+            digest = self._digests[key]
+            with file_lock(self.folder.parent / LOCKS / f"tfrecord-{digest}", wait=True):
+                if not path.exists():
+                    self._write(path, self._inflate, key)
+        return path
+
+    def _inflated(self, key: str) -> Path:
+        assert self.folder is not None
         return self.folder / f"{self._digests[key]}.tfrecord"
 
     def _ensure(self, o: ObjectInfo, wait: bool) -> np.ndarray | None:
@@ -165,8 +177,8 @@ class _Files:
                 return None
             if (found := self._load(index)) is not None:  # made while we waited
                 return found
-            if self.compression[o.key] != "none":
-                self._write(self.local_path(o.key), self._inflate, o.key)
+            if self.compression[o.key] != "none" and not self._inflated(o.key).exists():
+                self._write(self._inflated(o.key), self._inflate, o.key)
             table = index_file(self.local_path(o.key), where)
             self._write(index, _save, table)
             return table
