@@ -322,6 +322,20 @@ def test_what_cannot_be_indexed_is_named_at_open(tmp_path: Path, ledger) -> None
                   detail="refused at open, naming the file, the record and its byte")
 
 
+def test_a_missing_feature_or_a_count_that_does_not_fit_the_shape_is_named(
+        tmp_path: Path) -> None:
+    write_tfrecord(tmp_path / "a.tfrecord", [example(idx=0, x=[1.0, 2.0, 3.0]),
+                                             example(other=1)])
+    ds = dataset({"format": "tfrecord", "source": str(tmp_path), "features": IDX})
+    with pytest.raises(ValueError, match=r"field 'x': feature 'x' has 3 values; shape \[2\] "
+                                         r"needs 2"):
+        ds[0]
+    with pytest.raises(ValueError, match=r"feature 'idx' is missing \(the record has: "
+                                         r"other\)"):
+        ds[1]
+    assert ds.source_of(1) == f"{tmp_path / 'a.tfrecord'} record 1"
+
+
 @pytest.mark.parametrize(("block", "match"), [
     ({"kind": "int64", "decode": "image", "size": 4}, "decode applies to kind bytes only"),
     ({"kind": "bytes"}, "max_bytes is required"),
