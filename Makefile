@@ -9,11 +9,15 @@ PY := $(VENV)/bin/python
 # build LitData pulls in) fails to import beside the CPU torch. This venv has no torchvision.
 FW_VENV ?= .venv-frameworks
 FW_PY := $(FW_VENV)/bin/python
+# TensorFlow (tests/test_format_tfrecord.py's writer and parser, the tf.data service peer of
+# the benchmarks) in a venv of its own: its pins stay apart from the dev venv's.
+TF_VENV ?= .venv-tf
+TF_PY := $(TF_VENV)/bin/python
 # Test processes (pytest-xdist) for the main suite: CI's machine has 2 cores. Tests marked
 # `serial` (timing figures a second process beside them would bend) run alone, after.
 JOBS ?= 2
 
-.PHONY: install install-frameworks demo test test-frameworks lint bench proto reliability soak clean
+.PHONY: install install-frameworks install-tf demo test test-frameworks lint bench proto reliability soak clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,12 +38,19 @@ $(FW_VENV)/.installed: pyproject.toml
 
 install-frameworks: $(FW_VENV)/.installed
 
+$(TF_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(TF_VENV)
+	$(TF_PY) -m pip install --quiet -e ".[tf]"
+	touch $@
+
+install-tf: $(TF_VENV)/.installed
+
 ## demo: prepare a small image dataset, start a data server, train a CNN from it
 demo: install
 	$(PY) examples/demo.py
 
 ## test: lint, check the generated protobuf code, run the test suite, then the framework tests
-test: install install-frameworks lint
+test: install install-frameworks install-tf lint
 	$(PY) protos/generate.py --check
 	$(PY) -m pytest -n $(JOBS) -m "not serial"
 	$(PY) -m pytest -m serial
@@ -56,12 +67,12 @@ lint: install
 ## (the SPDL peer also needs FFmpeg 5.1's libraries: apt-get install libavcodec59
 ## libavformat59 libavfilter8 libavutil57 libavdevice59; without them the pipeline scenarios
 ## leave it out and say so on the page)
-bench: install
+bench: install install-tf
 	$(PY) -m benchmarks
 
 ## reliability: the fault, load and bad-input tests, and the frameworks' resume tests (from
 ## their own venv); writes docs/reliability.md from both ledgers
-reliability: install install-frameworks
+reliability: install install-frameworks install-tf
 	$(PY) -m pytest -q -n $(JOBS) -m "not serial" --reliability-json=results/reliability.json
 	$(PY) -m pytest -q -m serial --reliability-json=results/reliability-serial.json
 	$(FW_PY) -m pytest -q -m frameworks tests/frameworks \
@@ -79,4 +90,4 @@ proto: install
 	$(PY) protos/generate.py
 
 clean:
-	rm -rf $(VENV) $(FW_VENV) data results
+	rm -rf $(VENV) $(FW_VENV) $(TF_VENV) data results

@@ -59,6 +59,9 @@ SCENARIOS: dict[str, tuple[str, list[str], list[str]]] = {
     # The first batch of a new shuffled epoch and the server's memory, 1e5 to 1e9 samples
     # (issue 38: orders that cost a batch, not a dataset).
     "orders": ("orders.py", [], ["--quick"]),
+    # tf.data service (dispatcher + W workers) and plain tf.data against stoker, the image
+    # pipeline from TFRecord files; TensorFlow from .venv-tf (make install-tf) (issue 42).
+    "tfdata": ("tfdata_service.py", [], ["--quick"]),
 }
 
 

@@ -20,6 +20,7 @@ from _page import spread as _spread
 from _page import table as _table
 from report_fleet import fastest_tcp, fleet, gpu, pipeline_batch
 from report_orders import orders
+from report_tfdata import tfdata
 
 Section = Callable[[dict[str, Any], Path], list[str]]
 
@@ -500,6 +501,7 @@ SECTIONS: list[tuple[str, str, Section]] = [
     ("pipeline_batch", "Image pipeline: batch 256 against batch 32", pipeline_batch),
     ("gpu", "GPU: ResNet-50 and GPT-2 small, and the client's cost to a busy trainer", gpu),
     ("orders", "Orders: the first batch of an epoch against the dataset's size", orders),
+    ("tfdata", "tf.data service and tf.data: the same pipeline from TFRecord", tfdata),
 ]
 
 

@@ -25,6 +25,8 @@ from stoker.server.formats import FORMATS, OPTIONAL, DatasetParts, config_models
 from stoker.server.formats.config_base import Sourced
 from stoker.server.order.sampling import EpochKey
 
+from tfrecord_files import example, write_array_record, write_tfrecord
+
 # The formats that read storage (not python, not mixture).
 _READERS = [f for f, m in zip(FORMATS, config_models(), strict=True) if issubclass(m, Sourced)]
 
@@ -43,6 +45,8 @@ EXPECTED = {
     "chat": {"sample", "source_of", "objects_of", "storage", "sample_lengths"},
     "mds": SHARDED | IMAGES,
     "litdata": SHARDED | IMAGES,
+    "tfrecord": SHARDED | IMAGES | PLACED,
+    "array_record": SHARDED | IMAGES | PLACED,
 }
 
 
@@ -105,6 +109,9 @@ def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
         (root / "text" / f"{name}.jsonl").write_text(json.dumps({"text": "hello world"}) + "\n")
         (root / "chat" / f"{name}.jsonl").write_text(json.dumps({"messages": [
             {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
+        write_tfrecord(root / "tfrecord" / f"{name}.tfrecord", [example(x=1), example(x=2)])
+        write_array_record(root / "array_record" / f"{name}.array_record",
+                           [example(x=1), example(x=2)])
     return {
         "image-folder": {"source": str(root / "images"), "size": 4},
         "jsonl": {"source": str(root / "jsonl"), "fields": {"x": {"dtype": "int64"}}},
@@ -118,6 +125,9 @@ def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
                  "tokenizer": str(make_tokenizer(root / "tok", ["hi", "hello"]))},
         "mds": {"source": str(root / "mds"), "fields": {"x": {}}},
         "litdata": {"source": str(root / "litdata"), "fields": {"0": {}}},
+        "tfrecord": {"source": str(root / "tfrecord"), "features": {"x": {"kind": "int64"}}},
+        "array_record": {"source": str(root / "array_record"),
+                         "features": {"x": {"kind": "int64"}}},
     }
 
 

@@ -40,6 +40,9 @@ FORMATS: dict[str, tuple[str, str]] = {
     "mds": ("mds_config:MdsDataset", "mds:Mds"),
     "litdata": ("litdata_config:LitdataDataset", "litdata:Litdata"),
     "mixture": ("mixture_config:MixtureDataset", "mixture:Mixture"),
+    # TensorFlow's and Grain's records (serialized tf.train.Example, or raw bytes)
+    "tfrecord": ("tfrecord_config:TfrecordDataset", "tfrecord:Tfrecord"),
+    "array_record": ("array_record_config:ArrayRecordDataset", "array_record:ArrayRecord"),
 }
 
 

@@ -1,0 +1,158 @@
+"""`format: array_record`: Grain's ArrayRecord files, read record by record through the
+`array-record` package's reader (the `array-record` extra).
+
+Sample i is the i-th record of the files in sorted key order. Each file's record count comes
+from its footer at open; a reader is opened per file on first use, for random access
+(`readahead_buffer_size:0`, no read-ahead threads), at most 128 at once. Records are
+serialized `tf.train.Example`s read through `features:` (as in `format: tfrecord`), or raw
+bytes decoded as `decode:` says. ArrayRecord's chunks carry their own checksums (Riegeli):
+a damaged one fails when read, naming the file and the record.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..images import image_pipeline
+from ..order.sampling import EpochKey
+from ..sources import Storage
+from ..sources.prefix_cache import use_cache
+from ._example import Feature, check_names, parse_features, write_bytes
+from ._shards import ShardIndex
+from .memmap import OpenMaps
+
+# A source that names a directory: `x.array_record`, `train.array_record-00000-of-00016`.
+NAMED = re.compile(r"\.array_?record($|-)", re.IGNORECASE)
+RANDOM_ACCESS = "readahead_buffer_size:0,max_parallelism:0"
+
+
+def _reader_class() -> Any:
+    try:
+        from array_record.python.array_record_module import ArrayRecordReader
+    except ImportError as e:
+        raise ValueError("format: array_record needs the array-record package "
+                         "(pip install 'stoker[array-record]')") from e
+    return ArrayRecordReader
+
+
+class _File:
+    """One file's reader and the lock its reads take (one reader is not shared by threads:
+    its Riegeli reader keeps a position)."""
+
+    def __init__(self, path: Path, where: str) -> None:
+        try:
+            self.reader = _reader_class()(str(path), RANDOM_ACCESS)
+        except (RuntimeError, ValueError, OSError) as e:
+            raise ValueError(f"{where}: not a readable ArrayRecord file: {e}") from None
+        self.lock = threading.Lock()
+
+    def __del__(self) -> None:
+        if hasattr(self, "reader"):
+            self.reader.close()
+
+
+class _Raw:
+    """The one field of a raw record."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.name = cfg.field
+        self.decode = cfg.decode
+        self.max_bytes = cfg.max_bytes
+        self.pipeline = image_pipeline(cfg) if cfg.decode == "image" else None
+
+    def output_names(self) -> list[str]:
+        if self.pipeline is not None:
+            return self.pipeline.output_names(self.name)
+        return [self.name] if self.decode == "npy" else [self.name, f"{self.name}_length"]
+
+
+class ArrayRecord:
+    """Thread-safe: sample() reads immutable arrays; each file's reads hold its lock."""
+
+    def __init__(self, cfg: Any, storage: Storage, pattern: str | None = None) -> None:
+        self.storage = storage
+        self.sequence = cfg.record == "sequence_example"
+        self.raw = _Raw(cfg) if cfg.features is None else None
+        self.fields = ([Feature(n, f) for n, f in cfg.features.items()]
+                       if cfg.features is not None else [])
+        check_names(self.fields or [self.raw])
+        infos = storage.list(pattern)
+        if pattern is None:
+            infos = [o for o in infos if NAMED.search(o.key.rsplit("/", 1)[-1])]
+        if not infos:
+            raise ValueError(f"{storage.url}: no files match "
+                             f"{pattern or '*.array_record* (in any folder)'!r}")
+        self._files: OpenMaps[_File] = OpenMaps(
+            storage, lambda key, path: _File(path, storage.where(key)))
+        counts = [self._files.get(o.key).reader.num_records() for o in infos]
+        self.shards = ShardIndex(counts)
+        self.length = self.shards.length
+        if self.length == 0:
+            raise ValueError(f"{storage.url}: no records in {len(infos)} files")
+        self.shard_keys = np.array([o.key for o in infos])
+        self.shard_starts = self.shards.shard_starts
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.sample(index, EpochKey())
+
+    def record(self, index: int) -> bytes:
+        shard, position = self.shards.locate(index)
+        key = str(self.shard_keys[shard])
+        file = self._files.get(key)
+        try:
+            with file.lock:
+                return file.reader.read([position])[0]
+        except (RuntimeError, ValueError, OSError) as e:
+            raise ValueError(f"{self.storage.where(key)} record {position}: cannot read: "
+                             f"{e}") from None
+
+    def sample(self, index: int, key: EpochKey) -> dict[str, Any]:
+        rng = key.rng(index)
+        out: dict[str, Any] = {}
+        fields = self.fields or [self.raw]
+        prefixes = [f.pipeline.cached(index) if f.pipeline is not None else None
+                    for f in fields]
+        if self.raw is not None:
+            if prefixes[0] is not None:
+                self.raw.pipeline.write(out, self.raw.name, None, rng, index, prefixes[0])
+            else:
+                data = self.record(index)
+                try:
+                    write_bytes(self.raw, out, data, rng, index)
+                except Exception as e:
+                    raise ValueError(f"field {self.raw.name!r}: cannot decode "
+                                     f"{self.raw.decode}: {type(e).__name__}: {e}") from e
+            return out
+        features = None
+        if any(p is None for p in prefixes):
+            features = parse_features(self.record(index), self.sequence)
+        for field, prefix in zip(self.fields, prefixes, strict=True):
+            try:
+                field.write(out, features, rng, index, prefix)
+            except Exception as e:
+                raise ValueError(f"field {field.name!r}: {e}") from e
+        return out
+
+    def use_prefix_cache(self, scope: Any) -> None:
+        fields = self.fields or [self.raw]
+        use_cache(scope, [(f.name, f.pipeline) for f in fields])
+
+    def source_of(self, index: int) -> str:
+        shard, position = self.shards.locate(index)
+        return f"{self.storage.where(str(self.shard_keys[shard]))} record {position}"
+
+    def place_of(self, index: int) -> dict[str, Any]:
+        shard, position = self.shards.locate(index)
+        return {"file": self.storage.where(str(self.shard_keys[shard])), "record": position}
+
+    def objects_of(self, indices: np.ndarray) -> list[str]:
+        return self.shard_keys[self.shards.shards_of(indices)].tolist()
+
