@@ -57,6 +57,14 @@ class Metrics:
                                    "storage into the disk cache", registry=r)
         self.streams = Gauge("stoker_active_streams", "Open batch streams", ["dataset"],
                              registry=r)
+        # -- issue 41: who reads (a grant's name, never its token), and strangers on the
+        # data port (by why their connection was closed: per_address and total are the
+        # claim caps, late the claim's time, wrong a claim that matched no stream).
+        self.grant_streams = Counter("stoker_grant_streams", "Batch streams opened, by the "
+                                     "grant that opened them", ["grant"], registry=r)
+        self.claims_dropped = Counter("stoker_data_claims_dropped", "Data-port connections "
+                                      "closed unclaimed, by reason: per_address, total, "
+                                      "late, wrong", ["reason"], registry=r)
         self.stall = Gauge("stoker_client_data_stall", "Mean data stall the clients report "
                            "(share of their loop time spent waiting for batches)",
                            ["dataset"], registry=r)

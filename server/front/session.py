@@ -26,6 +26,7 @@ from stoker.v1 import stoker_pb2 as pb
 from stoker.v1.wire import CreditCountError, decode_credits
 
 from .credits import Credits
+from .grants import OPEN, Grant
 from .handshake import StreamHandshake
 from .limits import HeldPool
 from .ready import Finished, Ready, ReadyBatch, RefusedCall
@@ -50,8 +51,9 @@ class StreamSession:
     (always awaited after `run`) frees what it held."""
 
     def __init__(self, front: SessionContext, context: grpc.aio.ServicerContext,
-                 stream_id: int, client: str = "") -> None:
+                 stream_id: int, client: str = "", grant: Grant = OPEN) -> None:
         self._front = front
+        self._grant = grant  # the caller's: which datasets its coordinates may name
         self.id = stream_id
         # Built batches count against `client` in the Admission from the moment they arrive
         # until they go back to the pool, which the transport and close() do through this
@@ -60,7 +62,7 @@ class StreamSession:
         self._ready: asyncio.Queue[Ready] = asyncio.Queue()
         self._stats = StreamStats(front.metrics, stream_id, context.peer())
         self._credits = Credits(front, client, self._ready)
-        self._handshake = StreamHandshake(front, self._ready)
+        self._handshake = StreamHandshake(front, self._ready, grant)
         self._sender = Sender(context, self._ready, self._credits, self._stats)
         self._reader: asyncio.Task | None = None
         self._socket_reader: asyncio.Task | None = None  # credits on the data connection
@@ -120,7 +122,7 @@ class StreamSession:
                     if offer.credits:
                         self._socket_reader = asyncio.create_task(self._read_socket_credits())
                 if req.HasField("coordinates"):
-                    coords, meta = self._front.coordinates(req.coordinates)
+                    coords, meta = self._front.coordinates(req.coordinates, self._grant)
                     self._coords, self._meta = coords, meta
                     stats.accepted(coords)
                     if sender.transport is None:  # the handshake is over
