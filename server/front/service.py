@@ -37,6 +37,7 @@ from .credits import FAILURE_CODE
 from .grants import CALLER, OPEN, Grant
 from .limits import Admission, Kind, Refused
 from .metrics import Metrics
+from .redact import redact
 from .refusal import FINGERPRINT_KEY, Abort
 from .session import StreamSession
 from .session_context import SessionContext
@@ -224,7 +225,8 @@ class DataService:
         except Abort as e:
             await context.abort(e.code, str(e), trailing_metadata=e.trailers)
         except BatchFailed as e:
-            await context.abort(FAILURE_CODE[e.kind], str(e))
+            await context.abort(FAILURE_CODE[e.kind], redact(str(e)) if self.settings.redact_paths
+                                else str(e))
         try:
             t = next(t for t in built.tensors if t.name == SOURCES)
             raw = bytes(self.mappings.get(built.shm_name, built.payload_bytes)

@@ -30,6 +30,7 @@ from .grants import OPEN, Grant
 from .handshake import StreamHandshake
 from .limits import HeldPool
 from .ready import Finished, Ready, ReadyBatch, RefusedCall
+from .redact import redact
 from .refusal import Abort
 from .sender import Sender
 from .stream_stats import StreamStats
@@ -63,7 +64,8 @@ class StreamSession:
         self._stats = StreamStats(front.metrics, stream_id, context.peer())
         self._credits = Credits(front, client, self._ready)
         self._handshake = StreamHandshake(front, self._ready, grant)
-        self._sender = Sender(context, self._ready, self._credits, self._stats)
+        self._sender = Sender(context, self._ready, self._credits, self._stats,
+                              redact if front.settings.redact_paths else str)
         self._reader: asyncio.Task | None = None
         self._socket_reader: asyncio.Task | None = None  # credits on the data connection
         # Credits from gRPC and the data connection are taken one message at a time.
