@@ -108,6 +108,13 @@ class DataSockets:
         from two threads at once)."""
         return self._tls is None
 
+    max_claims, max_claims_per_host = MAX_CLAIMS, MAX_CLAIMS_PER_HOST
+
+    @property
+    def waiting(self) -> int:
+        """Connections still owing their claim (evicted ones until their task ends)."""
+        return len(self._claims)
+
     @property
     def saturated(self) -> bool:
         """MAX_CLAIMS connections wait to claim at once: a new claim would evict another."""

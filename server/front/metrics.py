@@ -99,6 +99,19 @@ class Metrics:
         self._started = time.monotonic()
 
     # -- updates (the event loop) ------------------------------------------------------------
+    def data_port(self, sockets: Any) -> None:
+        """The data port's claims (front/datasocket.py): those waiting now, its caps, and
+        each connection it closes unclaimed. `waiting` is read from the HTTP thread: the
+        length of a dict the loop writes, a single read."""
+        sockets.on_dropped = lambda why: self.claims_dropped.labels(why).inc()
+        Gauge("stoker_data_claims_waiting", "Data-port connections that have not sent their "
+              "claim yet", registry=self.registry).set_function(lambda: sockets.waiting)
+        caps = Gauge("stoker_data_claims_limit", "Data-port connections that may wait to "
+                     "claim, per address and in all (past either the oldest is closed)",
+                     ["scope"], registry=self.registry)
+        caps.labels("per_address").set(sockets.max_claims_per_host)
+        caps.labels("total").set(sockets.max_claims)
+
     def sent(self, dataset: str, samples: int, nbytes: int, transport: str) -> None:
         """A batch went out; `transport`: its Transport's label."""
         self.batches.add((dataset, transport), 1)

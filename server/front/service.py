@@ -108,7 +108,7 @@ class DataService:
         self.settings = config.server
         self.draining = False
         if data_sockets is not None:
-            data_sockets.on_dropped = lambda why: self.metrics.claims_dropped.labels(why).inc()
+            self.metrics.data_port(data_sockets)
         # Open streams and health watches, held shared memory: per client and in all.
         self.admission = Admission(self.settings)
         # Built batches, shared by the streams that ask for the same ones (issue 17).
