@@ -448,6 +448,27 @@ def sweep(r: dict[str, Any], plots: Path) -> list[str]:
             *_table(["run", "server CPU s (median)", "images/s per job (median)"], rows)]
 
 
+def lockstep(r: dict[str, Any], plots: Path) -> list[str]:
+    p, systems = r["parameters"], r["systems"]
+    labels = {"bound": "same loop, data in hand (bound)", "stoker": "stoker RemoteLoader",
+              "dataloader": "DataLoader, same total workers"}
+    rows = [[labels.get(k, k), f"{v['steps_per_s']:.2f}",
+             f"**{v['of_bound']:.3f}**" if v.get("of_bound") else "-", f"{v['stall']:.1%}",
+             f"{v['wait_p50_ms']:.1f}", f"{v['wait_p99_ms']:.1f}"] for k, v in systems.items()]
+    return [f"{p['ranks']} rank processes, each with its own loader, step together: take a "
+            "batch, a barrier (every rank has its batch, as an all-reduce waits), then "
+            f"{p['compute_ms']:g} ms of compute (a sleep). {p['servers']} servers of "
+            f"{p['workers']} workers, samples of {p['sample_bytes'] // 1024} KiB taking "
+            f"{p['sample_ms']:g} ms asleep (decode on CPU nodes this machine does not have), "
+            f"batch {p['batch_size']}, {p['steps']} timed steps after warm-up. The bound is the "
+            "same loop with a batch already in hand; DataLoader runs "
+            f"{p['servers'] * p['workers'] // p['ranks']} workers per rank (the same total). "
+            "The wait is per step and rank, batch and barrier together. This machine is "
+            "shared: compare the ratios, measured in one run.", "",
+            *_table(["system", "steps/s", "of bound", "stall", "p50 wait ms",
+                     "p99 wait ms"], rows)]
+
+
 # (results file, title, renderer): a file may feed several sections.
 SECTIONS: list[tuple[str, str, Section]] = [
     ("pipeline", "Image pipeline: stoker vs DataLoader", pipeline),
@@ -472,6 +493,7 @@ SECTIONS: list[tuple[str, str, Section]] = [
     ("fleet", "Fleet: one rank against many server workers", fleet),
     ("pipeline_batch", "Image pipeline: batch 256 against batch 32", pipeline_batch),
     ("gpu", "GPU: ResNet-50 and GPT-2 small, and the client's cost to a busy trainer", gpu),
+    ("lockstep", "Lockstep: ranks that step together", lockstep),
 ]
 
 
