@@ -466,7 +466,22 @@ def lockstep(r: dict[str, Any], plots: Path) -> list[str]:
             "The wait is per step and rank, batch and barrier together. This machine is "
             "shared: compare the ratios, measured in one run.", "",
             *_table(["system", "steps/s", "of bound", "stall", "p50 wait ms",
-                     "p99 wait ms"], rows)]
+                     "p99 wait ms"], rows),
+            _lockstep_goal(systems, r["machine"])]
+
+
+def _lockstep_goal(systems: dict[str, Any], machine: dict[str, Any]) -> str:
+    """The goal (issue 41: stoker >= 0.95 of the bound, ahead of DataLoader), met or not."""
+    ours = systems.get("stoker", {}).get("of_bound")
+    theirs = systems.get("dataloader", {}).get("of_bound")
+    if ours is None:
+        return "stoker was not measured in this run."
+    met = ours >= 0.95 and (theirs is None or ours > theirs)
+    return (f"Goal: stoker >= 0.95 of the bound and ahead of DataLoader: "
+            f"{'met' if met else '**not met**'} in this run ({ours:.3f}"
+            + (f" against DataLoader's {theirs:.3f}" if theirs is not None else "")
+            + f", on {machine.get('cpus_usable', '?')} usable CPUs that the ranks, the "
+              "servers' front ends and their workers all share).")
 
 
 # (results file, title, renderer): a file may feed several sections.
