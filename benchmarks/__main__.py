@@ -62,6 +62,8 @@ SCENARIOS: dict[str, tuple[str, list[str], list[str]]] = {
     # tf.data service (dispatcher + W workers) and plain tf.data against stoker, the image
     # pipeline from TFRecord files; TensorFlow from .venv-tf (make install-tf) (issue 42).
     "tfdata": ("tfdata_service.py", [], ["--quick"]),
+    # R rank processes stepping together against S servers, the bound and DataLoader (issue 41).
+    "lockstep": ("lockstep.py", [], ["--quick"]),
 }
 
 

@@ -475,6 +475,42 @@ def chat(r: dict[str, Any], plots: Path) -> list[str]:
             plot, ""]
 
 
+def lockstep(r: dict[str, Any], plots: Path) -> list[str]:
+    p, systems = r["parameters"], r["systems"]
+    labels = {"bound": "same loop, data in hand (bound)", "stoker": "stoker RemoteLoader",
+              "dataloader": "DataLoader, same total workers"}
+    rows = [[labels.get(k, k), f"{v['steps_per_s']:.2f}",
+             f"**{v['of_bound']:.3f}**" if v.get("of_bound") else "-", f"{v['stall']:.1%}",
+             f"{v['wait_p50_ms']:.1f}", f"{v['wait_p99_ms']:.1f}"] for k, v in systems.items()]
+    return [f"{p['ranks']} rank processes, each with its own loader, step together: take a "
+            "batch, a barrier (every rank has its batch, as an all-reduce waits), then "
+            f"{p['compute_ms']:g} ms of compute (a sleep). {p['servers']} servers of "
+            f"{p['workers']} workers, samples of {p['sample_bytes'] // 1024} KiB taking "
+            f"{p['sample_ms']:g} ms asleep (decode on CPU nodes this machine does not have), "
+            f"batch {p['batch_size']}, {p['steps']} timed steps after warm-up. The bound is the "
+            "same loop with a batch already in hand; DataLoader runs "
+            f"{p['servers'] * p['workers'] // p['ranks']} workers per rank (the same total). "
+            "The wait is per step and rank, batch and barrier together. This machine is "
+            "shared: compare the ratios, measured in one run.", "",
+            *_table(["system", "steps/s", "of bound", "stall", "p50 wait ms",
+                     "p99 wait ms"], rows),
+            _lockstep_goal(systems, r["machine"])]
+
+
+def _lockstep_goal(systems: dict[str, Any], machine: dict[str, Any]) -> str:
+    """The goal (issue 41: stoker >= 0.95 of the bound, ahead of DataLoader), met or not."""
+    ours = systems.get("stoker", {}).get("of_bound")
+    theirs = systems.get("dataloader", {}).get("of_bound")
+    if ours is None:
+        return "stoker was not measured in this run."
+    met = ours >= 0.95 and (theirs is None or ours > theirs)
+    return (f"Goal: stoker >= 0.95 of the bound and ahead of DataLoader: "
+            f"{'met' if met else '**not met**'} in this run ({ours:.3f}"
+            + (f" against DataLoader's {theirs:.3f}" if theirs is not None else "")
+            + f", on {machine.get('cpus_usable', '?')} usable CPUs that the ranks, the "
+              "servers' front ends and their workers all share).")
+
+
 # (results file, title, renderer): a file may feed several sections.
 SECTIONS: list[tuple[str, str, Section]] = [
     ("pipeline", "Image pipeline: stoker vs DataLoader", pipeline),
@@ -502,6 +538,7 @@ SECTIONS: list[tuple[str, str, Section]] = [
     ("gpu", "GPU: ResNet-50 and GPT-2 small, and the client's cost to a busy trainer", gpu),
     ("orders", "Orders: the first batch of an epoch against the dataset's size", orders),
     ("tfdata", "tf.data service and tf.data: the same pipeline from TFRecord", tfdata),
+    ("lockstep", "Lockstep: ranks that step together", lockstep),
 ]
 
 

@@ -26,7 +26,7 @@ from ._on_demand import OnDemand
 from ._options import loader_options, signature
 from ._pinning import Pinning
 from ._progress import Progress
-from ._resume import Position, Saved, state_of
+from ._resume import LAST_EPOCH, Position, Saved, state_of
 from ._scheduler import FATAL, Scheduler
 from ._servers import Fleet, ServerSet
 from ._sizes import Window, check_epoch, say_dropped
@@ -152,8 +152,8 @@ class RemoteLoader(OnDemand):
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch; a different epoch starts at batch 0, the current one keeps its
         place (so the usual `set_epoch(epoch)` at the top of an epoch loop resumes)."""
-        if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if not 0 <= epoch <= LAST_EPOCH:
+            raise ValueError(f"epoch must be in [0, 2**63 - 1], got {epoch}")
         if epoch != self._at.epoch:
             self._at = Position(epoch)
 

@@ -21,7 +21,7 @@ from ._buffers import HostBuffers
 from ._contact import first_contact
 from ._exclusions import Excluded
 from ._oneshot import ask_sources, fetch_one
-from ._resume import Position
+from ._resume import LAST_EPOCH, Position
 
 if TYPE_CHECKING:
     import numpy as np
@@ -181,7 +181,10 @@ class OnDemand:
     def _following(self, epoch: int) -> pb.DescribeDatasetResponse | None:
         """The sizes of `epoch` (the next one, whose first batches are asked for while the
         loop ends its epoch) when known without a request; under batch_tokens one is made
-        (its plan's steps are its own)."""
+        (its plan's steps are its own). None after the last epoch: its number would not fit
+        a request."""
+        if epoch > LAST_EPOCH:
+            return None
         if self._options.batch_tokens:
             return self._sizes(epoch, 0)
         return self._described.get(self._key(epoch, 0))

@@ -31,6 +31,9 @@ _MISSING = object()
 # the one that loads it (an elastic resume): the rest of the epoch's order is re-partitioned.
 # Every other key (dataset, seed, shuffle, drop_last) fixes the order or its tail: equal.
 ELASTIC = ("rank", "world_size", "batch_size", "start")
+# The last epoch a request can name (Coordinates.epoch is an int64): it iterates, and no
+# request is made for the epoch after it.
+LAST_EPOCH = 2**63 - 1
 # Keys a state carries into the loader that loads it: the samples the run left out (added to
 # the loader's own), and the order version (a run goes on in the order it began in). An older
 # stoker refuses such a state (its coordinates differ).

@@ -32,8 +32,8 @@ from grpc_reflection.v1alpha import reflection
 from ._config import Config
 from ._errors import StartError
 from .front import limits, tls
-from .front.auth import TokenInterceptor, read_token
 from .front.datasocket import DataSockets
+from .front.grants import GrantInterceptor, Grants
 from .front.http import HttpLimits, HttpServer
 from .front.listen import address, taken
 from .front.service import SERVICE_NAME, DataService, client_of
@@ -93,7 +93,7 @@ class Started:
     grpc_port: int
     http_port: int
     data_port: int | None  # the data connections' port
-    auth: bool  # calls must carry the bearer token
+    auth: bool  # calls must carry a credential (the bearer token, or a grant's)
     nofile: int  # the soft limit on open files, raised to the hard one
 
 
@@ -126,25 +126,25 @@ async def start(config: Config, stack: contextlib.AsyncExitStack,
         log.warning("%s", warning)
     sampling.ORDERS.resize(int(settings.max_order_cache_bytes))
     # Secrets and certificates first: a bad one fails the start before any worker runs.
-    token = read_token(settings)
+    grants = Grants.of(settings)  # the shared token and the grants' own tokens
     tls_context = tls.server_context(settings.tls) if settings.tls is not None else None
     _check_ports(settings)  # before the workers: a taken port fails in a moment, not minutes
     pool = WorkerPool(config, settings.worker_count)
     meta = await _start_workers(stack, pool)
     if (small := depth.capacity_warning(meta, settings)) is not None:
         log.warning("%s", small)
-    # The data connections (TLS under server.tls, the bearer token's proof with a token)
+    # The data connections (TLS under server.tls, the proof of the stream's own credential)
     # listen before gRPC does: the first stream may ask for one, and streams end before
     # they close.
     data_sockets = _listening(
         "data socket", settings.host, settings.data_port,
-        lambda: DataSockets(settings.host, settings.data_port, tls=tls_context, bearer=token))
+        lambda: DataSockets(settings.host, settings.data_port, tls=tls_context))
     data_sockets.start()
     stack.callback(data_sockets.close)
     service = DataService(config, pool, meta, data_sockets)
-    grpc_server, health_servicer, grpc_port = await _start_grpc(stack, config, service, token)
+    grpc_server, health_servicer, grpc_port = await _start_grpc(stack, config, service, grants)
     http = _listening("HTTP", settings.host, settings.http_port,
-                      lambda: HttpServer(settings.host, settings.http_port, service, token=token,
+                      lambda: HttpServer(settings.host, settings.http_port, service, grants=grants,
                                          tls=settings.tls, limits=HttpLimits.of(settings)))
     http.start()
     stack.callback(http.stop)
@@ -152,7 +152,7 @@ async def start(config: Config, stack: contextlib.AsyncExitStack,
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return Started(pool, service, grpc_server, health_servicer, grpc_port, http.port,
                    data_sockets.port,
-                   auth=token is not None, nofile=nofile)
+                   auth=grants.required, nofile=nofile)
 
 
 def _announce(config: Config, started: Started) -> None:
@@ -226,14 +226,14 @@ async def _start_workers(stack: contextlib.AsyncExitStack,
 
 
 async def _start_grpc(stack: contextlib.AsyncExitStack, config: Config, service: DataService,
-                      token: bytes | None) -> tuple[grpc.aio.Server, Any, int]:
+                      grants: Grants) -> tuple[grpc.aio.Server, Any, int]:
     """The gRPC server, listening: (server, its health servicer, its port)."""
     settings = config.server
     health_servicer = limits.LimitedHealth(service.admission, client_of)
     server = grpc.aio.server(
         options=[*GRPC_OPTIONS, *limits.grpc_options(settings),
                  ("grpc.max_receive_message_length", int(settings.max_request_bytes))],
-        interceptors=[TokenInterceptor(token)] if token is not None else None,
+        interceptors=[GrantInterceptor(grants)] if grants.required else None,
         maximum_concurrent_rpcs=limits.concurrent_rpcs(settings))
     server.add_generic_rpc_handlers([service.handler()])
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -88,6 +88,27 @@ class TlsSettings(Strict):
         None, description="CA certificates (PEM) for client certificates; set: mutual TLS")
 
 
+class GrantSettings(Strict):
+    """Who may use which datasets (issue 41): one credential, a bearer token read from
+    `token_file` or, under mutual TLS, a client certificate identity (`client_cert`: its
+    subject as `CN=...` or the whole RFC 4514 subject, or a subject alternative name such as
+    `DNS:trainer-b` or `URI:spiffe://...`), and the datasets it may read ("*": all).
+    `operator`: it may also read /v1/stats, /v1/datasets and /metrics. `name` goes to logs
+    and metrics, never the token."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    token_file: ReadableFile | None = None
+    client_cert: str | None = Field(None, min_length=3)
+    datasets: list[str] = Field(min_length=1)
+    operator: bool = False
+
+    @model_validator(mode="after")
+    def _one_credential(self) -> GrantSettings:
+        if (self.token_file is None) == (self.client_cert is None):
+            raise ValueError("give token_file or client_cert (one credential per grant)")
+        return self
+
+
 class ServerSettings(Strict):
     host: str = "127.0.0.1"
     port: int = Field(50051, ge=0, le=65535)
@@ -110,6 +131,15 @@ class ServerSettings(Strict):
     # from this file (configs get committed, printed and mounted where secrets should not be).
     auth_token_file: ReadableFile | None = None
     auth_token_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    # -- issue 41, grants: access per dataset (server/front/grants.py). Empty: every
+    # credential above (the shared token, a certificate the client CA signed) opens every
+    # dataset, as before. Given: a call must match a grant (or the shared token, which then
+    # stays an operator credential for every dataset) and sees only its grant's datasets.
+    grants: list[GrantSettings] = Field(default_factory=list)
+    # Error messages sent to clients name no server path (a file's folders, a bucket's
+    # prefix): each is cut to its last part, `.../name`. The server's log keeps them whole.
+    redact_paths: bool = False
+    # -- end of "grants"
     # Limits a client cannot talk its way past; each refusal names the limit and its value.
     max_streams_per_client: int = Field(64, ge=1, le=65536)
     max_batch_bytes: ByteSize = Field(ByteSize(2 << 30), ge=1 << 10)
@@ -169,6 +199,13 @@ class ServerSettings(Strict):
         if self.auth_token_env is not None and not os.environ.get(self.auth_token_env):
             raise ValueError(f"auth_token_env: environment variable {self.auth_token_env} "
                              "is not set (or empty)")
+        names = [g.name for g in self.grants]
+        if len(set(names)) != len(names):
+            raise ValueError(f"grants: names must differ (got {names})")
+        if any(g.client_cert for g in self.grants) and (
+                self.tls is None or self.tls.client_ca_file is None):
+            raise ValueError("grants: a client_cert grant needs mutual TLS "
+                             "(tls.client_ca_file)")
         return self
 
     @property
@@ -186,6 +223,11 @@ class Config(Strict):
     def _among(self) -> Config:
         for name, cfg in self.datasets.items():  # a mixture's components, say
             cfg.check_among(name, self.datasets)
+        for i, grant in enumerate(self.server.grants):
+            unknown = [d for d in grant.datasets if d != "*" and d not in self.datasets]
+            if unknown:
+                raise ValueError(f"server.grants.{i}.datasets: {unknown} not among the "
+                                 f"datasets ({', '.join(sorted(self.datasets))})")
         return self
 
     def s3_for(self, dataset: str) -> S3Settings:

@@ -253,3 +253,18 @@ def test_quick_seek_benchmark_seeks_both_cuts(tmp_path: Path) -> None:
     assert set(res["systems"]) == {"fixed", "tokens"}
     for system in res["systems"].values():
         assert system["near_s"] > 0 and system["far_s"] > 0 and system["epoch_of_far"] > 0
+
+
+@pytest.mark.timeout(400)
+def test_quick_lockstep_benchmark_measures_the_bound_stoker_and_dataloader(
+        tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    res, page, _ = _suite(tmp_path, "lockstep", 390)
+    systems = res["systems"]
+    assert list(systems) == ["bound", "stoker", "dataloader"]
+    assert systems["bound"]["of_bound"] == 1.0
+    for s in systems.values():
+        assert s["steps_per_s"] > 0 and 0 <= s["stall"] < 1
+        assert len(s["ranks"]) == res["parameters"]["ranks"]
+        assert s["wait_p99_ms"] >= s["wait_p50_ms"]
+    assert "## Lockstep: ranks that step together" in page

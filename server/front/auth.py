@@ -10,16 +10,14 @@ else, reflection included, needs the token. A refusal says only that the token i
 wrong: it never names a dataset, a method's arguments or the configured token source.
 
 Tokens are compared with hmac.compare_digest (time independent of where they differ).
+The check itself, for this token and the grants' own, is in front/grants.py (one place for
+gRPC, HTTP and the data connection).
 """
 
 from __future__ import annotations
 
-import hmac
 import os
-from collections.abc import Awaitable, Callable
 from typing import Any
-
-import grpc
 
 from .._errors import StartError
 
@@ -48,45 +46,3 @@ def read_token(settings: Any) -> bytes | None:
         raise StartError(f"auth token from {where}: expected at least {MIN_TOKEN_CHARS} "
                          "characters without spaces (e.g. `openssl rand -hex 32`)")
     return token.encode()
-
-
-def bearer_ok(header: str | bytes | None, token: bytes) -> bool:
-    """Whether an `authorization` value is `Bearer <token>`."""
-    if header is None:
-        return False
-    if isinstance(header, str):
-        header = header.encode("utf-8", "replace")
-    scheme, _, given = header.strip().partition(b" ")
-    return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), token)
-
-
-def _refuse(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that answers UNAUTHENTICATED, reading nothing."""
-    async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
-
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(deny)
-    return grpc.unary_unary_rpc_method_handler(deny)
-
-
-class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call without the token, before its handler (or its request) is read."""
-
-    def __init__(self, token: bytes) -> None:
-        self._token = token
-
-    async def intercept_service(
-            self, continuation: Callable[[grpc.HandlerCallDetails],
-                                         Awaitable[grpc.RpcMethodHandler]],
-            details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or details.method in EXEMPT_GRPC_METHODS:
-            return handler
-        given = next((v for k, v in details.invocation_metadata or ()
-                      if k == "authorization"), None)
-        return handler if bearer_ok(given, self._token) else _refuse(handler)

@@ -8,11 +8,22 @@ certificate required when the gRPC port requires one), writes its claim, and fro
 reads every answer of the stream from that connection (server/front/transports/datasocket.py).
 gRPC stays the control path: credits, errors of the call, failover.
 
-The claim (its bytes: stoker.v1.wire) is the token, followed, when the server checks a
-bearer token, by HMAC-SHA256(key = bearer token, message = the token): the token alone only
-ever went out on an authenticated stream, and the proof shows the connection's owner holds
-the bearer token as well. A token is good for one connection, for one stream; a connection
-whose claim does not match is closed having been sent nothing.
+The claim (its bytes: stoker.v1.wire) is the token, followed, when the stream's caller holds
+a bearer token, by HMAC-SHA256(key = that bearer token, message = the token): the token alone
+only ever went out on an authenticated stream, and the proof shows the connection's owner
+holds the same bearer token as well. Under grants (front/grants.py) the key is the stream's
+own grant's token, and a stream granted by a client certificate needs a data connection with
+a certificate of the same grant. A token is good for one connection, for one stream; a
+connection whose claim does not match is closed having been sent nothing.
+
+Strangers (issue 41): a connection has CLAIM_WAIT seconds to send its claim, then it is
+closed; at most MAX_CLAIMS_PER_HOST claims wait from one address and MAX_CLAIMS in all, and
+past either the OLDEST waiting one is closed at once. A real client claims within
+milliseconds of connecting, so silent connections from its own address or any other do not
+keep it off its data connection. While MAX_CLAIMS claims wait at once (many addresses), new
+streams are offered no data connection (`saturated`): they get frames at once instead of
+waiting SOCKET_WAIT for a connection that may be evicted. Metrics:
+stoker_data_claims_dropped_total{reason="per_address"|"total"|"late"|"wrong"}.
 """
 
 from __future__ import annotations
@@ -25,14 +36,20 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from stoker.v1.wire import TOKEN_BYTES, claim_length, claim_token
+from stoker.v1.wire import PROOF_BYTES, TOKEN_BYTES, claim_token
 
+from .grants import OPEN, Grant, Identity
 from .listen import listen
 
 log = logging.getLogger("stoker.server")
 
-TOKEN_WAIT = 10.0  # seconds a new connection has to send its token
+# Seconds a new connection has to send its claim (and finish its TLS handshake): a real
+# client sends it at once, on a connection it opened because its stream was just offered it.
+CLAIM_WAIT = 3.0
+TOKEN_WAIT = CLAIM_WAIT  # the name older tests and docs use
 # Connections still owing their token, at most, in all and from one address: past either, the
 # OLDEST such connection is closed. Strangers that connect and say nothing cannot pile up
 # sockets, nor keep a real client out: it sends its token within milliseconds of connecting,
@@ -42,21 +59,31 @@ MAX_CLAIMS_PER_HOST = 16
 WARN_EVERY = 10.0  # seconds between two warnings about evicted claims
 
 
+@dataclass
+class _Expected:
+    """A stream's offer, until its connection claims it."""
+
+    connection: asyncio.Future[socket.socket | None]
+    grant: Grant
+
+
 class DataSockets:
     """One listening socket per server; connections are matched to streams by token.
 
     `tls`: connections are TLS (their handshake and claim run on a thread of their own, one
     per connection still claiming, at most MAX_CLAIMS; the connection a stream gets is then a
-    blocking ssl.SSLSocket). `bearer`: claims carry the proof of this bearer token."""
+    blocking ssl.SSLSocket). Each stream's offer (`expect`) names the grant whose credential
+    its claim must prove. Runs on the server's event loop (TLS handshakes: threads that
+    hand their result back to it)."""
 
-    def __init__(self, host: str, port: int, tls: ssl.SSLContext | None = None,
-                 bearer: bytes | None = None) -> None:
+    def __init__(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> None:
         self._tls = tls
-        self._bearer = bearer
+        # Called with the reason of each connection closed unclaimed (the metrics count it).
+        self.on_dropped: Callable[[str], None] = lambda reason: None
         self._listener = listen(host, port)
         self._listener.setblocking(False)
         self.port: int = self._listener.getsockname()[1]
-        self._pending: dict[bytes, asyncio.Future[socket.socket | None]] = {}
+        self._pending: dict[bytes, _Expected] = {}
         self._task: asyncio.Task | None = None
         self._warned = -WARN_EVERY  # when an eviction was last logged (monotonic)
         # Connections sending their token, oldest first: (the peer's host, [the connection]:
@@ -66,11 +93,12 @@ class DataSockets:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._accept())
 
-    def expect(self) -> tuple[bytes, asyncio.Future[socket.socket | None]]:
-        """A fresh token and the future its connection (None: unreachable) will resolve."""
+    def expect(self, grant: Grant = OPEN) -> tuple[bytes, asyncio.Future[socket.socket | None]]:
+        """A fresh token and the future its connection (None: unreachable) will resolve; its
+        claim must prove `grant`'s credential."""
         token = secrets.token_bytes(TOKEN_BYTES)
         fut: asyncio.Future[socket.socket | None] = asyncio.get_running_loop().create_future()
-        self._pending[token] = fut
+        self._pending[token] = _Expected(fut, grant)
         return token, fut
 
     @property
@@ -80,21 +108,28 @@ class DataSockets:
         from two threads at once)."""
         return self._tls is None
 
+    max_claims, max_claims_per_host = MAX_CLAIMS, MAX_CLAIMS_PER_HOST
+
     @property
-    def proof(self) -> bool:
-        """Claims carry a proof of the bearer token."""
-        return self._bearer is not None
+    def waiting(self) -> int:
+        """Connections still owing their claim (evicted ones until their task ends)."""
+        return len(self._claims)
+
+    @property
+    def saturated(self) -> bool:
+        """MAX_CLAIMS connections wait to claim at once: a new claim would evict another."""
+        return sum(1 for t in self._claims if not t.cancelling()) >= MAX_CLAIMS
 
     def unreachable(self, token: bytes) -> None:
         """The client says it cannot connect: `token`'s future resolves to None at once."""
-        fut = self._pending.pop(token, None)
-        if fut is not None and not fut.done():
-            fut.set_result(None)
+        expected = self._pending.pop(token, None)
+        if expected is not None and not expected.connection.done():
+            expected.connection.set_result(None)
 
     def forget(self, token: bytes) -> None:
-        fut = self._pending.pop(token, None)
-        if fut is not None and not fut.done():
-            fut.cancel()
+        expected = self._pending.pop(token, None)
+        if expected is not None and not expected.connection.done():
+            expected.connection.cancel()
 
     async def _accept(self) -> None:
         loop = asyncio.get_running_loop()
@@ -114,11 +149,14 @@ class DataSockets:
         _claims only when their task ends, so those are skipped)."""
         live = [(t, h) for t, (h, _) in self._claims.items() if not t.cancelling()]
         mine = [t for t, h in live if h == host]
-        victim = (mine[0] if len(mine) >= MAX_CLAIMS_PER_HOST
-                  else live[0][0] if len(live) >= MAX_CLAIMS else None)
-        if victim is None:
+        if len(mine) >= MAX_CLAIMS_PER_HOST:
+            victim, reason = mine[0], "per_address"
+        elif len(live) >= MAX_CLAIMS:
+            victim, reason = live[0][0], "total"
+        else:
             return
         victim.cancel()
+        self.on_dropped(reason)
         if time.monotonic() - self._warned >= WARN_EVERY:
             self._warned = time.monotonic()
             log.warning("data socket: %d connections (%d from %s) have not sent a token yet; "
@@ -132,46 +170,59 @@ class DataSockets:
                 box[0].shutdown(socket.SHUT_RDWR)
             box[0].close()
 
+    def _proof_wanted(self, token: bytes) -> bool:
+        """Whether the claim of `token` goes on with a proof (a dict read: safe from the
+        handshake threads)."""
+        expected = self._pending.get(token)
+        return expected is not None and expected.grant.token is not None
+
     async def _claim(self, box: list[socket.socket]) -> None:
         loop = asyncio.get_running_loop()
         conn = box[0]
-        want = claim_length(self._bearer is not None)
+        identity: Identity | None = None
         if self._tls is None:
             claim = b""
+            found: socket.socket | None = conn
             try:
-                async with asyncio.timeout(TOKEN_WAIT):
+                async with asyncio.timeout(CLAIM_WAIT):
+                    want = TOKEN_BYTES
                     while len(claim) < want:
                         more = await loop.sock_recv(conn, want - len(claim))
                         if not more:
                             break
                         claim += more
+                        if len(claim) == TOKEN_BYTES and self._proof_wanted(claim):
+                            want += PROOF_BYTES
             except (TimeoutError, OSError):
-                pass
-            found: socket.socket | None = conn
+                self.on_dropped("late")
+                found = None
         else:
             # The handshake blocks: on a thread, whose result comes back to the loop. If this
             # task is cancelled (evicted, closing), _forget_claim closes `conn` and the thread
             # ends on the error.
-            done: asyncio.Future[tuple[socket.socket | None, bytes]] = loop.create_future()
+            done: asyncio.Future[tuple[socket.socket | None, bytes, Identity | None]] = (
+                loop.create_future())
 
             def handshake() -> None:
-                result: tuple[socket.socket | None, bytes] = (None, b"")
+                result: tuple[socket.socket | None, bytes, Identity | None] = (None, b"", None)
                 try:
                     conn.setblocking(True)
-                    conn.settimeout(TOKEN_WAIT)
+                    conn.settimeout(CLAIM_WAIT)
                     assert self._tls is not None
                     wrapped = self._tls.wrap_socket(conn, server_side=True,
                                                     do_handshake_on_connect=False)
                     box[0] = wrapped  # what eviction closes from now on
                     wrapped.do_handshake()
-                    got = b""
+                    got, want = b"", TOKEN_BYTES
                     while len(got) < want:
                         more = wrapped.recv(want - len(got))
                         if not more:
                             break
                         got += more
+                        if len(got) == TOKEN_BYTES and self._proof_wanted(got):
+                            want += PROOF_BYTES
                     wrapped.settimeout(None)
-                    result = (wrapped, got)
+                    result = (wrapped, got, Identity.of_ssl(wrapped.getpeercert()))
                 except (OSError, ValueError):
                     pass
                 with contextlib.suppress(RuntimeError):  # the loop has closed
@@ -179,15 +230,16 @@ class DataSockets:
                         lambda: done.done() or done.set_result(result))
 
             threading.Thread(target=handshake, name="stoker-data-tls", daemon=True).start()
-            found, claim = await done
-        # A claim cut short, or the right token without the bearer token's proof: a stranger.
-        token = claim_token(claim, self._bearer)
-        fut = self._pending.get(token) if token is not None else None
-        if fut is None or fut.done() or found is None:
+            found, claim, identity = await done
+        expected = self._pending.get(claim[:TOKEN_BYTES])
+        if found is None or expected is None or expected.connection.done() or not _proves(
+                claim, expected.grant, identity):
+            if found is not None:
+                self.on_dropped("wrong")
             box[0].close()  # a stranger, or too late: it learns nothing
             return
-        del self._pending[token]
-        fut.set_result(found)
+        del self._pending[claim[:TOKEN_BYTES]]
+        expected.connection.set_result(found)
 
     def close(self) -> None:
         if self._task is not None:
@@ -198,3 +250,13 @@ class DataSockets:
             self.forget(token)
         with contextlib.suppress(OSError):
             self._listener.close()
+
+
+def _proves(claim: bytes, grant: Grant, identity: Identity | None) -> bool:
+    """Whether `claim` (and the connection's certificate) proves `grant`'s credential: its
+    bearer token's proof (constant time), and for a certificate's grant the same identity."""
+    if claim_token(claim, grant.token) is None:
+        return False
+    if grant.client_cert is not None and grant.token is None:
+        return identity is not None and identity.matches(grant.client_cert)
+    return True

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from stoker.v1 import stoker_pb2 as pb
 
     from ..pool.workers import DatasetMeta
+    from .grants import Grant
     from .limits import HeldPool
     from .ready import Ready
     from .session_context import SessionContext
@@ -35,8 +36,10 @@ if TYPE_CHECKING:
 class StreamHandshake:
     """The handshake of one stream, whose sender takes `ready`'s items."""
 
-    def __init__(self, front: SessionContext, ready: asyncio.Queue[Ready]) -> None:
+    def __init__(self, front: SessionContext, ready: asyncio.Queue[Ready],
+                 grant: Grant) -> None:
         self._front = front
+        self._grant = grant  # the data connection must prove the same credential
         self._ready = ready
         self.asked = Handshake()
 
@@ -52,9 +55,12 @@ class StreamHandshake:
             asked.zstd = True
         if req.HasField("shm_probe") and front.settings.shared_memory:
             asked.same_host = shm.same_host(req.shm_probe.name, req.shm_probe.token)
+        # A saturated data port (MAX_CLAIMS claims waiting, from many addresses) is not
+        # offered: the stream gets frames at once, not after SOCKET_WAIT for a connection
+        # that a stranger's may evict.
         if (req.data_socket and not asked.same_host and asked.offer is None
-                and front.data_sockets is not None):
-            asked.offer = SocketOffer(front.data_sockets)
+                and front.data_sockets is not None and not front.data_sockets.saturated):
+            asked.offer = SocketOffer(front.data_sockets, self._grant)
             self._ready.put_nowait(Offer(asked.offer.frame))
             return asked.offer
         return None

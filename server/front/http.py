@@ -13,7 +13,11 @@
     GET /                    a live page: throughput, streams, clients' stall (polls /v1/stats)
 
 With a bearer token configured (front/auth.py) every path but /healthz and /readyz answers 401
-without it, and says nothing else. With `tls`, the port speaks HTTPS only (front/tls.py).
+without it, and says nothing else. With `server.grants` (front/grants.py) the credential is
+any grant's token, or a granted client certificate, and the operator paths (/metrics,
+/v1/stats, /v1/datasets, the live page /) answer 403 to a grant without `operator: true`:
+they name every dataset and what each is doing. With `tls`, the port speaks HTTPS only
+(front/tls.py).
 
 Connections are bounded (`BoundedH11`): in all and per client address (503 naming the limit,
 then closed), and in time until a request's head is complete (408, then closed): uvicorn has
@@ -43,7 +47,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .auth import EXEMPT_HTTP_PATHS, REFUSAL, bearer_ok
+from .auth import EXEMPT_HTTP_PATHS, REFUSAL
+from .grants import Grants, Identity
 from .listen import listen
 from .memory_stats import memory_stats
 from .tls import uvicorn_options
@@ -137,23 +142,43 @@ class Stats(BaseModel):
     memory: Memory | None = None
 
 
-def make_app(service: Any = None, token: bytes | None = None) -> FastAPI:
+# Paths that name every dataset or what each is doing: operators only, under grants.
+OPERATOR_PATHS = ("/metrics", "/v1/stats", "/v1/datasets")
+NOT_OPERATOR = "this path needs an operator's credential (a grant with operator: true)"
+
+
+def _operator_path(path: str) -> bool:
+    return path == "/" or any(path == p or path.startswith(p + "/") for p in OPERATOR_PATHS)
+
+
+def make_app(service: Any = None, grants: Grants | None = None,
+             certificates: dict[Any, Identity] | None = None) -> FastAPI:
     """The app; `service` is the DataService (None: /healthz only, for tests of the shell);
-    `token`: the bearer token every request but the probes must carry (None: no auth)."""
+    `grants`: the credentials every request but the probes must carry (None, or none
+    required: no auth); `certificates`: the client certificate of each connection, by its
+    (host, port), kept by BoundedH11 under mutual TLS."""
     # FastAPIOffline: FastAPI whose /docs and /redoc load Swagger UI and ReDoc from files in
     # that package, not from a CDN (blank pages on a cluster without internet access).
     app = FastAPIOffline(title="stoker data server", version="1",
                          description="Control plane of a stoker data server; batches travel "
                                      "over gRPC (stoker.v1.DataService).")
 
-    if token is not None:
+    if grants is not None and grants.required:
+        known = certificates if certificates is not None else {}
+
         @app.middleware("http")
-        async def require_token(request: Request, call_next: Any) -> Response:
-            if request.url.path in EXEMPT_HTTP_PATHS or bearer_ok(
-                    request.headers.get("authorization"), token):
+        async def require_grant(request: Request, call_next: Any) -> Response:
+            path = request.url.path
+            if path in EXEMPT_HTTP_PATHS:
                 return await call_next(request)
-            return JSONResponse({"detail": REFUSAL}, status_code=401,
-                                headers={"WWW-Authenticate": "Bearer"})
+            peer = (request.client.host, request.client.port) if request.client else None
+            grant = grants.of_call(request.headers.get("authorization"), known.get(peer))
+            if grant is None:
+                return JSONResponse({"detail": REFUSAL}, status_code=401,
+                                    headers={"WWW-Authenticate": "Bearer"})
+            if not grant.operator and _operator_path(path):
+                return JSONResponse({"detail": NOT_OPERATOR}, status_code=403)
+            return await call_next(request)
 
     @app.get("/healthz")
     def healthz() -> dict[str, str]:
@@ -252,13 +277,19 @@ class BoundedH11(H11Protocol):
 
     limits: ClassVar[HttpLimits]
     open_of: ClassVar[collections.Counter[str]]  # client host -> connections admitted
+    # (host, port) -> the connection's client certificate, while it is open (mutual TLS)
+    certificates: ClassVar[dict[Any, Identity]]
 
     @classmethod
     def for_limits(cls, limits: HttpLimits) -> type[BoundedH11]:
-        return type("BoundedH11", (cls,), {"limits": limits, "open_of": collections.Counter()})
+        return type("BoundedH11", (cls,), {"limits": limits, "open_of": collections.Counter(),
+                                           "certificates": {}})
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        identity = Identity.of_ssl(transport.get_extra_info("peercert"))
+        if identity is not None and self.client:
+            self.certificates[tuple(self.client)] = identity
         self._head_timer: asyncio.TimerHandle | None = None
         self._host = self.client[0] if self.client else "?"
         refusal = self._refusal()
@@ -283,6 +314,8 @@ class BoundedH11(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self.client:
+            self.certificates.pop(tuple(self.client), None)
         if self._admitted:
             self._admitted = False
             self.open_of[self._host] -= 1
@@ -326,7 +359,7 @@ class BoundedH11(H11Protocol):
 
 class HttpServer:
     def __init__(self, host: str, port: int, service: Any = None, *, limits: HttpLimits,
-                 token: bytes | None = None, tls: Any = None) -> None:
+                 grants: Grants | None = None, tls: Any = None) -> None:
         # Listening now, before uvicorn's thread runs (front/listen.py says why).
         self._sock = listen(host, port)
         self.port: int = self._sock.getsockname()[1]
@@ -334,8 +367,9 @@ class HttpServer:
         # uvicorn counts the connection it is answering. backlog is also how many connections
         # asyncio accepts in one go, before any is answered or closed: uvicorn's 2048 took
         # every descriptor left under a flood (EMFILE, and accepting paused for 1 s).
-        config = uvicorn.Config(make_app(service, token), log_level="warning", lifespan="off",
-                                http=BoundedH11.for_limits(limits),
+        protocol = BoundedH11.for_limits(limits)
+        config = uvicorn.Config(make_app(service, grants, protocol.certificates),
+                                log_level="warning", lifespan="off", http=protocol,
                                 limit_concurrency=limits.max_connections + 1,
                                 backlog=ACCEPT_BATCH,
                                 **uvicorn_options(tls))

@@ -57,6 +57,14 @@ class Metrics:
                                    "storage into the disk cache", registry=r)
         self.streams = Gauge("stoker_active_streams", "Open batch streams", ["dataset"],
                              registry=r)
+        # -- issue 41: who reads (a grant's name, never its token), and strangers on the
+        # data port (by why their connection was closed: per_address and total are the
+        # claim caps, late the claim's time, wrong a claim that matched no stream).
+        self.grant_streams = Counter("stoker_grant_streams", "Batch streams opened, by the "
+                                     "grant that opened them", ["grant"], registry=r)
+        self.claims_dropped = Counter("stoker_data_claims_dropped", "Data-port connections "
+                                      "closed unclaimed, by reason: per_address, total, "
+                                      "late, wrong", ["reason"], registry=r)
         self.stall = Gauge("stoker_client_data_stall", "Mean data stall the clients report "
                            "(share of their loop time spent waiting for batches)",
                            ["dataset"], registry=r)
@@ -91,6 +99,19 @@ class Metrics:
         self._started = time.monotonic()
 
     # -- updates (the event loop) ------------------------------------------------------------
+    def data_port(self, sockets: Any) -> None:
+        """The data port's claims (front/datasocket.py): those waiting now, its caps, and
+        each connection it closes unclaimed. `waiting` is read from the HTTP thread: the
+        length of a dict the loop writes, a single read."""
+        sockets.on_dropped = lambda why: self.claims_dropped.labels(why).inc()
+        Gauge("stoker_data_claims_waiting", "Data-port connections that have not sent their "
+              "claim yet", registry=self.registry).set_function(lambda: sockets.waiting)
+        caps = Gauge("stoker_data_claims_limit", "Data-port connections that may wait to "
+                     "claim, per address and in all (past either the oldest is closed)",
+                     ["scope"], registry=self.registry)
+        caps.labels("per_address").set(sockets.max_claims_per_host)
+        caps.labels("total").set(sockets.max_claims)
+
     def sent(self, dataset: str, samples: int, nbytes: int, transport: str) -> None:
         """A batch went out; `transport`: its Transport's label."""
         self.batches.add((dataset, transport), 1)

@@ -10,6 +10,7 @@ before any credit; the sender counts the stream's credits down as it answers the
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .frames import encode_error
@@ -30,8 +31,11 @@ class Sender:
     """Writes one stream's answers to its call (`context`)."""
 
     def __init__(self, context: grpc.aio.ServicerContext, ready: asyncio.Queue[Ready],
-                 credits: Credits, stats: StreamStats) -> None:
+                 credits: Credits, stats: StreamStats,
+                 redact: Callable[[str], str] = str) -> None:
         self._context = context
+        # What an error message the client is told goes through (server.redact_paths).
+        self._redact = redact
         self._ready = ready
         self._credits = credits
         self._stats = stats
@@ -97,14 +101,15 @@ class Sender:
             case FailedBatch(batch_index, epoch, code, message):
                 self._credits.answered(1)
                 self._stats.failed(item)
-                frame = encode_error(batch_index, epoch, code.value[0], message)
+                frame = encode_error(batch_index, epoch, code.value[0],
+                                     self._redact(message))
                 return await (self.transport.send_frame(context, frame) if self.transport
                               else write(context, frame))
             case Offer(frame):
                 return await write(context, frame)
             case RefusedCall(code, message, trailers):
                 self._stats.refused(code, message)
-                await context.abort(code, message, trailing_metadata=trailers)
+                await context.abort(code, self._redact(message), trailing_metadata=trailers)
             case Finished():
                 self._finished = True
             case Accepted():

@@ -34,8 +34,10 @@ from ..pool import shm
 from ..pool.layout import SOURCES
 from ..pool.workers import BatchFailed, DatasetMeta, WorkerPool
 from .credits import FAILURE_CODE
+from .grants import CALLER, OPEN, Grant
 from .limits import Admission, Kind, Refused
 from .metrics import Metrics
+from .redact import redact
 from .refusal import FINGERPRINT_KEY, Abort
 from .session import StreamSession
 from .session_context import SessionContext
@@ -105,6 +107,8 @@ class DataService:
         self._meta = meta
         self.settings = config.server
         self.draining = False
+        if data_sockets is not None:
+            self.metrics.data_port(data_sockets)
         # Open streams and health watches, held shared memory: per client and in all.
         self.admission = Admission(self.settings)
         # Built batches, shared by the streams that ask for the same ones (issue 17).
@@ -169,16 +173,18 @@ class DataService:
     # -- unary methods ---------------------------------------------------------------------
     async def ListDatasets(self, request: pb.ListDatasetsRequest,
                            context: grpc.aio.ServicerContext) -> pb.ListDatasetsResponse:
+        """The datasets the caller's grant may read (every one without grants)."""
+        grant = CALLER.get()
         return pb.ListDatasetsResponse(datasets=[
             pb.DatasetInfo(name=name, format=self._config.datasets[name].format,
                            num_samples=m.num_samples, fingerprint=fingerprint_pb(m.fingerprint))
-            for name, m in sorted(self._meta.items())])
+            for name, m in sorted(self._meta.items()) if grant.allows(name)])
 
     async def DescribeDataset(self, request: pb.DescribeDatasetRequest,
                               context: grpc.aio.ServicerContext) -> pb.DescribeDatasetResponse:
         try:
-            coords, meta = self.coordinates(request.coordinates, present=request.HasField(
-                "coordinates"))
+            coords, meta = self.coordinates(request.coordinates, CALLER.get(),
+                                            present=request.HasField("coordinates"))
         except Abort as e:
             await context.abort(e.code, str(e), trailing_metadata=e.trailers)
         located, taken = None, 0
@@ -209,8 +215,8 @@ class DataService:
         """Where each sample of a batch comes from: its indices here, their sources from a
         worker (which has the dataset open; pool/batch.py build_sources)."""
         try:
-            coords, meta = self.coordinates(request.coordinates, present=request.HasField(
-                "coordinates"))
+            coords, meta = self.coordinates(request.coordinates, CALLER.get(),
+                                            present=request.HasField("coordinates"))
             indices = await asyncio.to_thread(samples_of, meta, coords, request.batch_index)
             built = await asyncio.wrap_future(self.pool.submit(coords.dataset, indices,
                                                                sources=True))
@@ -219,7 +225,8 @@ class DataService:
         except Abort as e:
             await context.abort(e.code, str(e), trailing_metadata=e.trailers)
         except BatchFailed as e:
-            await context.abort(FAILURE_CODE[e.kind], str(e))
+            await context.abort(FAILURE_CODE[e.kind], redact(str(e)) if self.settings.redact_paths
+                                else str(e))
         try:
             t = next(t for t in built.tensors if t.name == SOURCES)
             raw = bytes(self.mappings.get(built.shm_name, built.payload_bytes)
@@ -230,14 +237,16 @@ class DataService:
             pb.SampleSource(sample_index=int(i), **where)
             for i, where in zip(indices.tolist(), json.loads(raw), strict=True)])
 
-    def coordinates(self, c: pb.Coordinates, present: bool = True
+    def coordinates(self, c: pb.Coordinates, grant: Grant = OPEN, present: bool = True
                     ) -> tuple[Coordinates, DatasetMeta]:
-        """Checked coordinates and their dataset's meta; Abort naming the field if not."""
+        """Checked coordinates and their dataset's meta; Abort naming the field if not. A
+        dataset `grant` may not read is NOT_FOUND, as one not served is, and the message
+        names only the datasets it may read."""
         if not present:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "coordinates: required")
-        meta = self._meta.get(c.dataset)
+        meta = self._meta.get(c.dataset) if grant.allows(c.dataset) else None
         if meta is None:
-            served = ", ".join(sorted(self._meta)) or "(none)"
+            served = ", ".join(grant.visible(self._meta)) or "(none)"
             raise Abort(grpc.StatusCode.NOT_FOUND,
                         f"dataset {_shorten(c.dataset)} is not served here; datasets: {served}")
         have = meta.fingerprint
@@ -279,7 +288,10 @@ class DataService:
                         else logging.INFO, "a stream from %s refused, %s: %s", context.peer(),
                         e.code.name, e)
                 await context.abort(e.code, str(e))  # raises: the call ends here
-            session = StreamSession(self._sessions, context, next(self._streams), client)
+            grant = CALLER.get()
+            self.metrics.grant_streams.labels(grant.name).inc()
+            session = StreamSession(self._sessions, context, next(self._streams), client,
+                                    grant)
             try:
                 await session.run(requests)
             finally:

@@ -26,9 +26,11 @@ from stoker.v1 import stoker_pb2 as pb
 from stoker.v1.wire import CreditCountError, decode_credits
 
 from .credits import Credits
+from .grants import OPEN, Grant
 from .handshake import StreamHandshake
 from .limits import HeldPool
 from .ready import Finished, Ready, ReadyBatch, RefusedCall
+from .redact import redact
 from .refusal import Abort
 from .sender import Sender
 from .stream_stats import StreamStats
@@ -50,8 +52,9 @@ class StreamSession:
     (always awaited after `run`) frees what it held."""
 
     def __init__(self, front: SessionContext, context: grpc.aio.ServicerContext,
-                 stream_id: int, client: str = "") -> None:
+                 stream_id: int, client: str = "", grant: Grant = OPEN) -> None:
         self._front = front
+        self._grant = grant  # the caller's: which datasets its coordinates may name
         self.id = stream_id
         # Built batches count against `client` in the Admission from the moment they arrive
         # until they go back to the pool, which the transport and close() do through this
@@ -60,8 +63,9 @@ class StreamSession:
         self._ready: asyncio.Queue[Ready] = asyncio.Queue()
         self._stats = StreamStats(front.metrics, stream_id, context.peer())
         self._credits = Credits(front, client, self._ready)
-        self._handshake = StreamHandshake(front, self._ready)
-        self._sender = Sender(context, self._ready, self._credits, self._stats)
+        self._handshake = StreamHandshake(front, self._ready, grant)
+        self._sender = Sender(context, self._ready, self._credits, self._stats,
+                              redact if front.settings.redact_paths else str)
         self._reader: asyncio.Task | None = None
         self._socket_reader: asyncio.Task | None = None  # credits on the data connection
         # Credits from gRPC and the data connection are taken one message at a time.
@@ -120,7 +124,7 @@ class StreamSession:
                     if offer.credits:
                         self._socket_reader = asyncio.create_task(self._read_socket_credits())
                 if req.HasField("coordinates"):
-                    coords, meta = self._front.coordinates(req.coordinates)
+                    coords, meta = self._front.coordinates(req.coordinates, self._grant)
                     self._coords, self._meta = coords, meta
                     stats.accepted(coords)
                     if sender.transport is None:  # the handshake is over

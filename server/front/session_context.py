@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from ..pool.shm import ReadMappings
     from ..pool.workers import DatasetMeta
     from .datasocket import DataSockets
+    from .grants import Grant
     from .limits import Admission
     from .metrics import Metrics
     from .shared_batches import SharedBatches
@@ -37,8 +38,9 @@ class SessionContext:
     admission: Admission  # open calls and held shared memory, per client
     mappings: ReadMappings  # of the workers' segments, kept between batches
     data_sockets: DataSockets | None  # None: no data socket is offered
-    # Checked coordinates and their dataset's meta; raises refusal.Abort naming the field.
-    coordinates: Callable[[pb.Coordinates], tuple[Coordinates, DatasetMeta]]
+    # Checked coordinates (of a dataset the caller's grant may read) and their dataset's
+    # meta; raises refusal.Abort naming the field.
+    coordinates: Callable[[pb.Coordinates, Grant], tuple[Coordinates, DatasetMeta]]
     # Batches ahead of the one asked for whose samples the workers prefetch (it follows the
     # pool's depth, so it is asked for each credit).
     lookahead: Callable[[], int]

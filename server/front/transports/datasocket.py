@@ -27,6 +27,7 @@ import grpc
 from stoker.v1.wire import RECORD_LENGTH
 
 from ..frames import encode_socket_frame, encode_socket_offer
+from ..grants import OPEN, Grant
 from .base import Transport, write
 
 if TYPE_CHECKING:
@@ -48,11 +49,13 @@ class SocketOffer:
     frame that tells the client where to connect. Made once per stream, when the client
     asks; closed when the stream ends, which refuses a connection that comes later."""
 
-    def __init__(self, sockets: DataSockets) -> None:
+    def __init__(self, sockets: DataSockets, grant: Grant = OPEN) -> None:
         self._sockets = sockets
-        self._token, self._connection = sockets.expect()
+        # The claim must prove the stream's own credential: its bearer token's proof, or
+        # (mutual TLS) the same certificate identity.
+        self._token, self._connection = sockets.expect(grant)
         self.credits = sockets.credits  # the stream reads credits on the connection
-        self.frame = encode_socket_offer(sockets.port, self._token, sockets.proof,
+        self.frame = encode_socket_offer(sockets.port, self._token, grant.token is not None,
                                          self.credits)
 
     async def connection(self) -> socket.socket | None:

@@ -1,0 +1,228 @@
+"""Ranks in lockstep (issue 41): data-parallel training waits at every step for the slowest
+rank's batch.
+
+    python benchmarks/lockstep.py                 # 8 ranks, 2 servers x 8 workers (issue 41)
+    python benchmarks/lockstep.py --quick         # 4 ranks, 2 servers x 4 workers, fewer steps
+    python benchmarks/lockstep.py --json out.json
+
+R rank processes, each with its own loader, step together: take a batch (the wait), a
+barrier (every rank has its batch: the all-reduce's synchronisation), then `--compute-ms` of
+"accelerator work" (a sleep: a GPU step costs the host little CPU). Samples take
+`--sample-ms` asleep on the data side (`_sim:Waiting`: decode time on CPU nodes this machine
+does not have) and are `--sample-bytes` each. Systems, over the same steps:
+
+- bound: the same loop with one batch already in hand (no loader): what the steps cost
+  alone; the others are measured against it.
+- stoker: RemoteLoader(rank=r, world_size=R) against S servers of W workers.
+- dataloader: torch DataLoader per rank, num_workers = S x W / R (the same total workers),
+  over the rank's share of the same dataset.
+
+Reported per system: steps/s (rank 0's timed steps over their time), the ratio to the bound,
+the stall (1 - compute time / step time) and the p99 of the wait per step (batch and
+barrier). Every rank's figures are in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import queue
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _measure import machine_info, run_scenario, scenario_parser, settle
+
+HERE = Path(__file__).resolve().parent
+SYSTEMS = ("bound", "stoker", "dataloader")
+LABELS = {"bound": "same loop, data in hand (bound)", "stoker": "stoker RemoteLoader",
+          "dataloader": "DataLoader (same total workers)"}
+WARMUP = 10  # steps not timed: process start, the first batches, the window's growth
+
+
+def _rank_main(system: str, rank: int, args: dict[str, Any], addresses: list[str],
+               barrier: Any, out: Any) -> None:
+    """One rank: its loader, then the loop; its figures go to `out`."""
+    sys.path.insert(0, str(HERE))
+    import torch
+
+    torch.set_num_threads(1)
+    steps, compute_s = args["steps"] + WARMUP, args["compute_ms"] / 1000
+    world, batch = args["ranks"], args["batch_size"]
+    close = None
+    if system == "bound":
+        held = {"x": torch.zeros((batch, args["sample_bytes"]), dtype=torch.uint8)}
+
+        def source() -> Any:
+            while True:
+                yield held
+        batches = source()
+    elif system == "stoker":
+        from stoker.client import RemoteLoader
+
+        loader = RemoteLoader(addresses, "sim", batch_size=batch, rank=rank, world_size=world,
+                              shuffle=True, seed=0, timeout=120, **args["stoker_options"])
+        close = loader.close
+        batches = _epochs(loader)
+    else:
+        from _sim import Waiting
+        from torch.utils.data import DataLoader, Subset
+
+        data = Waiting(args["samples"], args["sample_ms"], args["sample_bytes"])
+        mine = Subset(data, range(rank, args["samples"], world))
+        workers = max(1, args["servers"] * args["workers"] // world)
+        dl = DataLoader(mine, batch_size=batch, shuffle=True, num_workers=workers,
+                        prefetch_factor=2, persistent_workers=True, drop_last=True)
+        batches = _epochs(dl)
+    it = iter(batches)
+    waits, steps_s = [], []
+    barrier.wait()  # every rank's loader made: start together
+    t_start = 0.0
+    for k in range(steps):
+        t0 = time.perf_counter()
+        if k == WARMUP:
+            t_start = t0
+        b = next(it)
+        _ = b["x"].shape
+        barrier.wait()
+        t1 = time.perf_counter()
+        time.sleep(compute_s)
+        t2 = time.perf_counter()
+        if k >= WARMUP:
+            waits.append(t1 - t0)
+            steps_s.append(t2 - t0)
+    total = time.perf_counter() - t_start
+    if close is not None:
+        close()
+    out.put({"rank": rank, "steps": args["steps"], "seconds": total,
+             "wait_ms": [1000 * w for w in waits]})
+
+
+def _epochs(loader: Any) -> Any:
+    """Batches without end: epoch after epoch (set_epoch where the loader has it)."""
+    epoch = 0
+    while True:
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def _p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_system(system: str, args: argparse.Namespace, addresses: list[str]) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(args.ranks), ctx.Queue()
+    shared = {"steps": args.steps, "compute_ms": args.compute_ms, "ranks": args.ranks,
+              "batch_size": args.batch_size, "sample_bytes": args.sample_bytes,
+              "sample_ms": args.sample_ms, "samples": args.samples, "servers": args.servers,
+              "workers": args.workers, "stoker_options": {"output": "torch"}}
+    procs = [ctx.Process(target=_rank_main, args=(system, r, shared, addresses, barrier, out),
+                         daemon=False) for r in range(args.ranks)]
+    for p in procs:
+        p.start()
+    ranks: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 600
+    while len(ranks) < len(procs):
+        try:
+            ranks.append(out.get(timeout=1))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"{system}: a rank failed (exit codes {dead}) or timed "
+                                   "out") from None
+    for p in procs:
+        p.join(60)
+    ranks.sort(key=lambda r: r["rank"])
+    r0 = ranks[0]
+    rate = r0["steps"] / r0["seconds"]
+    step_ms = 1000 / rate
+    waits = [w for r in ranks for w in r["wait_ms"]]
+    return {"system": system, "steps_per_s": rate, "step_ms": step_ms,
+            "stall": max(0.0, 1 - args.compute_ms / step_ms),
+            "wait_p50_ms": statistics.median(waits), "wait_p99_ms": _p(waits, 0.99),
+            "ranks": ranks}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from stoker.server import ServerProcess, write_config
+
+    res: dict[str, Any] = {"benchmark": "lockstep",
+                           "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                           "machine": machine_info(torch=torch.__version__),
+                           "parameters": dict(vars(args)), "systems": {},
+                           "check_problems": [], "server_exit_code": 0}
+    # Enough samples that the timed steps stay in one or two epochs of each rank.
+    per_rank = (args.steps + WARMUP + 8) * args.batch_size
+    args.samples = per_rank * args.ranks
+    res["parameters"]["samples"] = args.samples
+    env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    with tempfile.TemporaryDirectory(prefix="stoker-lockstep-") as tmp:
+        config = write_config(Path(tmp) / "c.yaml", {"datasets": {"sim": {
+            "format": "python", "factory": "_sim:Waiting",
+            "options": {"n": args.samples, "sample_ms": args.sample_ms,
+                        "sample_bytes": args.sample_bytes}}}})
+        servers = [ServerProcess(config, workers=args.workers, env=env)
+                   for _ in range(args.servers)]
+        try:
+            for s in servers:
+                s.start()
+            addresses = [s.address for s in servers]
+            for system in args.systems:
+                res["systems"][system] = run_system(system, args, addresses)
+                print(f"{system}: {res['systems'][system]['steps_per_s']:.2f} steps/s",
+                      file=sys.stderr, flush=True)
+        finally:
+            for s in servers:
+                code = s.stop()
+                res["server_exit_code"] = res["server_exit_code"] or code
+    bound = res["systems"].get("bound", {}).get("steps_per_s")
+    for r in res["systems"].values():
+        r["of_bound"] = r["steps_per_s"] / bound if bound else None
+    return res
+
+
+def report(res: dict[str, Any]) -> str:
+    p = res["parameters"]
+    lines = [f"lockstep: {p['ranks']} ranks, {p['servers']} servers x {p['workers']} workers, "
+             f"batch {p['batch_size']}, {p['sample_ms']} ms samples of {p['sample_bytes']} B, "
+             f"{p['compute_ms']} ms compute, {p['steps']} timed steps",
+             f"{'system':36} {'steps/s':>8} {'of bound':>9} {'stall':>7} {'p50 wait':>9} "
+             f"{'p99 wait':>9}"]
+    for name, r in res["systems"].items():
+        of = f"{r['of_bound']:.3f}" if r.get("of_bound") else "-"
+        lines.append(f"{LABELS[name]:36} {r['steps_per_s']:8.2f} {of:>9} {r['stall']:7.1%} "
+                     f"{r['wait_p50_ms']:8.1f}ms {r['wait_p99_ms']:8.1f}ms")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = scenario_parser(__doc__)
+    ap.add_argument("--ranks", type=int)
+    ap.add_argument("--servers", type=int)
+    ap.add_argument("--workers", type=int, help="per server")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--sample-ms", type=float, default=2.0)
+    ap.add_argument("--sample-bytes", type=int, default=32 << 10)
+    ap.add_argument("--compute-ms", type=float, default=40.0)
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    args = ap.parse_args(argv)
+    settle(args, quick={"ranks": 4, "servers": 2, "workers": 4, "steps": 60},
+           full={"ranks": 8, "servers": 2, "workers": 8, "steps": 200})
+    return run_scenario(args, run, report)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
