@@ -39,6 +39,8 @@ FORMATS: dict[str, tuple[str, str]] = {
     "mds": ("mds_config:MdsDataset", "mds:Mds"),
     "litdata": ("litdata_config:LitdataDataset", "litdata:Litdata"),
     "mixture": ("mixture_config:MixtureDataset", "mixture:Mixture"),
+    # video and audio (PyAV, the `video` extra): issue 40
+    "video": ("video_config:VideoDataset", "video:Video"),
 }
 
 

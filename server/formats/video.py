@@ -1,0 +1,305 @@
+"""`format: video`: clips of video files, decoded in the workers with FFmpeg's libraries (PyAV).
+
+Samples are clips. `clips: random` makes one sample per video, its start drawn from the
+generator of (seed, epoch, sample index); `{uniform: K}` K samples per video, evenly spaced;
+`all` every non-overlapping clip, counted at open (each file's packets are read then, not
+decoded). Where a clip starts and which frames it keeps is planned on the file's frame table
+(formats/_video.py) alone, so a sample is a pure function of (file, index, key), wherever it
+is built. Frames are named by their presentation time; at the native size each is FFmpeg's
+own RGB conversion of the frame shown there (`VideoFrame.to_ndarray(format="rgb24")`).
+
+Fields: `video` (uint8 [T, 3, H, W] by `layout`, float32 once normalized), `timestamps`
+(float64 [T], each frame's presentation time in seconds), `label` (int64) and, at the native
+size, `video_size` (int64 [height, width]: videos of different sizes are zero-padded to the
+batch's largest).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import threading
+from collections import OrderedDict
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from ..images import ImagePipeline, resize_pipeline
+from ..order.sampling import EpochKey
+from ..sources import Storage
+from ._video import FrameTable, VideoError, _rgb, decode_frames, frame_table, open_video
+from .samples import padded
+
+TABLES_KEPT = 4096  # frame tables per process (a few KiB each)
+# layout -> the transpose from the stacked frames: uint8 frames are HWC, normalized ones CHW
+_FROM_HWC = {"tchw": (0, 3, 1, 2), "cthw": (3, 0, 1, 2), "thwc": (0, 1, 2, 3)}
+_FROM_CHW = {"tchw": (0, 1, 2, 3), "cthw": (1, 0, 2, 3), "thwc": (0, 2, 3, 1)}
+
+
+def _bound(value: Any, where: str, name: str) -> float | None:
+    if value is None or value == "":
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: {name} must be seconds (a number), got {value!r}") from None
+
+
+def read_video_manifest(storage: Storage, manifest: str) -> list[tuple[str, int, Any, Any]]:
+    """(key, label, start, end) rows of a CSV (header `path,label[,start,end]`) or JSON lines
+    manifest; start and end are seconds or None."""
+    where = storage.where(manifest)
+    text = storage.read(manifest).decode("utf-8-sig")
+    rows: list[dict[str, Any]] = []
+    if manifest.lower().endswith(".csv"):
+        rows = [{k.strip(): (v or "").strip() for k, v in r.items() if k}
+                for r in csv.DictReader(io.StringIO(text, newline=""))]
+    elif manifest.lower().endswith((".jsonl", ".json")):
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{where} line {n}: not JSON: {e}") from None
+    else:
+        raise ValueError(f"{where}: a manifest must end in .csv, .jsonl or .json")
+    out = []
+    for n, row in enumerate(rows, 1):
+        if not isinstance(row, dict) or not row.get("path") or "label" not in row:
+            raise ValueError(f"{where} row {n}: expected `path` and `label`")
+        key = str(row["path"]).removeprefix("./")
+        if key.startswith("/") or ".." in key.split("/"):
+            raise ValueError(f"{where} row {n}: path {key!r} must stay under the source")
+        try:
+            label = int(row["label"])
+        except (TypeError, ValueError):
+            raise ValueError(f"{where} row {n}: label must be an integer, got "
+                             f"{row['label']!r}") from None
+        start, end = (_bound(row.get(b), f"{where} row {n}", b) for b in ("start", "end"))
+        if start is not None and end is not None and end <= start:
+            raise ValueError(f"{where} row {n}: end {end} is not after start {start}")
+        out.append((key, label, start, end))
+    if not out:
+        raise ValueError(f"{where}: the manifest lists no videos")
+    return out
+
+
+class ClipPlan:
+    """Which frames of a video each clip keeps: a pure function of the frame table, the clip
+    number and the sample's generator. Immutable; any thread."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.frames = cfg.clip.frames
+        self.stride = cfg.clip.stride
+        self.fps = None if cfg.clip.fps is None else Fraction(str(cfg.clip.fps))
+        self.short = cfg.short
+        self.mode = cfg.clips_per_video  # "random", "all" or K
+
+    def _window(self, table: FrameTable, start: float | None, end: float | None
+                ) -> tuple[int, int]:
+        """[lo, hi): the frames shown from `start` up to `end` seconds."""
+        seconds = table.seconds(np.arange(len(table)))
+        lo = 0 if start is None else int(np.searchsorted(seconds, start - 1e-9, "left"))
+        hi = len(table) if end is None else int(np.searchsorted(seconds, end - 1e-9, "left"))
+        if hi <= lo:
+            raise VideoError(f"no frame between start {start} and end {end} seconds")
+        return lo, hi
+
+    def _step(self, table: FrameTable) -> Fraction:
+        assert self.fps is not None
+        return 1 / (self.fps * table.time_base)  # ticks between the clip's frames
+
+    def count(self, table: FrameTable, start: float | None, end: float | None) -> int:
+        """Clips of this video under `clips: all` (at least one: a short video's one clip
+        repeats its last frame, or fails under `short: error`)."""
+        lo, hi = self._window(table, start, end)
+        if self.stride is not None:
+            return max((hi - lo) // ((self.frames - 1) * self.stride + 1), 1)
+        step = self._step(table)
+        room = int(table.pts[hi - 1] - table.pts[lo]) - (self.frames - 1) * step
+        return int(room // (self.frames * step)) + 1 if room >= 0 else 1
+
+    def positions(self, table: FrameTable, clip: int, rng: np.random.Generator,
+                  start: float | None = None, end: float | None = None) -> np.ndarray:
+        """The table positions of clip `clip`'s frames (int64 [T]); `rng` draws a random
+        clip's start."""
+        lo, hi = self._window(table, start, end)
+        k = np.arange(self.frames, dtype=np.int64)
+        if self.stride is not None:
+            room = (hi - lo) - ((self.frames - 1) * self.stride + 1)
+            first = lo + self._offset(room, clip, rng, (self.frames - 1) * self.stride + 1)
+            return np.minimum(first + k * self.stride, hi - 1)
+        step = self._step(table)
+        span = (self.frames - 1) * step
+        room_f = table.pts[hi - 1] - table.pts[lo] - span
+        room = int(np.floor(room_f)) if room_f >= 0 else -1
+        if self.mode == "random" and room >= 0:
+            # A random clip starts at a frame: the one shown at its start is its first.
+            last_start = int(np.searchsorted(table.pts, table.pts[lo] + room, "right")) - 1
+            first = int(table.pts[lo + int(rng.integers(0, last_start - lo + 1))])
+        else:
+            first = int(table.pts[lo]) + self._offset(room, clip, rng, self.frames * step)
+        ticks = np.array([first + int(np.floor(i * step)) for i in range(self.frames)], np.int64)
+        found = np.searchsorted(table.pts, ticks, "right") - 1
+        return np.clip(found, lo, hi - 1)
+
+    def _offset(self, room: int, clip: int, rng: np.random.Generator, length: Any) -> int:
+        """Where the clip starts after the window's first frame (frames or ticks), given the
+        `room` there is beyond one clip (negative: the video is shorter than the clip)."""
+        if room < 0:
+            if self.short == "error":
+                raise VideoError(f"shorter than its clip of {self.frames} frames "
+                                 "(short: error)")
+            return 0
+        if self.mode == "random":
+            return int(rng.integers(0, room + 1))
+        if self.mode == "all":
+            return int(np.floor(clip * length))
+        if self.mode == 1:
+            return room // 2
+        return round(clip * room / (self.mode - 1))
+
+
+def clip_pipeline(cfg: Any) -> ImagePipeline:
+    """The image pipeline every frame goes through, uint8 output in HWC."""
+    if cfg.transforms is not None:
+        from .image_config import transform_steps
+
+        return ImagePipeline(transform_steps(cfg.transforms), "hwc")
+    if cfg.size is not None:
+        return resize_pipeline(cfg.size, "hwc")
+    return ImagePipeline([], "hwc")
+
+
+class Video:
+    """Thread-safe: the frame tables' cache is guarded by `_lock`; the rest is immutable."""
+
+    def __init__(self, cfg: Any, storage: Storage, pattern: str | None = None) -> None:
+        self.storage = storage
+        self.labelled = True
+        if cfg.manifest is not None:
+            rows = read_video_manifest(storage, cfg.manifest)
+            listed = {o.key for o in storage.list(pattern)}
+            missing = [r[0] for r in rows if r[0] not in listed]
+            if missing:
+                raise ValueError(f"{storage.where(cfg.manifest)}: no file {missing[0]!r} under "
+                                 f"{storage.url}")
+            keys = [r[0] for r in rows]
+            labels = [r[1] for r in rows]
+            bounds = [(r[2], r[3]) for r in rows]
+        else:
+            keys = [o.key for o in storage.list(pattern)
+                    if o.key.lower().endswith(cfg.extensions) and o.key.count("/") == 1]
+            if not keys:
+                raise ValueError(f"{storage.url}: no {'/'.join(cfg.extensions)} files in "
+                                 "class sub-folders")
+            classes = sorted({k.split("/", 1)[0] for k in keys})
+            index = {name: i for i, name in enumerate(classes)}
+            labels = [index[k.split("/", 1)[0]] for k in keys]
+            bounds = [(None, None)] * len(keys)
+        # Fixed-width numpy arrays, not lists of str: no per-item refcounts to copy on write.
+        self.keys = np.array(keys)
+        self.labels = np.array(labels, dtype=np.int64)
+        self.bounds = np.array([(np.nan if a is None else a, np.nan if b is None else b)
+                                for a, b in bounds], np.float64)
+        self.plan = ClipPlan(cfg)
+        self.pipeline = clip_pipeline(cfg)
+        self.layout = cfg.layout
+        self.skip = cfg.skip_nonref
+        self._tables: OrderedDict[int, FrameTable] = OrderedDict()
+        self._lock = threading.Lock()  # guards _tables
+        mode = self.plan.mode
+        if mode == "all":
+            counts = [self._count(v) for v in range(len(keys))]
+        else:
+            counts = [1 if mode == "random" else mode] * len(keys)
+        # starts[v]: video v's first sample; sample i is clip i - starts[v] of video v.
+        self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        self.length = int(self.starts[-1])
+
+    def _count(self, video: int) -> int:
+        """Its clips under `clips: all`; an unreadable file counts one, which fails (or is
+        skipped) when read, so the dataset opens and says which file is bad per sample."""
+        try:
+            return self.plan.count(self.table(video), *self._bounds(video))
+        except (VideoError, OSError):
+            return 1
+
+    def _bounds(self, video: int) -> tuple[float | None, float | None]:
+        a, b = self.bounds[video]
+        return (None if np.isnan(a) else float(a)), (None if np.isnan(b) else float(b))
+
+    def table(self, video: int) -> FrameTable:
+        with self._lock:
+            found = self._tables.get(video)
+            if found is not None:
+                self._tables.move_to_end(video)
+                return found
+        container, stream = open_video(str(self.storage.local_path(str(self.keys[video]))))
+        try:
+            table = frame_table(container, stream)
+        finally:
+            container.close()
+        with self._lock:
+            self._tables[video] = table
+            while len(self._tables) > TABLES_KEPT:
+                self._tables.popitem(last=False)
+        return table
+
+    def __len__(self) -> int:
+        return self.length
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(video, clip number) of sample `index`."""
+        if not 0 <= index < self.length:
+            raise IndexError(f"sample {index} of {self.length}")
+        video = int(np.searchsorted(self.starts, index, "right")) - 1
+        return video, index - int(self.starts[video])
+
+    def sample(self, index: int, key: EpochKey) -> dict[str, Any]:
+        video, clip = self.locate(index)
+        rng = key.rng(index)
+        try:
+            table = self.table(video)
+            positions = self.plan.positions(table, clip, rng, *self._bounds(video))
+            # One draw for the clip's transforms: every frame gets the same crop and flip.
+            seed = int(rng.integers(0, 2**63))
+            pipeline = self.pipeline
+
+            def convert(frame: Any) -> np.ndarray:
+                pixels = pipeline.pixels_prefix(_rgb(frame))
+                return np.asarray(pipeline.rest(pixels, np.random.default_rng(seed)))
+
+            path = str(self.storage.local_path(str(self.keys[video])))
+            frames = decode_frames(path, table, positions, self.skip, convert)
+        except VideoError as e:
+            raise VideoError(f"{self.source_of(index)}: {e}") from None
+        stacked = np.stack([frames[int(p)] for p in positions])
+        order = (_FROM_CHW if pipeline.normalize else _FROM_HWC)[self.layout]
+        out: dict[str, Any] = {"video": np.ascontiguousarray(stacked.transpose(order)),
+                               "timestamps": table.seconds(positions)}
+        if not pipeline.fixed_size:
+            h, w = stacked.shape[2:4] if pipeline.normalize else stacked.shape[1:3]
+            axes = tuple(i for i, a in enumerate(self.layout) if a in "hw")
+            out["video"] = padded(out["video"], axes)
+            out["video_size"] = np.array([h, w], np.int64)
+        if self.labelled:
+            out["label"] = self.labels[video]
+        return out
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.sample(index, EpochKey())
+
+    def source_of(self, index: int) -> str:
+        video, clip = self.locate(index)
+        return f"{self.storage.where(str(self.keys[video]))} clip {clip}"
+
+    def place_of(self, index: int) -> dict[str, Any]:
+        video, clip = self.locate(index)
+        return {"file": self.storage.where(str(self.keys[video])), "clip": clip}
+
+    def objects_of(self, indices: np.ndarray) -> list[str]:
+        videos = np.searchsorted(self.starts, np.asarray(indices), "right") - 1
+        return [str(k) for k in self.keys[np.unique(videos)]]

