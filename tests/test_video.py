@@ -196,3 +196,95 @@ def test_mid_epoch_resume_and_elastic_resume_are_exact(server: ServerProcess, vi
                   "on another server", lost=lost, duplicated=duplicated,
                   detail=f"{len(used)} clips of the epoch's {len(reference)}")
     assert (lost, duplicated) == (0, 0)
+
+
+# -- bad input: each in a folder of two good videos, sorted last (sample 2) -------------------
+def _good(path: Path) -> bytes:
+    return video_files.write_video(path.with_name("tmp"), "h264", frames=24).read_bytes()
+
+
+def truncated(path: Path) -> None:
+    data = _good(path)
+    path.write_bytes(data[: len(data) // 2])
+
+
+def zero_bytes(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+def text_file(path: Path) -> None:
+    path.write_bytes(b"not a video, a text file named .mp4\n" * 20)
+
+
+def no_video_stream(path: Path) -> None:
+    video_files.write_audio(path.with_name("sound"), ".m4a").rename(path)
+
+
+def unsupported_codec(path: Path) -> None:
+    path.write_bytes(_good(path).replace(b"avc1", b"zzzz"))  # a codec tag FFmpeg does not know
+
+
+def too_short(path: Path) -> None:
+    video_files.write_video(path.with_name("short"), "h264", frames=8).rename(path)
+
+
+# case: (make the bad file, what the error says besides its name)
+BAD = {
+    "truncated file": (truncated, "FFmpeg cannot open it: Invalid data"),
+    "zero bytes": (zero_bytes, "FFmpeg cannot open it"),
+    "a text file named .mp4": (text_file, "FFmpeg cannot open it: Invalid data"),
+    "no video stream": (no_video_stream, "no video stream"),
+    "unsupported codec": (unsupported_codec, "no decoder for its codec"),
+    "short: error on a short video": (too_short, "shorter than its clip of 6 frames"),
+}
+
+
+def slug(case: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in case)
+
+
+@pytest.fixture(scope="module")
+def bad_server(tmp_path_factory: pytest.TempPathFactory,
+               start_server_module: StartServer) -> ServerProcess:
+    root = tmp_path_factory.mktemp("bad")
+    datasets: dict[str, Any] = {}
+    for case, (make, _) in BAD.items():
+        folder = root / slug(case) / "a"
+        folder.mkdir(parents=True)
+        for i in range(2):
+            video_files.write_video(folder / f"good{i}", "h264", frames=24, seed=i)
+        make(folder / "zbad.mp4")
+        for f in folder.glob("tmp*"):
+            f.unlink()
+        for policy in ("raise", "skip"):
+            datasets[f"{slug(case)}-{policy}"] = {
+                "format": "video", "source": str(root / slug(case)), "on_error": policy,
+                "clip": {"frames": 6, "stride": 2}, "short": "error"}
+    datasets["good"] = {"format": "video", "source": str(root / slug("zero bytes")),
+                        "manifest": "good.csv", "clip": {"frames": 4, "stride": 2}}
+    (root / slug("zero bytes") / "good.csv").write_text("path,label\na/good0.mp4,0\n"
+                                                        "a/good1.mp4,1\n")
+    return start_server_module(datasets, workers=2)
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_file_fails_its_sample_naming_it_and_the_server_keeps_serving(
+        bad_server: ServerProcess, ledger, case: str) -> None:
+    said = BAD[case][1]
+    got = []
+    with pytest.raises(Exception) as info:  # noqa: PT011 (the loader's RemoteError)
+        with RemoteLoader(bad_server.address, f"{slug(case)}-raise", batch_size=1,
+                          shuffle=False, output="numpy", timeout=60) as loader:
+            for batch in loader:
+                got.append(batch["label"].tolist())
+    message = str(info.value)
+    assert "a/zbad.mp4" in message and said in message, message
+    assert "sample 2" in message and len(got) == 2
+    # Another client's epoch completes, and the skip policy fills the epoch in.
+    good = epochs(bad_server.address, "good", 2, batch_size=1)
+    assert len(good) == 4
+    skipped = epochs(bad_server.address, f"{slug(case)}-skip", 1, batch_size=1,
+                     shuffle=False)
+    assert len(skipped) == 3
+    ledger.record("corrupt input", f"video: {case}", detail=f"DATA_LOSS naming the file and "
+                  f"'{said}'; another client's 2 epochs and the skip policy's epoch complete")
