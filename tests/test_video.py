@@ -18,7 +18,7 @@ av = pytest.importorskip("av")
 
 import video_files  # noqa: E402
 
-from stoker.client import RemoteLoader  # noqa: E402
+from stoker.client import RemoteError, RemoteLoader  # noqa: E402
 from stoker.server import ServerProcess  # noqa: E402
 
 from conftest import StartServer  # noqa: E402
@@ -272,7 +272,7 @@ def test_a_bad_file_fails_its_sample_naming_it_and_the_server_keeps_serving(
         bad_server: ServerProcess, ledger, case: str) -> None:
     said = BAD[case][1]
     got = []
-    with pytest.raises(Exception) as info:  # noqa: PT011 (the loader's RemoteError)
+    with pytest.raises(RemoteError) as info:
         with RemoteLoader(bad_server.address, f"{slug(case)}-raise", batch_size=1,
                           shuffle=False, output="numpy", timeout=60) as loader:
             for batch in loader:
