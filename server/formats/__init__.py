@@ -41,6 +41,7 @@ FORMATS: dict[str, tuple[str, str]] = {
     "mixture": ("mixture_config:MixtureDataset", "mixture:Mixture"),
     # video and audio (PyAV, the `video` extra): issue 40
     "video": ("video_config:VideoDataset", "video:Video"),
+    "audio": ("audio_config:AudioDataset", "audio:Audio"),
 }
 
 
