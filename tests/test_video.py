@@ -63,6 +63,7 @@ def server(videos: Path, start_server_module: StartServer) -> ServerProcess:
         "noskip": {**source, **STRIDE, "skip_nonref": False},
         "crop": {**source, **STRIDE, **crop, "layout": "cthw"},
         "u12": {**source, **STRIDE, "clips": {"uniform": 12}},
+        "sized": {**source, **FPS, "size": [20, 30], "layout": "thwc"},
     }, workers=3)
 
 
@@ -114,6 +115,25 @@ def test_clips_all_covers_each_video_with_non_overlapping_clips(server: ServerPr
     assert check_exact(batches, files_by_time(videos)) == n
     firsts = [b["timestamps"][0][0] for b in batches]
     assert firsts[:FRAMES // 11] == pytest.approx([k * 11 / 24 for k in range(FRAMES // 11)])
+
+
+def test_size_is_ffmpegs_scaler_on_the_same_frames(server: ServerProcess, videos: Path) -> None:
+    refs = []
+    for path in sorted(videos.glob("*/*")):
+        with av.open(str(path)) as f:
+            stream = f.streams.video[0]
+            refs.append({float(fr.pts * stream.time_base): fr.to_ndarray(
+                width=30, height=20, format="rgb24", interpolation="AREA")
+                for fr in f.decode(stream)})
+    clips = 0
+    for batch in epochs(server.address, "sized", 2):
+        assert "video_size" not in batch and batch["video"].shape[1:] == (5, 20, 30, 3)
+        for video, times in zip(batch["video"], batch["timestamps"], strict=True):
+            assert any(all(t in r and np.array_equal(f, r[t]) for f, t in zip(video, times,
+                                                                             strict=True))
+                       for r in refs), times
+            clips += 1
+    assert clips == 2 * len(refs)
 
 
 def test_fps_clips_step_by_the_asked_rate(server: ServerProcess) -> None:

@@ -43,13 +43,11 @@ class VideoError(ValueError):
 
 @dataclass(frozen=True)
 class FrameTable:
-    """A video stream's frames: `pts` (int64, ascending, presentation order), each keyframe's
-    position in it (`keys`) and the decode timestamp to seek to for it (`key_dts`), in
-    `time_base` seconds per tick."""
+    """A video stream's frames: `pts` (int64, ascending, presentation order) and each
+    keyframe's position in it (`keys`), in `time_base` seconds per tick."""
 
     pts: np.ndarray
     keys: np.ndarray
-    key_dts: np.ndarray
     time_base: Fraction
 
     def __len__(self) -> int:
@@ -89,13 +87,12 @@ def open_video(path: str) -> tuple[Any, Any]:
 
 def frame_table(container: Any, stream: Any) -> FrameTable:
     """Every frame's pts from the packets (no decoding); the container is read to its end."""
-    pts, dts, key = [], [], []
+    pts, key = [], []
     try:
         for packet in container.demux(stream):
             if packet.size == 0 or packet.pts is None:
                 continue  # the demuxer's last empty packet; a frame without pts is not named
             pts.append(packet.pts)
-            dts.append(packet.pts if packet.dts is None else packet.dts)
             key.append(packet.is_keyframe)
     except av.FFmpegError as e:
         raise VideoError(f"FFmpeg cannot read it: {e.strerror or e}") from None
@@ -108,14 +105,20 @@ def frame_table(container: Any, stream: Any) -> FrameTable:
     is_key = np.asarray(key, bool)[order]
     is_key[0] = True  # decoding from the start always works: the start is a place to begin
     keys = np.flatnonzero(is_key)
-    key_dts = np.asarray(dts, np.int64)[order][keys]
-    return FrameTable(sorted_pts, keys, key_dts, Fraction(stream.time_base))
+    return FrameTable(sorted_pts, keys, Fraction(stream.time_base))
 
 
-def _rgb(frame: Any) -> np.ndarray:
-    """FFmpeg's own RGB conversion of the frame, rotated as its display matrix says."""
-    pixels = frame.to_ndarray(format="rgb24")
+def _rgb(frame: Any, width: int | None = None, height: int | None = None) -> np.ndarray:
+    """FFmpeg's own RGB conversion of the frame (at width x height: scaled in the same pass,
+    area-averaging), rotated as its display matrix says."""
     turn = int(getattr(frame, "rotation", 0) or 0) % 360
+    if width is None:
+        pixels = frame.to_ndarray(format="rgb24")
+    else:
+        if turn in (90, 270):  # scaled before it is turned
+            width, height = height, width
+        pixels = frame.to_ndarray(width=width, height=height, format="rgb24",
+                                  interpolation="AREA")
     if turn:  # counter-clockwise degrees, as FFmpeg's display matrix gives them
         pixels = np.ascontiguousarray(np.rot90(pixels, turn // 90))
     return pixels
@@ -152,8 +155,9 @@ def _decode(path: str, table: FrameTable, wanted: list[int], k: int, skip: bool,
     skip = skip and ctx.codec.name in SKIPS_NONREF
     try:
         if k > 0:
-            key_pts = int(table.pts[table.keys[k]])
-            container.seek(min(int(table.key_dts[k]), key_pts), stream=stream, backward=True,
+            # By the keyframe's pts: MP4's index, asked for a keyframe's dts, lands a whole
+            # GOP earlier (measured). Landing early costs time only; late is caught below.
+            container.seek(int(table.pts[table.keys[k]]), stream=stream, backward=True,
                            any_frame=False)
         started = done = False
         for packet in container.demux(stream):
