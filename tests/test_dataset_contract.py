@@ -41,6 +41,8 @@ EXPECTED = {
     "text": {"sample", "source_of", "objects_of", "storage"},
     "mds": SHARDED | IMAGES,
     "litdata": SHARDED | IMAGES,
+    "video": {"sample", "source_of", "objects_of", "storage"} | PLACED,
+    "audio": {"sample", "source_of", "objects_of", "storage"} | PLACED,
 }
 
 
@@ -84,8 +86,12 @@ def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
     """A tiny dataset of every format, two shards where the format has shards."""
     root = tmp_path_factory.mktemp("contract")
     for d in ("images/cat", "jsonl", "tokens", "memmap", "tar", "parquet", "text", "mds",
-              "litdata"):
+              "litdata", "video/cat", "audio/cat"):
         (root / d).mkdir(parents=True)
+    import video_files
+
+    video_files.write_video(root / "video" / "cat" / "a", "h264", frames=4)
+    video_files.write_audio(root / "audio" / "cat" / "a", ".wav", seconds=0.5)
     write_chunked(root / "mds", "mds")
     write_chunked(root / "litdata", "litdata")
     (root / "images" / "cat" / "a.png").write_bytes(png())
@@ -112,6 +118,8 @@ def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
         "text": {"source": str(root / "text"), "seq_len": 4},
         "mds": {"source": str(root / "mds"), "fields": {"x": {}}},
         "litdata": {"source": str(root / "litdata"), "fields": {"0": {}}},
+        "video": {"source": str(root / "video"), "clip": {"frames": 2, "stride": 1}},
+        "audio": {"source": str(root / "audio"), "duration": 0.1},
     }
 
 

@@ -11,6 +11,7 @@ import pytest
 from pydantic import BaseModel
 
 from stoker.server import _config as c
+from stoker.server.formats.audio_config import AudioDataset
 from stoker.server.formats.config_base import Sourced
 from stoker.server.formats.image_config import TRANSFORMS
 from stoker.server.formats.image_folder_config import ImageFolderDataset
@@ -24,6 +25,7 @@ from stoker.server.formats.python_config import PythonDataset
 from stoker.server.formats.tar_config import TarDataset, TarField
 from stoker.server.formats.text_config import TextDataset
 from stoker.server.formats.tokens_config import TokensDataset
+from stoker.server.formats.video_config import VideoDataset
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -53,6 +55,8 @@ SECTIONS: dict[type[BaseModel], str] = {
     MixtureDataset: "#### `format: mixture`",
     MixtureComponent: "#### `format: mixture`",
     MixtureStep: "#### `format: mixture`",
+    VideoDataset: "#### `format: video`",
+    AudioDataset: "#### `format: audio`",
 }
 
 
@@ -91,6 +95,6 @@ def test_every_dataset_format_has_a_section() -> None:
     union = typing.get_args(c.DatasetConfig)[0]
     formats = {typing.get_args(m.model_fields["format"].annotation)[0]
                for m in typing.get_args(union)}
-    assert len(formats) == 11
+    assert len(formats) == 13
     for f in formats:
         assert f"#### `format: {f}`" in DOC, f

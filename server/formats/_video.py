@@ -28,8 +28,13 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-import av
 import numpy as np
+
+try:
+    import av
+except ImportError as e:  # the server opens a video or audio dataset without the extra
+    raise ImportError("format: video and format: audio need PyAV: pip install "
+                      "'stoker[server,video]'") from e
 
 av.logging.set_level(av.logging.PANIC)  # FFmpeg's own warnings: errors are raised, with text
 

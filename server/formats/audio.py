@@ -21,12 +21,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import av
 import numpy as np
 
 from ..order.sampling import EpochKey
 from ..sources import Storage
-from ._video import VideoError
+from ._video import VideoError, av
 from .samples import padded
 from .video import read_video_manifest
 
