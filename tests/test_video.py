@@ -308,3 +308,21 @@ def test_a_bad_file_fails_its_sample_naming_it_and_the_server_keeps_serving(
     assert len(skipped) == 3
     ledger.record("corrupt input", f"video: {case}", detail=f"DATA_LOSS naming the file and "
                   f"'{said}'; another client's 2 epochs and the skip policy's epoch complete")
+
+
+def test_inspect_grid_draws_each_clip_as_a_row_of_frames(server: ServerProcess,
+                                                         tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    picture = tmp_path / "clips.png"
+    out = subprocess.run([sys.executable, "-m", "stoker.server", "inspect", server.address,
+                          "sized", "--batch-size", "2", "--grid", str(picture)],
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    assert "2 clips of 5 frames, one clip per row" in out.stdout
+    grid = np.asarray(Image.open(picture))
+    # two rows of five 20x30 frames, 2-pixel gaps, a 7-pixel caption strip under each row
+    assert grid.shape == (2 * (20 + 7 + 2) - 2, 5 * 32 - 2, 3)

@@ -307,8 +307,9 @@ class Video:
         return f"{self.storage.where(str(self.keys[video]))} clip {clip}"
 
     def place_of(self, index: int) -> dict[str, Any]:
-        video, clip = self.locate(index)
-        return {"file": self.storage.where(str(self.keys[video])), "clip": clip}
+        """Its file (the provenance message has no field for the clip: source_of says it)."""
+        video, _ = self.locate(index)
+        return {"file": self.storage.where(str(self.keys[video]))}
 
     def objects_of(self, indices: np.ndarray) -> list[str]:
         videos = np.searchsorted(self.starts, np.asarray(indices), "right") - 1
