@@ -53,6 +53,8 @@ SCENARIOS: dict[str, tuple[str, list[str], list[str]]] = {
     "pipeline_batch": ("pipeline_batch.py", [], ["--quick"]),
     # ResNet-50 and a GPT-2 small where CUDA is (skips without), and a CPU stand-in (issue 31).
     "gpu": ("gpu.py", [], ["--quick"]),
+    # Video clips: format: video against a PyAV clip Dataset in DataLoader (issue 40).
+    "video": ("video.py", [], ["--quick"]),
 }
 
 

@@ -253,3 +253,18 @@ def test_quick_seek_benchmark_seeks_both_cuts(tmp_path: Path) -> None:
     assert set(res["systems"]) == {"fixed", "tokens"}
     for system in res["systems"].values():
         assert system["near_s"] > 0 and system["far_s"] > 0 and system["epoch_of_far"] > 0
+
+
+@pytest.mark.timeout(200)
+def test_video_benchmark_measures_stoker_the_peer_and_format_python(tmp_path: Path) -> None:
+    pytest.importorskip("av")
+    out = tmp_path / "video.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "video.py"), "--videos", "4", "--repeats",
+         "1", "--epochs", "1", "--workers", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=170, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    res = json.loads(out.read_text())
+    (row,) = res["rows"]
+    assert all(row[k] > 0 for k in ("peer", "stoker", "python", "stoker_cpu"))
+    assert row["ratio"] == pytest.approx(row["stoker"] / row["peer"])
