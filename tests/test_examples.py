@@ -31,3 +31,12 @@ def test_a_mixture_run_stopped_at_2_trainers_resumes_at_3(tmp_path: Path) -> Non
     assert out.returncode == 0, out.stdout + out.stderr
     assert "0 differ from the unstopped run" in out.stdout, out.stdout
     assert "3 trainers: the rest of epoch 0 from slot 480" in out.stdout, out.stdout
+
+
+@pytest.mark.timeout(300)
+def test_a_tiny_video_classifier_learns_from_served_clips(tmp_path: Path) -> None:
+    pytest.importorskip("av")
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "video.py")],
+                         capture_output=True, text=True, timeout=290, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "(fell); server exit code 0" in out.stdout, out.stdout
