@@ -67,7 +67,8 @@ def server(videos: Path, start_server_module: StartServer) -> ServerProcess:
     }, workers=3)
 
 
-def epochs(address: str, dataset: str, n: int, **kw: Any) -> list[dict[str, np.ndarray]]:
+def epochs(address: str | list[str], dataset: str, n: int, **kw: Any
+           ) -> list[dict[str, np.ndarray]]:
     out = []
     with RemoteLoader(address, dataset, batch_size=kw.pop("batch_size", 5), seed=3,
                       output="numpy", timeout=120, **kw) as loader:
@@ -149,14 +150,15 @@ def digest(batches: list[dict[str, np.ndarray]]) -> list[str]:
                            ).hexdigest() for b in batches]
 
 
-def test_the_same_batches_from_one_worker_and_three_and_from_another_server(
+def test_the_same_batches_from_one_worker_and_three_and_from_one_server_or_two(
         server: ServerProcess, videos: Path, start_server: StartServer) -> None:
     crop = {"transforms": [{"random_resized_crop": {"size": 24}}, {"horizontal_flip": {}}]}
     one = start_server({"crop": {"format": "video", "source": str(videos), **STRIDE, **crop,
                                  "layout": "cthw"}}, workers=1)
     a = epochs(server.address, "crop", 3, batch_size=2)
     b = epochs(one.address, "crop", 3, batch_size=2)
-    assert digest(a) == digest(b)
+    both = epochs([server.address, one.address], "crop", 3, batch_size=2)  # from two at once
+    assert digest(a) == digest(b) == digest(both)
     assert a[0]["video"].shape[1:] == (3, 6, 24, 24)  # cthw
     # a random clip per epoch: the epochs differ
     assert digest(epochs(server.address, "crop", 1, batch_size=2)) == digest(a[:2])
