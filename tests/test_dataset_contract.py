@@ -41,7 +41,7 @@ EXPECTED = {
     "text": {"sample", "source_of", "objects_of", "storage"},
     "mds": SHARDED | IMAGES,
     "litdata": SHARDED | IMAGES,
-    "video": {"sample", "source_of", "objects_of", "storage"} | PLACED,
+    "video": {"source_of", "objects_of", "storage"} | IMAGES | PLACED,
     "audio": {"sample", "source_of", "objects_of", "storage"} | PLACED,
 }
 

@@ -328,3 +328,24 @@ def test_inspect_grid_draws_each_clip_as_a_row_of_frames(server: ServerProcess,
     grid = np.asarray(Image.open(picture))
     # two rows of five 20x30 frames, 2-pixel gaps, a 7-pixel caption strip under each row
     assert grid.shape == (2 * (20 + 7 + 2) - 2, 5 * 32 - 2, 3)
+
+
+def test_the_prefix_cache_keeps_uniform_clips_and_changes_no_byte(
+        server: ServerProcess, videos: Path, start_server: StartServer) -> None:
+    import urllib.request
+
+    crop = {"transforms": [{"resize": {"size": 40}}, {"random_resized_crop": {"size": 24}},
+                           {"horizontal_flip": {}}]}
+    datasets = {"u3": {"format": "video", "source": str(videos), **STRIDE,
+                       "clips": {"uniform": 3}, **crop},
+                "r": {"format": "video", "source": str(videos), **STRIDE, **crop}}
+    cached = start_server(datasets, workers=2, cache={"decoded_bytes": "64MiB"})
+    plain = start_server(datasets, workers=1)
+    for name in datasets:
+        assert digest(epochs(cached.address, name, 3)) == digest(epochs(plain.address, name, 3))
+    with urllib.request.urlopen(cached.http_url + "/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    hits = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("stoker_prefix_cache_hits_total"))
+    n = 3 * (len(CODECS) + 1)
+    assert hits >= 2 * n  # epochs 1 and 2 of u3 from the cache; random clips never are

@@ -32,6 +32,7 @@ from ..sources import Storage
 from ._video import FrameTable, VideoError, _rgb, decode_frames, frame_table, open_video
 from .samples import padded
 
+PREFIX_VERSION = 1  # part of every prefix cache key: a change to what a cached clip holds
 TABLES_KEPT = 4096  # frame tables per process (a few KiB each)
 # layout -> the transpose from the stacked frames: uint8 frames are HWC, normalized ones CHW
 _FROM_HWC = {"tchw": (0, 3, 1, 2), "cthw": (3, 0, 1, 2), "thwc": (0, 1, 2, 3)}
@@ -210,6 +211,7 @@ class Video:
         # `size:` alone is resized by FFmpeg's scaler as the frame becomes RGB (see convert)
         self.size = cfg.size if cfg.transforms is None else None
         self.skip = cfg.skip_nonref
+        self.cache: Any = None  # a _prefix_cache.Scope, given by use_prefix_cache
         self._tables: OrderedDict[int, FrameTable] = OrderedDict()
         self._lock = threading.Lock()  # guards _tables
         mode = self.plan.mode
@@ -260,37 +262,63 @@ class Video:
         video = int(np.searchsorted(self.starts, index, "right")) - 1
         return video, index - int(self.starts[video])
 
+    def use_prefix_cache(self, scope: Any) -> None:
+        """Keep decoded clips where a clip is a function of its index alone (`uniform`,
+        `all`): each frame as the pipeline's prefix leaves it (decoded, RGB, and resized or
+        cropped by the steps before the first random one), with the clip's timestamps."""
+        if self.plan.mode != "random":
+            spec = (PREFIX_VERSION, self.plan.frames, self.plan.stride, str(self.plan.fps),
+                    self.plan.short, self.size, self.pipeline.prefix_spec)
+            self.cache = scope("clip", repr(spec))
+
+    def _prefix(self, index: int, video: int, clip: int, rng: np.random.Generator
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """The clip's frames as the pipeline's prefix leaves them, stacked (T, H, W, 3), and
+        their timestamps: from the prefix cache, or decoded (and then kept there)."""
+        hit = None if self.cache is None else self.cache.get(index)
+        if hit is not None:
+            return hit["frames"], hit["timestamps"]
+        table = self.table(video)
+        positions = self.plan.positions(table, clip, rng, *self._bounds(video))
+        if self.size is not None:
+            height, width = self.size
+
+            def convert(frame: Any) -> np.ndarray:
+                # One pass of FFmpeg's scaler: resized (area-averaged) and made RGB at once,
+                # a third of the cost of RGB at full size and then a resize.
+                return _rgb(frame, width, height)
+        else:
+
+            def convert(frame: Any) -> np.ndarray:
+                return self.pipeline.pixels_prefix(_rgb(frame))
+
+        path = str(self.storage.local_path(str(self.keys[video])))
+        frames = decode_frames(path, table, positions, self.skip, convert)
+        stacked = np.stack([frames[int(p)] for p in positions])
+        times = table.seconds(positions)
+        if self.cache is not None:
+            self.cache.put(index, {"frames": stacked, "timestamps": times})
+        return stacked, times
+
     def sample(self, index: int, key: EpochKey) -> dict[str, Any]:
         video, clip = self.locate(index)
-        rng = key.rng(index)
+        rng = key.rng(index)  # a random clip's start, then the clip's transforms
         try:
-            table = self.table(video)
-            positions = self.plan.positions(table, clip, rng, *self._bounds(video))
-            # One draw for the clip's transforms: every frame gets the same crop and flip.
-            seed = int(rng.integers(0, 2**63))
-            pipeline = self.pipeline
-            if self.size is not None:
-                height, width = self.size
-
-                def convert(frame: Any) -> np.ndarray:
-                    # One pass of FFmpeg's scaler: resized (area-averaged) and made RGB at
-                    # once, a third of the cost of RGB at full size and then a resize.
-                    return _rgb(frame, width, height)
-            else:
-
-                def convert(frame: Any) -> np.ndarray:
-                    pixels = pipeline.pixels_prefix(_rgb(frame))
-                    return np.asarray(pipeline.rest(pixels, np.random.default_rng(seed)))
-
-            path = str(self.storage.local_path(str(self.keys[video])))
-            frames = decode_frames(path, table, positions, self.skip, convert)
+            prefix, times = self._prefix(index, video, clip, rng)
         except VideoError as e:
             raise VideoError(f"{self.source_of(index)}: {e}") from None
-        stacked = np.stack([frames[int(p)] for p in positions])
+        pipeline = self.pipeline
+        if self.size is not None or not (pipeline.tail or pipeline.normalize):
+            stacked = prefix
+        else:
+            # One draw for the clip's transforms: every frame gets the same crop and flip.
+            seed = int(rng.integers(0, 2**63))
+            stacked = np.stack([np.asarray(pipeline.rest(f, np.random.default_rng(seed)))
+                                for f in prefix])
         order = (_FROM_CHW if pipeline.normalize else _FROM_HWC)[self.layout]
         out: dict[str, Any] = {"video": np.ascontiguousarray(stacked.transpose(order)),
-                               "timestamps": table.seconds(positions)}
-        if not pipeline.fixed_size:
+                               "timestamps": np.array(times, np.float64)}
+        if not pipeline.fixed_size and self.size is None:
             h, w = stacked.shape[2:4] if pipeline.normalize else stacked.shape[1:3]
             axes = tuple(i for i, a in enumerate(self.layout) if a in "hw")
             out["video"] = padded(out["video"], axes)
