@@ -350,7 +350,8 @@ def video(r: dict[str, Any], plots: Path) -> list[str]:
             "clip per video per epoch: 16 frames, every 2nd, 112x112 RGB, batch 8. Peer: a "
             "PyAV clip Dataset (seek, decode, reformat) in torch DataLoader with the same "
             "workers; the same Dataset through `format: python`; stoker's `format: video`. "
-            "CPU: the whole machine's busy ms per clip (peer / stoker / python). Target: "
+            "CPU: ms per clip of the processes each ran (trainer and DataLoader workers; trainer "
+            "and server tree), peer / stoker / python. Target: "
             f"stoker >= 1.5x the peer at every W ({'met' if r['meets_target'] else 'NOT met'})."
             , "", *_table(["W", "peer clips/s", "format: video", "format: python",
                            "stoker / peer", "CPU ms/clip"], rows), ""]

@@ -17,8 +17,10 @@ GOP, in MP4, made here with PyAV's libx264. A sample is one random clip per vide
 - python: the peer's Dataset as a `format: python` factory, W workers.
 
 Figures: clips/s over whole epochs (median over repeats), the ratio stoker / peer (issue
-40's target: >= 1.5x at W = 1 and 2), and CPU seconds per clip (the whole machine's busy time
-over the clips delivered). These machines are shared: read ratios measured in the same run.
+40's target: >= 1.5x at W = 1 and 2), and CPU seconds per clip: of the processes each system
+ran (the trainer's and its DataLoader workers', or the trainer's and the server's whole
+process tree), over the clips delivered. These machines are shared: read ratios measured in
+the same run.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from typing import Any
 import av
 import numpy as np
 from _measure import (
-    machine_busy_seconds,
     machine_info,
     run_scenario,
     scenario_parser,
@@ -119,6 +120,32 @@ def clip_dataset(root: str) -> ClipDataset:
     return ClipDataset(root)
 
 
+def tree_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of process `pid` and every live descendant, from /proc:
+    what this run's processes used, not the rest of a shared machine."""
+    stats = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    tree, grew = {pid}, True
+    while grew:
+        more = {p for p, (ppid, _) in stats.items() if ppid in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return sum(stats[p][1] for p in tree if p in stats) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu() -> float:
+    """CPU seconds of this process and of its children it has reaped (DataLoader's workers)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def _collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     import torch
 
@@ -130,7 +157,7 @@ def peer_rate(root: Path, workers: int, epochs: int) -> tuple[float, float]:
     from torch.utils.data import DataLoader
 
     ds = ClipDataset(str(root))
-    busy, t0, n = machine_busy_seconds(), time.perf_counter(), 0
+    busy, t0, n = own_cpu(), time.perf_counter(), 0
     for epoch in range(epochs):
         ds.epoch = epoch
         loader = DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=workers,
@@ -138,7 +165,7 @@ def peer_rate(root: Path, workers: int, epochs: int) -> tuple[float, float]:
         for batch in loader:
             n += len(batch["label"])
     elapsed = time.perf_counter() - t0
-    return n / elapsed, (machine_busy_seconds() - busy) / n
+    return n / elapsed, (own_cpu() - busy) / n
 
 
 def server_rate(config: Path, workers: int, epochs: int, env: dict[str, str]
@@ -146,14 +173,16 @@ def server_rate(config: Path, workers: int, epochs: int, env: dict[str, str]
     """(clips/s, CPU s per clip, exit code) of one server's dataset `clips`."""
     server = ServerProcess(config, workers=workers, env=env).start()
     try:
-        busy, t0, n = machine_busy_seconds(), time.perf_counter(), 0
+        assert server.proc is not None
+        busy, t0, n = own_cpu() + tree_cpu(server.proc.pid), time.perf_counter(), 0
         with RemoteLoader(server.address, "clips", batch_size=BATCH, seed=1, drop_last=False,
                           output="numpy", timeout=300) as loader:
             for epoch in range(epochs):
                 loader.set_epoch(epoch)
                 for batch in loader:
                     n += len(batch["label"])
-        rate, cpu = n / (time.perf_counter() - t0), (machine_busy_seconds() - busy) / n
+        rate = n / (time.perf_counter() - t0)
+        cpu = (own_cpu() + tree_cpu(server.proc.pid) - busy) / n
     finally:
         code = server.stop()
     return rate, cpu, code
