@@ -24,6 +24,8 @@ delay would also hold frames back). Not thread-safe: one container per call.
 from __future__ import annotations
 
 import bisect
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -111,6 +113,34 @@ def frame_table(container: Any, stream: Any) -> FrameTable:
     is_key[0] = True  # decoding from the start always works: the start is a place to begin
     keys = np.flatnonzero(is_key)
     return FrameTable(sorted_pts, keys, Fraction(stream.time_base))
+
+
+class FrameTables:
+    """Frame tables by file path, the least recently used out first beyond `kept` (a few
+    KiB each). Thread-safe: `_lock` guards `_tables`; two threads missing the same file both
+    read it, and the second's equal table replaces the first's."""
+
+    def __init__(self, kept: int = 4096) -> None:
+        self.kept = kept
+        self._tables: OrderedDict[str, FrameTable] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, path: str) -> FrameTable:
+        with self._lock:
+            found = self._tables.get(path)
+            if found is not None:
+                self._tables.move_to_end(path)
+                return found
+        container, stream = open_video(path)
+        try:
+            table = frame_table(container, stream)
+        finally:
+            container.close()
+        with self._lock:
+            self._tables[path] = table
+            while len(self._tables) > self.kept:
+                self._tables.popitem(last=False)
+        return table
 
 
 def _rgb(frame: Any, width: int | None = None, height: int | None = None) -> np.ndarray:

@@ -19,8 +19,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import threading
-from collections import OrderedDict
 from fractions import Fraction
 from typing import Any
 
@@ -29,11 +27,10 @@ import numpy as np
 from ..images import ImagePipeline, resize_pipeline
 from ..order.sampling import EpochKey
 from ..sources import Storage
-from ._video import FrameTable, VideoError, _rgb, decode_frames, frame_table, open_video
+from ._video import FrameTable, FrameTables, VideoError, _rgb, decode_frames
 from .samples import padded
 
 PREFIX_VERSION = 1  # part of every prefix cache key: a change to what a cached clip holds
-TABLES_KEPT = 4096  # frame tables per process (a few KiB each)
 # layout -> the transpose from the stacked frames: uint8 frames are HWC, normalized ones CHW
 _FROM_HWC = {"tchw": (0, 3, 1, 2), "cthw": (3, 0, 1, 2), "thwc": (0, 1, 2, 3)}
 _FROM_CHW = {"tchw": (0, 1, 2, 3), "cthw": (1, 0, 2, 3), "thwc": (0, 2, 3, 1)}
@@ -174,8 +171,48 @@ def clip_pipeline(cfg: Any) -> ImagePipeline:
     return ImagePipeline([], "hwc")
 
 
+def prefix_frames(path: str, table: FrameTable, positions: np.ndarray,
+                  pipeline: ImagePipeline, size: Any, skip: bool) -> np.ndarray:
+    """The frames at `positions` of the table, each as the pipeline's prefix leaves it (with
+    `size`: scaled by FFmpeg in the RGB conversion's pass), stacked (T, H, W, 3)."""
+    if size is not None:
+        height, width = size
+
+        def convert(frame: Any) -> np.ndarray:
+            # One pass of FFmpeg's scaler: resized (area-averaged) and made RGB at once, a
+            # third of the cost of RGB at full size and then a resize.
+            return _rgb(frame, width, height)
+    else:
+
+        def convert(frame: Any) -> np.ndarray:
+            return pipeline.pixels_prefix(_rgb(frame))
+
+    frames = decode_frames(path, table, positions, skip, convert)
+    return np.stack([frames[int(p)] for p in positions])
+
+
+def write_clip(out: dict[str, Any], name: str, prefix: np.ndarray, pipeline: ImagePipeline,
+               size: Any, layout: str, rng: np.random.Generator) -> None:
+    """`out[name]`: the clip from its prefix frames, the pipeline's random steps drawn once
+    for all its frames, in `layout` (tchw, cthw, thwc); at the native size also
+    `out[name + "_size"]` (the frames are padded to the batch's largest)."""
+    if size is not None or not (pipeline.tail or pipeline.normalize):
+        stacked = prefix
+    else:
+        # One draw for the clip's transforms: every frame gets the same crop and flip.
+        seed = int(rng.integers(0, 2**63))
+        stacked = np.stack([np.asarray(pipeline.rest(f, np.random.default_rng(seed)))
+                            for f in prefix])
+    order = (_FROM_CHW if pipeline.normalize else _FROM_HWC)[layout]
+    out[name] = np.ascontiguousarray(stacked.transpose(order))
+    if not pipeline.fixed_size and size is None:
+        h, w = stacked.shape[2:4] if pipeline.normalize else stacked.shape[1:3]
+        out[name] = padded(out[name], tuple(i for i, a in enumerate(layout) if a in "hw"))
+        out[f"{name}_size"] = np.array([h, w], np.int64)
+
+
 class Video:
-    """Thread-safe: the frame tables' cache is guarded by `_lock`; the rest is immutable."""
+    """Thread-safe: the frame tables' cache is; the rest is immutable."""
 
     def __init__(self, cfg: Any, storage: Storage, pattern: str | None = None) -> None:
         self.storage = storage
@@ -212,8 +249,7 @@ class Video:
         self.size = cfg.size if cfg.transforms is None else None
         self.skip = cfg.skip_nonref
         self.cache: Any = None  # a _prefix_cache.Scope, given by use_prefix_cache
-        self._tables: OrderedDict[int, FrameTable] = OrderedDict()
-        self._lock = threading.Lock()  # guards _tables
+        self._tables = FrameTables()
         mode = self.plan.mode
         if mode == "all":
             counts = [self._count(v) for v in range(len(keys))]
@@ -236,21 +272,7 @@ class Video:
         return (None if np.isnan(a) else float(a)), (None if np.isnan(b) else float(b))
 
     def table(self, video: int) -> FrameTable:
-        with self._lock:
-            found = self._tables.get(video)
-            if found is not None:
-                self._tables.move_to_end(video)
-                return found
-        container, stream = open_video(str(self.storage.local_path(str(self.keys[video]))))
-        try:
-            table = frame_table(container, stream)
-        finally:
-            container.close()
-        with self._lock:
-            self._tables[video] = table
-            while len(self._tables) > TABLES_KEPT:
-                self._tables.popitem(last=False)
-        return table
+        return self._tables.get(str(self.storage.local_path(str(self.keys[video]))))
 
     def __len__(self) -> int:
         return self.length
@@ -280,21 +302,8 @@ class Video:
             return hit["frames"], hit["timestamps"]
         table = self.table(video)
         positions = self.plan.positions(table, clip, rng, *self._bounds(video))
-        if self.size is not None:
-            height, width = self.size
-
-            def convert(frame: Any) -> np.ndarray:
-                # One pass of FFmpeg's scaler: resized (area-averaged) and made RGB at once,
-                # a third of the cost of RGB at full size and then a resize.
-                return _rgb(frame, width, height)
-        else:
-
-            def convert(frame: Any) -> np.ndarray:
-                return self.pipeline.pixels_prefix(_rgb(frame))
-
         path = str(self.storage.local_path(str(self.keys[video])))
-        frames = decode_frames(path, table, positions, self.skip, convert)
-        stacked = np.stack([frames[int(p)] for p in positions])
+        stacked = prefix_frames(path, table, positions, self.pipeline, self.size, self.skip)
         times = table.seconds(positions)
         if self.cache is not None:
             self.cache.put(index, {"frames": stacked, "timestamps": times})
@@ -307,22 +316,9 @@ class Video:
             prefix, times = self._prefix(index, video, clip, rng)
         except VideoError as e:
             raise VideoError(f"{self.source_of(index)}: {e}") from None
-        pipeline = self.pipeline
-        if self.size is not None or not (pipeline.tail or pipeline.normalize):
-            stacked = prefix
-        else:
-            # One draw for the clip's transforms: every frame gets the same crop and flip.
-            seed = int(rng.integers(0, 2**63))
-            stacked = np.stack([np.asarray(pipeline.rest(f, np.random.default_rng(seed)))
-                                for f in prefix])
-        order = (_FROM_CHW if pipeline.normalize else _FROM_HWC)[self.layout]
-        out: dict[str, Any] = {"video": np.ascontiguousarray(stacked.transpose(order)),
-                               "timestamps": np.array(times, np.float64)}
-        if not pipeline.fixed_size and self.size is None:
-            h, w = stacked.shape[2:4] if pipeline.normalize else stacked.shape[1:3]
-            axes = tuple(i for i, a in enumerate(self.layout) if a in "hw")
-            out["video"] = padded(out["video"], axes)
-            out["video_size"] = np.array([h, w], np.int64)
+        out: dict[str, Any] = {}
+        write_clip(out, "video", prefix, self.pipeline, self.size, self.layout, rng)
+        out["timestamps"] = np.array(times, np.float64)
         if self.labelled:
             out["label"] = self.labels[video]
         return out
