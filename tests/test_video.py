@@ -349,3 +349,42 @@ def test_the_prefix_cache_keeps_uniform_clips_and_changes_no_byte(
                if line.startswith("stoker_prefix_cache_hits_total"))
     n = 3 * (len(CODECS) + 1)
     assert hits >= 2 * n  # epochs 1 and 2 of u3 from the cache; random clips never are
+
+
+def test_frames_at_given_times_from_a_parquet_table(tmp_path: Path,
+                                                    start_server: StartServer) -> None:
+    """The robot-learning layout: rows name an episode's video and a time; the field is the
+    frames shown at that time plus each offset (the last frame starting at or before it)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "videos").mkdir()
+    paths = [video_files.write_video(tmp_path / "videos" / f"ep{e}", "h264", frames=36,
+                                     seed=e, vfr=e == 1) for e in range(2)]
+    rng = np.random.default_rng(0)
+    rows = [(e, float(t)) for e in range(2) for t in rng.uniform(0, 1.4, 10)]
+    pq.write_table(pa.table({
+        "video": [f"videos/{paths[e].name}" for e, _ in rows],
+        "timestamp": [t for _, t in rows], "episode": [e for e, _ in rows]}),
+        tmp_path / "frames.parquet", row_group_size=8)
+    server = start_server({"robot": {
+        "format": "parquet", "source": str(tmp_path),
+        "fields": {"cam": {"column": "video", "decode": "video_frames",
+                           "time_column": "timestamp", "offsets": [-0.1, 0.0]},
+                   "episode": {}}}}, workers=2)
+    refs = [reference(p) for p in paths]
+    with RemoteLoader(server.address, "robot", batch_size=4, shuffle=False, output="numpy",
+                      timeout=60) as loader:
+        batches = list(loader)
+    got = [(b["episode"][i], b["cam"][i], b["cam_timestamps"][i])
+           for b in batches for i in range(len(b["episode"]))]
+    assert len(got) == len(rows)
+    for (episode, frames, times), (e, t) in zip(got, rows, strict=True):
+        assert episode == e
+        ref = refs[e]
+        starts = np.array(sorted(ref))
+        for frame, shown, want in zip(frames, times, (t - 0.1, t), strict=True):
+            expected = starts[max(np.searchsorted(starts, want, "right") - 1, 0)]
+            assert shown == expected
+            h, w = ref[shown].shape[:2]
+            assert np.array_equal(frame.transpose(1, 2, 0)[:h, :w], ref[shown])

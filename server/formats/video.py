@@ -211,6 +211,34 @@ def write_clip(out: dict[str, Any], name: str, prefix: np.ndarray, pipeline: Ima
         out[f"{name}_size"] = np.array([h, w], np.int64)
 
 
+class FramesAt:
+    """`decode: video_frames`: the frames shown at a row's time plus each offset, from the
+    video file the row names (a key under the source). Thread-safe, as Video."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.offsets = np.asarray(cfg.offsets, np.float64)
+        self.pipeline = clip_pipeline(cfg)
+        self.size = cfg.size if cfg.transforms is None else None
+        self.layout = "tchw" if cfg.layout == "chw" else "thwc"
+        self.tables = FrameTables()
+
+    def output_names(self, name: str) -> list[str]:
+        sized = self.pipeline.fixed_size or self.size is not None
+        return [name, f"{name}_timestamps"] + ([] if sized else [f"{name}_size"])
+
+    def write(self, out: dict[str, Any], name: str, storage: Storage, key: str, time: float,
+              rng: np.random.Generator) -> None:
+        try:
+            path = str(storage.local_path(key.removeprefix("./")))
+            table = self.tables.get(path)
+            positions = table.shown_at(time + self.offsets)
+            prefix = prefix_frames(path, table, positions, self.pipeline, self.size, True)
+        except VideoError as e:
+            raise VideoError(f"{storage.where(key)}: {e}") from None
+        write_clip(out, name, prefix, self.pipeline, self.size, self.layout, rng)
+        out[f"{name}_timestamps"] = table.seconds(positions)
+
+
 class Video:
     """Thread-safe: the frame tables' cache is; the rest is immutable."""
 
