@@ -182,7 +182,6 @@ def _decode(path: str, table: FrameTable, wanted: list[int], k: int, skip: bool,
     """The wanted frames decoded from keyframe `k` of the table, or None when one of them
     did not come out (the caller tries a safer way)."""
     by_pts = {int(table.pts[p]): p for p in wanted}
-    last = int(table.pts[wanted[-1]])
     first = int(table.pts[wanted[0]])
     out: dict[int, Any] = {}
     container, stream = open_video(path)
@@ -194,24 +193,29 @@ def _decode(path: str, table: FrameTable, wanted: list[int], k: int, skip: bool,
             # GOP earlier (measured). Landing early costs time only; late is caught below.
             container.seek(int(table.pts[table.keys[k]]), stream=stream, backward=True,
                            any_frame=False)
-        started = done = False
+        started = False
+        unsent = set(by_pts)  # wanted frames whose packet is still to come
         for packet in container.demux(stream):
-            if skip and packet.pts is not None:
-                ctx.skip_frame = "DEFAULT" if packet.pts in by_pts else "NONREF"
-            for frame in ctx.decode(packet):
-                if frame.pts is None:
-                    continue
-                if not started:
-                    started = True
-                    if frame.pts > first:
-                        return None  # the seek landed after the first wanted frame
-                p = by_pts.get(frame.pts)
-                if p is not None:
-                    out[p] = convert(frame)
-                if frame.pts >= last:  # presentation order: nothing wanted comes later
-                    done = True
-                    break
-            if done:
+            if packet.pts is not None:
+                unsent.discard(packet.pts)
+                if skip:
+                    ctx.skip_frame = "DEFAULT" if packet.pts in by_pts else "NONREF"
+            # Once every wanted packet is in, the decoder is drained (None) instead of fed
+            # more: the frames it holds back for reordering come out without decoding the
+            # packets after them, which no wanted frame refers to (decode order).
+            batches = [packet, None] if not unsent and packet.size else [packet]
+            for sent in batches:
+                for frame in ctx.decode(sent):
+                    if frame.pts is None:
+                        continue
+                    if not started:
+                        started = True
+                        if frame.pts > first:
+                            return None  # the seek landed after the first wanted frame
+                    p = by_pts.get(frame.pts)
+                    if p is not None:
+                        out[p] = convert(frame)
+            if len(out) == len(by_pts) or not unsent:
                 break
     except av.FFmpegError as e:
         raise VideoError(f"FFmpeg cannot decode it: {e.strerror or e}") from None
