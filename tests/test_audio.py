@@ -95,3 +95,21 @@ def test_whole_files_are_padded_with_their_length(server: ServerProcess, sounds:
         ref = reference(path)
         assert length == ref.shape[1]
         assert np.array_equal(audio[:, :length], ref) and not audio[:, length:].any()
+
+
+def test_a_bad_sound_file_fails_its_sample_naming_it_and_the_server_keeps_serving(
+        sounds: Path, tmp_path: Path, start_server: StartServer, ledger) -> None:
+    from stoker.client import RemoteError
+
+    (tmp_path / "a").mkdir()
+    video_files.write_audio(tmp_path / "a" / "good", ".wav", seconds=0.5)
+    (tmp_path / "a" / "zbad.wav").write_bytes(b"RIFF, but not really a wave file" * 4)
+    server = start_server({
+        "bad": {"format": "audio", "source": str(tmp_path), "duration": 0.25},
+        "good": {"format": "audio", "source": str(sounds), "duration": 0.25}})
+    with pytest.raises(RemoteError) as info:
+        load(server.address, "bad", 1)
+    assert "a/zbad.wav" in str(info.value) and "sample 1" in str(info.value), info.value
+    assert len(load(server.address, "good", 1)) == len(SUFFIXES)
+    ledger.record("corrupt input", "audio: a text file named .wav",
+                  detail="DATA_LOSS naming the file; another client's epoch completes")
