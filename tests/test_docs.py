@@ -25,7 +25,7 @@ from stoker.server.formats.python_config import PythonDataset
 from stoker.server.formats.tar_config import TarDataset, TarField
 from stoker.server.formats.text_config import TextDataset
 from stoker.server.formats.tokens_config import TokensDataset
-from stoker.server.formats.video_config import VideoDataset
+from stoker.server.formats.video_config import ClipAudio, VideoDataset
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -56,6 +56,7 @@ SECTIONS: dict[type[BaseModel], str] = {
     MixtureComponent: "#### `format: mixture`",
     MixtureStep: "#### `format: mixture`",
     VideoDataset: "#### `format: video`",
+    ClipAudio: "#### `format: audio`",
     AudioDataset: "#### `format: audio`",
 }
 

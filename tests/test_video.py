@@ -388,3 +388,23 @@ def test_frames_at_given_times_from_a_parquet_table(tmp_path: Path,
             assert shown == expected
             h, w = ref[shown].shape[:2]
             assert np.array_equal(frame.transpose(1, 2, 0)[:h, :w], ref[shown])
+
+
+def test_audio_of_a_clip_is_its_span_of_the_track(tmp_path: Path,
+                                                  start_server: StartServer) -> None:
+    (tmp_path / "a").mkdir()
+    path = video_files.write_video(tmp_path / "a" / "talk", "h264", frames=48, audio=True)
+    server = start_server({"av": {"format": "video", "source": str(tmp_path), **STRIDE,
+                                  "audio": {"sample_rate": 8000, "channels": 1}}})
+    resampler = av.AudioResampler(format="fltp", layout="mono", rate=8000)
+    parts = []
+    with av.open(str(path)) as f:
+        for frame in f.decode(f.streams.audio[0]):
+            parts += [r.to_ndarray() for r in resampler.resample(frame)]
+    track = np.concatenate(parts, axis=1)
+    for batch in epochs(server.address, "av", 4, batch_size=1):
+        times = batch["timestamps"][0]
+        n = int(batch["audio_length"][0])
+        a = round(times[0] * 8000)
+        assert n == round((times[-1] + 1 / 24) * 8000) - a  # through the last frame's end
+        assert np.array_equal(batch["audio"][0][:, :n], track[:, a:a + n])

@@ -276,6 +276,7 @@ class Video:
         # `size:` alone is resized by FFmpeg's scaler as the frame becomes RGB (see convert)
         self.size = cfg.size if cfg.transforms is None else None
         self.skip = cfg.skip_nonref
+        self.audio = cfg.audio
         self.cache: Any = None  # a _prefix_cache.Scope, given by use_prefix_cache
         self._tables = FrameTables()
         mode = self.plan.mode
@@ -347,9 +348,37 @@ class Video:
         out: dict[str, Any] = {}
         write_clip(out, "video", prefix, self.pipeline, self.size, self.layout, rng)
         out["timestamps"] = np.array(times, np.float64)
+        if self.audio is not None:
+            try:
+                self._write_audio(out, video, out["timestamps"])
+            except VideoError as e:
+                raise VideoError(f"{self.source_of(index)}: audio: {e}") from None
         if self.labelled:
             out["label"] = self.labels[video]
         return out
+
+    def _write_audio(self, out: dict[str, Any], video: int, times: np.ndarray) -> None:
+        """`audio` (float32 [channels, n], zero-padded to the batch's longest) and
+        `audio_length`: the audio track from the clip's first frame's time to the end of its
+        last frame (its next frame's time), resampled from the track's start as format:
+        audio does (sample k of the track is at k / sample_rate seconds)."""
+        from .audio import decode_audio
+
+        seconds = self.table(video).seconds(np.arange(len(self.table(video))))
+        after = int(np.searchsorted(seconds, times[-1], "right"))
+        if after < len(seconds):
+            end = float(seconds[after])
+        else:  # the video's last frame: as long as a typical frame
+            end = times[-1] + (float(np.median(np.diff(seconds))) if len(seconds) > 1 else 0)
+        rate = self.audio.sample_rate
+        a = round(times[0] * rate)
+        b = max(round(end * rate), a + 1)
+        path = str(self.storage.local_path(str(self.keys[video])))
+        sound = decode_audio(path, rate, self.audio.channels, b)[:, a:b]
+        if sound.shape[1] < b - a:  # the track ends before the clip: zeros after
+            sound = np.pad(sound, ((0, 0), (0, b - a - sound.shape[1])))
+        out["audio"] = padded(np.ascontiguousarray(sound), (1,))
+        out["audio_length"] = np.int64(b - a)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.sample(index, EpochKey())

@@ -30,6 +30,13 @@ class Uniform(Strict):
     uniform: int = Field(ge=1, le=1 << 20, description="evenly spaced clips per video")
 
 
+class ClipAudio(Strict):
+    """The clip's span of the file's audio track, resampled as `format: audio` does."""
+
+    sample_rate: int = Field(16000, ge=1000, le=384000)
+    channels: int = Field(1, ge=1, le=8)
+
+
 class VideoDataset(Sourced):
     """Video files under `source`: one sub-folder per class (class index = sorted folder
     order), or the files a `manifest` lists (`path`, `label`, optional `start`/`end` seconds
@@ -53,6 +60,8 @@ class VideoDataset(Sourced):
     extensions: tuple[str, ...] = Field(
         (".mp4", ".mkv", ".webm", ".mov", ".avi", ".m4v"),
         description="files taken from class sub-folders (ignoring case)")
+    audio: ClipAudio | None = Field(
+        None, description="also the clip's span of the audio track: `audio`, `audio_length`")
     skip_nonref: bool = Field(
         True, description="do not decode frames no kept frame depends on (same pixels)")
 
