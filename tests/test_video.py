@@ -408,3 +408,36 @@ def test_audio_of_a_clip_is_its_span_of_the_track(tmp_path: Path,
         a = round(times[0] * 8000)
         assert n == round((times[-1] + 1 / 24) * 8000) - a  # through the last frame's end
         assert np.array_equal(batch["audio"][0][:, :n], track[:, a:a + n])
+
+
+def test_a_clip_of_each_tar_member(tmp_path: Path, start_server: StartServer) -> None:
+    import io
+    import tarfile
+
+    data = [video_files.write_video(tmp_path / f"v{i}", codec, frames=30, seed=i).read_bytes()
+            for i, codec in enumerate(CODECS[:2] * 2)]
+    (tmp_path / "shards").mkdir()
+    with tarfile.open(tmp_path / "shards" / "s0.tar", "w") as tf:
+        for i, blob in enumerate(data):
+            for name, payload in ((f"k{i}.mp4", blob), (f"k{i}.cls", b"%d" % i)):
+                info = tarfile.TarInfo(name)
+                info.size = len(payload)
+                tf.addfile(info, io.BytesIO(payload))
+    server = start_server({"clips": {"format": "tar", "source": str(tmp_path / "shards"),
+                                     "fields": {"clip": {"ext": "mp4", "decode": "video",
+                                                         **STRIDE},
+                                                "label": {"ext": "cls", "decode": "int"}}}})
+    refs = []
+    for blob in data:
+        with av.open(io.BytesIO(blob)) as f:
+            s = f.streams.video[0]
+            refs.append({float(fr.pts * s.time_base): fr.to_ndarray(format="rgb24")
+                         for fr in f.decode(s)})
+    seen = 0
+    for batch in epochs(server.address, "clips", 3, batch_size=2, shuffle=False):
+        for clip, times, label in zip(batch["clip"], batch["clip_timestamps"],
+                                      batch["label"], strict=True):
+            for frame, t in zip(clip, times, strict=True):
+                assert np.array_equal(frame.transpose(1, 2, 0), refs[label][t])
+            seen += 1
+    assert seen == 3 * len(data)

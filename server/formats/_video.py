@@ -24,6 +24,7 @@ delay would also hold frames back). Not thread-safe: one container per call.
 from __future__ import annotations
 
 import bisect
+import io
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -74,10 +75,11 @@ class FrameTable:
         return np.maximum(np.searchsorted(self.pts, ticks.astype(np.int64), "right") - 1, 0)
 
 
-def open_video(path: str) -> tuple[Any, Any]:
-    """(container, its first video stream), or VideoError naming what FFmpeg said."""
+def open_video(source: str | bytes) -> tuple[Any, Any]:
+    """(container, its first video stream) of a file's path or of a file's bytes (a tar
+    member, a parquet cell), or VideoError naming what FFmpeg said."""
     try:
-        container = av.open(path, "r")
+        container = av.open(io.BytesIO(source) if isinstance(source, bytes) else source, "r")
     except av.FFmpegError as e:
         raise VideoError(f"FFmpeg cannot open it: {e.strerror or e}") from None
     if not container.streams.video:
@@ -159,7 +161,7 @@ def _rgb(frame: Any, width: int | None = None, height: int | None = None) -> np.
     return pixels
 
 
-def decode_frames(path: str, table: FrameTable, positions: np.ndarray, skip: bool = True,
+def decode_frames(path: str | bytes, table: FrameTable, positions: np.ndarray, skip: bool = True,
                   convert: Any = _rgb) -> dict[int, Any]:
     """{position: convert(frame)} for each wanted position of the table (each converted once,
     however often it repeats). Raises VideoError naming what went wrong."""
@@ -177,7 +179,7 @@ def decode_frames(path: str, table: FrameTable, positions: np.ndarray, skip: boo
     return out
 
 
-def _decode(path: str, table: FrameTable, wanted: list[int], k: int, skip: bool,
+def _decode(path: str | bytes, table: FrameTable, wanted: list[int], k: int, skip: bool,
             convert: Any) -> dict[int, Any] | None:
     """The wanted frames decoded from keyframe `k` of the table, or None when one of them
     did not come out (the caller tries a safer way)."""

@@ -27,7 +27,15 @@ import numpy as np
 from ..images import ImagePipeline, resize_pipeline
 from ..order.sampling import EpochKey
 from ..sources import Storage
-from ._video import FrameTable, FrameTables, VideoError, _rgb, decode_frames
+from ._video import (
+    FrameTable,
+    FrameTables,
+    VideoError,
+    _rgb,
+    decode_frames,
+    frame_table,
+    open_video,
+)
 from .samples import padded
 
 PREFIX_VERSION = 1  # part of every prefix cache key: a change to what a cached clip holds
@@ -93,7 +101,8 @@ class ClipPlan:
         self.stride = cfg.clip.stride
         self.fps = None if cfg.clip.fps is None else Fraction(str(cfg.clip.fps))
         self.short = cfg.short
-        self.mode = cfg.clips_per_video  # "random", "all" or K
+        # "random", "all" or K; a clip of a tar member or parquet cell: one random clip
+        self.mode = getattr(cfg, "clips_per_video", "random")
 
     def _window(self, table: FrameTable, start: float | None, end: float | None
                 ) -> tuple[int, int]:
@@ -171,7 +180,7 @@ def clip_pipeline(cfg: Any) -> ImagePipeline:
     return ImagePipeline([], "hwc")
 
 
-def prefix_frames(path: str, table: FrameTable, positions: np.ndarray,
+def prefix_frames(path: str | bytes, table: FrameTable, positions: np.ndarray,
                   pipeline: ImagePipeline, size: Any, skip: bool) -> np.ndarray:
     """The frames at `positions` of the table, each as the pipeline's prefix leaves it (with
     `size`: scaled by FFmpeg in the RGB conversion's pass), stacked (T, H, W, 3)."""
@@ -209,6 +218,33 @@ def write_clip(out: dict[str, Any], name: str, prefix: np.ndarray, pipeline: Ima
         h, w = stacked.shape[2:4] if pipeline.normalize else stacked.shape[1:3]
         out[name] = padded(out[name], tuple(i for i, a in enumerate(layout) if a in "hw"))
         out[f"{name}_size"] = np.array([h, w], np.int64)
+
+
+class ClipOfBytes:
+    """`decode: video` of a tar member or a parquet cell: one clip of the video those bytes
+    hold, its start drawn from the sample's generator. Thread-safe: nothing mutable."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.plan = ClipPlan(cfg)
+        self.pipeline = clip_pipeline(cfg)
+        self.size = cfg.size if cfg.transforms is None else None
+        self.layout = "tchw" if cfg.layout == "chw" else "thwc"
+
+    def output_names(self, name: str) -> list[str]:
+        sized = self.pipeline.fixed_size or self.size is not None
+        return [name, f"{name}_timestamps"] + ([] if sized else [f"{name}_size"])
+
+    def write(self, out: dict[str, Any], name: str, data: bytes,
+              rng: np.random.Generator) -> None:
+        container, stream = open_video(data)
+        try:
+            table = frame_table(container, stream)
+        finally:
+            container.close()
+        positions = self.plan.positions(table, 0, rng)
+        prefix = prefix_frames(data, table, positions, self.pipeline, self.size, True)
+        write_clip(out, name, prefix, self.pipeline, self.size, self.layout, rng)
+        out[f"{name}_timestamps"] = table.seconds(positions)
 
 
 class FramesAt:
