@@ -410,9 +410,13 @@ def test_audio_of_a_clip_is_its_span_of_the_track(tmp_path: Path,
         assert np.array_equal(batch["audio"][0][:, :n], track[:, a:a + n])
 
 
-def test_a_clip_of_each_tar_member(tmp_path: Path, start_server: StartServer) -> None:
+def test_a_clip_of_each_tar_member_and_parquet_cell(tmp_path: Path,
+                                                    start_server: StartServer) -> None:
     import io
     import tarfile
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
     data = [video_files.write_video(tmp_path / f"v{i}", codec, frames=30, seed=i).read_bytes()
             for i, codec in enumerate(CODECS[:2] * 2)]
@@ -423,10 +427,15 @@ def test_a_clip_of_each_tar_member(tmp_path: Path, start_server: StartServer) ->
                 info = tarfile.TarInfo(name)
                 info.size = len(payload)
                 tf.addfile(info, io.BytesIO(payload))
-    server = start_server({"clips": {"format": "tar", "source": str(tmp_path / "shards"),
-                                     "fields": {"clip": {"ext": "mp4", "decode": "video",
-                                                         **STRIDE},
-                                                "label": {"ext": "cls", "decode": "int"}}}})
+    (tmp_path / "table").mkdir()
+    pq.write_table(pa.table({"clip": data, "label": list(range(len(data)))}),
+                   tmp_path / "table" / "t.parquet", row_group_size=2)
+    server = start_server({
+        "clips": {"format": "tar", "source": str(tmp_path / "shards"),
+                  "fields": {"clip": {"ext": "mp4", "decode": "video", **STRIDE},
+                             "label": {"ext": "cls", "decode": "int"}}},
+        "rows": {"format": "parquet", "source": str(tmp_path / "table"),
+                 "fields": {"clip": {"decode": "video", **STRIDE}, "label": {}}}})
     refs = []
     for blob in data:
         with av.open(io.BytesIO(blob)) as f:
@@ -434,10 +443,12 @@ def test_a_clip_of_each_tar_member(tmp_path: Path, start_server: StartServer) ->
             refs.append({float(fr.pts * s.time_base): fr.to_ndarray(format="rgb24")
                          for fr in f.decode(s)})
     seen = 0
-    for batch in epochs(server.address, "clips", 3, batch_size=2, shuffle=False):
+    tar = epochs(server.address, "clips", 3, batch_size=2, shuffle=False)
+    rows = epochs(server.address, "rows", 3, batch_size=2, shuffle=False)
+    for batch in tar + rows:
         for clip, times, label in zip(batch["clip"], batch["clip_timestamps"],
                                       batch["label"], strict=True):
             for frame, t in zip(clip, times, strict=True):
                 assert np.array_equal(frame.transpose(1, 2, 0), refs[label][t])
             seen += 1
-    assert seen == 3 * len(data)
+    assert seen == 2 * 3 * len(data)

@@ -144,11 +144,16 @@ class _Field:
             from ..images import image_pipeline
 
             self.pipeline = image_pipeline(cfg)
-        self.frames = None  # decode: video_frames: (its reader, the offsets)
+        self.frames = None  # decode: video_frames
+        self.clip = None  # decode: video
         if cfg.decode == "video_frames":  # imported here: PyAV only where a field decodes video
             from .video import FramesAt
 
             self.frames = FramesAt(cfg)
+        elif cfg.decode == "video":
+            from .video import ClipOfBytes
+
+            self.clip = ClipOfBytes(cfg)
         self.time_col = cfg.time_column
         self.tokenizer = None
         if cfg.decode == "tokens":
@@ -161,8 +166,8 @@ class _Field:
     def outputs(self) -> list[str]:
         if self.pipeline is not None:  # native size adds <name>_size
             return self.pipeline.output_names(self.name)
-        if self.frames is not None:
-            return self.frames.output_names(self.name)
+        if self.frames is not None or self.clip is not None:
+            return (self.frames or self.clip).output_names(self.name)
         return [self.name] + ([f"{self.name}_length"] if self.decode in ("utf8", "tokens")
                               else [])
 
@@ -182,6 +187,8 @@ class _Field:
                 hint = ""
             raise ValueError(f"{what}{_hub_hint(schema, self.col)}: a field without decode "
                              f"needs numbers (bool, int, uint, float) or lists of them{hint}")
+        if self.decode == "video" and not _binary(t):
+            raise ValueError(f"{what}: decode: video needs a binary column (video files)")
         if self.decode == "image" and not (_binary(t) or _image_struct(t)):
             raise ValueError(f"{what}: decode: image needs a binary column or a struct with "
                              "binary `bytes` (a Hugging Face Image())")
@@ -358,7 +365,7 @@ class Parquet(Sampled):
             if pa.types.is_struct(column.type):  # a null struct: its bytes read as valid
                 ok &= column.is_valid().to_numpy(zero_copy_only=False)
             return _Decoded(data, ok)
-        if field.decode == "video_frames":
+        if field.decode in ("video", "video_frames"):
             return _Decoded(column, column.is_valid().to_numpy(zero_copy_only=False))
         if field.decode in ("utf8", "tokens"):
             if field.fill is not None:
@@ -389,7 +396,8 @@ class Parquet(Sampled):
             self._decoded = (g, decoded)  # one row group per process: block shuffle's unit
         if isinstance(decoded, str):
             raise ValueError(decoded)
-        rng = key.rng(index) if any(f.pipeline or f.frames for f in self.fields) else None
+        rng = (key.rng(index) if any(f.pipeline or f.frames or f.clip for f in self.fields)
+               else None)
         out: dict[str, Any] = {}
         for field in self.fields:  # image fields share one generator, in field order
             column = decoded[field.name]
@@ -409,6 +417,8 @@ class Parquet(Sampled):
                 except Exception as e:
                     raise ValueError(f"field {field.name!r}: column {field.col!r}: cannot "
                                      f"decode image: {type(e).__name__}: {e}") from e
+            elif field.clip is not None:
+                field.clip.write(out, field.name, column.values[row].as_py(), rng)
             elif field.frames is not None:
                 times = decoded[f"{field.name}\0time"]
                 if not times.ok[row]:

@@ -18,6 +18,7 @@ from .config_base import (
     check_text,
 )
 from .image_config import ImageSize, Transforms, size_or_transforms
+from .video_config import Clip
 
 
 class ParquetField(Strict):
@@ -27,7 +28,7 @@ class ParquetField(Strict):
 
     column: str | None = Field(None, description="default: the field name")
     dtype: NumberDtype | None = Field(None, description="default: the column's own type")
-    decode: Literal["image", "utf8", "tokens", "video_frames"] | None = None  # None: numbers
+    decode: Literal["image", "utf8", "tokens", "video", "video_frames"] | None = None
     size: ImageSize | None = None  # image, video_frames: a plain resize
     transforms: Transforms | None = None  # image, video_frames: instead of size
     layout: Literal["chw", "hwc"] = "chw"  # image; video_frames: tchw or thwc
@@ -35,6 +36,9 @@ class ParquetField(Strict):
     # column a time in seconds; the field is the frames shown at time + each offset.
     time_column: str | None = Field(None, min_length=1)
     offsets: tuple[float, ...] = Field((0.0,), min_length=1)
+    # video (a binary column of video files): one clip per row, as format: tar's
+    clip: Clip | None = None
+    short: Literal["repeat_last", "error"] = "repeat_last"
     max_bytes: int | None = Field(None, ge=1)  # utf8, as in jsonl
     # tokens: the string's ids as int64[max_tokens], padded with pad_id, and `<name>_length`.
     tokenizer: Tokenizer = Field("byte", min_length=1, description="as in format: text")
@@ -46,12 +50,15 @@ class ParquetField(Strict):
     @model_validator(mode="after")
     def _decoder_options(self) -> ParquetField:
         check_text(self.decode == "utf8", self.max_bytes)
-        if self.decode in ("image", "video_frames"):
+        if self.decode in ("image", "video", "video_frames"):
             size_or_transforms(self.size, self.transforms)
         elif (self.size is not None or self.transforms is not None
               or "layout" in self.model_fields_set):
-            raise ValueError("size, transforms and layout apply to decode: image and "
+            raise ValueError("size, transforms and layout apply to decode: image, video and "
                              "video_frames only")
+        if (self.decode == "video") != (self.clip is not None):
+            raise ValueError("decode: video needs clip: {frames: T, stride: S} (or fps: F), "
+                             "and only it takes one")
         if (self.decode == "video_frames") != (self.time_column is not None):
             raise ValueError("decode: video_frames needs time_column (and only it takes one)")
         if "offsets" in self.model_fields_set and self.decode != "video_frames":
@@ -67,7 +74,7 @@ class ParquetField(Strict):
         elif tokens_only & self.model_fields_set:
             raise ValueError(f"{', '.join(sorted(tokens_only & self.model_fields_set))}: "
                              "only with decode: tokens")
-        if self.decode in ("image", "video_frames") and self.fill is not None:
+        if self.decode in ("image", "video", "video_frames") and self.fill is not None:
             raise ValueError("an image or video has no fill: a null one fails its sample")
         check_fill(self.fill, self.decode in ("utf8", "tokens"))
         return self
