@@ -25,9 +25,9 @@ import numpy as np
 
 from ..order.sampling import EpochKey
 from ..sources import Storage
+from ._clips import read_video_manifest
 from ._video import VideoError, av
 from .samples import padded
-from .video import read_video_manifest
 
 LAYOUTS = {1: "mono", 2: "stereo", 3: "2.1", 4: "quad", 5: "5.0", 6: "5.1", 7: "6.1", 8: "7.1"}
 
