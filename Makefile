@@ -22,7 +22,7 @@ JOBS ?= 2
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[server,client,text,dev]"
+	$(PY) -m pip install --quiet -e ".[server,client,text,video,dev]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -64,6 +64,8 @@ SCENARIOS: dict[str, tuple[str, list[str], list[str]]] = {
     "tfdata": ("tfdata_service.py", [], ["--quick"]),
     # R rank processes stepping together against S servers, the bound and DataLoader (issue 41).
     "lockstep": ("lockstep.py", [], ["--quick"]),
+    # Video clips: format: video against a PyAV clip Dataset in DataLoader (issue 40).
+    "video": ("video.py", [], ["--quick"]),
 }
 
 

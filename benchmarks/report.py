@@ -339,6 +339,26 @@ def prefix_cache(r: dict[str, Any], plots: Path) -> list[str]:
             *_table(["run", "samples/s median [min, max]"], rows), "", *_against_spdl(r)]
 
 
+def video(r: dict[str, Any], plots: Path) -> list[str]:
+    p = r["parameters"]
+    rows = []
+    for w, s in r["summary"].items():
+        rows.append([w, _spread(s["peer"], ".1f"), _spread(s["stoker"], ".1f"),
+                     _spread(s["python"], ".1f"), f"{s['ratio']['median']:.2f}x",
+                     f"{1000 * s['peer_cpu']['median']:.0f} / "
+                     f"{1000 * s['stoker_cpu']['median']:.0f} / "
+                     f"{1000 * s['python_cpu']['median']:.0f}"])
+    return [f"{p['videos']} H.264 videos (480x360, 30 fps, 6 s, B-frames, GOP 48), one random "
+            "clip per video per epoch: 16 frames, every 2nd, 112x112 RGB, batch 8. Peer: a "
+            "PyAV clip Dataset (seek, decode, reformat) in torch DataLoader with the same "
+            "workers; the same Dataset through `format: python`; stoker's `format: video`. "
+            "CPU: ms per clip of the processes each ran (trainer and DataLoader workers; trainer "
+            "and server tree), peer / stoker / python. Target: "
+            f"stoker >= 1.5x the peer at every W ({'met' if r['meets_target'] else 'NOT met'})."
+            , "", *_table(["W", "peer clips/s", "format: video", "format: python",
+                           "stoker / peer", "CPU ms/clip"], rows), ""]
+
+
 def _against_spdl(r: dict[str, Any]) -> list[str]:
     """The runs above over SPDL's best in the pipeline scenario (same pipeline, machine and
     cores; write_report hands it over as `_spdl`), when that run measured SPDL."""
@@ -539,6 +559,7 @@ SECTIONS: list[tuple[str, str, Section]] = [
     ("orders", "Orders: the first batch of an epoch against the dataset's size", orders),
     ("tfdata", "tf.data service and tf.data: the same pipeline from TFRecord", tfdata),
     ("lockstep", "Lockstep: ranks that step together", lockstep),
+    ("video", "Video clips: format: video against a PyAV Dataset", video),
 ]
 
 

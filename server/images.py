@@ -299,6 +299,17 @@ class ImagePipeline:
         return _resample(pixels, (x0 * sx, y0 * sy, x1 * sx, y1 * sy), plan.width,
                          plan.height, self.antialias)
 
+    def pixels_prefix(self, pixels: np.ndarray) -> np.ndarray:
+        """The prefix from decoded RGB uint8 HWC pixels (a video frame) instead of encoded
+        bytes: the leading deterministic steps planned and resampled once (none: as given)."""
+        if not self.head:
+            return pixels
+        height, width = pixels.shape[:2]
+        plan = _Plan((0.0, 0.0, float(width), float(height)), width, height)
+        for step, args in self.head:
+            step(plan, args, None)  # deterministic steps draw nothing
+        return _resample(pixels, plan.box, plan.width, plan.height, self.antialias)
+
     def rest(self, pixels: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """The output array from the prefix's pixels: the steps from the first random one
         on, planned on those pixels, one resample (none if they keep the size), normalize."""

@@ -268,3 +268,18 @@ def test_quick_lockstep_benchmark_measures_the_bound_stoker_and_dataloader(
         assert len(s["ranks"]) == res["parameters"]["ranks"]
         assert s["wait_p99_ms"] >= s["wait_p50_ms"]
     assert "## Lockstep: ranks that step together" in page
+
+
+@pytest.mark.timeout(200)
+def test_video_benchmark_measures_stoker_the_peer_and_format_python(tmp_path: Path) -> None:
+    pytest.importorskip("av")
+    out = tmp_path / "video.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "video.py"), "--videos", "4", "--repeats",
+         "1", "--epochs", "1", "--workers", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=170, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    res = json.loads(out.read_text())
+    (row,) = res["rows"]
+    assert all(row[k] > 0 for k in ("peer", "stoker", "python", "stoker_cpu"))
+    assert row["ratio"] == pytest.approx(row["stoker"] / row["peer"])

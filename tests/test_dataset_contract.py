@@ -47,6 +47,8 @@ EXPECTED = {
     "litdata": SHARDED | IMAGES,
     "tfrecord": SHARDED | IMAGES | PLACED,
     "array_record": SHARDED | IMAGES | PLACED,
+    "video": {"source_of", "objects_of", "storage"} | IMAGES | PLACED,
+    "audio": {"sample", "source_of", "objects_of", "storage"} | PLACED,
 }
 
 
@@ -90,8 +92,12 @@ def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
     """A tiny dataset of every format, two shards where the format has shards."""
     root = tmp_path_factory.mktemp("contract")
     for d in ("images/cat", "jsonl", "tokens", "memmap", "tar", "parquet", "text", "chat",
-              "mds", "litdata"):
+              "mds", "litdata", "video/cat", "audio/cat"):
         (root / d).mkdir(parents=True)
+    import video_files
+
+    video_files.write_video(root / "video" / "cat" / "a", "h264", frames=4)
+    video_files.write_audio(root / "audio" / "cat" / "a", ".wav", seconds=0.5)
     write_chunked(root / "mds", "mds")
     write_chunked(root / "litdata", "litdata")
     (root / "images" / "cat" / "a.png").write_bytes(png())
@@ -128,6 +134,8 @@ def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
         "tfrecord": {"source": str(root / "tfrecord"), "features": {"x": {"kind": "int64"}}},
         "array_record": {"source": str(root / "array_record"),
                          "features": {"x": {"kind": "int64"}}},
+        "video": {"source": str(root / "video"), "clip": {"frames": 2, "stride": 1}},
+        "audio": {"source": str(root / "audio"), "duration": 0.1},
     }
 
 

@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from stoker.server import _config as c
 from stoker.server.formats import FORMATS
+from stoker.server.formats.audio_config import AudioDataset
 from stoker.server.formats.chat_config import ChatDataset, ChatImages
 from stoker.server.formats.config_base import Sourced
 from stoker.server.formats.image_config import TRANSFORMS
@@ -26,6 +27,7 @@ from stoker.server.formats.python_config import PythonDataset
 from stoker.server.formats.tar_config import TarDataset, TarField
 from stoker.server.formats.text_config import TextDataset
 from stoker.server.formats.tokens_config import TokensDataset
+from stoker.server.formats.video_config import ClipAudio, VideoDataset
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -57,6 +59,9 @@ SECTIONS: dict[type[BaseModel], str] = {
     MixtureDataset: "#### `format: mixture`",
     MixtureComponent: "#### `format: mixture`",
     MixtureStep: "#### `format: mixture`",
+    VideoDataset: "#### `format: video`",
+    ClipAudio: "#### `format: audio`",
+    AudioDataset: "#### `format: audio`",
 }
 
 

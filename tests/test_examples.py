@@ -41,3 +41,12 @@ def test_sft_learns_from_conversations_rendered_and_masked_by_the_server(tmp_pat
                          cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "server exit 0" in out.stdout and "trained on)" in out.stdout
+
+
+@pytest.mark.timeout(300)
+def test_a_tiny_video_classifier_learns_from_served_clips(tmp_path: Path) -> None:
+    pytest.importorskip("av")
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "video.py")],
+                         capture_output=True, text=True, timeout=290, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "(fell); server exit code 0" in out.stdout, out.stdout

@@ -43,6 +43,9 @@ FORMATS: dict[str, tuple[str, str]] = {
     # TensorFlow's and Grain's records (serialized tf.train.Example, or raw bytes)
     "tfrecord": ("tfrecord_config:TfrecordDataset", "tfrecord:Tfrecord"),
     "array_record": ("array_record_config:ArrayRecordDataset", "array_record:ArrayRecord"),
+    # video and audio (PyAV, the `video` extra): issue 40
+    "video": ("video_config:VideoDataset", "video:Video"),
+    "audio": ("audio_config:AudioDataset", "audio:Audio"),
 }
 
 

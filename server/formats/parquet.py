@@ -144,6 +144,17 @@ class _Field:
             from ..images import image_pipeline
 
             self.pipeline = image_pipeline(cfg)
+        self.frames = None  # decode: video_frames
+        self.clip = None  # decode: video
+        if cfg.decode == "video_frames":  # imported here: PyAV only where a field decodes video
+            from .video import FramesAt
+
+            self.frames = FramesAt(cfg)
+        elif cfg.decode == "video":
+            from .video import ClipOfBytes
+
+            self.clip = ClipOfBytes(cfg)
+        self.time_col = cfg.time_column
         self.tokenizer = None
         if cfg.decode == "tokens":
             self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.tiktoken_pattern)
@@ -155,6 +166,8 @@ class _Field:
     def outputs(self) -> list[str]:
         if self.pipeline is not None:  # native size adds <name>_size
             return self.pipeline.output_names(self.name)
+        if self.frames is not None or self.clip is not None:
+            return (self.frames or self.clip).output_names(self.name)
         return [self.name] + ([f"{self.name}_length"] if self.decode in ("utf8", "tokens")
                               else [])
 
@@ -174,11 +187,18 @@ class _Field:
                 hint = ""
             raise ValueError(f"{what}{_hub_hint(schema, self.col)}: a field without decode "
                              f"needs numbers (bool, int, uint, float) or lists of them{hint}")
+        if self.decode == "video" and not _binary(t):
+            raise ValueError(f"{what}: decode: video needs a binary column (video files)")
         if self.decode == "image" and not (_binary(t) or _image_struct(t)):
             raise ValueError(f"{what}: decode: image needs a binary column or a struct with "
                              "binary `bytes` (a Hugging Face Image())")
-        if self.decode in ("utf8", "tokens") and not _string(t):
+        if self.decode in ("utf8", "tokens", "video_frames") and not _string(t):
             raise ValueError(f"{what}: decode: {self.decode} needs a string column")
+        if self.time_col is not None and (self.time_col not in schema.names or not _number(
+                schema.field(self.time_col).type)):
+            raise ValueError(f"{where}: field {self.name!r}: time_column {self.time_col!r}: "
+                             f"expected a column of numbers (seconds); the file has columns "
+                             f"{schema.names}")
         if self.decode is None and self.fill is not None:
             leaf = _leaf(t)
             if (pa.types.is_integer(leaf) or pa.types.is_boolean(leaf)) and not (
@@ -225,7 +245,8 @@ class Parquet(Sampled):
         outputs = [o for f in self.fields for o in f.outputs]
         if len(set(outputs)) != len(outputs):
             raise ValueError(f"output field names collide: {sorted(outputs)}")
-        self.columns = sorted({f.col for f in self.fields})
+        self.columns = sorted({f.col for f in self.fields}
+                              | {f.time_col for f in self.fields if f.time_col})
         skip = cfg.on_error == "skip"
         infos = storage.list(pattern or DEFAULT_PATTERN)
         if not infos:
@@ -326,6 +347,9 @@ class Parquet(Sampled):
             column = table.column(field.col).combine_chunks()
             try:
                 decoded[field.name] = self._decode_field(field, column)
+                if field.time_col is not None:  # the times, a field of their own here
+                    times, ok = dense(table.column(field.time_col).combine_chunks(), None)
+                    decoded[f"{field.name}\0time"] = _Decoded(times.astype(np.float64), ok)
             except Ragged as e:
                 return f"field {field.name!r}: column {field.col!r}: {e}"
             except (pa.ArrowException, ValueError) as e:
@@ -341,6 +365,8 @@ class Parquet(Sampled):
             if pa.types.is_struct(column.type):  # a null struct: its bytes read as valid
                 ok &= column.is_valid().to_numpy(zero_copy_only=False)
             return _Decoded(data, ok)
+        if field.decode in ("video", "video_frames"):
+            return _Decoded(column, column.is_valid().to_numpy(zero_copy_only=False))
         if field.decode in ("utf8", "tokens"):
             if field.fill is not None:
                 column = pc.fill_null(column, pa.scalar(field.fill, column.type))
@@ -370,7 +396,8 @@ class Parquet(Sampled):
             self._decoded = (g, decoded)  # one row group per process: block shuffle's unit
         if isinstance(decoded, str):
             raise ValueError(decoded)
-        rng = key.rng(index) if any(f.pipeline for f in self.fields) else None
+        rng = (key.rng(index) if any(f.pipeline or f.frames or f.clip for f in self.fields)
+               else None)
         out: dict[str, Any] = {}
         for field in self.fields:  # image fields share one generator, in field order
             column = decoded[field.name]
@@ -390,6 +417,16 @@ class Parquet(Sampled):
                 except Exception as e:
                     raise ValueError(f"field {field.name!r}: column {field.col!r}: cannot "
                                      f"decode image: {type(e).__name__}: {e}") from e
+            elif field.clip is not None:
+                field.clip.write(out, field.name, column.values[row].as_py(), rng)
+            elif field.frames is not None:
+                times = decoded[f"{field.name}\0time"]
+                if not times.ok[row]:
+                    raise ValueError(f"field {field.name!r}: time_column {field.time_col!r} "
+                                     "holds a null")
+                path = column.values[row].as_py()
+                field.frames.write(out, field.name, self.storage, path,
+                                   float(times.values[row]), rng)
             elif field.decode == "utf8":
                 out[field.name], out[f"{field.name}_length"] = utf8_padded(
                     column.values[row].as_py(), field.max_bytes)

@@ -18,6 +18,7 @@ from .config_base import (
     check_text,
 )
 from .image_config import ImageSize, Transforms, size_or_transforms
+from .video_config import Clip
 
 
 class ParquetField(Strict):
@@ -27,10 +28,17 @@ class ParquetField(Strict):
 
     column: str | None = Field(None, description="default: the field name")
     dtype: NumberDtype | None = Field(None, description="default: the column's own type")
-    decode: Literal["image", "utf8", "tokens"] | None = None  # None: a column of numbers
-    size: ImageSize | None = None  # image: a plain resize
-    transforms: Transforms | None = None  # image: instead of size
-    layout: Literal["chw", "hwc"] = "chw"  # image
+    decode: Literal["image", "utf8", "tokens", "video", "video_frames"] | None = None
+    size: ImageSize | None = None  # image, video_frames: a plain resize
+    transforms: Transforms | None = None  # image, video_frames: instead of size
+    layout: Literal["chw", "hwc"] = "chw"  # image; video_frames: tchw or thwc
+    # video_frames: the column holds a video's path (a key under the source's root), this
+    # column a time in seconds; the field is the frames shown at time + each offset.
+    time_column: str | None = Field(None, min_length=1)
+    offsets: tuple[float, ...] = Field((0.0,), min_length=1)
+    # video (a binary column of video files): one clip per row, as format: tar's
+    clip: Clip | None = None
+    short: Literal["repeat_last", "error"] = "repeat_last"
     max_bytes: int | None = Field(None, ge=1)  # utf8, as in jsonl
     # tokens: the string's ids as int64[max_tokens], padded with pad_id, and `<name>_length`.
     tokenizer: Tokenizer = Field("byte", min_length=1, description="as in format: text")
@@ -42,11 +50,19 @@ class ParquetField(Strict):
     @model_validator(mode="after")
     def _decoder_options(self) -> ParquetField:
         check_text(self.decode == "utf8", self.max_bytes)
-        if self.decode == "image":
+        if self.decode in ("image", "video", "video_frames"):
             size_or_transforms(self.size, self.transforms)
         elif (self.size is not None or self.transforms is not None
               or "layout" in self.model_fields_set):
-            raise ValueError("size, transforms and layout apply to decode: image only")
+            raise ValueError("size, transforms and layout apply to decode: image, video and "
+                             "video_frames only")
+        if (self.decode == "video") != (self.clip is not None):
+            raise ValueError("decode: video needs clip: {frames: T, stride: S} (or fps: F), "
+                             "and only it takes one")
+        if (self.decode == "video_frames") != (self.time_column is not None):
+            raise ValueError("decode: video_frames needs time_column (and only it takes one)")
+        if "offsets" in self.model_fields_set and self.decode != "video_frames":
+            raise ValueError("offsets apply to decode: video_frames only")
         if self.dtype is not None and self.decode is not None:
             raise ValueError("dtype applies to number columns (no decode) only")
         tokens_only = {"tokenizer", "tiktoken_pattern", "max_tokens", "pad_id"}
@@ -58,8 +74,8 @@ class ParquetField(Strict):
         elif tokens_only & self.model_fields_set:
             raise ValueError(f"{', '.join(sorted(tokens_only & self.model_fields_set))}: "
                              "only with decode: tokens")
-        if self.decode == "image" and self.fill is not None:
-            raise ValueError("an image has no fill: a null image fails its sample")
+        if self.decode in ("image", "video", "video_frames") and self.fill is not None:
+            raise ValueError("an image or video has no fill: a null one fails its sample")
         check_fill(self.fill, self.decode in ("utf8", "tokens"))
         return self
 

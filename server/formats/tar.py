@@ -94,6 +94,11 @@ class _Field:
         self.ext = cfg.ext.lower()
         self.decode = cfg.decode
         self.pipeline = image_pipeline(cfg) if cfg.decode == "image" else None
+        self.clip = None
+        if cfg.decode == "video":  # imported here: PyAV only where a field decodes video
+            from .video import ClipOfBytes
+
+            self.clip = ClipOfBytes(cfg)
         self.max_bytes = cfg.max_bytes
         self.json = None
         self.path: tuple[str, ...] = ()
@@ -111,6 +116,8 @@ class _Field:
     def output_names(self) -> list[str]:
         if self.pipeline is not None:
             return self.pipeline.output_names(self.name)
+        if self.clip is not None:
+            return self.clip.output_names(self.name)
         utf8 = self.decode == "utf8" or (self.json is not None and self.json.utf8)
         return [self.name, f"{self.name}_length"] if utf8 else [self.name]
 
@@ -121,6 +128,8 @@ class _Field:
         `data` is None)."""
         if self.pipeline is not None:
             self.pipeline.write(out, self.name, data, rng, index, prefix)
+        elif self.clip is not None:
+            self.clip.write(out, self.name, data, rng)
         elif self.json is not None:
             if id(data) not in parsed:
                 parsed[id(data)] = json.loads(data)

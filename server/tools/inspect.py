@@ -37,6 +37,20 @@ def image_field(arr: np.ndarray) -> str | None:
     return None
 
 
+def clip_field(arr: np.ndarray) -> tuple[int, ...] | None:
+    """The transpose that makes a batch of RGB clips [B, T, H, W, 3] (from tchw, cthw or
+    thwc, as format: video lays them out), else None."""
+    if arr.ndim != 5:
+        return None
+    if arr.shape[2] == 3:
+        return (0, 1, 3, 4, 2)  # tchw
+    if arr.shape[1] == 3:
+        return (0, 2, 3, 4, 1)  # cthw
+    if arr.shape[4] == 3:
+        return (0, 1, 2, 3, 4)  # thwc
+    return None
+
+
 def label_field(batch: dict[str, np.ndarray]) -> str | None:
     """The field a tile's caption shows beside its sample index: `label` if there is one, else
     the first other integer field with one number per sample; None if there is none."""
@@ -168,14 +182,34 @@ def inspect(args: argparse.Namespace) -> int:
 def _save_grid(batch: dict[str, np.ndarray], path: Path) -> int:
     name = next((k for k, v in batch.items() if image_field(v)), None)
     if name is None:
-        print("no image field (a batch of [3, H, W] or [H, W, 3]) to draw", file=sys.stderr)
-        return 1
+        return _save_clips(batch, path)
     label = label_field(batch)
     captions = [str(i) if label is None else f"{i}:{batch[label][k]}"
                 for k, i in enumerate(batch["sample_index"].tolist())]
     write_png(path, grid(batch[name], image_field(batch[name]), captions=captions))
     under = "sample index" if label is None else f"sample index:{label}"
     print(f"wrote {path}: field {name!r}, {len(batch[name])} images, each captioned {under}")
+    return 0
+
+
+def _save_clips(batch: dict[str, np.ndarray], path: Path) -> int:
+    """Each clip of the batch as one row of its frames; the first frame captioned with the
+    sample index (and label), the others with their frame number."""
+    name = next((k for k, v in batch.items() if clip_field(v)), None)
+    if name is None:
+        print("no image field (a batch of [3, H, W] or [H, W, 3]) or clip field ([T, 3, H, W],"
+              " [3, T, H, W] or [T, H, W, 3]) to draw", file=sys.stderr)
+        return 1
+    clips = batch[name].transpose(clip_field(batch[name]))
+    n, t = clips.shape[:2]
+    label = label_field(batch)
+    captions = []
+    for k, i in enumerate(batch["sample_index"].tolist()):
+        captions += [str(i) if label is None else f"{i}:{batch[label][k]}"]
+        captions += [str(f) for f in range(1, t)]
+    write_png(path, grid(clips.reshape(n * t, *clips.shape[2:]), "hwc", columns=t,
+                         captions=captions))
+    print(f"wrote {path}: field {name!r}, {n} clips of {t} frames, one clip per row")
     return 0
 
 
@@ -205,7 +239,7 @@ def add_commands(sub: Any) -> None:
     ins.add_argument("--out", type=Path, metavar="FILE.npz", help="save the batch's arrays")
     ins.add_argument("--grid", type=Path, metavar="FILE.png",
                      help="save the batch's images as one picture, each tile captioned with "
-                          "its sample index and label")
+                          "its sample index and label (video clips: one row of frames each)")
     ins.add_argument("--timeout", type=float, default=30.0)
     add_security(ins)
     ins.set_defaults(func=inspect)

@@ -1,0 +1,148 @@
+"""`format: audio`: sound files decoded, resampled and mixed by FFmpeg's libraries (PyAV).
+
+A sample is `duration` seconds of a file at `sample_rate` Hz and `channels` channels, starting
+at a sample drawn from the generator of (seed, epoch, sample index) (`crops: random`, one
+sample per file), or at K evenly spaced places (`{uniform: K}`, K samples per file); without
+`duration`, the whole file, zero-padded to the batch's longest, with its `length`.
+
+Every value is what decoding the file from its start with PyAV and resampling it with
+`av.AudioResampler(format="fltp", layout=..., rate=...)` gives at that position: the file is
+decoded from its start up to the crop's end, with no seek, so that the resampler's filter
+state and the codec's priming (MP3, AAC, Opus pre-skip) are the same as for the whole file.
+A crop late in a long file costs the decode of everything before it: fine for clips of
+speech and sound events, not for hour-long recordings (not yet: a seek a second before the
+crop, which would differ from the reference in its first samples).
+
+Fields: `audio` float32 [channels, samples], `audio_start` (float64 seconds into the file),
+`label` (int64), and, for whole files, `length` (int64: samples before padding).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..order.sampling import EpochKey
+from ..sources import Storage
+from ._clips import read_video_manifest
+from ._video import VideoError, av
+from .samples import padded
+
+LAYOUTS = {1: "mono", 2: "stereo", 3: "2.1", 4: "quad", 5: "5.0", 6: "5.1", 7: "6.1", 8: "7.1"}
+
+
+def file_seconds(path: str) -> float:
+    """The audio stream's duration from the container's header (no decoding)."""
+    with av.open(path) as container:
+        if not container.streams.audio:
+            raise VideoError("no audio stream")
+        stream = container.streams.audio[0]
+        if stream.duration is not None and stream.time_base is not None:
+            return float(stream.duration * stream.time_base)
+        if container.duration is not None:
+            return container.duration / av.time_base
+    raise VideoError("its duration is not in its header")
+
+
+def decode_audio(path: str, rate: int, channels: int, stop: int | None) -> np.ndarray:
+    """float32 [channels, samples]: the file from its start, resampled, up to sample `stop`
+    (None: to its end)."""
+    parts: list[np.ndarray] = []
+    have = 0
+    try:
+        with av.open(path) as container:
+            if not container.streams.audio:
+                raise VideoError("no audio stream")
+            stream = container.streams.audio[0]
+            stream.codec_context.thread_count = 1
+            resampler = av.AudioResampler(format="fltp", layout=LAYOUTS[channels], rate=rate)
+
+            def take(frames: list[Any]) -> None:
+                nonlocal have
+                for f in frames:
+                    parts.append(f.to_ndarray())
+                    have += parts[-1].shape[1]
+
+            for frame in container.decode(stream):
+                take(resampler.resample(frame))
+                if stop is not None and have >= stop:
+                    break
+            else:
+                take(resampler.resample(None))
+    except av.FFmpegError as e:
+        raise VideoError(f"FFmpeg cannot decode it: {e.strerror or e}") from None
+    if not parts:
+        raise VideoError("no audio decoded")
+    out = np.concatenate(parts, axis=1)
+    return out if stop is None else out[:, :stop]
+
+
+class Audio:
+    """Thread-safe: immutable after open."""
+
+    def __init__(self, cfg: Any, storage: Storage, pattern: str | None = None) -> None:
+        self.storage = storage
+        if cfg.manifest is not None:
+            rows = read_video_manifest(storage, cfg.manifest)
+            keys, labels = [r[0] for r in rows], [r[1] for r in rows]
+        else:
+            keys = [o.key for o in storage.list(pattern)
+                    if o.key.lower().endswith(cfg.extensions) and o.key.count("/") == 1]
+            if not keys:
+                raise ValueError(f"{storage.url}: no {'/'.join(cfg.extensions)} files in "
+                                 "class sub-folders")
+            classes = sorted({k.split("/", 1)[0] for k in keys})
+            labels = [classes.index(k.split("/", 1)[0]) for k in keys]
+        self.keys = np.array(keys)
+        self.labels = np.array(labels, dtype=np.int64)
+        self.rate = cfg.sample_rate
+        self.channels = cfg.channels
+        self.crop = None if cfg.duration is None else round(cfg.duration * cfg.sample_rate)
+        self.per_file = 1 if cfg.crops == "random" or self.crop is None else cfg.crops.uniform
+        self.length = len(keys) * self.per_file
+
+    def __len__(self) -> int:
+        return self.length
+
+    def _start(self, path: str, index: int, key: EpochKey) -> int:
+        """The crop's first sample: a pure function of the file's header, index and key."""
+        assert self.crop is not None
+        room = int(file_seconds(path) * self.rate) - self.crop
+        if room <= 0:
+            return 0
+        if self.per_file == 1:
+            return int(key.rng(index).integers(0, room + 1))
+        k = index % self.per_file
+        return round(k * room / (self.per_file - 1)) if self.per_file > 1 else room // 2
+
+    def sample(self, index: int, key: EpochKey) -> dict[str, Any]:
+        if not 0 <= index < self.length:
+            raise IndexError(f"sample {index} of {self.length}")
+        file = index // self.per_file
+        path = str(self.storage.local_path(str(self.keys[file])))
+        try:
+            if self.crop is None:
+                audio = decode_audio(path, self.rate, self.channels, None)
+                return {"audio": padded(audio, (1,)), "audio_start": np.float64(0.0),
+                        "length": np.int64(audio.shape[1]), "label": self.labels[file]}
+            start = self._start(path, index, key)
+            audio = decode_audio(path, self.rate, self.channels, start + self.crop)[:, start:]
+        except VideoError as e:
+            raise VideoError(f"{self.source_of(index)}: {e}") from None
+        if audio.shape[1] < self.crop:  # the header said more than there was: zeros after
+            audio = np.pad(audio, ((0, 0), (0, self.crop - audio.shape[1])))
+        return {"audio": np.ascontiguousarray(audio), "audio_start": np.float64(start / self.rate),
+                "label": self.labels[file]}
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.sample(index, EpochKey())
+
+    def source_of(self, index: int) -> str:
+        return self.storage.where(str(self.keys[index // self.per_file]))
+
+    def place_of(self, index: int) -> dict[str, Any]:
+        return {"file": self.source_of(index)}
+
+    def objects_of(self, indices: np.ndarray) -> list[str]:
+        return [str(k) for k in self.keys[np.unique(np.asarray(indices) // self.per_file)]]

@@ -1,0 +1,40 @@
+"""The config model of `format: audio` (read by formats/audio.py)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from .config_base import Sourced, Strict
+
+
+class UniformCrops(Strict):
+    uniform: int = Field(ge=1, le=1 << 20, description="evenly spaced crops per file")
+
+
+class AudioDataset(Sourced):
+    """Audio files under `source`: one sub-folder per class (class index = sorted folder
+    order), or the files a `manifest` lists (`path`, `label`). Decoded, resampled to
+    `sample_rate` and mixed to `channels` by FFmpeg's resampler; `duration` seconds of it per
+    sample, or the whole file. See docs/configuration.md."""
+
+    format: Literal["audio"]
+    sample_rate: int = Field(16000, ge=1000, le=384000)
+    channels: int = Field(1, ge=1, le=8)
+    duration: float | None = Field(
+        None, gt=0, description="seconds per sample; None: the whole file, padded to the "
+                                "batch's longest, with a `length` field")
+    crops: Literal["random"] | UniformCrops = Field(
+        "random", description="random: one crop per file per epoch, its start drawn from "
+                              "(seed, epoch, index); {uniform: K}: K evenly spaced crops")
+    manifest: str | None = Field(
+        None, description="key under source of a CSV (path,label) or JSON lines file")
+    extensions: tuple[str, ...] = (".wav", ".flac", ".mp3", ".ogg", ".opus", ".m4a", ".aac")
+
+    @field_validator("extensions")
+    @classmethod
+    def _dotted(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v or any(not e.startswith(".") for e in v):
+            raise ValueError("extensions: a list of suffixes starting with '.', e.g. ['.wav']")
+        return tuple(e.lower() for e in v)
