@@ -46,9 +46,11 @@ TOKENS, FAR = 8192, 1_000_000
 BATCH, WORLD, RANKS, RESUMED_WORLD = 256, 8, (0, 7), 5
 
 
-def first_batch(loader: RemoteLoader, epoch: int) -> float:
-    """Seconds from asking for `epoch` to holding its first batch."""
-    loader.set_epoch(epoch)
+def first_batch(loader: RemoteLoader, epoch: int | None = None) -> float:
+    """Seconds from asking for `epoch` (None: where the loader is) to holding its first
+    batch."""
+    if epoch is not None:
+        loader.set_epoch(epoch)
     t0 = time.perf_counter()
     it = iter(loader)
     next(it)
@@ -88,11 +90,7 @@ def measure(n: int, order: str, mixture: bool, p: dict[str, Any], work: Path,
         resumed = {**kw, "world_size": RESUMED_WORLD}
         with RemoteLoader(server.address, "free", rank=1, seed=5, **resumed) as ld:
             ld.load_state_dict(state)
-            t0 = time.perf_counter()
-            it = iter(ld)
-            next(it)
-            elastic = time.perf_counter() - t0
-            it.close()
+            elastic = first_batch(ld)
         grown = group(server.proc.pid, children=True)["RssAnon"] - base
     finally:
         code = server.stop()

@@ -40,6 +40,7 @@ import heapq
 import itertools
 import logging
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -218,16 +219,8 @@ def _make(ordering: Ordering, lengths: np.ndarray, c: Coordinates, start: int) -
         before = int(ends[a - 1]) if a else 0
         b_max = int(np.searchsorted(ends, before + world * budget, side="right"))
         b_max = max(b_max, a + world)  # every sample fits B, so world of them fit world * B
-        best: tuple[float, int, list[list[int]]] | None = None
-        for b in range(b_max, max(a + world, b_max - MAX_TRIES) - 1, -1):
-            groups = split_step(lens[a:b], costs[a:b], world, budget)
-            if groups is None:
-                continue
-            gap = imbalance(costs[a:b], groups)
-            if best is None or gap < best[0]:
-                best = (gap, b, groups)
-            if gap <= BALANCE:
-                break
+        best = best_split(lens, costs, a, range(b_max, max(a + world, b_max - MAX_TRIES) - 1, -1),
+                          world, budget)
         if best is None:  # cannot happen: one sample per rank always fits
             raise AssertionError(f"no split of positions {a}..{a + world}")
         gap, b, groups = best
@@ -249,6 +242,24 @@ def _make(ordering: Ordering, lengths: np.ndarray, c: Coordinates, start: int) -
                     "not be balanced within %d%% (samples long against batch_tokens?)",
                     c.dataset, c.epoch, unbalanced, p.steps, budget, world, 100 * BALANCE)
     return p
+
+
+def best_split(lens: np.ndarray, costs: np.ndarray, a: int, ends: Iterable[int], world: int,
+               budget: int) -> tuple[float, int, list[list[int]]] | None:
+    """(imbalance, end b, groups) of the first of `ends` whose run [a, b) splits across the
+    ranks within the budget and BALANCE, else of the most balanced split found; None when
+    no end's run fits."""
+    best: tuple[float, int, list[list[int]]] | None = None
+    for b in ends:
+        groups = split_step(lens[a:b], costs[a:b], world, budget)
+        if groups is None:
+            continue
+        gap = imbalance(costs[a:b], groups)
+        if best is None or gap < best[0]:
+            best = (gap, b, groups)
+        if gap <= BALANCE:
+            break
+    return best
 
 
 def imbalance(costs: np.ndarray, groups: list[list[int]]) -> float:

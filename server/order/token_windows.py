@@ -42,8 +42,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from .sampling import CoordinateError, Coordinates, Ordering
-from .token_batches import BALANCE, MAX_TRIES, PLANS, TokenPlan, split_step
-from .token_batches import imbalance as gap_of
+from .token_batches import (
+    BALANCE,
+    MAX_TRIES,
+    PLANS,
+    TokenPlan,
+    best_split,
+    imbalance,
+    split_step,
+)
 
 log = logging.getLogger("stoker.server")
 
@@ -180,7 +187,7 @@ def _make(ordering: Ordering, lengths: np.ndarray, c: Coordinates, w: int) -> To
     world, budget = c.world_size, c.batch_tokens
     ends = np.cumsum(lens)
     total = int(ends[-1]) if size else 0
-    cuts, members, offsets, imbalance = [0], [], [0], []
+    cuts, members, offsets, gaps = [0], [], [0], []
     unbalanced = dropped = 0
     for k in range(steps):
         a = cuts[-1]
@@ -193,33 +200,25 @@ def _make(ordering: Ordering, lengths: np.ndarray, c: Coordinates, w: int) -> To
         done = int(ends[a - 1]) if a else 0
         share = done + (total - done) / (steps - k)
         target = int(np.searchsorted(ends, share, side="left")) + 1
-        best: tuple[float, int, list[list[int]]] | None = None
-        for b in _around(min(max(target, lo), hi), lo, hi):
-            groups = split_step(lens[a:b], costs[a:b], world, budget)
-            if groups is None:
-                continue
-            gap = gap_of(costs[a:b], groups)
-            if best is None or gap < best[0]:
-                best = (gap, b, groups)
-            if gap <= BALANCE:
-                break
+        best = best_split(lens, costs, a, _around(min(max(target, lo), hi), lo, hi), world,
+                          budget)
         if best is None:  # no end fits: the run's longest samples give way
             b = min(max(target, lo), hi)
             groups, lost = _fit(lens, costs, a, b, world, budget)
             dropped += lost
-            best = (gap_of(costs[a:b], groups), b, groups)
+            best = (imbalance(costs[a:b], groups), b, groups)
         gap, b, groups = best
         unbalanced += gap > BALANCE
         for g in groups:
             members.append(np.sort(np.asarray(g, dtype=np.int64)) + a + first)
             offsets.append(offsets[-1] + len(g))
-        imbalance.append(gap)
+        gaps.append(gap)
         cuts.append(b)
     if not steps:
         dropped += size
     plan = TokenPlan(world, np.asarray(cuts, dtype=np.int64) + first,
                      np.concatenate(members) if members else np.zeros(0, np.int64),
-                     np.asarray(offsets, dtype=np.int64), np.asarray(imbalance, np.float64),
+                     np.asarray(offsets, dtype=np.int64), np.asarray(gaps, np.float64),
                      unbalanced, dropped)
     for arr in (plan.cuts, plan.members, plan.offsets, plan.imbalance):
         arr.flags.writeable = False
