@@ -32,7 +32,7 @@ def meta(n: int, seed: int = 0, high: int = 400) -> Meta:
 
 def coords(rank: int = 0, world: int = 4, budget: int = 2048, **kw) -> Coordinates:
     return Coordinates("docs", 3, kw.pop("epoch", 1), True, rank, world, 0, True,
-                       batch_tokens=budget, order=ORDER_INDEX, **kw)
+                       batch_tokens=budget, **{"order": ORDER_INDEX, **kw})
 
 
 def whole_epoch(m: Meta, c: Coordinates) -> list[list[np.ndarray]]:
@@ -108,3 +108,20 @@ def test_long_samples_are_dropped_counted_never_over_the_budget() -> None:
             total += 1
     plan = tw.window_plan(m.ordering, m.lengths, c, 0)
     assert total + plan.dropped == 2000
+
+
+def test_the_legacy_order_keeps_its_whole_epoch_plan() -> None:
+    """Runs resumed from before index orders: one plan for the epoch, every sample once but
+    the tail, every step within the budget."""
+    from stoker.server.order import token_batches
+    from stoker.server.order.sampling import ORDER_LEGACY
+
+    m = meta(3000)
+    c = coords(order=ORDER_LEGACY)
+    plan = token_batches.plan(m.ordering, m.lengths, c)
+    seen = np.concatenate([samples_of(m, dataclasses.replace(c, rank=r), k)
+                           for k in range(plan.steps) for r in range(c.world_size)])
+    assert len(np.unique(seen)) == len(seen) and 3000 - len(seen) < c.world_size
+    assert epoch_size(m, c)[0] == plan.steps
+    legacy = np.random.default_rng([c.seed, c.epoch]).permutation(3000)
+    assert sorted(seen.tolist()) == sorted(legacy[: plan.cuts[-1]].tolist())

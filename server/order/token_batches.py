@@ -212,7 +212,7 @@ def _make(ordering: Ordering, lengths: np.ndarray, c: Coordinates, start: int) -
     costs = lens if c.token_cost == "tokens" else lens * lens
     world, budget = c.world_size, c.batch_tokens
     ends = np.cumsum(lens)  # tokens in positions [0, i] of `lens`
-    cuts, members, offsets, imbalance = [0], [], [0], []
+    cuts, members, offsets, gaps = [0], [], [0], []
     unbalanced = 0
     a, n = 0, len(lens)
     while n - a >= world:
@@ -228,12 +228,12 @@ def _make(ordering: Ordering, lengths: np.ndarray, c: Coordinates, start: int) -
         for g in groups:
             members.append(np.sort(np.asarray(g, dtype=np.int64)) + a + start)
             offsets.append(offsets[-1] + len(g))
-        imbalance.append(gap)
+        gaps.append(gap)
         cuts.append(b)
         a = b
     p = TokenPlan(world, np.asarray(cuts, dtype=np.int64) + start,
                   np.concatenate(members) if members else np.zeros(0, np.int64),
-                  np.asarray(offsets, dtype=np.int64), np.asarray(imbalance, np.float64),
+                  np.asarray(offsets, dtype=np.int64), np.asarray(gaps, np.float64),
                   unbalanced, n - a)
     for arr in (p.cuts, p.members, p.offsets, p.imbalance):
         arr.flags.writeable = False
