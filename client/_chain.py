@@ -20,10 +20,10 @@ from ._scheduler import Scheduler
 if TYPE_CHECKING:
     from stoker.v1 import stoker_pb2 as pb
 
-    from ._resume import Position
     from ._servers import ServerSet
     from ._sizes import Window
     from ._stream import StreamSpec
+    from .position.resume import Position
 
 FIGURES = ("bytes", "failovers", "hedges", "dropped")
 

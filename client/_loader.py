@@ -26,13 +26,13 @@ from ._on_demand import OnDemand
 from ._options import loader_options, signature
 from ._pinning import Pinning
 from ._progress import Progress
-from ._resume import Position, Saved, state_of
 from ._scheduler import FATAL, Scheduler
 from ._servers import Fleet, ServerSet
 from ._sizes import Window, check_epoch, say_dropped
 from ._sources import SourceCounts
 from ._stall import Stall
 from ._stream import StreamSpec
+from .position.resume import Position, Saved, state_of
 
 MASK = "attention_mask"  # what pack=True packs by: the datasets' mask of real tokens
 

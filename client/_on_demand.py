@@ -19,9 +19,9 @@ from stoker.v1 import stoker_pb2 as pb
 
 from ._buffers import HostBuffers
 from ._contact import first_contact
-from ._exclusions import Excluded
 from ._oneshot import ask_sources, fetch_one
-from ._resume import Position
+from .position.exclusions import Excluded
+from .position.resume import Position
 
 if TYPE_CHECKING:
     import numpy as np
@@ -31,10 +31,10 @@ if TYPE_CHECKING:
     from ._frames import Assembled
     from ._options import LoaderOptions
     from ._pinning import Pinning
-    from ._resume import Coordinates, Saved
     from ._servers import ServerSet
     from ._stall import Stall
     from ._stream import StreamSpec
+    from .position.resume import Coordinates, Saved
 
 # provenance()'s parts of a sample's source (pb.SampleSource's fields of those names)
 PLACE = ("file", "offset", "nbytes", "line", "row_group", "row", "member", "component",

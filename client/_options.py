@@ -18,9 +18,9 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from ._normalize import Normalizer
-from ._resume import Coordinates
 from ._servers import RESOLVE_EVERY, Resolver
 from .channel import ChannelMaker
+from .position.resume import Coordinates
 
 __all__ = ["TOKEN_COSTS", "LoaderOptions", "default_rank_world", "loader_options", "prefetching",
            "signature"]

@@ -17,8 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -27,53 +26,18 @@ from stoker.v1 import stoker_pb2_grpc as pb_grpc
 
 from ._errors import DataMismatch, RemoteError
 from ._log import say
+from .position.fingerprint import Fingerprint, short
 
 if TYPE_CHECKING:
     from ._contact import Contact
     from ._servers import ServerSet
 
-SHORT = len("sha256:") + 12
 # Seconds after the first answer that the other servers' answers are waited for before a
 # loader's first batch is used; later ones are compared as they come.
 CHECK_WAIT = 0.5
 
 
-@dataclass(frozen=True)
-class Pin:
-    """The fingerprint a loader reads (`digest` "" when the server reports none) and the
-    server it came from."""
-
-    digest: str
-    objects: int
-    bytes: int
-    address: str
-
-    @classmethod
-    def of(cls, fp: pb.Fingerprint, address: str) -> Pin:
-        return cls(fp.digest, fp.objects, fp.bytes, address)
-
-    def state(self) -> dict[str, Any]:
-        """What state_dict() records."""
-        return {"digest": self.digest, "objects": self.objects, "bytes": self.bytes}
-
-
-def short(digest: str, objects: int | None = None, nbytes: int | None = None) -> str:
-    """`sha256:9c1d2e3f4a5b... (40 objects, 1.2 MB)`."""
-    text = digest[:SHORT] + "..." if len(digest) > SHORT else digest or "(none)"
-    if objects is None:
-        return text
-    return f"{text} ({objects} objects, {_size(nbytes or 0)})"
-
-
-def _size(n: float) -> str:
-    for unit in ("bytes", "kB", "MB", "GB"):
-        if n < 1000:
-            return f"{int(n)} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
-
-
-def mismatch(dataset: str, pin: Pin, address: str, digest: str,
+def mismatch(dataset: str, pin: Fingerprint, address: str, digest: str,
              found: pb.Fingerprint | None = None) -> DataMismatch:
     """The error naming both servers and both fingerprints."""
     theirs = short(digest, found.objects, found.bytes) if found is not None else short(digest)
@@ -118,7 +82,7 @@ class Pinning:
     def __init__(self, dataset: str, servers: ServerSet, timeout: float) -> None:
         self._dataset, self._servers = dataset, servers
         self._timeout = min(10.0, timeout)
-        self.pin: Pin | None = None
+        self.pin: Fingerprint | None = None
         self.checked = False  # every server asked once for its fingerprint
         self._asked: dict[str, grpc.Future] = {}  # address -> its Describe, not compared yet
         self._pinned_at = 0.0
@@ -128,7 +92,7 @@ class Pinning:
         """A server described the dataset: the first to do so sets the pin, and the calls of
         its first contact to the others are kept to compare their answers."""
         if self.pin is None:
-            self.pin = Pin.of(contact.described.fingerprint, contact.server.address)
+            self.pin = Fingerprint.of(contact.described.fingerprint, contact.server.address)
             self._asked = dict(contact.pending)
             self._pinned_at = time.monotonic()
 

@@ -22,8 +22,8 @@ from typing import Any
 
 from stoker.v1 import stoker_pb2 as pb
 
-from ._exclusions import Excluded
-from ._pinning import Pin, short
+from .exclusions import Excluded
+from .fingerprint import Fingerprint, short
 
 _MISSING = object()
 
@@ -90,7 +90,7 @@ class Position:
         return Position(self.epoch, self.start, self.next_batch + 1)
 
 
-def state_of(coords: Coordinates, at: Position, pin: Pin | None) -> dict[str, Any]:
+def state_of(coords: Coordinates, at: Position, pin: Fingerprint | None) -> dict[str, Any]:
     """state_dict(): `at` (a finished epoch already given as the next one's start) under
     `coords`, with the fingerprint of the data it is a position in."""
     # `start` only where it is not 0: such a state stays what stoker saved before it had
@@ -149,7 +149,7 @@ class Saved:
         """The digest of the data it was saved against ("": none recorded)."""
         return (self.fingerprint or {}).get("digest") or ""
 
-    def check_data(self, dataset: str, pin: Pin | None) -> None:
+    def check_data(self, dataset: str, pin: Fingerprint | None) -> None:
         """ValueError when the servers' data (`pin`) is not the data it was saved against:
         the rest of the epoch would not be the rest of that order."""
         if pin is None or not pin.digest or not self.digest or pin.digest == self.digest:
