@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
     from ._servers import ServerSet
     from ._sizes import Window
-    from ._stream import StreamSpec
     from .position.resume import Position
+    from .transport.stream import StreamSpec
 
 FIGURES = ("bytes", "failovers", "hedges", "dropped")
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from ._passes import Passes
     from ._servers import ServerSet
-    from ._stream import BatchStream, StreamFactory
+    from .transport.stream import BatchStream, StreamFactory
 
 # A window widened for small batches (widen) credits new indices in groups of window // GROUPS.
 GROUPS = 8

@@ -14,14 +14,11 @@ import numpy as np
 
 from stoker.v1 import stoker_pb2 as pb
 
-from . import _samehost as samehost
 from ._buffers import HostBuffers
 from ._chain import Chain
 from ._contact import first_contact
 from ._crediting import group_for
-from ._datalink import Transports
 from ._errors import DataMismatch, RemoteError
-from ._frames import Assembled
 from ._on_demand import OnDemand
 from ._options import loader_options, signature
 from ._pinning import Pinning
@@ -31,8 +28,11 @@ from ._servers import Fleet, ServerSet
 from ._sizes import Window, check_epoch, say_dropped
 from ._sources import SourceCounts
 from ._stall import Stall
-from ._stream import StreamSpec
 from .position.resume import Position, Saved, state_of
+from .transport import samehost
+from .transport.datalink import Transports
+from .transport.frames import Assembled
+from .transport.stream import StreamSpec
 
 MASK = "attention_mask"  # what pack=True packs by: the datasets' mask of real tokens
 

@@ -28,13 +28,13 @@ if TYPE_CHECKING:
 
     from ._chain import Chain
     from ._errors import RemoteError
-    from ._frames import Assembled
     from ._options import LoaderOptions
     from ._pinning import Pinning
     from ._servers import ServerSet
     from ._stall import Stall
-    from ._stream import StreamSpec
     from .position.resume import Coordinates, Saved
+    from .transport.frames import Assembled
+    from .transport.stream import StreamSpec
 
 # provenance()'s parts of a sample's source (pb.SampleSource's fields of those names)
 PLACE = ("file", "offset", "nbytes", "line", "row_group", "row", "member", "component",
@@ -142,7 +142,7 @@ class OnDemand:
                   for f in self.describe().fields]
 
         def empty(epoch: int, index: int) -> Assembled:
-            from ._frames import Assembled
+            from .transport.frames import Assembled
 
             return Assembled(index, epoch, allocate(64)[0], fields, 0)
 
@@ -236,7 +236,7 @@ class OnDemand:
     def _convert(self, batch: Assembled, feed: Any) -> Any:
         """An assembled batch as the caller gets it (receive threads): on `feed`'s device,
         else numpy views or CPU tensors, normalized if asked."""
-        from ._frames import numpy_views
+        from .transport.frames import numpy_views
 
         normalize = self._normalize
         if feed is not None:

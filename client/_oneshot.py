@@ -24,11 +24,11 @@ from stoker.v1 import stoker_pb2_grpc as pb_grpc
 
 from ._errors import RemoteError
 from ._scheduler import FATAL
-from ._stream import BatchStream
+from .transport.stream import BatchStream
 
 if TYPE_CHECKING:
     from ._servers import Server, ServerSet
-    from ._stream import StreamSpec
+    from .transport.stream import StreamSpec
 
 
 T = TypeVar("T")

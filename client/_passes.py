@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._servers import Server
-from ._stream import BatchStream, StreamSpec
+from .transport.stream import BatchStream, StreamSpec
 
 
 @dataclass(frozen=True, eq=False)

@@ -48,7 +48,7 @@ from ._errors import RemoteError
 from ._hedging import Hedging
 from ._passes import Pass, Passes
 from ._servers import Fleet, Server, ServerSet, ServerState
-from ._stream import BatchStream, StreamFactory, StreamSpec
+from .transport.stream import BatchStream, StreamFactory, StreamSpec
 
 # Codes every server would answer the same way: retrying elsewhere cannot help.
 FATAL = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,

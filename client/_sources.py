@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ._frames import Assembled
+from .transport.frames import Assembled
 
 
 class SourceCounts:

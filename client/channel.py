@@ -9,7 +9,7 @@
 
 The token (argument, else the STOKER_TOKEN environment variable) goes out as
 `authorization: Bearer <token>` metadata on every call, by a client interceptor, so no call
-site can forget it. The data connections (client/_datalink.py) use the same settings.
+site can forget it. The data connections (client/transport/datalink.py) use the same settings.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from ._datalink import DataLink, client_context
+from .transport.datalink import DataLink, client_context
 
 TOKEN_ENV = "STOKER_TOKEN"
 TLS_KEYS = ("ca", "cert", "key", "server_name")

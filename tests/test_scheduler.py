@@ -16,7 +16,7 @@ import pytest
 from stoker.client import RemoteError
 from stoker.client._scheduler import BATCH_RETRIES, HEDGE_MIN, STALL_MIN, Scheduler
 from stoker.client._servers import BACKOFF_FIRST, DRAIN_RETRY, PROBE_EVERY, Server, ServerSet
-from stoker.client._stream import StreamSpec
+from stoker.client.transport.stream import StreamSpec
 from stoker.v1 import stoker_pb2 as pb
 
 A, B, C = "a:1", "b:1", "c:1"

@@ -26,7 +26,7 @@ from stoker.client import RemoteLoader
 from stoker.client._rates import FORGET, Rate
 from stoker.client._scheduler import HEDGE_MIN, Scheduler
 from stoker.client._servers import ServerSet, ServerState
-from stoker.client._stream import StreamSpec
+from stoker.client.transport.stream import StreamSpec
 from stoker.v1 import stoker_pb2 as pb
 
 from conftest import StartServer

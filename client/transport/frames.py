@@ -24,8 +24,8 @@ from google.protobuf.message import DecodeError
 from stoker.v1 import stoker_pb2 as pb
 from stoker.v1.wire import MAX_RECORD_FRAME, RECORD_LENGTH, WireError, read_data_prefix
 
-from ._errors import ConnectionCut, ProtocolError
-from ._samehost import read_segment
+from .._errors import ConnectionCut, ProtocolError
+from .samehost import read_segment
 
 log = logging.getLogger("stoker.client")
 # No batch is this large: a header claiming more is corrupt, and is refused before anything

@@ -1,7 +1,7 @@
 """One StreamBatches call to one server: credits go out, whole batches come back.
 
 Batches come on the stream's data connection when the server offers one and it can be
-reached (records: client/_frames.py, Assembler.receive), else in gRPC frames.
+reached (records: client/transport/frames.py, Assembler.receive), else in gRPC frames.
 
 Threading: credit() and close() may be called from any thread (the request queue is
 thread-safe). One receive thread per stream reads the gRPC frames; once a data connection is
@@ -25,9 +25,9 @@ import grpc
 from stoker.v1 import stoker_pb2 as pb
 from stoker.v1.wire import encode_credits
 
-from ._datalink import CONNECT_BUDGET, DataLink, Transports
-from ._errors import ConnectionCut, ProtocolError, RemoteError
-from ._frames import Assembled, Assembler
+from .._errors import ConnectionCut, ProtocolError, RemoteError
+from .datalink import CONNECT_BUDGET, DataLink, Transports
+from .frames import Assembled, Assembler
 
 METHOD = "/stoker.v1.DataService/StreamBatches"
 # Seconds the data thread, its connection broken, waits for the call to end by itself (the
