@@ -14,7 +14,6 @@ import numpy as np
 
 from stoker.v1 import stoker_pb2 as pb
 
-from ._buffers import HostBuffers
 from ._chain import Chain
 from ._contact import first_contact
 from ._crediting import group_for
@@ -26,8 +25,9 @@ from ._progress import Progress
 from ._scheduler import FATAL, Scheduler
 from ._servers import Fleet, ServerSet
 from ._sizes import Window, check_epoch, say_dropped
-from ._sources import SourceCounts
 from ._stall import Stall
+from .delivery.buffers import HostBuffers
+from .delivery.sources import SourceCounts
 from .position.resume import Position, Saved, state_of
 from .transport import samehost
 from .transport.datalink import Transports
@@ -73,7 +73,7 @@ class RemoteLoader(OnDemand):
         self._at = Position(0)
         self._feed = None
         if o.on_device:
-            from ._device import DeviceFeed
+            from .delivery.device import DeviceFeed
 
             # prefetch batches wait in pinned buffers, + one filled, + one being copied.
             self._feed = DeviceFeed(o.device, max_buffers=o.prefetch + 2,

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from stoker.v1 import stoker_pb2 as pb
 
-from ._buffers import HostBuffers
 from ._contact import first_contact
 from ._oneshot import ask_sources, fetch_one
+from .delivery.buffers import HostBuffers
 from .position.exclusions import Excluded
 from .position.resume import Position
 
@@ -219,7 +219,7 @@ class OnDemand:
         if self._aside is None:
             feed = None
             if self._feed is not None:
-                from ._device import DeviceFeed
+                from .delivery.device import DeviceFeed
 
                 feed = DeviceFeed(self._options.device, max_buffers=2,
                                   normalize=self._feed.normalize)

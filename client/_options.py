@@ -17,9 +17,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
-from ._normalize import Normalizer
 from ._servers import RESOLVE_EVERY, Resolver
 from .channel import ChannelMaker
+from .delivery.normalize import Normalizer
 from .position.resume import Coordinates
 
 __all__ = ["TOKEN_COSTS", "LoaderOptions", "default_rank_world", "loader_options", "prefetching",

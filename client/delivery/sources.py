@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .transport.frames import Assembled
+from ..transport.frames import Assembled
 
 
 class SourceCounts:
