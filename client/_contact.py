@@ -29,8 +29,8 @@ from stoker.v1 import stoker_pb2_grpc as pb_grpc
 
 from ._errors import RemoteError
 from ._log import say
-from ._servers import Server, ServerSet
 from .channel import hint
+from .fleet.servers import Server, ServerSet
 
 CALL_TIMEOUT = 10.0  # seconds one DescribeDataset may take
 PROBE_TIMEOUT = 1.0  # seconds a diagnostic TCP connect may take

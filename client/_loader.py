@@ -14,20 +14,21 @@ import numpy as np
 
 from stoker.v1 import stoker_pb2 as pb
 
-from ._chain import Chain
+from ._checks import check_epoch, say_dropped
 from ._contact import first_contact
-from ._crediting import group_for
 from ._errors import DataMismatch, RemoteError
 from ._on_demand import OnDemand
 from ._options import loader_options, signature
 from ._pinning import Pinning
 from ._progress import Progress
-from ._scheduler import FATAL, Scheduler
-from ._servers import Fleet, ServerSet
-from ._sizes import Window, check_epoch, say_dropped
 from ._stall import Stall
 from .delivery.buffers import HostBuffers
 from .delivery.sources import SourceCounts
+from .fleet.crediting import group_for
+from .fleet.kept import KeptScheduler
+from .fleet.scheduler import FATAL, Scheduler
+from .fleet.servers import Fleet, ServerSet
+from .fleet.window import Window
 from .position.resume import Position, Saved, state_of
 from .transport import samehost
 from .transport.datalink import Transports
@@ -88,7 +89,7 @@ class RemoteLoader(OnDemand):
         self._stall = Stall(dataset, o.timeout)
         self._stats = {"batches": 0}
         self._sources = SourceCounts()  # a mixture's samples by component
-        self._chain = Chain(self._servers, self._spec, self._sources.forget_ahead)
+        self._kept = KeptScheduler(self._servers, self._spec, self._sources.forget_ahead)
         self._started = time.perf_counter()
         self._transports = Transports()  # each server's path, for stats()
 
@@ -204,12 +205,12 @@ class RemoteLoader(OnDemand):
             self._at = self._at.following()
             return
         window, at = self._window, self._at
-        scheduler = self._chain.start(at, self.coordinates(), total, window, o.timeout)
+        scheduler = self._kept.start(at, self.coordinates(), total, window, o.timeout)
         # The next epoch's first batches are asked for while this one ends (no drain at the
         # boundary); its size is that of a whole epoch, known once one was described.
         if o.prefetch_next_epoch and (following := self._following(at.epoch + 1)) is not None:
             pin = self._pinning.pin
-            self._chain.then(self._coords.message(at.epoch + 1, 0, pin.digest if pin else ""),
+            self._kept.then(self._coords.message(at.epoch + 1, 0, pin.digest if pin else ""),
                              following.batches_per_epoch)
         progress = None
         if o.progress or o.log_every is not None:
@@ -248,8 +249,8 @@ class RemoteLoader(OnDemand):
             if progress is not None:
                 progress.close()
             # Not once finished (it asks ahead), nor under a later loop that followed it on.
-            if not finished and self._chain.live is scheduler and scheduler.serving() is serving:
-                self._chain.drop()
+            if not finished and self._kept.live is scheduler and scheduler.serving() is serving:
+                self._kept.drop()
 
     def _spec(self, coordinates: pb.Coordinates, allocate: Any = None,
               finish: Any = None) -> StreamSpec:
@@ -305,7 +306,7 @@ class RemoteLoader(OnDemand):
         how many host buffers were allocated (pinned ones with a CUDA device): batches reuse
         buffers that nothing refers to any more; for a mixture, `sources`: the samples
         handed out by component (its index in the mixture's `components:`)."""
-        at, batches, figure = self._at, self._stats["batches"], self._chain.figure
+        at, batches, figure = self._at, self._stats["batches"], self._kept.figure
         now = time.perf_counter()
         elapsed = now - self._started
         wait, loop = self._stall.wait_seconds, self._stall.loop_seconds(now)
@@ -328,7 +329,7 @@ class RemoteLoader(OnDemand):
         return stats
 
     def close(self) -> None:
-        self._chain.drop()
+        self._kept.drop()
         self._servers.close()
         self._host.clear()
 

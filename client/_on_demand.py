@@ -26,12 +26,12 @@ from .position.resume import Position
 if TYPE_CHECKING:
     import numpy as np
 
-    from ._chain import Chain
     from ._errors import RemoteError
     from ._options import LoaderOptions
     from ._pinning import Pinning
-    from ._servers import ServerSet
     from ._stall import Stall
+    from .fleet.kept import KeptScheduler
+    from .fleet.servers import ServerSet
     from .position.resume import Coordinates, Saved
     from .transport.frames import Assembled
     from .transport.stream import StreamSpec
@@ -54,7 +54,7 @@ class OnDemand:
     _aside: tuple[HostBuffers, Any] | None = None  # batch_at's buffers, and device feed
     _described: dict[tuple[int, int], pb.DescribeDatasetResponse]
     _stall: Stall
-    _chain: Chain
+    _kept: KeptScheduler
 
     if TYPE_CHECKING:  # RemoteLoader's
         def describe(self) -> pb.DescribeDatasetResponse: ...
@@ -129,7 +129,7 @@ class OnDemand:
         excluded = Excluded.union(self._coords.excluded, sample_indices)
         if excluded != self._coords.excluded:
             self._coords = dataclasses.replace(self._coords, excluded=excluded)
-            self._chain.drop()  # what it fetched ahead holds the samples
+            self._kept.drop()  # what it fetched ahead holds the samples
 
     def _empty_batch(self, allocate: Any) -> Any:
         """What makes the batch of 0 rows that a batch whose samples are all excluded is (on

@@ -17,16 +17,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
-from ._servers import RESOLVE_EVERY, Resolver
 from .channel import ChannelMaker
 from .delivery.normalize import Normalizer
+from .fleet.servers import RESOLVE_EVERY, Resolver
 from .position.resume import Coordinates
 
 __all__ = ["TOKEN_COSTS", "LoaderOptions", "default_rank_world", "loader_options", "prefetching",
            "signature"]
 
 # Batches requested ahead of the loop when the loader is not told; and, then, the bytes'
-# worth of small batches requested ahead instead (see Window.fit in _sizes.py).
+# worth of small batches requested ahead instead (see Window.fit in fleet/window.py).
 PREFETCH = 8
 PREFETCH_BYTES = 32 << 20
 # The most host (or pinned) memory the batches in flight may take when the window adapts.
@@ -104,7 +104,7 @@ class LoaderOptions:
     dns_refresh: float = RESOLVE_EVERY  # dns_refresh and resolver: checked by ServerSet
     resolver: Resolver | None = None
     channels: ChannelMaker = field(init=False)  # made of tls and token
-    # prefetch not given: the window follows the servers and the loop's stall (_sizes.py)
+    # prefetch not given: the window follows the servers and the loop's stall (fleet/window.py)
     adapts: bool = field(init=False)
 
     def __post_init__(self) -> None:

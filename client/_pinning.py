@@ -30,7 +30,7 @@ from .position.fingerprint import Fingerprint, short
 
 if TYPE_CHECKING:
     from ._contact import Contact
-    from ._servers import ServerSet
+    from .fleet.servers import ServerSet
 
 # Seconds after the first answer that the other servers' answers are waited for before a
 # loader's first batch is used; later ones are compared as they come.

@@ -1,5 +1,5 @@
-"""The dataset fingerprint a loader reads, as a value: `Fingerprint`, and `short`, how errors
-and logs show one (`sha256:9c1d2e3f4a5b... (40 objects, 1.2 MB)`).
+"""The dataset fingerprint a loader reads, as a value: `Fingerprint`; and `short`, how errors
+and logs show one.
 
 Which servers agree with it is client/contact/agreement.py's; this is what is kept (and saved in
 state_dict)."""

@@ -1,13 +1,13 @@
 """Batches held by a slow server, asked of a faster one before the loop needs them (`Hedging`,
-a part of the scheduler; client/_scheduler.py has the rest).
+a part of the scheduler; client/fleet/scheduler.py has the rest).
 
-A server is slow once its expected seconds per batch (client/_rates.py) are more than SLOW
+A server is slow once its expected seconds per batch (client/fleet/rates.py) are more than SLOW
 times the fastest server's. Each batch it holds that no other server holds is expected at
 (its rank in that server's queue + 1) x its seconds per batch from now, and is needed by the
 loop once the batches before it are taken, at (its distance from the loop's next batch) / (the
 fleet's batches/s). One expected later than needed is also asked of the server that would
 deliver it soonest, if that is sooner: the first copy to arrive is used, the other dropped
-(client/_scheduler.py, _on_batch), once per batch. So the loop waits on the slow server only
+(client/fleet/scheduler.py, _on_batch), once per batch. So the loop waits on the slow server only
 for what it delivers in time, and the slow server keeps delivering that.
 
 Looked at after every batch the loop takes and while it waits: nothing to do, and no loop
@@ -18,7 +18,7 @@ Threading: under the scheduler's lock, as the rest of its state.
 
 from __future__ import annotations
 
-from ._crediting import Crediting
+from .crediting import Crediting
 
 SLOW = 2.0  # times the fastest server's seconds per batch
 

@@ -2,7 +2,7 @@
 
 The window [next, next + window) of batch indices is credited across the servers; each index
 goes to the usable server expected to deliver it soonest, from its outstanding credits and
-its measured rate (client/_crediting.py, client/_rates.py), so a faster server gets more.
+its measured rate (client/fleet/crediting.py, client/fleet/rates.py), so a faster server gets more.
 Batches are handed out in index order.
 
 Exactly once rests on batches being pure functions of their coordinates: any index may be
@@ -11,10 +11,10 @@ asked of any server, any number of times, and the first answer wins. So:
   go to other servers; the failed server is retried with backoff;
 - a server that holds credits and delivers nothing for a while is "stalled": its indices are
   asked of others too, and it gets no new ones until it delivers again but a probe now and
-  then (PROBE_EVERY, client/_servers.py: a partition may heal);
+  then (PROBE_EVERY, client/fleet/servers.py: a partition may heal);
 - the index the loop waits on, outstanding too long at its server, is also asked of another
   server (a hedge); the duplicate that may follow is dropped; so is a batch a slow server
-  holds that it will deliver after the loop needs it (client/_hedging.py);
+  holds that it will deliver after the loop needs it (client/fleet/hedging.py);
 - an in-band UNAVAILABLE (a draining server refusing new credits) sends that index elsewhere;
 - an in-band INTERNAL (a worker died, or hung past the server's batch_timeout_seconds) is
   asked again of another usable server when there is one, else of the same one.
@@ -22,7 +22,7 @@ Errors that any server would repeat are raised: stream errors with a FATAL code,
 batch errors other than UNAVAILABLE and (up to BATCH_RETRIES times) INTERNAL, e.g. DATA_LOSS.
 
 Epochs: a scheduler serves the loop's epoch and, once told of it (`then`), the next one, whose
-first batches it asks for while the loop ends the current one (client/_passes.py: batches are
+first batches it asks for while the loop ends the current one (client/fleet/passes.py: batches are
 numbered by position across epochs, each epoch has its own streams). The loop moves on with
 `follow`; batches of an epoch it does not move on to are dropped at close() and counted
 (`dropped`).
@@ -44,11 +44,11 @@ from typing import Any
 
 import grpc
 
-from ._errors import RemoteError
-from ._hedging import Hedging
-from ._passes import Pass, Passes
-from ._servers import Fleet, Server, ServerSet, ServerState
-from .transport.stream import BatchStream, StreamFactory, StreamSpec
+from .._errors import RemoteError
+from ..transport.stream import BatchStream, StreamFactory, StreamSpec
+from .hedging import Hedging
+from .passes import Pass, Passes
+from .servers import Fleet, Server, ServerSet, ServerState
 
 # Codes every server would answer the same way: retrying elsewhere cannot help.
 FATAL = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
@@ -90,7 +90,7 @@ class Scheduler(Hedging):
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._servers = servers
         self._passes = Passes(Pass(spec, 0, start, total))
-        self._next = start  # a position (client/_passes.py); the first pass's are its indices
+        self._next = start  # a position (client/fleet/passes.py); the first pass's are its indices
         self._window = window
         self._group = group  # new credits are sent once this many are due (see _assign)
         self._timeout = timeout

@@ -1,11 +1,11 @@
 """Which server is asked for which batch: the window's credits (`Crediting`, the scheduler's
-half that sends them; client/_scheduler.py has the rest: taking, failover, receiving).
+half that sends them; client/fleet/scheduler.py has the rest: taking, failover, receiving).
 
 Each position in the window [next, next + window) that no live server holds goes to the
 usable server expected to deliver it soonest: (its outstanding credits + 1) x its seconds per
-batch (client/_rates.py; servers not measured yet count as the fastest, so before any is
+batch (client/fleet/rates.py; servers not measured yet count as the fastest, so before any is
 measured that is the fewest outstanding credits), ties to the lowest latency; on that
-server's stream for the position's epoch (client/_passes.py), opened on first use. A slow
+server's stream for the position's epoch (client/fleet/passes.py), opened on first use. A slow
 server so gets credits in proportion to its rate.
 
 Threading: under the scheduler's lock, as the rest of its state.
@@ -16,15 +16,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ._rates import costs
-from ._servers import Server, ServerState
+from .rates import costs
+from .servers import Server, ServerState
 
 if TYPE_CHECKING:
     import threading
 
-    from ._passes import Passes
-    from ._servers import ServerSet
-    from .transport.stream import BatchStream, StreamFactory
+    from ..transport.stream import BatchStream, StreamFactory
+    from .passes import Passes
+    from .servers import ServerSet
 
 # A window widened for small batches (widen) credits new indices in groups of window // GROUPS.
 GROUPS = 8
@@ -60,7 +60,7 @@ class Crediting:
         return self._cost_memo[1]
 
     def _stalled(self) -> set[Server]:
-        """Servers stalled now: they take a probe credit (client/_servers.py, PROBE_EVERY),
+        """Servers stalled now: they take a probe credit (client/fleet/servers.py, PROBE_EVERY),
         never a hedge, which must go to a server known to deliver."""
         return {s for s in self._servers.servers.values() if s.state is ServerState.STALLED}
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import grpc
 
-from ._rates import Rate
-from .transport.stream import BatchStream
+from ..transport.stream import BatchStream
+from .rates import Rate
 
 RESOLVE_EVERY = 15.0  # seconds between resolutions of a dns: target, by default
 BACKOFF_FIRST, BACKOFF_MAX = 0.05, 2.0  # seconds before a failed server is tried again

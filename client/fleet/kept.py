@@ -1,4 +1,5 @@
-"""The scheduler that serves a loader's loop, kept from one epoch into the next: `Chain`.
+"""The scheduler that serves a loader's loop, kept from one epoch into the next:
+`KeptScheduler`.
 
 A pass that finishes leaves its scheduler running: it has asked for the next epoch's first
 batches (Scheduler.then), and the loop that moves on to that epoch (iterating again, or
@@ -14,21 +15,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ._crediting import group_for
-from ._scheduler import Scheduler
+from .crediting import group_for
+from .scheduler import Scheduler
 
 if TYPE_CHECKING:
     from stoker.v1 import stoker_pb2 as pb
 
-    from ._servers import ServerSet
-    from ._sizes import Window
-    from .position.resume import Position
-    from .transport.stream import StreamSpec
+    from ..position.resume import Position
+    from ..transport.stream import StreamSpec
+    from .servers import ServerSet
+    from .window import Window
 
 FIGURES = ("bytes", "failovers", "hedges", "dropped")
 
 
-class Chain:
+class KeptScheduler:
     """`live`: the scheduler now (None between a pass that was left and the next); the
     streams of each pass ask for `spec(coordinates)`; `closed()` runs when one closes."""
 

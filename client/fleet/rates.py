@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ._servers import Server
+    from .servers import Server
 
 HALF_LIFE = 2.0  # busy seconds after which what a server delivered counts half
 # A rate counts once its server has delivered MEASURED batches over MEASURED_SECONDS of holding

@@ -21,8 +21,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ._servers import Server
-from .transport.stream import BatchStream, StreamSpec
+from ..transport.stream import BatchStream, StreamSpec
+from .servers import Server
 
 
 @dataclass(frozen=True, eq=False)
