@@ -15,13 +15,13 @@ import numpy as np
 from stoker.v1 import stoker_pb2 as pb
 
 from ._checks import check_epoch, say_dropped
-from ._contact import first_contact
 from ._errors import DataMismatch, RemoteError
 from ._on_demand import OnDemand
 from ._options import loader_options, signature
-from ._pinning import Pinning
 from ._progress import Progress
 from ._stall import Stall
+from .contact.agreement import FingerprintCheck
+from .contact.first import first_contact
 from .delivery.buffers import HostBuffers
 from .delivery.sources import SourceCounts
 from .fleet.crediting import group_for
@@ -84,7 +84,7 @@ class RemoteLoader(OnDemand):
         # Describe's answers by (epoch, start) (epoch 0 stands for every epoch but under
         # batch_tokens, whose plans differ): the whole epoch (start 0), a resumed one's rest.
         self._described: dict[tuple[int, int], pb.DescribeDatasetResponse] = {}
-        self._pinning = Pinning(dataset, self._servers, o.timeout)
+        self._agreement = FingerprintCheck(dataset, self._servers, o.timeout)
         self._window = Window(o.prefetch, o.adapts, o.memory_budget)
         self._stall = Stall(dataset, o.timeout)
         self._stats = {"batches": 0}
@@ -98,8 +98,8 @@ class RemoteLoader(OnDemand):
     # -- positions -------------------------------------------------------------------------
     def coordinates(self) -> pb.Coordinates:
         """This position's coordinates, with the pinned fingerprint once there is one."""
-        pin = self._pinning.pin
-        return self._coords.message(self._at.epoch, self._at.start, pin.digest if pin else "")
+        agreed = self._agreement.fingerprint
+        return self._coords.message(self._at.epoch, self._at.start, agreed.digest if agreed else "")
 
     def __len__(self) -> int:
         """Batches per epoch for this rank (ValueError if there are none: see describe); in
@@ -127,7 +127,7 @@ class RemoteLoader(OnDemand):
         contact = first_contact(self._servers, lambda: request, connect_timeout=o.connect_timeout,
                                 timeout=o.timeout, tls=o.channels.tls, refuse=self._refuse)
         described = contact.described
-        self._pinning.first(contact)
+        self._agreement.first(contact)
         self._described[self._key(epoch, start)] = described
         self._window.heed(described.max_credits, contact.server.address)
         if described.HasField("capacity"):
@@ -140,14 +140,14 @@ class RemoteLoader(OnDemand):
 
     def _refuse(self, err: RemoteError) -> None:
         """Raise what a server answered Describe with that no other server would mend."""
-        if isinstance(err, DataMismatch) and self._pinning.pin is not None:
+        if isinstance(err, DataMismatch) and self._agreement.fingerprint is not None:
             raise self._mismatched(err) from None
         if err.code in FATAL:
             raise err from None
 
     def _mismatched(self, err: DataMismatch) -> DataMismatch:
         """The DataMismatch for a server that refused our fingerprint: naming both."""
-        return self._pinning.refused(err.address, err.digest,
+        return self._agreement.refused(err.address, err.digest,
                                      self._coords.message(self._at.epoch))
 
     def set_epoch(self, epoch: int) -> None:
@@ -166,7 +166,7 @@ class RemoteLoader(OnDemand):
         at = self._at
         if at.next_batch and at.next_batch >= len(self):
             at = at.following()
-        return state_of(self._coords, at, self._pinning.pin)
+        return state_of(self._coords, at, self._agreement.fingerprint)
 
     def load_state_dict(self, state: dict[str, Any], *, allow_changed_data: bool = False
                         ) -> None:
@@ -180,7 +180,7 @@ class RemoteLoader(OnDemand):
         saved = Saved.read(state, self._coords)
         if saved.digest and not allow_changed_data:
             self.describe()
-            saved.check_data(self.dataset, self._pinning.pin)
+            saved.check_data(self.dataset, self._agreement.fingerprint)
         self.exclude(saved.excluded.indices if saved.excluded else ())
         self._at = saved.position_for(self._coords, self._planned)
 
@@ -188,8 +188,8 @@ class RemoteLoader(OnDemand):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         total = len(self)  # ValueError for an epoch without a batch
         o = self._options
-        if not self._pinning.checked:
-            self._pinning.check_servers(self._coords.message(self._at.epoch), self._window.heed)
+        if not self._agreement.checked:
+            self._agreement.check_servers(self._coords.message(self._at.epoch), self._window.heed)
         if self._normalize is not None and not self._normalize.axes:
             self._normalize.validate(self.describe().fields)  # here, not on a receive thread
         if o.pack and MASK not in {f.name for f in self.describe().fields}:
@@ -209,8 +209,8 @@ class RemoteLoader(OnDemand):
         # The next epoch's first batches are asked for while this one ends (no drain at the
         # boundary); its size is that of a whole epoch, known once one was described.
         if o.prefetch_next_epoch and (following := self._following(at.epoch + 1)) is not None:
-            pin = self._pinning.pin
-            self._kept.then(self._coords.message(at.epoch + 1, 0, pin.digest if pin else ""),
+            agreed = self._agreement.fingerprint
+            self._kept.then(self._coords.message(at.epoch + 1, 0, agreed.digest if agreed else ""),
                              following.batches_per_epoch)
         progress = None
         if o.progress or o.log_every is not None:
@@ -229,7 +229,7 @@ class RemoteLoader(OnDemand):
                                            stall.waiting(scheduler, t0, at.epoch, at.next_batch))
                 except DataMismatch as e:  # a server refused our fingerprint: name both
                     raise self._mismatched(e) from None
-                self._pinning.look(first_batch=not self._stats["batches"])  # other servers' data
+                self._agreement.look(first_batch=not self._stats["batches"])  # other servers' data
                 waited = time.perf_counter() - t0
                 stall.wait_seconds += waited
                 if window.adapts or not window.sized:

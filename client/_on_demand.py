@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from stoker.v1 import stoker_pb2 as pb
 
-from ._contact import first_contact
 from ._oneshot import ask_sources, fetch_one
+from .contact.first import first_contact
 from .delivery.buffers import HostBuffers
 from .position.exclusions import Excluded
 from .position.resume import Position
@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 
     from ._errors import RemoteError
     from ._options import LoaderOptions
-    from ._pinning import Pinning
     from ._stall import Stall
+    from .contact.agreement import FingerprintCheck
     from .fleet.kept import KeptScheduler
     from .fleet.servers import ServerSet
     from .position.resume import Coordinates, Saved
@@ -49,7 +49,7 @@ class OnDemand:
     _at: Position
     _feed: Any  # a DeviceFeed, or None
     _servers: ServerSet
-    _pinning: Pinning
+    _agreement: FingerprintCheck
     _normalize: Any  # a Normalizer, or None
     _aside: tuple[HostBuffers, Any] | None = None  # batch_at's buffers, and device feed
     _described: dict[tuple[int, int], pb.DescribeDatasetResponse]
@@ -84,10 +84,10 @@ class OnDemand:
         own size from `step`, exactly as `load_state_dict` of a state saved there would."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
-        pin = self._pinning.pin
+        agreed = self._agreement.fingerprint
         stretches = _stretches(world_sizes, step)
         request = pb.DescribeDatasetRequest(
-            coordinates=self._coords.message(0, 0, pin.digest if pin else ""),
+            coordinates=self._coords.message(0, 0, agreed.digest if agreed else ""),
             locate=pb.Locate(step=step, world_sizes=[
                 pb.WorldSizeFrom(from_step=f, world_size=w) for f, w in stretches]))
         # Its answer describes the epoch located, from the start located: cached there (a
@@ -102,11 +102,11 @@ class OnDemand:
     def _planned(self, saved: Saved) -> int:
         """Positions consumed by the job that saved `saved` (under batch_tokens, at its
         world_size): where its epoch's plan ended step `next_batch` (one request)."""
-        pin = self._pinning.pin
+        agreed = self._agreement.fingerprint
         at = saved.at
         theirs = dataclasses.replace(self._coords, rank=0, world_size=saved.world_size)
         request = pb.DescribeDatasetRequest(
-            coordinates=theirs.message(at.epoch, at.start, pin.digest if pin else ""),
+            coordinates=theirs.message(at.epoch, at.start, agreed.digest if agreed else ""),
             consumed=pb.Consumed(steps=at.next_batch))
         o = self._options
         return first_contact(self._servers, lambda: request, connect_timeout=o.connect_timeout,
@@ -163,9 +163,9 @@ class OnDemand:
         """Describe's answer for `epoch`'s positions from `start`, asked once."""
         described = self._described.get(self._key(epoch, start))
         if described is None:
-            pin = self._pinning.pin
+            agreed = self._agreement.fingerprint
             request = pb.DescribeDatasetRequest(
-                coordinates=self._coords.message(epoch, start, pin.digest if pin else ""))
+                coordinates=self._coords.message(epoch, start, agreed.digest if agreed else ""))
             described = self._ask(request, epoch, start)
         return described
 
@@ -209,9 +209,9 @@ class OnDemand:
         if epoch < 0 or index < 0:
             raise ValueError(f"epoch and index must be >= 0, got epoch={epoch}, index={index}")
         self.describe()  # pins the fingerprint: the batch is of the loop's data
-        pin = self._pinning.pin
+        agreed = self._agreement.fingerprint
         start = self._at.start if epoch == self._at.epoch else 0
-        return self._coords.message(epoch, start, pin.digest if pin else "")
+        return self._coords.message(epoch, start, agreed.digest if agreed else "")
 
     def _aside_buffers(self) -> tuple[HostBuffers, Any]:
         """batch_at's own buffers (and CUDA stream): the loop's pools are sized to its window

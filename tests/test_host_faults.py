@@ -3,8 +3,8 @@ links): a host that loses its network (every packet dropped: no FIN, no RST), fo
 until the partition heals, and an address that black-holes from the start.
 
 - A black-holed address among several costs the first batch no more than CHECK_WAIT
-  (client/_pinning.py): first contact asks every server at once and a server gets no credits
-  before it answered; one with other data that answers late is refused when it answers.
+  (client/contact/agreement.py): first contact asks every server at once and a server gets no
+  credits before it answered; one with other data that answers late is refused when it answers.
 - A host silenced mid-epoch: its batches are asked of the other (the awaited one after
   HEDGE_MIN, the rest after STALL_MIN): nothing lost, nothing twice, the longest wait between
   batches bounded; healed, it is used again within the client's re-probe of a failed server

@@ -100,8 +100,9 @@ class Server:
     errors: int = 0
     rate: Rate = field(default_factory=Rate)  # what it delivers per busy second
     hedged: int = 0  # its batches also asked of a faster server because it was late
-    # Its answer to the loader's first Describe (client/_pinning.py), while it has not come:
-    # no credits until it does (an address that black-holes must not hold the first batches).
+    # Its answer to the loader's first Describe (client/contact/agreement.py), while it has not
+    # come: no credits until it does (an address that black-holes must not hold the first
+    # batches).
     contact: grpc.Future | None = None
     held_at_stall: int = 0  # credits it held when it stalled (see PROBE_EVERY)
 
