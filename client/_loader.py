@@ -24,8 +24,8 @@ from .contact.agreement import FingerprintCheck
 from .contact.first import first_contact
 from .delivery.buffers import HostBuffers
 from .delivery.sources import SourceCounts
-from .fleet.crediting import group_for
 from .fleet.kept import KeptScheduler
+from .fleet.policy import group_for
 from .fleet.scheduler import FATAL, Scheduler
 from .fleet.servers import Fleet, ServerSet
 from .fleet.window import Window

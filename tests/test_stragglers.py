@@ -1,5 +1,5 @@
 """A slow server does not drag the fleet: its rate is learned, it gets fewer credits, and what
-it would deliver late is hedged to a faster one (client/fleet/rates.py, client/fleet/hedging.py).
+it would deliver late is hedged to a faster one (client/fleet/rates.py, client/fleet/policy.py).
 
 Between real hosts (tests/hosts.py: network namespaces over veth links): every server on a
 host of its own, one link slowed with tc tbf so that its server delivers about 20x fewer

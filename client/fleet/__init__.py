@@ -1,8 +1,8 @@
 """Which server computes which batch: the servers as seen from here (servers.py: addresses,
-channels, health, discovery), how fast each delivers (rates.py), the credits and hedges
-(crediting.py, hedging.py), one epoch's pass and its failover (scheduler.py, passes.py), the
-scheduler kept from one epoch into the next (kept.py) and the window of batches in flight
-(window.py).
+channels, health, discovery), how fast each delivers (rates.py), the crediting and hedging
+policy (policy.py: pure functions returning decisions) and the ledger that applies them
+(credits.py), one epoch's pass and its failover (scheduler.py, passes.py), the scheduler kept
+from one epoch into the next (kept.py) and the window of batches in flight (window.py).
 
 Threads: what the scheduler runs runs under its one condition variable: the loop's thread
 (take, poll, then, close) and the receive threads' callbacks (a batch, a stream's end). The

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .crediting import group_for
+from .policy import group_for
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:

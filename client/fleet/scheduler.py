@@ -2,7 +2,7 @@
 
 The window [next, next + window) of batch indices is credited across the servers; each index
 goes to the usable server expected to deliver it soonest, from its outstanding credits and
-its measured rate (client/fleet/crediting.py, client/fleet/rates.py), so a faster server gets more.
+its measured rate (client/fleet/policy.py, client/fleet/rates.py), so a faster server gets more.
 Batches are handed out in index order.
 
 Exactly once rests on batches being pure functions of their coordinates: any index may be
@@ -14,7 +14,7 @@ asked of any server, any number of times, and the first answer wins. So:
   then (PROBE_EVERY, client/fleet/servers.py: a partition may heal);
 - the index the loop waits on, outstanding too long at its server, is also asked of another
   server (a hedge); the duplicate that may follow is dropped; so is a batch a slow server
-  holds that it will deliver after the loop needs it (client/fleet/hedging.py);
+  holds that it will deliver after the loop needs it (client/fleet/policy.py);
 - an in-band UNAVAILABLE (a draining server refusing new credits) sends that index elsewhere;
 - an in-band INTERNAL (a worker died, or hung past the server's batch_timeout_seconds) is
   asked again of another usable server when there is one, else of the same one.
@@ -46,7 +46,8 @@ import grpc
 
 from .._errors import RemoteError
 from ..transport.stream import BatchStream, StreamFactory, StreamSpec
-from .hedging import Hedging
+from . import policy
+from .credits import Credits
 from .passes import Pass, Passes
 from .servers import Fleet, Server, ServerSet, ServerState
 
@@ -57,7 +58,7 @@ FATAL = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
          grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE}
 BATCH_RETRIES = 2  # an INTERNAL batch error (a worker died) is tried this many more times
 TICK = 0.1  # while the loop waits: how often to look for stalls, hedges, retries
-HEDGE_MIN, STALL_MIN = 0.5, 2.0  # seconds
+HEDGE_MIN, STALL_MIN = policy.HEDGE_MIN, policy.STALL_MIN  # seconds
 
 
 # Schedulers whose streams may be open. An iterator that is never closed is finalized during
@@ -76,7 +77,7 @@ def _close_open_schedulers() -> None:
         scheduler.close_channels()
 
 
-class Scheduler(Hedging):
+class Scheduler:
     """Batches [start, total) of one epoch, each asked of the servers with `spec`, at most
     `window` indices ahead of the loop, new ones `group` at a time while servers hold credits
     (see _assign); `timeout` s without progress is an error.
@@ -98,9 +99,8 @@ class Scheduler(Hedging):
         self._clock = clock
         self._cond = threading.Condition()
         self._ready: dict[int, Any] = {}
-        self._holders: dict[int, set[Server]] = {}  # index -> servers asked for it
-        self._hedged: set[int] = set()
-        self._cost_memo = None
+        self._credits = Credits(servers, self._passes, stream_factory, self._on_batch,
+                                self._on_end)
         # Streams let go of whose receive thread has not ended yet: their bytes still count.
         self._leaving: set[BatchStream] = set()
         self._retries: dict[int, int] = {}
@@ -109,13 +109,35 @@ class Scheduler(Hedging):
         _OPEN.add(self)
         self._progress = clock()
         self.failovers = 0
-        self.hedges = 0
         self.bytes_received = 0
         self.dropped = 0  # batches received of an epoch the loop did not move on to
         self.window_note = (0, "", 0)  # the loader's window, why, budget: sent with reports
         self.refused_ahead: RemoteError | None = None  # why a next epoch's stream failed
         with self._cond:
             self._assign(clock())
+
+    @property
+    def hedges(self) -> int:
+        """Batches also asked of another server: late at a slow one, or awaited too long."""
+        return self._credits.hedges
+
+    def widen(self, window: int) -> None:
+        """Keep up to `window` batches in flight from now on (more than before), and ask
+        for new ones in groups (see policy.hold_back)."""
+        with self._cond:
+            if window > self._window:
+                self.resize(window, policy.group_for(window))
+
+    def resize(self, window: int, group: int) -> None:
+        """Keep up to `window` batches in flight from now on (fewer: none is asked for
+        until fewer are), new ones `group` at a time."""
+        with self._cond:
+            self._window, self._group = window, group
+            self._assign(self._clock())
+
+    def _assign(self, now: float) -> None:
+        if not self._closed:
+            self._credits.assign(now, self._next, self._window, self._group, self._ready)
 
     # -- the loop's side -------------------------------------------------------------------
     def report(self, wait_seconds: float, loop_seconds: float) -> None:
@@ -163,7 +185,7 @@ class Scheduler(Hedging):
             # A loop that never waits must still see servers join and leave a dns name.
             self._servers.refresh(now)
             self._assign(now)
-            self._hedge_late(now)
+            self._credits.hedge_late(now, self._next)
         if isinstance(item, RemoteError):
             raise item
         return item
@@ -210,7 +232,8 @@ class Scheduler(Hedging):
                 and self._passes.follow(epoch)
 
     def _retire(self, done: Pass) -> None:
-        for stream in self._passes.retire(done, self._servers.servers.values(), self._holders):
+        for stream in self._passes.retire(done, self._servers.servers.values(),
+                                           self._credits.holders):
             self._let_go(stream)
 
     def _let_go(self, stream: BatchStream) -> None:
@@ -258,24 +281,12 @@ class Scheduler(Hedging):
     # -- scheduling (under the lock) -------------------------------------------------------
     def _maintain(self, now: float, waiting_for: int) -> None:
         self._servers.refresh(now)
-        for s in self._servers.servers.values():
-            if s.outstanding and s.up:
-                patience = max(STALL_MIN, 10 * (s.latency or 0.0))
-                if now - s.last_progress > patience:
-                    s.mark_stalled(now)  # ask others for what it holds
-                    self.failovers += 1
+        for s in policy.stalling(self._servers.servers.values(), now):
+            s.mark_stalled(now)  # ask others for what it holds
+            self.failovers += 1
         self._assign(now)
-        self._hedge_late(now)
-        # Hedge the batch the loop is waiting for.
-        holders = self._holders.get(waiting_for, set())
-        if waiting_for not in self._hedged and holders:
-            asked = min(s.outstanding.get(waiting_for, now) for s in holders)
-            fastest = min((s.latency for s in self._servers.servers.values()
-                           if s.latency is not None), default=0.0)
-            if now - asked > max(HEDGE_MIN, 4 * fastest):
-                if self._credit(waiting_for, now, exclude=holders | self._stalled()):
-                    self._hedged.add(waiting_for)
-                    self.hedges += 1
+        self._credits.hedge_late(now, self._next)
+        self._credits.hedge_awaited(waiting_for, now)
 
     def _server_of(self, stream: BatchStream) -> tuple[Server, Pass] | tuple[None, None]:
         """The server of `stream` and the pass it serves; (None, None) for a stream let go."""
@@ -293,7 +304,7 @@ class Scheduler(Hedging):
             now = self._clock()
             server.mark_delivered(index, now)
             server.rate.delivered(now, stream, stream.bytes_received, bool(server.outstanding))
-            self._cost_memo = None
+            self._credits.forget()
             if isinstance(item, RemoteError) and item.code == grpc.StatusCode.UNAVAILABLE:
                 server.mark_draining(item.details)  # it refuses new credits: send none
             if server.state is ServerState.DRAINING and not server.outstanding:
@@ -303,24 +314,20 @@ class Scheduler(Hedging):
                     self._let_go(drained)
             if index < self._next or index in self._ready:
                 return  # a duplicate: another server answered first
-            retry = isinstance(item, RemoteError) and (
-                item.code == grpc.StatusCode.UNAVAILABLE or (
-                    item.code == grpc.StatusCode.INTERNAL
-                    and self._retries.get(index, 0) < BATCH_RETRIES))
-            if retry:
-                holders = self._holders.get(index, set())
+            if policy.retried(item, self._retries.get(index, 0), BATCH_RETRIES):
+                holders = self._credits.holders.get(index, set())
                 holders.discard(server)
                 if item.code == grpc.StatusCode.INTERNAL:
                     self._retries[index] = self._retries.get(index, 0) + 1
                     # Whatever broke there (a worker that died or hung) may break again:
                     # another server first; _assign falls back on this one if none is usable.
                     if not any(s.up for s in holders):
-                        self._credit(index, now, exclude={server})
+                        self._credits.credit(index, now, exclude={server})
                 self._assign(now)
                 return
             server.batches += 1
             self._ready[index] = item
-            self._holders.pop(index, None)
+            self._credits.holders.pop(index, None)
             self._progress = now
             if index == self._next:  # the one take() waits for; one further on lets it sleep
                 self._cond.notify_all()
@@ -340,13 +347,12 @@ class Scheduler(Hedging):
                 self._cond.notify_all()
                 return
             now = self._clock()
-            for index in server.outstanding:
-                self._holders.get(index, set()).discard(server)
+            self._credits.drop(server, server.outstanding)
             if server.outstanding:
                 self.failovers += 1
             server.outstanding.clear()
             server.mark_down(error, now)
-            self._cost_memo = None
+            self._credits.forget()
             for other in server.let_go():
                 if other is not stream:
                     self._let_go(other)
