@@ -15,18 +15,17 @@ import numpy as np
 from stoker.v1 import stoker_pb2 as pb
 
 from ._checks import check_epoch, say_dropped
+from ._epoch_pass import EpochPass
 from ._errors import DataMismatch, RemoteError
 from ._on_demand import OnDemand
 from ._options import loader_options, signature
-from ._progress import Progress
 from ._stall import Stall
 from .contact.agreement import FingerprintCheck
 from .contact.first import first_contact
 from .delivery.buffers import HostBuffers
 from .delivery.sources import SourceCounts
 from .fleet.kept import KeptScheduler
-from .fleet.policy import group_for
-from .fleet.scheduler import FATAL, Scheduler
+from .fleet.scheduler import FATAL
 from .fleet.servers import Fleet, ServerSet
 from .fleet.window import Window
 from .position.resume import Position, Saved, state_of
@@ -34,8 +33,6 @@ from .transport import samehost
 from .transport.datalink import Transports
 from .transport.frames import Assembled
 from .transport.stream import StreamSpec
-
-MASK = "attention_mask"  # what pack=True packs by: the datasets' mask of real tokens
 
 
 class RemoteLoader(OnDemand):
@@ -186,71 +183,8 @@ class RemoteLoader(OnDemand):
 
     # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        total = len(self)  # ValueError for an epoch without a batch
-        o = self._options
-        if not self._agreement.checked:
-            self._agreement.check_servers(self._coords.message(self._at.epoch), self._window.heed)
-        if self._normalize is not None and not self._normalize.axes:
-            self._normalize.validate(self.describe().fields)  # here, not on a receive thread
-        if o.pack and MASK not in {f.name for f in self.describe().fields}:
-            raise ValueError(f"pack=True packs the tokens {MASK!r} marks, but dataset "
-                             f"{self.dataset!r} has no {MASK} (its fields: "
-                             f"{sorted(f.name for f in self.describe().fields)}): give it a "
-                             "length_column that is a list (docs/client.md#token-budgets)")
-        # finished (saved on an epoch's last batch)
-        if self._at.next_batch and self._at.next_batch >= total:
-            self._at = self._at.following()
-            total = len(self)
-        elif not total:  # the rest of a resumed epoch has no batch here: it is over
-            self._at = self._at.following()
-            return
-        window, at = self._window, self._at
-        scheduler = self._kept.start(at, self.coordinates(), total, window, o.timeout)
-        # The next epoch's first batches are asked for while this one ends (no drain at the
-        # boundary); its size is that of a whole epoch, known once one was described.
-        if o.prefetch_next_epoch and (following := self._following(at.epoch + 1)) is not None:
-            agreed = self._agreement.fingerprint
-            self._kept.then(self._coords.message(at.epoch + 1, 0, agreed.digest if agreed else ""),
-                             following.batches_per_epoch)
-        progress = None
-        if o.progress or o.log_every is not None:
-            progress = Progress(bar=o.progress, log_every=o.log_every, total=total,
-                                start=self._at.next_batch,
-                                label=f"{self.dataset} epoch {self._at.epoch}")
-        serving = scheduler.serving()
-        stall = self._stall
-        stall.begin(scheduler)
-        finished = False
-        try:
-            while self._at.next_batch < total:
-                at, t0 = self._at, time.perf_counter()
-                try:
-                    batch = scheduler.take(at.next_batch, on_wait=lambda t0=t0, at=at:
-                                           stall.waiting(scheduler, t0, at.epoch, at.next_batch))
-                except DataMismatch as e:  # a server refused our fingerprint: name both
-                    raise self._mismatched(e) from None
-                self._agreement.look(first_batch=not self._stats["batches"])  # other servers' data
-                waited = time.perf_counter() - t0
-                stall.wait_seconds += waited
-                if window.adapts or not window.sized:
-                    self._resize_window(scheduler)
-                batch = self._handed(batch, self._feed)
-                self._sources.handed_out(at.epoch, at.next_batch)
-                self._at = at.advanced()
-                self._stats["batches"] += 1
-                if progress is not None:
-                    progress.step(at.next_batch, waited, scheduler.received())
-                stall.due(scheduler, None)
-                yield batch
-            self._at = self._at.following()
-            finished = True
-        finally:
-            stall.end()
-            if progress is not None:
-                progress.close()
-            # Not once finished (it asks ahead), nor under a later loop that followed it on.
-            if not finished and self._kept.live is scheduler and scheduler.serving() is serving:
-                self._kept.drop()
+        """The rest of the current epoch, then on to the next (see the class docstring)."""
+        yield from EpochPass(self)
 
     def _spec(self, coordinates: pb.Coordinates, allocate: Any = None,
               finish: Any = None) -> StreamSpec:
@@ -265,22 +199,6 @@ class RemoteLoader(OnDemand):
                           data_socket=o.data_socket and not o.compression,
                           link=o.channels.link, transports=self._transports,
                           empty=self._empty_batch(allocate or self._allocate))
-
-    def _resize_window(self, scheduler: Scheduler) -> None:
-        """Once the first batch's size is known, the window may widen for small batches
-        (Window.fit); an adapting one follows the fleet and the loop's stall (Window.adapt).
-        The buffer pools grow to match, and the streams' credits follow."""
-        w, described = self._window, self.describe()
-        size = None if w.sized else w.fit(self._options.prefetch_bytes or 0)
-        rows = described.samples_per_rank / max(described.batches_per_epoch, 1)
-        size = w.adapt(scheduler.fleet(), rows, self._stall.wait_seconds,
-                       self._stall.loop_seconds(), self._stats["batches"]) or size
-        if size is not None:
-            self._host.grow(size + 2)
-            if self._feed is not None:
-                self._feed.pool.grow(size + 2)
-            scheduler.resize(size, group_for(size) if w.widened else 1)
-        scheduler.window_note = w.note()
 
     def _allocate(self, nbytes: int) -> tuple[Any, np.ndarray]:
         """A buffer for a batch of `nbytes` (receive threads)."""

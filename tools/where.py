@@ -97,7 +97,8 @@ LAYERS = (
     Layer("stoker.client.loader", "RemoteLoader, its on-demand calls, its options and checks",
           ("stoker.v1", C),
           modules=(C, f"{C}._loader", f"{C}._on_demand", f"{C}._oneshot", f"{C}._options",
-                   f"{C}._checks", f"{C}._progress", f"{C}._stall", f"{C}.packing")),
+                   f"{C}._checks", f"{C}._epoch_pass", f"{C}._progress", f"{C}._stall",
+                   f"{C}.packing")),
     Layer("stoker.integrations", "stoker inside training frameworks: public API only",
           ("stoker.client", "stoker.server")),
 )
