@@ -19,7 +19,7 @@ from typing import Any
 
 from .channel import ChannelMaker
 from .delivery.normalize import Normalizer
-from .fleet.servers import RESOLVE_EVERY, Resolver
+from .fleet.discovery import RESOLVE_EVERY, Resolver
 from .position.resume import Coordinates
 
 __all__ = ["TOKEN_COSTS", "LoaderOptions", "default_rank_world", "loader_options", "prefetching",

@@ -46,6 +46,7 @@ class Layer:
 
 S = "stoker.server"
 C = "stoker.client"
+LEAVES = (f"{C}._errors", f"{C}._log", f"{C}._backoff")  # the client's: any room may import
 LAYERS = (
     Layer("stoker.server.sources", "storage: local files, S3, the disk cache, the prefix cache",
           ()),
@@ -79,21 +80,21 @@ LAYERS = (
     Layer("stoker.server.entry", "the package's face, the `stoker` command, a child server",
           ("stoker.server",),
           modules=(S, f"{S}.__main__", f"{S}.cli", f"{S}._process")),
-    Layer("stoker.client.leaves", "the client's errors and its logger", (),
-          modules=(f"{C}._errors", f"{C}._log")),
+    Layer("stoker.client.leaves", "the client's errors, its logger, its backoff", (),
+          modules=LEAVES),
     Layer("stoker.client.position", "plain values: coordinates, resume, exclusions, fingerprint",
           ("stoker.v1",)),
     Layer("stoker.client.transport", "receive threads: a stream, its frames, the data "
-          "connection, same-host memory", ("stoker.v1", f"{C}._errors", f"{C}._log")),
+          "connection, same-host memory", ("stoker.v1", *LEAVES)),
     Layer("stoker.client.delivery", "a batch's buffers, device copy, normalisation, counts",
-          (f"{C}._errors", f"{C}._log", f"{C}.transport.frames")),
+          (*LEAVES, f"{C}.transport.frames")),
     Layer("stoker.client.fleet", "under the scheduler's lock: servers, rates, credits, hedges, "
-          "the pass, the window", ("stoker.v1", f"{C}._errors", f"{C}._log", f"{C}.position",
+          "the pass, the window", ("stoker.v1", *LEAVES, f"{C}.position",
                                    f"{C}.transport")),
     Layer("stoker.client.channel", "how a channel to a server is made (public)",
           (f"{C}.transport.datalink",), modules=(f"{C}.channel",)),
     Layer("stoker.client.contact", "first contact, fingerprint agreement, diagnosis",
-          ("stoker.v1", f"{C}._errors", f"{C}._log", f"{C}.position", f"{C}.fleet")),
+          ("stoker.v1", *LEAVES, f"{C}.position", f"{C}.fleet")),
     Layer("stoker.client.loader", "RemoteLoader, its on-demand calls, its options and checks",
           ("stoker.v1", C),
           modules=(C, f"{C}._loader", f"{C}._on_demand", f"{C}._oneshot", f"{C}._options",

@@ -25,13 +25,14 @@ import grpc
 from stoker.v1 import stoker_pb2 as pb
 from stoker.v1 import stoker_pb2_grpc as pb_grpc
 
+from .._backoff import MOST, Backoff
 from .._errors import RemoteError
 from .._log import say
 from ..fleet.servers import Server, ServerSet
 from .diagnosis import explain, reached
 
 CALL_TIMEOUT = 10.0  # seconds one DescribeDataset may take
-PAUSE_FIRST, PAUSE_MAX = 0.05, 2.0  # seconds before a server that failed is asked again, doubling
+PAUSE_MAX = MOST  # seconds: the longest pause (_backoff.py), and the longest wait for an answer
 @dataclass(frozen=True)
 class Contact:
     """The first description, the server that gave it, and the same question's calls to the
@@ -59,7 +60,7 @@ def first_contact(servers: ServerSet, request: Callable[[], pb.DescribeDatasetRe
     answers: queue.SimpleQueue[tuple[Server, grpc.Future]] = queue.SimpleQueue()
     asked: dict[str, grpc.Future] = {}  # address -> its call in flight
     due: dict[str, float] = {}  # address -> when to ask it again
-    pauses: dict[str, float] = {}
+    pauses: dict[str, Backoff] = {}
     answered = said_waiting = False
     try:
         while True:
@@ -102,9 +103,8 @@ def first_contact(servers: ServerSet, request: Callable[[], pb.DescribeDatasetRe
             refuse(err)
             answered = answered or reached(err)
             errors[server.address] = err
-            pause = pauses.get(server.address, PAUSE_FIRST)
-            pauses[server.address] = min(pause * 2, PAUSE_MAX)
-            due[server.address] = time.monotonic() + pause
+            due[server.address] = time.monotonic() + pauses.setdefault(
+                server.address, Backoff()).next()
     except BaseException:
         for future in asked.values():
             future.cancel()

@@ -12,6 +12,8 @@ Threading: the loop's thread only.
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -25,6 +27,22 @@ if TYPE_CHECKING:
     from ..transport.stream import StreamSpec
     from .servers import ServerSet
     from .window import Window
+
+# Schedulers whose streams may be open. An iterator that is never closed is finalized during
+# interpreter shutdown, after daemon threads stop where they stand: one may hold a gRPC call's
+# lock, and cancelling that call then blocks for ever (seen as a trainer that never exits).
+# So the streams are closed at exit, while the receive threads still run, and their servers'
+# channels too: gRPC's own threads then end before shutdown, with no call's lock held (a
+# client left with its channels open was once seen stuck in a call's __del__ at exit).
+_OPEN: weakref.WeakSet[Scheduler] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_schedulers() -> None:
+    for scheduler in list(_OPEN):
+        scheduler.close()
+        scheduler.close_channels()
+
 
 FIGURES = ("bytes", "failovers", "hedges", "dropped")
 
@@ -50,6 +68,7 @@ class KeptScheduler:
                 self._servers, self._spec(coordinates), total=total, start=at.next_batch,
                 window=window.size, timeout=timeout,
                 group=group_for(window.size) if window.widened else 1)
+            _OPEN.add(live)
         return live
 
     def then(self, coordinates: pb.Coordinates, total: int) -> None:
@@ -63,6 +82,7 @@ class KeptScheduler:
         live, self.live = self.live, None
         if live is None:
             return
+        _OPEN.discard(live)
         live.close()
         self._closed()
         self._totals["bytes"] += live.bytes_received

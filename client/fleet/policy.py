@@ -37,6 +37,11 @@ from .servers import ServerState
 if TYPE_CHECKING:
     from .servers import Server
 
+# Codes every server would answer the same way: retrying elsewhere cannot help.
+FATAL = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
+         grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTICATED,
+         grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED,
+         grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE}
 # A window widened for small batches (widen) credits new indices in groups of window // GROUPS.
 GROUPS = 8
 SLOW = 2.0  # times the fastest server's seconds per batch

@@ -1,9 +1,8 @@
 """Which server computes which batch, and what happens when one fails: one epoch's pass.
 
-The window [next, next + window) of batch indices is credited across the servers; each index
-goes to the usable server expected to deliver it soonest, from its outstanding credits and
-its measured rate (client/fleet/policy.py, client/fleet/rates.py), so a faster server gets more.
-Batches are handed out in index order.
+The window [next, next + window) of batch indices is credited across the servers as
+fleet/policy.py decides (the soonest expected delivery; hedges of late batches) and
+fleet/credits.py applies; batches are handed out in index order.
 
 Exactly once rests on batches being pure functions of their coordinates: any index may be
 asked of any server, any number of times, and the first answer wins. So:
@@ -11,21 +10,18 @@ asked of any server, any number of times, and the first answer wins. So:
   go to other servers; the failed server is retried with backoff;
 - a server that holds credits and delivers nothing for a while is "stalled": its indices are
   asked of others too, and it gets no new ones until it delivers again but a probe now and
-  then (PROBE_EVERY, client/fleet/servers.py: a partition may heal);
-- the index the loop waits on, outstanding too long at its server, is also asked of another
-  server (a hedge); the duplicate that may follow is dropped; so is a batch a slow server
-  holds that it will deliver after the loop needs it (client/fleet/policy.py);
-- an in-band UNAVAILABLE (a draining server refusing new credits) sends that index elsewhere;
-- an in-band INTERNAL (a worker died, or hung past the server's batch_timeout_seconds) is
-  asked again of another usable server when there is one, else of the same one.
+  then (PROBE_EVERY, fleet/servers.py: a partition may heal);
+- a hedged batch's duplicate is dropped; an in-band UNAVAILABLE (a draining server refusing
+  new credits) sends that index elsewhere; an in-band INTERNAL (a worker died, or hung past
+  the server's batch_timeout_seconds) is asked again of another usable server when there is
+  one, else of the same one.
 Errors that any server would repeat are raised: stream errors with a FATAL code, and in-band
 batch errors other than UNAVAILABLE and (up to BATCH_RETRIES times) INTERNAL, e.g. DATA_LOSS.
 
 Epochs: a scheduler serves the loop's epoch and, once told of it (`then`), the next one, whose
-first batches it asks for while the loop ends the current one (client/fleet/passes.py: batches are
-numbered by position across epochs, each epoch has its own streams). The loop moves on with
-`follow`; batches of an epoch it does not move on to are dropped at close() and counted
-(`dropped`).
+first batches it asks for while the loop ends the current one (fleet/passes.py: positions
+across epochs, each epoch its own streams). The loop moves on with `follow`; batches of an
+epoch it does not move on to are dropped at close() and counted (`dropped`).
 
 Threading: take(), poll(), then(), follow() and close() run on the loop's thread; receive
 threads call _on_batch and _on_end. All state, the servers' included, is guarded by one
@@ -35,10 +31,8 @@ test can drive the timing with a fake clock and fake streams (tests/test_schedul
 
 from __future__ import annotations
 
-import atexit
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -49,32 +43,12 @@ from ..transport.stream import BatchStream, StreamFactory, StreamSpec
 from . import policy
 from .credits import Credits
 from .passes import Pass, Passes
-from .servers import Fleet, Server, ServerSet, ServerState
+from .policy import FATAL
+from .servers import Fleet, Server, ServerSet
 
-# Codes every server would answer the same way: retrying elsewhere cannot help.
-FATAL = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
-         grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTICATED,
-         grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED,
-         grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE}
 BATCH_RETRIES = 2  # an INTERNAL batch error (a worker died) is tried this many more times
 TICK = 0.1  # while the loop waits: how often to look for stalls, hedges, retries
 HEDGE_MIN, STALL_MIN = policy.HEDGE_MIN, policy.STALL_MIN  # seconds
-
-
-# Schedulers whose streams may be open. An iterator that is never closed is finalized during
-# interpreter shutdown, after daemon threads stop where they stand: one may hold a gRPC call's
-# lock, and cancelling that call then blocks for ever (seen as a trainer that never exits).
-# So the streams are closed at exit, while the receive threads still run, and their servers'
-# channels too: gRPC's own threads then end before shutdown, with no call's lock held (a
-# client left with its channels open was once seen stuck in a call's __del__ at exit).
-_OPEN: weakref.WeakSet[Scheduler] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_schedulers() -> None:
-    for scheduler in list(_OPEN):
-        scheduler.close()
-        scheduler.close_channels()
 
 
 class Scheduler:
@@ -106,7 +80,6 @@ class Scheduler:
         self._retries: dict[int, int] = {}
         self._fatal: RemoteError | None = None
         self._closed = False
-        _OPEN.add(self)
         self._progress = clock()
         self.failovers = 0
         self.bytes_received = 0
@@ -150,12 +123,7 @@ class Scheduler:
     def fleet(self) -> Fleet:
         """What the servers in use said they can do, and their batches' latency."""
         with self._cond:
-            up = [s for s in self._servers.servers.values() if s.up]
-            said = [next((st.capacity for st in s.streams.values() if st.capacity),
-                         s.capacity) or (0, 0.0) for s in up]
-            latencies = [s.latency for s in up if s.latency is not None]
-        return Fleet(sum(w for w, _ in said), sum(r for _, r in said),
-                     sum(latencies) / len(latencies) if latencies else None)
+            return self._servers.fleet()
 
     def _streams(self) -> list[BatchStream]:
         return [st for s in self._servers.servers.values() for st in s.streams.values()]
@@ -251,7 +219,6 @@ class Scheduler:
         self.dropped += self._passes.drop_beyond_loop(self._ready)
 
     def close(self) -> None:
-        _OPEN.discard(self)
         with self._cond:
             if not self._closed:
                 self.dropped += self._passes.drop_beyond_loop(self._ready)
@@ -271,7 +238,7 @@ class Scheduler:
     def servers_now(self) -> str:
         """Every server, its state and last error (for errors and log lines)."""
         with self._cond:
-            return self._servers.now()
+            return self._servers.summary()
 
     def _no_server(self, index: int) -> RemoteError:
         return RemoteError(grpc.StatusCode.UNAVAILABLE,
@@ -302,16 +269,9 @@ class Scheduler:
                 return  # a stream we already gave up on
             index += lane.base  # a position from here on
             now = self._clock()
-            server.mark_delivered(index, now)
-            server.rate.delivered(now, stream, stream.bytes_received, bool(server.outstanding))
             self._credits.forget()
-            if isinstance(item, RemoteError) and item.code == grpc.StatusCode.UNAVAILABLE:
-                server.mark_draining(item.details)  # it refuses new credits: send none
-            if server.state is ServerState.DRAINING and not server.outstanding:
-                # Done with what it took: let go, so its shutdown need not wait for us.
-                server.mark_drained(now)
-                for drained in server.let_go():
-                    self._let_go(drained)
+            for drained in server.took(index, item, stream, now):
+                self._let_go(drained)
             if index < self._next or index in self._ready:
                 return  # a duplicate: another server answered first
             if policy.retried(item, self._retries.get(index, 0), BATCH_RETRIES):
