@@ -33,7 +33,7 @@ from ._config import Config
 from ._errors import StartError
 from .front import limits, tls
 from .front.auth import TokenInterceptor, read_token
-from .front.datasocket import DataSockets
+from .front.data_listener import DataSockets
 from .front.http import HttpLimits, HttpServer
 from .front.listen import address, taken
 from .front.service import SERVICE_NAME, DataService, client_of

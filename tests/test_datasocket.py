@@ -15,7 +15,7 @@ import pytest
 
 from stoker.client import RemoteLoader
 from stoker.client.transport.frames import Assembler
-from stoker.server.front.datasocket import MAX_CLAIMS, TOKEN_WAIT
+from stoker.server.front.data_listener import MAX_CLAIMS, TOKEN_WAIT
 from stoker.server.pool.depth import KEEP_SEGMENTS
 from stoker.v1 import stoker_pb2 as pb
 

@@ -1,6 +1,6 @@
 """The client's end of the data connection: connecting within a budget, and what it used.
 
-A stream offered a data connection (server/front/datasocket.py) connects to the server's data
+A stream offered a data connection (server/front/data_listener.py) connects to the server's data
 port with the loader's own security: TLS with the root certificates, client certificate and server
 name it gives gRPC (the server's name checked as gRPC checks it), and, when the server asks,
 the proof of the bearer token after the claim token. Connecting, the TLS handshake and the

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from .frames import encode_error
+from .frame_encoding import encode_error
 from .ready import Accepted, FailedBatch, Finished, Offer, Ready, ReadyBatch, RefusedCall
 from .transports import Transport, write
 

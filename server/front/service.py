@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from ..pool.layout import BuiltBatch
-    from .datasocket import DataSockets
+    from .data_listener import DataSockets
 
 log = logging.getLogger("stoker.server")
 
