@@ -26,8 +26,8 @@ from .delivery.buffers import HostBuffers
 from .delivery.sources import SourceCounts
 from .fleet.kept import KeptScheduler
 from .fleet.scheduler import FATAL
-from .fleet.servers import Fleet, ServerSet
-from .fleet.window import Window
+from .fleet.servers import ServerSet
+from .fleet.window import Fleet, Window
 from .position.resume import Position, Saved, state_of
 from .transport import samehost
 from .transport.datalink import Transports

@@ -236,7 +236,7 @@ class OnDemand:
     def _convert(self, batch: Assembled, feed: Any) -> Any:
         """An assembled batch as the caller gets it (receive threads): on `feed`'s device,
         else numpy views or CPU tensors, normalized if asked."""
-        from .transport.frames import numpy_views
+        from .transport.tensors import numpy_views
 
         normalize = self._normalize
         if feed is not None:

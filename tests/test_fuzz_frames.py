@@ -23,13 +23,8 @@ from hypothesis import strategies as st
 
 from stoker.client import RemoteLoader
 from stoker.client._errors import ProtocolError
-from stoker.client.transport.frames import (
-    MAX_PAYLOAD_BYTES,
-    READ_AHEAD,
-    Assembled,
-    Assembler,
-    numpy_views,
-)
+from stoker.client.transport.frames import READ_AHEAD, Assembled, Assembler
+from stoker.client.transport.tensors import MAX_PAYLOAD_BYTES, numpy_views
 from stoker.v1 import stoker_pb2 as pb
 from stoker.v1.wire import data_prefix
 

@@ -14,7 +14,8 @@ import grpc
 import pytest
 
 from stoker.client import RemoteError
-from stoker.client.fleet.scheduler import BATCH_RETRIES, HEDGE_MIN, STALL_MIN, Scheduler
+from stoker.client.fleet.policy import HEDGE_MIN, STALL_MIN
+from stoker.client.fleet.scheduler import BATCH_RETRIES, Scheduler
 from stoker.client.fleet.servers import BACKOFF_FIRST, DRAIN_RETRY, PROBE_EVERY, Server, ServerSet
 from stoker.client.transport.stream import StreamSpec
 from stoker.v1 import stoker_pb2 as pb

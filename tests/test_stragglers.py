@@ -23,8 +23,9 @@ import pytest
 from test_scheduler import EPS, T0, Channel, Clock, Streams, unused
 
 from stoker.client import RemoteLoader
+from stoker.client.fleet.policy import HEDGE_MIN
 from stoker.client.fleet.rates import FORGET, Rate
-from stoker.client.fleet.scheduler import HEDGE_MIN, Scheduler
+from stoker.client.fleet.scheduler import Scheduler
 from stoker.client.fleet.servers import ServerSet, ServerState
 from stoker.client.transport.stream import StreamSpec
 from stoker.v1 import stoker_pb2 as pb

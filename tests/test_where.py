@@ -86,3 +86,10 @@ def test_type_only_circles_are_found_and_the_client_has_none() -> None:
         modules, types=True)
     assert ["stoker.client.fleet.rates", "stoker.client.fleet.servers"] not in where.circles(
         modules)
+
+
+def test_client_modules_stay_under_300_lines() -> None:
+    long = [f"{name}: {n}" for name, path in where.all_modules().items()
+            if name.startswith("stoker.client")
+            and (n := len(path.read_text().splitlines())) > 300]
+    assert long == []

@@ -9,8 +9,10 @@ Threading: under the scheduler's lock, as the rest of its state (the scheduler o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
+
+import grpc
 
 from . import policy
 
@@ -31,6 +33,7 @@ class Credits:
         self.holders: dict[int, set[Server]] = {}  # position -> servers asked for it
         self.hedged: set[int] = set()
         self.hedges = 0
+        self._retries: dict[int, int] = {}  # position -> INTERNAL errors it had
         self._memo: tuple[float, dict[Server, float]] | None = None  # (now, costs then)
 
     def costs(self, now: float) -> dict[Server, float]:
@@ -113,7 +116,26 @@ class Credits:
         self.hedged.add(index)
         self.hedges += 1
 
-    def drop(self, server: Server, indices: Mapping[int, Any]) -> None:
-        """`server` no longer holds `indices` (its stream ended)."""
-        for index in indices:
+    def retry(self, index: int, server: Server, item: Any, now: float, limit: int) -> bool:
+        """`server` answered position `index` with an error asked again elsewhere
+        (policy.retried): True, and it no longer holds it. Whatever broke there on an
+        INTERNAL (a worker that died or hung) may break again: another server first."""
+        if not policy.retried(item, self._retries.get(index, 0), limit):
+            return False
+        holders = self.holders.get(index, set())
+        holders.discard(server)
+        if item.code == grpc.StatusCode.INTERNAL:
+            self._retries[index] = self._retries.get(index, 0) + 1
+            if not any(s.up for s in holders):
+                self.credit(index, now, exclude={server})
+        return True
+
+    def lost(self, server: Server, error: Any, now: float) -> list[BatchStream]:
+        """`server`'s stream failed with `error`: it holds nothing now and is down (retried
+        after its backoff); the streams to let go."""
+        for index in server.outstanding:
             self.holders.get(index, set()).discard(server)
+        server.outstanding.clear()
+        server.mark_down(error, now)
+        self.forget()
+        return server.let_go()

@@ -1,20 +1,17 @@
 """Which server computes which batch, and what happens when one fails: one epoch's pass.
 
-The window [next, next + window) of batch indices is credited across the servers as
-fleet/policy.py decides (the soonest expected delivery; hedges of late batches) and
-fleet/credits.py applies; batches are handed out in index order.
+The window [next, next + window) is credited as fleet/policy.py decides and fleet/credits.py
+applies; batches are handed out in index order.
 
 Exactly once rests on batches being pure functions of their coordinates: any index may be
 asked of any server, any number of times, and the first answer wins. So:
-- a stream that fails (server killed, draining, unreachable) puts its indices back, and they
-  go to other servers; the failed server is retried with backoff;
-- a server that holds credits and delivers nothing for a while is "stalled": its indices are
-  asked of others too, and it gets no new ones until it delivers again but a probe now and
-  then (PROBE_EVERY, fleet/servers.py: a partition may heal);
-- a hedged batch's duplicate is dropped; an in-band UNAVAILABLE (a draining server refusing
-  new credits) sends that index elsewhere; an in-band INTERNAL (a worker died, or hung past
-  the server's batch_timeout_seconds) is asked again of another usable server when there is
-  one, else of the same one.
+- a stream that fails (killed, draining, unreachable) puts its indices back, for other
+  servers; the failed server is retried with backoff;
+- a server that holds credits and delivers nothing for a while is "stalled": its indices go
+  to others too, and it gets no new ones but a probe (PROBE_EVERY: a partition may heal);
+- a hedged batch's duplicate is dropped; an in-band UNAVAILABLE (a draining server) sends
+  that index elsewhere; an in-band INTERNAL (a worker died, or hung past the server's
+  batch_timeout_seconds) is asked again of another usable server, else of the same one.
 Errors that any server would repeat are raised: stream errors with a FATAL code, and in-band
 batch errors other than UNAVAILABLE and (up to BATCH_RETRIES times) INTERNAL, e.g. DATA_LOSS.
 
@@ -24,9 +21,9 @@ across epochs, each epoch its own streams). The loop moves on with `follow`; bat
 epoch it does not move on to are dropped at close() and counted (`dropped`).
 
 Threading: take(), poll(), then(), follow() and close() run on the loop's thread; receive
-threads call _on_batch and _on_end. All state, the servers' included, is guarded by one
-condition variable. Every decision reads the injected clock (time.monotonic by default), so a
-test can drive the timing with a fake clock and fake streams (tests/test_scheduler.py).
+threads call _on_batch and _on_end. One condition variable guards all state, the servers'
+too. Decisions read the injected clock, so a test drives them with a fake clock and fake
+streams (tests/test_scheduler.py).
 """
 
 from __future__ import annotations
@@ -44,11 +41,11 @@ from . import policy
 from .credits import Credits
 from .passes import Pass, Passes
 from .policy import FATAL
-from .servers import Fleet, Server, ServerSet
+from .servers import Server, ServerSet
+from .window import Fleet
 
 BATCH_RETRIES = 2  # an INTERNAL batch error (a worker died) is tried this many more times
 TICK = 0.1  # while the loop waits: how often to look for stalls, hedges, retries
-HEDGE_MIN, STALL_MIN = policy.HEDGE_MIN, policy.STALL_MIN  # seconds
 
 
 class Scheduler:
@@ -69,7 +66,6 @@ class Scheduler:
         self._window = window
         self._group = group  # new credits are sent once this many are due (see _assign)
         self._timeout = timeout
-        self._open_stream = stream_factory
         self._clock = clock
         self._cond = threading.Condition()
         self._ready: dict[int, Any] = {}
@@ -77,7 +73,6 @@ class Scheduler:
                                 self._on_end)
         # Streams let go of whose receive thread has not ended yet: their bytes still count.
         self._leaving: set[BatchStream] = set()
-        self._retries: dict[int, int] = {}
         self._fatal: RemoteError | None = None
         self._closed = False
         self._progress = clock()
@@ -116,7 +111,7 @@ class Scheduler:
     def report(self, wait_seconds: float, loop_seconds: float) -> None:
         """Send the loop's data stall to every server with an open stream."""
         with self._cond:
-            streams = self._streams()
+            streams = self._servers.streams()
         for stream in streams:
             stream.report(wait_seconds, loop_seconds, self.window_note)
 
@@ -125,13 +120,10 @@ class Scheduler:
         with self._cond:
             return self._servers.fleet()
 
-    def _streams(self) -> list[BatchStream]:
-        return [st for s in self._servers.servers.values() for st in s.streams.values()]
-
     def received(self) -> int:
         """Bytes received so far, by streams that ended and by those still open."""
         with self._cond:
-            live = sum(st.bytes_received for st in [*self._streams(), *self._leaving])
+            live = sum(st.bytes_received for st in [*self._servers.streams(), *self._leaving])
             return self.bytes_received + live
 
     def take(self, index: int, on_wait: Callable[[], None] | None = None) -> Any:
@@ -274,16 +266,8 @@ class Scheduler:
                 self._let_go(drained)
             if index < self._next or index in self._ready:
                 return  # a duplicate: another server answered first
-            if policy.retried(item, self._retries.get(index, 0), BATCH_RETRIES):
-                holders = self._credits.holders.get(index, set())
-                holders.discard(server)
-                if item.code == grpc.StatusCode.INTERNAL:
-                    self._retries[index] = self._retries.get(index, 0) + 1
-                    # Whatever broke there (a worker that died or hung) may break again:
-                    # another server first; _assign falls back on this one if none is usable.
-                    if not any(s.up for s in holders):
-                        self._credits.credit(index, now, exclude={server})
-                self._assign(now)
+            if self._credits.retry(index, server, item, now, BATCH_RETRIES):
+                self._assign(now)  # ... and on the same server, if no other is usable
                 return
             server.batches += 1
             self._ready[index] = item
@@ -307,13 +291,8 @@ class Scheduler:
                 self._cond.notify_all()
                 return
             now = self._clock()
-            self._credits.drop(server, server.outstanding)
-            if server.outstanding:
-                self.failovers += 1
-            server.outstanding.clear()
-            server.mark_down(error, now)
-            self._credits.forget()
-            for other in server.let_go():
+            self.failovers += bool(server.outstanding)
+            for other in self._credits.lost(server, error, now):
                 if other is not stream:
                     self._let_go(other)
             self._assign(now)

@@ -21,6 +21,7 @@ from .._errors import RemoteError
 from ..transport.stream import BatchStream
 from .discovery import RESOLVE_EVERY, RESOLVE_WAIT, Resolver, parse_addresses, resolve, start_lookup
 from .rates import Rate
+from .window import Fleet
 
 BACKOFF_FIRST, BACKOFF_MAX = FIRST, MOST  # seconds before a failed server is tried again
 DRAIN_RETRY = 1.0  # seconds before a server that drained is tried again
@@ -45,17 +46,6 @@ CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
-
-
-@dataclass(frozen=True)
-class Fleet:
-    """What the servers in use can do together: worker processes, the samples/s they build
-    (0.0: not measured yet), and the mean seconds from a credit to its batch (None: no
-    batch yet)."""
-
-    workers: int
-    samples_per_second: float
-    latency: float | None
 
 
 class ServerState(enum.Enum):
@@ -237,6 +227,10 @@ class ServerSet:
 
     def describe(self) -> str:
         return self._dns or ", ".join(self._fixed)
+
+    def streams(self) -> list[BatchStream]:
+        """Every server's open streams."""
+        return [st for s in self.servers.values() for st in s.streams.values()]
 
     def fleet(self) -> Fleet:
         """What the servers in use said they can do, and their batches' latency."""

@@ -10,9 +10,21 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 from .._log import say
-from .servers import Fleet
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """What the servers in use can do together: worker processes, the samples/s they build
+    (0.0: not measured yet), and the mean seconds from a credit to its batch (None: no
+    batch yet)."""
+
+    workers: int
+    samples_per_second: float
+    latency: float | None
+
 
 # What a server allows when it does not say (server.max_credits' default): the most batches
 # prefetch_bytes keeps in flight then.
