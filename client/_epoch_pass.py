@@ -19,6 +19,7 @@ from .fleet.policy import group_for
 if TYPE_CHECKING:
     from stoker.v1 import stoker_pb2 as pb
 
+    from ._on_demand import OnDemand
     from ._options import LoaderOptions
     from ._stall import Stall
     from .contact.agreement import FingerprintCheck
@@ -50,13 +51,12 @@ class Loop(Protocol):
     _host: HostBuffers
     _feed: Any  # a DeviceFeed, or None
     _normalize: Any  # a Normalizer, or None
+    _on_demand: OnDemand
 
     def __len__(self) -> int: ...
     def describe(self) -> pb.DescribeDatasetResponse: ...
     def coordinates(self) -> pb.Coordinates: ...
-    def _following(self, epoch: int) -> pb.DescribeDatasetResponse | None: ...
     def _mismatched(self, err: DataMismatch) -> DataMismatch: ...
-    def _handed(self, batch: Any, feed: Any) -> Any: ...
 
 
 class EpochPass:
@@ -75,7 +75,8 @@ class EpochPass:
                                        o.timeout)
         # The next epoch's first batches are asked for while this one ends (no drain at the
         # boundary); its size is that of a whole epoch, known once one was described.
-        if o.prefetch_next_epoch and (following := loader._following(at.epoch + 1)) is not None:
+        following = loader._on_demand._following(at.epoch + 1) if o.prefetch_next_epoch else None
+        if following is not None:
             agreed = loader._agreement.fingerprint
             loader._kept.then(loader._coords.message(at.epoch + 1, 0,
                                                      agreed.digest if agreed else ""),
@@ -107,7 +108,7 @@ class EpochPass:
         total = len(loader)  # ValueError for an epoch without a batch
         if not loader._agreement.checked:
             loader._agreement.check_servers(loader._coords.message(loader._at.epoch),
-                                            loader._window.heed)
+                                            loader._window.cap_credits)
         fields = loader.describe().fields
         if loader._normalize is not None and not loader._normalize.axes:
             loader._normalize.validate(fields)  # here, not on a receive thread
@@ -140,7 +141,7 @@ class EpochPass:
             stall.wait_seconds += waited
             if window.adapts or not window.sized:
                 self._resize_window(scheduler)
-            batch = loader._handed(batch, loader._feed)
+            batch = loader._on_demand._handed(batch, loader._feed)
             loader._sources.handed_out(at.epoch, at.next_batch)
             loader._at = at.advanced()
             loader._stats["batches"] += 1

@@ -7,7 +7,7 @@ thread per stream assembles batches, so at most `prefetch` batches wait in host 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,7 +35,7 @@ from .transport.frames import Assembled
 from .transport.stream import StreamSpec
 
 
-class RemoteLoader(OnDemand):
+class RemoteLoader:
     """Batches of `dataset` from a stoker data server, as dicts of tensors (or numpy arrays).
 
     Each batch holds every field of the dataset, collated, plus `sample_index` (int64): the
@@ -88,6 +88,7 @@ class RemoteLoader(OnDemand):
         self._sources = SourceCounts()  # a mixture's samples by component
         self._kept = KeptScheduler(self._servers, self._spec, self._sources.forget_ahead)
         self._started = time.perf_counter()
+        self._on_demand = OnDemand(self)
         self._transports = Transports()  # each server's path, for stats()
 
     __init__.__signature__ = signature()  # type: ignore[attr-defined]
@@ -114,7 +115,7 @@ class RemoteLoader(OnDemand):
         Any server will do: they are tried in turn, with backoff, for up to `connect_timeout`
         s while none has answered at all (then UNAVAILABLE naming every address and what
         happened there), for up to `timeout` s once one has."""
-        return self._sizes(self._at.epoch, self._at.start)
+        return self._on_demand._sizes(self._at.epoch, self._at.start)
 
     def _ask(self, request: pb.DescribeDatasetRequest, epoch: int, start: int
              ) -> pb.DescribeDatasetResponse:
@@ -125,8 +126,8 @@ class RemoteLoader(OnDemand):
                                 timeout=o.timeout, tls=o.channels.tls, refuse=self._refuse)
         described = contact.described
         self._agreement.first(contact)
-        self._described[self._key(epoch, start)] = described
-        self._window.heed(described.max_credits, contact.server.address)
+        self._described[self._on_demand._key(epoch, start)] = described
+        self._window.cap_credits(described.max_credits, contact.server.address)
         if described.HasField("capacity"):
             c = contact.server.capacity = (described.capacity.workers,
                                            described.capacity.samples_per_second)
@@ -179,7 +180,7 @@ class RemoteLoader(OnDemand):
             self.describe()
             saved.check_data(self.dataset, self._agreement.fingerprint)
         self.exclude(saved.excluded.indices if saved.excluded else ())
-        self._at = saved.position_for(self._coords, self._planned)
+        self._at = saved.position_for(self._coords, self._on_demand._planned)
 
     # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -198,7 +199,7 @@ class RemoteLoader(OnDemand):
                           # connection sends payloads as they are
                           data_socket=o.data_socket and not o.compression,
                           link=o.channels.link, transports=self._transports,
-                          empty=self._empty_batch(allocate or self._allocate))
+                          empty=self._on_demand._empty_batch(allocate or self._allocate))
 
     def _allocate(self, nbytes: int) -> tuple[Any, np.ndarray]:
         """A buffer for a batch of `nbytes` (receive threads)."""
@@ -210,7 +211,29 @@ class RemoteLoader(OnDemand):
 
     def _finish(self, batch: Assembled) -> Any:
         self._sources.received(batch)
-        return self._convert(batch, self._feed)
+        return self._on_demand._convert(batch, self._feed)
+
+    # -- on demand (client/_on_demand.py): beside the loop, each one request ---------------
+    def batch_at(self, epoch: int, index: int) -> dict[str, Any]:
+        return self._on_demand.batch_at(epoch, index)
+
+    def provenance(self, epoch: int, index: int) -> list[dict[str, Any]]:
+        return self._on_demand.provenance(epoch, index)
+
+    def seek(self, step: int, world_sizes: int | Sequence[tuple[int, int]] | None = None
+             ) -> None:
+        self._on_demand.seek(step, world_sizes)
+
+    def exclude(self, sample_indices: Iterable[int]) -> None:
+        self._on_demand.exclude(sample_indices)
+
+    @property
+    def excluded(self) -> tuple[int, ...]:
+        """The samples this run leaves out (sorted), see exclude."""
+        return self._on_demand.excluded
+
+    batch_at.__doc__, provenance.__doc__ = OnDemand.batch_at.__doc__, OnDemand.provenance.__doc__
+    seek.__doc__, exclude.__doc__ = OnDemand.seek.__doc__, OnDemand.exclude.__doc__
 
     # -- telemetry and lifecycle -----------------------------------------------------------
     def stats(self) -> dict[str, Any]:

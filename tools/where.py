@@ -80,7 +80,7 @@ LAYERS = (
     Layer("stoker.server.entry", "the package's face, the `stoker` command, a child server",
           ("stoker.server",),
           modules=(S, f"{S}.__main__", f"{S}.cli", f"{S}._process")),
-    Layer("stoker.client.leaves", "the client's errors, its logger, its backoff", (),
+    Layer("stoker.client.leaves", "the client's errors, its logger, its backoff", ("stoker.v1",),
           modules=LEAVES),
     Layer("stoker.client.position", "plain values: coordinates, resume, exclusions, fingerprint",
           ("stoker.v1",)),

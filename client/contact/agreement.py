@@ -86,7 +86,7 @@ class FingerprintCheck:
         self.checked = False  # every server asked once for its fingerprint
         self._asked: dict[str, grpc.Future] = {}  # address -> its Describe, not compared yet
         self._agreed_at = 0.0
-        self._heed: Callable[[int, str], None] = lambda credits, address: None
+        self._cap_credits: Callable[[int, str], None] = lambda credits, address: None
 
     def first(self, contact: Contact) -> None:
         """A server described the dataset: the first to do so sets the fingerprint, and the calls of
@@ -97,17 +97,17 @@ class FingerprintCheck:
             self._agreed_at = time.monotonic()
 
     def check_servers(self, coordinates: pb.Coordinates,
-                      heed: Callable[[int, str], None]) -> None:
+                      cap_credits: Callable[[int, str], None]) -> None:
         """Ask every other server for its fingerprint, once (those the first contact has not
         asked already), without waiting: each gets no credits until it has answered (its
         `contact`), and `look` compares the answers; each that agrees has its max_credits
-        `heed`ed. (Servers that come up later refuse our streams themselves: the
+        given to `cap_credits`. (Servers that come up later refuse our streams themselves: the
         coordinates carry the digest.)"""
         agreed = self.fingerprint
         self.checked = True
         if agreed is None:
             return
-        self._heed = heed
+        self._cap_credits = cap_credits
         others = [s for s in self._servers.servers.values() if s.address != agreed.address]
         for server in others:
             if server.address not in self._asked:
@@ -143,7 +143,7 @@ class FingerprintCheck:
             assert agreed is not None
             if agreed.digest and fp.digest and fp.digest != agreed.digest:
                 raise mismatch(self._dataset, agreed, address, fp.digest, fp)
-            self._heed(d.max_credits, address)
+            self._cap_credits(d.max_credits, address)
 
     def refused(self, address: str, digest: str, coordinates: pb.Coordinates) -> DataMismatch:
         """The DataMismatch for a server that refused our fingerprint, with its own."""

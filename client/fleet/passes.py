@@ -85,7 +85,7 @@ class Passes:
         self._passes = self._passes[self._passes.index(self.loop):]
         return True
 
-    def lane(self, server: Server, stream: BatchStream) -> Pass | None:
+    def served_by(self, server: Server, stream: BatchStream) -> Pass | None:
         """The pass `stream` (one of `server`'s) serves; None for a stream let go of."""
         for p in self._passes:
             if server.streams.get(p.epoch) is stream:

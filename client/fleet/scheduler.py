@@ -250,16 +250,16 @@ class Scheduler:
     def _server_of(self, stream: BatchStream) -> tuple[Server, Pass] | tuple[None, None]:
         """The server of `stream` and the pass it serves; (None, None) for a stream let go."""
         server = self._servers.servers.get(stream.address)
-        lane = self._passes.lane(server, stream) if server is not None else None
-        return (server, lane) if server is not None and lane is not None else (None, None)
+        served = self._passes.served_by(server, stream) if server is not None else None
+        return (server, served) if server is not None and served is not None else (None, None)
 
     # -- receive threads -------------------------------------------------------------------
     def _on_batch(self, stream: BatchStream, index: int, item: Any) -> None:
         with self._cond:
-            server, lane = self._server_of(stream)
-            if server is None or lane is None or self._closed:
+            server, served = self._server_of(stream)
+            if server is None or served is None or self._closed:
                 return  # a stream we already gave up on
-            index += lane.base  # a position from here on
+            index += served.base  # a position from here on
             now = self._clock()
             self._credits.forget()
             for drained in server.took(index, item, stream, now):
@@ -280,10 +280,10 @@ class Scheduler:
         with self._cond:
             self.bytes_received += stream.bytes_received
             self._leaving.discard(stream)
-            server, lane = self._server_of(stream)
-            if server is None or lane is None or self._closed or error is None:
+            server, served = self._server_of(stream)
+            if server is None or served is None or self._closed or error is None:
                 return
-            if error.code in FATAL and any(lane is p for p in self._passes.ahead()):
+            if error.code in FATAL and any(served is p for p in self._passes.ahead()):
                 self._abandon_ahead(error)
                 return
             if error.code in FATAL:

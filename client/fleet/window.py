@@ -143,7 +143,7 @@ class Window:
         self.size, self.why = size, why
         return size if changed else None
 
-    def heed(self, max_credits: int, address: str) -> None:
+    def cap_credits(self, max_credits: int, address: str) -> None:
         """A server said its max_credits: the window stays under it, and so does any
         widening of it later (0: a server that did not say)."""
         self.size = credit_window(self.size, max_credits, address)

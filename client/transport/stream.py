@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 
 from stoker.v1 import stoker_pb2 as pb
-from stoker.v1.wire import encode_credits
+from stoker.v1.wire import CAPACITY_KEY, encode_credits
 
 from .._errors import ConnectionCut, ProtocolError, RemoteError
 from .datalink import CONNECT_BUDGET, DataLink, Transports
@@ -282,7 +282,7 @@ def capacity_of(metadata: Iterable[tuple[str, Any]] | None) -> tuple[int, float]
     """(workers, samples/s) from a stream's `stoker-capacity` metadata (stoker.proto's
     DescribeDatasetResponse.capacity); (0, 0.0) from a server that does not say."""
     for key, value in metadata or ():
-        if key == "stoker-capacity":
+        if key == CAPACITY_KEY:
             try:
                 workers, rate = str(value).split()
                 return int(workers), float(rate)

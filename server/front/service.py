@@ -23,6 +23,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from stoker.v1 import stoker_pb2 as pb
+from stoker.v1.wire import FINGERPRINT_KEY
 
 from .._config import Config
 from ..order import token_batches
@@ -36,7 +37,7 @@ from ..pool.workers import BatchFailed, DatasetMeta, WorkerPool
 from .credits import FAILURE_CODE
 from .limits import Admission, Kind, Refused
 from .metrics import Metrics
-from .refusal import FINGERPRINT_KEY, Abort
+from .refusal import Abort
 from .session import StreamSession
 from .session_context import SessionContext
 from .shared_batches import SharedBatches

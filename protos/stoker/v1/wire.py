@@ -31,6 +31,16 @@ class WireError(ValueError):
     """Bytes that do not follow this module's layouts; the message says where."""
 
 
+# -- metadata --------------------------------------------------------------------------------
+
+# gRPC metadata keys of the protocol (docs/protocol.md), declared here alone: the dataset
+# fingerprint a server holds (the trailers of a FAILED_PRECONDITION refusal of other data,
+# and a stream's initial metadata), and what a server can do (a stream's initial metadata:
+# "WORKERS SAMPLES_PER_SECOND", as DescribeDatasetResponse.capacity).
+FINGERPRINT_KEY = "stoker-fingerprint"
+CAPACITY_KEY = "stoker-capacity"
+
+
 # -- frames ----------------------------------------------------------------------------------
 
 # The name of BatchFrame's oneof: WhichOneof(FRAME_KIND) says which kind of frame it is
