@@ -196,6 +196,12 @@ def test_late_finds_a_slow_servers_batch_the_loop_needs_first() -> None:
     assert found[0][2] == pytest.approx(10.0)  # (rank 0 + 1) x 10 s
 
 
+def test_late_compares_with_the_time_the_loop_needs_it() -> None:
+    fast, slow = server("fast"), server("slow", {10: NOW})
+    # needed at 10 / (1/0.5 + 1/10) = 4.8 s; expected at 10 s: late
+    assert policy.late([fast, slow], {fast: 0.5, slow: 10.0}, 0, {10: {slow}}, set())
+
+
 def test_late_leaves_a_batch_that_comes_in_time() -> None:
     fast, slow = server("fast"), server("slow", {50: NOW})
     # needed at (50 - 10) / (1/1 + 1/10) = 36 s; expected at 10 s
@@ -311,12 +317,13 @@ def test_hedge_late_asks_the_fast_server_and_counts_it() -> None:
 
 def test_hedge_late_never_asks_a_stalled_server() -> None:
     slow = measured(server("slow"), 10.0)
-    stalled = measured(server("stalled"), 1.0)
-    credits, _ = ledger(slow, stalled)
+    busy = measured(server("busy", dict.fromkeys(range(100, 110), NOW)), 1.0)  # 11 s away
+    stalled = measured(server("stalled"), 1.0)  # idle, 1 s away: a hedge would go there
+    credits, _ = ledger(slow, busy, stalled)
     credits.send(slow, 0, NOW)
     stalled.state, stalled.retry_at = ServerState.STALLED, 0.0
     credits.hedge_late(NOW, 0)
-    assert credits.hedges == 0
+    assert credits.hedges == 0 and credits.holders[0] == {slow}
 
 
 def test_retry_internal_goes_to_another_server_first() -> None:
