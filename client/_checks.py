@@ -45,7 +45,8 @@ def say_dropped(d: pb.DescribeDatasetResponse, o: LoaderOptions) -> None:
     """Say how many samples each epoch leaves out: drop_last's short batch, and the ranks'
     remainder (as DistributedSampler(drop_last=True) cuts the order, drop_last or not)."""
     per_rank = d.samples_per_rank
-    short = per_rank % o.batch_size if o.drop_last and d.batches_per_epoch else 0
+    batch = o.batch_size or 0  # said only for batches of a size (not under batch_tokens)
+    short = per_rank % batch if batch and o.drop_last and d.batches_per_epoch else 0
     remainder = d.num_samples - per_rank * o.world_size
     if not short and not remainder:
         return

@@ -132,8 +132,10 @@ class EpochPass:
         while loader._at.next_batch < total:
             at, t0 = loader._at, time.perf_counter()
             try:
-                batch = scheduler.take(at.next_batch, on_wait=lambda t0=t0, at=at:
-                                       stall.waiting(scheduler, t0, at.epoch, at.next_batch))
+                def on_wait(t0: float = t0, at: Position = at) -> None:
+                    stall.waiting(scheduler, t0, at.epoch, at.next_batch)
+
+                batch = scheduler.take(at.next_batch, on_wait=on_wait)
             except DataMismatch as e:  # a server refused our fingerprint: name both
                 raise loader._mismatched(e) from None
             loader._agreement.look(first_batch=not loader._stats["batches"])  # others' data

@@ -82,12 +82,12 @@ class LoaderOptions:
     drop_last: bool = True
     # rank, world_size, prefetch and prefetch_bytes: None is "not given", resolved on
     # construction (default_rank_world, prefetching): ints from then on.
-    rank: int | None = None
-    world_size: int | None = None
+    rank: int = None  # type: ignore[assignment]
+    world_size: int = None  # type: ignore[assignment]
     device: Any = None
     output: str = "torch"
-    prefetch: int | None = None
-    prefetch_bytes: int | None = None  # resolved 0: the window is `prefetch`, whatever the size
+    prefetch: int = None  # type: ignore[assignment]
+    prefetch_bytes: int = None  # type: ignore[assignment]  # resolved 0: the window is `prefetch`, whatever the size
     memory_budget: int = MEMORY_BUDGET  # bytes of buffers the window may fill (adapting)
     prefetch_next_epoch: bool = True  # ask for epoch e + 1's first batches as e ends
     timeout: float = 300.0

@@ -10,6 +10,7 @@ change of the policy breaks (the ones tried are in the issue's note, /work/notes
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import grpc
@@ -32,19 +33,34 @@ NOW = 100.0
 
 def server(address: str, outstanding: dict[int, float] | None = None, *,
            latency: float | None = None, state: ServerState = ServerState.UP) -> Server:
-    s = Server(address, None)  # type: ignore[arg-type]  # no channel: nothing is called
+    s = Server(address, None)  # no channel: nothing is called
     s.outstanding = dict(outstanding or {})
     s.latency, s.state = latency, state
     return s
 
 
 class FakeStream:
+    """A stream (transport/stream.py's Stream) that records the credits it is sent."""
+
     def __init__(self, address: str) -> None:
         self.address = address
+        self.capacity: tuple[int, float] | None = None
+        self.bytes_received = 0
         self.records: list[list[int]] = []
 
-    def credit(self, indices: list[int]) -> None:
-        self.records.append(list(indices))
+    def credit(self, batch_indices: Iterable[int]) -> None:
+        self.records.append(list(batch_indices))
+
+    def report(self, wait_seconds: float, loop_seconds: float,
+               window: tuple[int, str, int] = (0, "", 0)) -> None:
+        pass
+
+    def close(self, wait: bool = True) -> None:
+        pass
+
+
+def unused(*args: Any) -> Any:
+    raise AssertionError("no batch is assembled here")
 
 
 class Opened:
@@ -67,9 +83,9 @@ class Set:
 
 def ledger(*servers: Server, total: int = 100) -> tuple[Credits, Opened]:
     opened = Opened()
-    spec = StreamSpec(pb.Coordinates(), None, None)  # type: ignore[arg-type]
+    spec = StreamSpec(pb.Coordinates(), unused, unused)
     passes = Passes(Pass(spec, 0, 0, total))
-    return Credits(Set(*servers), passes, opened, print, print), opened  # type: ignore[arg-type]
+    return Credits(Set(*servers), passes, opened, unused, unused), opened  # type: ignore[arg-type]  # a fake ServerSet
 
 
 # -- crediting: who is asked ----------------------------------------------------------------
@@ -456,7 +472,7 @@ def test_a_state_of_other_data_is_refused() -> None:
 
 
 def test_passes_number_positions_across_epochs() -> None:
-    spec = StreamSpec(pb.Coordinates(), None, None)  # type: ignore[arg-type]
+    spec = StreamSpec(pb.Coordinates(), unused, unused)
     passes = Passes(Pass(spec, 0, 0, 10))
     following = passes.add(spec, 6)
     assert following.base == 10 and passes.end == 16

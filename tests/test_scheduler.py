@@ -45,6 +45,7 @@ class FakeStream:
                  on_end: Any) -> None:
         self.address = address
         self.bytes_received = 0
+        self.capacity: tuple[int, float] | None = None
         self.credits: list[int] = []
         self.records: list[list[int]] = []  # each credit() call: one record on the wire
         self.closed = False
@@ -54,7 +55,8 @@ class FakeStream:
         self.credits.extend(indices)
         self.records.append(list(indices))
 
-    def report(self, wait_seconds: float, loop_seconds: float) -> None:
+    def report(self, wait_seconds: float, loop_seconds: float,
+               window: tuple[int, str, int] = (0, "", 0)) -> None:
         pass
 
     def close(self, wait: bool = True) -> None:

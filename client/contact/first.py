@@ -92,7 +92,7 @@ def first_contact(servers: ServerSet, request: Callable[[], pb.DescribeDatasetRe
             except queue.Empty:
                 servers.refresh(time.monotonic())
                 continue
-            if asked.get(server.address) is not future:
+            if server.address not in asked or asked[server.address] is not future:
                 continue
             del asked[server.address]
             try:
@@ -106,8 +106,8 @@ def first_contact(servers: ServerSet, request: Callable[[], pb.DescribeDatasetRe
             due[server.address] = time.monotonic() + pauses.setdefault(
                 server.address, Backoff()).next()
     except BaseException:
-        for future in asked.values():
-            future.cancel()
+        for call in asked.values():
+            call.cancel()
         raise
 
 

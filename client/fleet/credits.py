@@ -17,7 +17,7 @@ import grpc
 from . import policy
 
 if TYPE_CHECKING:
-    from ..transport.stream import BatchStream, StreamFactory
+    from ..transport.stream import Stream, StreamFactory
     from .passes import Passes
     from .servers import Server, ServerSet
 
@@ -58,21 +58,21 @@ class Credits:
         servers = self._servers.servers.values()
         if policy.hold_back(new, group, start, end, self._passes.end, servers):
             return
-        records: dict[BatchStream, list[int]] = {}
+        records: dict[Stream, list[int]] = {}
         for index in new:
             self.credit(index, now, exclude=(), records=records)
         for stream, indices in records.items():
             stream.credit(indices)
 
     def credit(self, index: int, now: float, exclude: Collection[Server],
-               records: dict[BatchStream, list[int]] | None = None) -> bool:
+               records: dict[Stream, list[int]] | None = None) -> bool:
         """Ask policy.pick's server for the batch at position `index`: at once, or, given
         `records`, by adding it to that server's stream's record (the caller sends them)."""
         server = policy.pick(self._servers.servers.values(), self.costs(now), now, exclude)
         return server is not None and self.send(server, index, now, records)
 
     def send(self, server: Server, index: int, now: float,
-             records: dict[BatchStream, list[int]] | None = None) -> bool:
+             records: dict[Stream, list[int]] | None = None) -> bool:
         """Credit `server` with position `index`, on its stream for the position's epoch."""
         part = self._passes.of(index)
         stream = server.streams.get(part.epoch)
@@ -130,7 +130,7 @@ class Credits:
                 self.credit(index, now, exclude={server})
         return True
 
-    def lost(self, server: Server, error: Any, now: float) -> list[BatchStream]:
+    def lost(self, server: Server, error: Any, now: float) -> list[Stream]:
         """`server`'s stream failed with `error`: it holds nothing now and is down (retried
         after its backoff); the streams to let go."""
         for index in server.outstanding:

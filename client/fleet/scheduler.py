@@ -36,7 +36,7 @@ from typing import Any
 import grpc
 
 from .._errors import RemoteError
-from ..transport.stream import BatchStream, StreamFactory, StreamSpec
+from ..transport.stream import BatchStream, Stream, StreamFactory, StreamSpec
 from . import policy
 from .credits import Credits
 from .passes import Pass, Passes
@@ -72,7 +72,7 @@ class Scheduler:
         self._credits = Credits(servers, self._passes, stream_factory, self._on_batch,
                                 self._on_end)
         # Streams let go of whose receive thread has not ended yet: their bytes still count.
-        self._leaving: set[BatchStream] = set()
+        self._leaving: set[Stream] = set()
         self._fatal: RemoteError | None = None
         self._closed = False
         self._progress = clock()
@@ -196,7 +196,7 @@ class Scheduler:
                                            self._credits.holders):
             self._let_go(stream)
 
-    def _let_go(self, stream: BatchStream) -> None:
+    def _let_go(self, stream: Stream) -> None:
         """Close a stream no server holds any more (its on_end counts its bytes)."""
         self._leaving.add(stream)
         stream.close(wait=False)
@@ -247,14 +247,14 @@ class Scheduler:
         self._credits.hedge_late(now, self._next)
         self._credits.hedge_awaited(waiting_for, now)
 
-    def _server_of(self, stream: BatchStream) -> tuple[Server, Pass] | tuple[None, None]:
+    def _server_of(self, stream: Stream) -> tuple[Server, Pass] | tuple[None, None]:
         """The server of `stream` and the pass it serves; (None, None) for a stream let go."""
         server = self._servers.servers.get(stream.address)
         served = self._passes.served_by(server, stream) if server is not None else None
         return (server, served) if server is not None and served is not None else (None, None)
 
     # -- receive threads -------------------------------------------------------------------
-    def _on_batch(self, stream: BatchStream, index: int, item: Any) -> None:
+    def _on_batch(self, stream: Stream, index: int, item: Any) -> None:
         with self._cond:
             server, served = self._server_of(stream)
             if server is None or served is None or self._closed:
@@ -276,7 +276,7 @@ class Scheduler:
             if index == self._next:  # the one take() waits for; one further on lets it sleep
                 self._cond.notify_all()
 
-    def _on_end(self, stream: BatchStream, error: RemoteError | None) -> None:
+    def _on_end(self, stream: Stream, error: RemoteError | None) -> None:
         with self._cond:
             self.bytes_received += stream.bytes_received
             self._leaving.discard(stream)

@@ -18,7 +18,7 @@ import grpc
 
 from .._backoff import FIRST, MOST, Backoff
 from .._errors import RemoteError
-from ..transport.stream import BatchStream
+from ..transport.stream import Stream
 from .discovery import RESOLVE_EVERY, RESOLVE_WAIT, Resolver, parse_addresses, resolve, start_lookup
 from .rates import Rate
 from .window import Fleet
@@ -66,7 +66,7 @@ class Server:
 
     address: str
     channel: grpc.Channel
-    streams: dict[int, BatchStream] = field(default_factory=dict)
+    streams: dict[int, Stream] = field(default_factory=dict)
     outstanding: dict[int, float] = field(default_factory=dict)  # batch index -> credited at
     state: ServerState = ServerState.UP
     retry_at: float = 0.0
@@ -106,7 +106,7 @@ class Server:
         self.latency = seconds if self.latency is None else 0.8 * self.latency + 0.2 * seconds
 
     # -- transitions -----------------------------------------------------------------------
-    def mark_up(self, epoch: int, stream: BatchStream) -> None:
+    def mark_up(self, epoch: int, stream: Stream) -> None:
         """A new stream, for `epoch`, is open to it (it was usable: up, or down and due for
         a retry, or stalled and due for a probe). A stalled server stays stalled: a stream
         opened for its probe (the epoch it stalled in was let go) is no sign of life; it is
@@ -115,7 +115,7 @@ class Server:
             self.state = ServerState.UP
         self.streams[epoch] = stream
 
-    def let_go(self) -> list[BatchStream]:
+    def let_go(self) -> list[Stream]:
         """Forget its streams; the caller closes those still open."""
         streams, self.streams = list(self.streams.values()), {}
         return streams
@@ -129,7 +129,7 @@ class Server:
         self.held_at_stall = len(self.outstanding)
         self.rate.forget()  # the time it stalled is no measure of its rate
 
-    def took(self, index: int, item: Any, stream: BatchStream, now: float) -> list[BatchStream]:
+    def took(self, index: int, item: Any, stream: Stream, now: float) -> list[Stream]:
         """It delivered `item` (a batch, or an in-band error) for `index` on `stream`: counted
         in its rate; an UNAVAILABLE one says it drains (no new credits). The streams to let
         go: a draining server done with what it took (its shutdown need not wait for us)."""
@@ -228,7 +228,7 @@ class ServerSet:
     def describe(self) -> str:
         return self._dns or ", ".join(self._fixed)
 
-    def streams(self) -> list[BatchStream]:
+    def streams(self) -> list[Stream]:
         """Every server's open streams."""
         return [st for s in self.servers.values() for st in s.streams.values()]
 
@@ -283,12 +283,12 @@ class ServerSet:
                 raise
             self._lookup = None
         for address in wanted:
-            server = self.servers.get(address)
-            if server is None:
+            known = self.servers.get(address)
+            if known is None:
                 channel = self._channel(address, CHANNEL_OPTIONS)
                 self.servers[address] = Server(address, channel, last_progress=now)
             else:
-                server.mark_back()
+                known.mark_back()
         for address, server in self.servers.items():
             if address not in wanted:
                 server.mark_gone()  # no new credits; what it holds still counts

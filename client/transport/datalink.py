@@ -59,8 +59,8 @@ def client_context(tls: bool | Mapping[str, Any] | None) -> ssl.SSLContext | Non
         return None if tls.get(key) is None else str(Path(tls[key]).expanduser())
 
     context = ssl.create_default_context(cafile=path("ca"))
-    if tls.get("cert") is not None:
-        context.load_cert_chain(path("cert"), path("key"))
+    if (cert := path("cert")) is not None:
+        context.load_cert_chain(cert, path("key"))
     return context
 
 

@@ -121,7 +121,7 @@ class Assembler:
         check_header(head)  # before allocating what it claims
         size = head.payload_bytes
         owner, view = self._allocate(size)
-        into = memoryview(view[:size]).cast("B")
+        into = memoryview(view[:size]).cast("B")  # type: ignore[arg-type]  # a buffer
         have = min(self._end - self._start, size)  # the payload's start, read ahead
         into[:have] = self._view[self._start : self._start + have]
         self._start += have

@@ -80,6 +80,7 @@ def numpy_views(payload: np.ndarray, tensors: list[pb.TensorInfo]) -> dict[str, 
     out = {}
     for t in tensors:
         dtype = _numeric_dtype(t.dtype)  # checked by check_header as the batch arrived
+        assert dtype is not None
         arr = payload[t.offset : t.offset + t.nbytes].view(dtype).reshape(tuple(t.shape))
         out[t.name] = arr
     return out

@@ -11,7 +11,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from stoker.v1.wire import CAPACITY_KEY
+from stoker.v1.wire import capacity_metadata
 
 from .refusal import WARNED
 
@@ -77,7 +77,7 @@ class StreamStats:
         """The stream's initial metadata that says what the server can do (stoker.proto,
         DescribeDatasetResponse.capacity)."""
         workers, rate = self._metrics.capacity()
-        return ((CAPACITY_KEY, f"{workers} {rate:.6g}"),)
+        return capacity_metadata(workers, rate)
 
     def sent(self, batches: list[ReadyBatch], label: str) -> None:
         """Batches starting out by the transport `label`."""
