@@ -93,3 +93,14 @@ def test_client_modules_stay_under_300_lines() -> None:
             if name.startswith("stoker.client")
             and (n := len(path.read_text().splitlines())) > 300]
     assert long == []
+
+
+def test_every_package_folder_is_installed() -> None:
+    """A folder with an __init__.py that pyproject's packages leaves out is missing from a
+    wheel (an editable install still finds it, so only a fresh install would fail)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {name for name, path in where.all_modules().items() if path.name == "__init__.py"}
+    assert found - listed == set()
