@@ -62,6 +62,7 @@ test-frameworks: install-frameworks
 
 lint: install
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 ## bench: every benchmark scenario; writes results/*.json and docs/benchmarks.md
 ## (the SPDL peer also needs FFmpeg 5.1's libraries: apt-get install libavcodec59

@@ -7,8 +7,8 @@
             ...
 """
 
-from ._buffers import BufferPool
 from ._errors import DataMismatch, ProtocolError, RemoteError
 from ._loader import RemoteLoader
+from .delivery.buffers import BufferPool
 
 __all__ = ["BufferPool", "DataMismatch", "ProtocolError", "RemoteError", "RemoteLoader"]

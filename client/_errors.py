@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import grpc
 
+from stoker.v1.wire import FINGERPRINT_KEY
+
 
 class RemoteError(RuntimeError):
     """A data server refused or failed a request.
@@ -37,7 +39,6 @@ class RemoteError(RuntimeError):
 
 # A server's dataset fingerprint digest: initial metadata of an accepted stream, trailing
 # metadata of a call refused because the client expects another one.
-FINGERPRINT_KEY = "stoker-fingerprint"
 
 
 class DataMismatch(RemoteError):

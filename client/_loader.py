@@ -6,38 +6,37 @@ thread per stream assembles batches, so at most `prefetch` batches wait in host 
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from stoker.v1 import stoker_pb2 as pb
 
-from . import _samehost as samehost
-from ._buffers import HostBuffers
-from ._chain import Chain
-from ._contact import first_contact
-from ._crediting import group_for
-from ._datalink import Transports
+from ._checks import check_epoch, say_dropped
+from ._epoch_pass import EpochPass
 from ._errors import DataMismatch, RemoteError
-from ._frames import Assembled
 from ._on_demand import OnDemand
 from ._options import loader_options, signature
-from ._pinning import Pinning
-from ._progress import Progress
-from ._resume import LAST_EPOCH, Position, Saved, state_of
-from ._scheduler import FATAL, Scheduler
-from ._servers import Fleet, ServerSet
-from ._sizes import Window, check_epoch, say_dropped
-from ._sources import SourceCounts
 from ._stall import Stall
-from ._stream import StreamSpec
+from .contact.agreement import FingerprintCheck
+from .contact.first import first_contact
+from .delivery.buffers import HostBuffers
+from .delivery.sources import SourceCounts
+from .fleet.kept import KeptScheduler
+from .fleet.scheduler import FATAL
+from .fleet.servers import ServerSet
+from .fleet.window import Fleet, Window
+from .position.resume import LAST_EPOCH, Position, Saved, state_of
+from .transport import samehost
+from .transport.datalink import Transports
+from .transport.frames import Assembled
+from .transport.stream import StreamSpec
 
-MASK = "attention_mask"  # what pack=True packs by: the datasets' mask of real tokens
 
-
-class RemoteLoader(OnDemand):
+class RemoteLoader:
     """Batches of `dataset` from a stoker data server, as dicts of tensors (or numpy arrays).
 
     Each batch holds every field of the dataset, collated, plus `sample_index` (int64): the
@@ -73,7 +72,7 @@ class RemoteLoader(OnDemand):
         self._at = Position(0)
         self._feed = None
         if o.on_device:
-            from ._device import DeviceFeed
+            from .delivery.device import DeviceFeed
 
             # prefetch batches wait in pinned buffers, + one filled, + one being copied.
             self._feed = DeviceFeed(o.device, max_buffers=o.prefetch + 2,
@@ -83,13 +82,14 @@ class RemoteLoader(OnDemand):
         # Describe's answers by (epoch, start) (epoch 0 stands for every epoch but under
         # batch_tokens, whose plans differ): the whole epoch (start 0), a resumed one's rest.
         self._described: dict[tuple[int, int], pb.DescribeDatasetResponse] = {}
-        self._pinning = Pinning(dataset, self._servers, o.timeout, self._coords.order)
+        self._agreement = FingerprintCheck(dataset, self._servers, o.timeout, self._coords.order)
         self._window = Window(o.prefetch, o.adapts, o.memory_budget)
         self._stall = Stall(dataset, o.timeout)
         self._stats = {"batches": 0}
         self._sources = SourceCounts()  # a mixture's samples by component
-        self._chain = Chain(self._servers, self._spec, self._sources.forget_ahead)
+        self._kept = KeptScheduler(self._servers, self._spec, self._sources.forget_ahead)
         self._started = time.perf_counter()
+        self._on_demand = OnDemand(self)
         self._transports = Transports()  # each server's path, for stats()
 
     __init__.__signature__ = signature()  # type: ignore[attr-defined]
@@ -97,8 +97,8 @@ class RemoteLoader(OnDemand):
     # -- positions -------------------------------------------------------------------------
     def coordinates(self) -> pb.Coordinates:
         """This position's coordinates, with the pinned fingerprint once there is one."""
-        pin = self._pinning.pin
-        return self._coords.message(self._at.epoch, self._at.start, pin.digest if pin else "")
+        agreed = self._agreement.fingerprint
+        return self._coords.message(self._at.epoch, self._at.start, agreed.digest if agreed else "")
 
     def __len__(self) -> int:
         """Batches per epoch for this rank (ValueError if there are none: see describe); in
@@ -116,7 +116,7 @@ class RemoteLoader(OnDemand):
         Any server will do: they are tried in turn, with backoff, for up to `connect_timeout`
         s while none has answered at all (then UNAVAILABLE naming every address and what
         happened there), for up to `timeout` s once one has."""
-        return self._sizes(self._at.epoch, self._at.start)
+        return self._on_demand._sizes(self._at.epoch, self._at.start)
 
     def _ask(self, request: pb.DescribeDatasetRequest, epoch: int, start: int
              ) -> pb.DescribeDatasetResponse:
@@ -126,9 +126,9 @@ class RemoteLoader(OnDemand):
         contact = first_contact(self._servers, lambda: request, connect_timeout=o.connect_timeout,
                                 timeout=o.timeout, tls=o.channels.tls, refuse=self._refuse)
         described = contact.described
-        self._pinning.first(contact)
-        self._described[self._key(epoch, start)] = described
-        self._window.heed(described.max_credits, contact.server.address)
+        self._agreement.first(contact)
+        self._described[self._on_demand._key(epoch, start)] = described
+        self._window.cap_credits(described.max_credits, contact.server.address)
         if described.HasField("capacity"):
             c = contact.server.capacity = (described.capacity.workers,
                                            described.capacity.samples_per_second)
@@ -139,14 +139,14 @@ class RemoteLoader(OnDemand):
 
     def _refuse(self, err: RemoteError) -> None:
         """Raise what a server answered Describe with that no other server would mend."""
-        if isinstance(err, DataMismatch) and self._pinning.pin is not None:
+        if isinstance(err, DataMismatch) and self._agreement.fingerprint is not None:
             raise self._mismatched(err) from None
         if err.code in FATAL:
             raise err from None
 
     def _mismatched(self, err: DataMismatch) -> DataMismatch:
         """The DataMismatch for a server that refused our fingerprint: naming both."""
-        return self._pinning.refused(err.address, err.digest,
+        return self._agreement.refused(err.address, err.digest,
                                      self._coords.message(self._at.epoch))
 
     def set_epoch(self, epoch: int) -> None:
@@ -165,7 +165,7 @@ class RemoteLoader(OnDemand):
         at = self._at
         if at.next_batch and at.next_batch >= len(self):
             at = at.following()
-        return state_of(self._coords, at, self._pinning.pin)
+        return state_of(self._coords, at, self._agreement.fingerprint)
 
     def load_state_dict(self, state: dict[str, Any], *, allow_changed_data: bool = False
                         ) -> None:
@@ -177,79 +177,20 @@ class RemoteLoader(OnDemand):
         the rest of that order: ValueError, unless `allow_changed_data` (the loader then goes
         on with the servers' data)."""
         saved = Saved.read(state, self._coords)
-        self._carry(saved)
+        if saved.order != self._coords.order:  # the run goes on in the order it began in
+            self._coords = dataclasses.replace(self._coords, order=saved.order)
+            self._agreement.order = saved.order
+            self._described.clear()
+        self.exclude(saved.excluded.indices if saved.excluded else ())
         if saved.digest and not allow_changed_data:
             self.describe()
-            saved.check_data(self.dataset, self._pinning.pin)
-        self._at = saved.position_for(self._coords, self._planned)
+            saved.check_data(self.dataset, self._agreement.fingerprint)
+        self._at = saved.position_for(self._coords, self._on_demand._planned)
 
     # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        total = len(self)  # ValueError for an epoch without a batch
-        o = self._options
-        if not self._pinning.checked:
-            self._pinning.check_servers(self._coords.message(self._at.epoch), self._window.heed)
-        if self._normalize is not None and not self._normalize.axes:
-            self._normalize.validate(self.describe().fields)  # here, not on a receive thread
-        if o.pack and MASK not in {f.name for f in self.describe().fields}:
-            raise ValueError(f"pack=True packs the tokens {MASK!r} marks, but dataset "
-                             f"{self.dataset!r} has no {MASK} (its fields: "
-                             f"{sorted(f.name for f in self.describe().fields)}): give it a "
-                             "length_column that is a list (docs/client.md#token-budgets)")
-        # finished (saved on an epoch's last batch)
-        if self._at.next_batch and self._at.next_batch >= total:
-            self._at = self._at.following()
-            total = len(self)
-        elif not total:  # the rest of a resumed epoch has no batch here: it is over
-            self._at = self._at.following()
-            return
-        window, at = self._window, self._at
-        scheduler = self._chain.start(at, self.coordinates(), total, window, o.timeout)
-        # The next epoch's first batches are asked for while this one ends (no drain at the
-        # boundary); its size is that of a whole epoch, known once one was described.
-        if o.prefetch_next_epoch and (following := self._following(at.epoch + 1)) is not None:
-            pin = self._pinning.pin
-            self._chain.then(self._coords.message(at.epoch + 1, 0, pin.digest if pin else ""),
-                             following.batches_per_epoch)
-        progress = None
-        if o.progress or o.log_every is not None:
-            progress = Progress(bar=o.progress, log_every=o.log_every, total=total,
-                                start=self._at.next_batch,
-                                label=f"{self.dataset} epoch {self._at.epoch}")
-        serving = scheduler.serving()
-        stall = self._stall
-        stall.begin(scheduler)
-        finished = False
-        try:
-            while self._at.next_batch < total:
-                at, t0 = self._at, time.perf_counter()
-                try:
-                    batch = scheduler.take(at.next_batch, on_wait=lambda t0=t0, at=at:
-                                           stall.waiting(scheduler, t0, at.epoch, at.next_batch))
-                except DataMismatch as e:  # a server refused our fingerprint: name both
-                    raise self._mismatched(e) from None
-                self._pinning.look(first_batch=not self._stats["batches"])  # other servers' data
-                waited = time.perf_counter() - t0
-                stall.wait_seconds += waited
-                if window.adapts or not window.sized:
-                    self._resize_window(scheduler)
-                batch = self._handed(batch, self._feed)
-                self._sources.handed_out(at.epoch, at.next_batch)
-                self._at = at.advanced()
-                self._stats["batches"] += 1
-                if progress is not None:
-                    progress.step(at.next_batch, waited, scheduler.received())
-                stall.due(scheduler, None)
-                yield batch
-            self._at = self._at.following()
-            finished = True
-        finally:
-            stall.end()
-            if progress is not None:
-                progress.close()
-            # Not once finished (it asks ahead), nor under a later loop that followed it on.
-            if not finished and self._chain.live is scheduler and scheduler.serving() is serving:
-                self._chain.drop()
+        """The rest of the current epoch, then on to the next (see the class docstring)."""
+        yield from EpochPass(self)
 
     def _spec(self, coordinates: pb.Coordinates, allocate: Any = None,
               finish: Any = None) -> StreamSpec:
@@ -263,23 +204,7 @@ class RemoteLoader(OnDemand):
                           # connection sends payloads as they are
                           data_socket=o.data_socket and not o.compression,
                           link=o.channels.link, transports=self._transports,
-                          empty=self._empty_batch(allocate or self._allocate))
-
-    def _resize_window(self, scheduler: Scheduler) -> None:
-        """Once the first batch's size is known, the window may widen for small batches
-        (Window.fit); an adapting one follows the fleet and the loop's stall (Window.adapt).
-        The buffer pools grow to match, and the streams' credits follow."""
-        w, described = self._window, self.describe()
-        size = None if w.sized else w.fit(self._options.prefetch_bytes or 0)
-        rows = described.samples_per_rank / max(described.batches_per_epoch, 1)
-        size = w.adapt(scheduler.fleet(), rows, self._stall.wait_seconds,
-                       self._stall.loop_seconds(), self._stats["batches"]) or size
-        if size is not None:
-            self._host.grow(size + 2)
-            if self._feed is not None:
-                self._feed.pool.grow(size + 2)
-            scheduler.resize(size, group_for(size) if w.widened else 1)
-        scheduler.window_note = w.note()
+                          empty=self._on_demand._empty_batch(allocate or self._allocate))
 
     def _allocate(self, nbytes: int) -> tuple[Any, np.ndarray]:
         """A buffer for a batch of `nbytes` (receive threads)."""
@@ -291,7 +216,29 @@ class RemoteLoader(OnDemand):
 
     def _finish(self, batch: Assembled) -> Any:
         self._sources.received(batch)
-        return self._convert(batch, self._feed)
+        return self._on_demand._convert(batch, self._feed)
+
+    # -- on demand (client/_on_demand.py): beside the loop, each one request ---------------
+    def batch_at(self, epoch: int, index: int) -> dict[str, Any]:
+        return self._on_demand.batch_at(epoch, index)
+
+    def provenance(self, epoch: int, index: int) -> list[dict[str, Any]]:
+        return self._on_demand.provenance(epoch, index)
+
+    def seek(self, step: int, world_sizes: int | Sequence[tuple[int, int]] | None = None
+             ) -> None:
+        self._on_demand.seek(step, world_sizes)
+
+    def exclude(self, sample_indices: Iterable[int]) -> None:
+        self._on_demand.exclude(sample_indices)
+
+    @property
+    def excluded(self) -> tuple[int, ...]:
+        """The samples this run leaves out (sorted), see exclude."""
+        return self._on_demand.excluded
+
+    batch_at.__doc__, provenance.__doc__ = OnDemand.batch_at.__doc__, OnDemand.provenance.__doc__
+    seek.__doc__, exclude.__doc__ = OnDemand.seek.__doc__, OnDemand.exclude.__doc__
 
     # -- telemetry and lifecycle -----------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -305,7 +252,7 @@ class RemoteLoader(OnDemand):
         how many host buffers were allocated (pinned ones with a CUDA device): batches reuse
         buffers that nothing refers to any more; for a mixture, `sources`: the samples
         handed out by component (its index in the mixture's `components:`)."""
-        at, batches, figure = self._at, self._stats["batches"], self._chain.figure
+        at, batches, figure = self._at, self._stats["batches"], self._kept.figure
         now = time.perf_counter()
         elapsed = now - self._started
         wait, loop = self._stall.wait_seconds, self._stall.loop_seconds(now)
@@ -328,7 +275,7 @@ class RemoteLoader(OnDemand):
         return stats
 
     def close(self) -> None:
-        self._chain.drop()
+        self._kept.drop()
         self._servers.close()
         self._host.clear()
 

@@ -1,7 +1,7 @@
 """What a RemoteLoader does beside its loop, because a batch is a pure function of its
 coordinates: any batch on demand (`batch_at`), and later ones (seek, exclusions,
-provenance) built on it. `OnDemand` is a base of RemoteLoader (client/_loader.py); it reads
-the loader's fields named below and nothing else.
+provenance) built on it. A RemoteLoader holds one `OnDemand` (client/_loader.py), which reads
+and moves the loader's fields named in `Loader` and nothing else.
 
 Threading: the loop's thread, like the loader; a batch_at during an iteration opens a stream
 of its own (client/_oneshot.py) and uses buffers of its own, so the loop's window, buffers
@@ -13,59 +13,64 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from stoker.v1 import stoker_pb2 as pb
 
-from ._buffers import HostBuffers
-from ._contact import first_contact
-from ._exclusions import Excluded
 from ._oneshot import ask_sources, fetch_one
-from ._resume import LAST_EPOCH, Position
+from .contact.first import first_contact
+from .delivery.buffers import HostBuffers
+from .position.exclusions import Excluded
+from .position.resume import LAST_EPOCH, Position
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from ._chain import Chain
     from ._errors import RemoteError
-    from ._frames import Assembled
     from ._options import LoaderOptions
-    from ._pinning import Pinning
-    from ._resume import Coordinates, Saved
-    from ._servers import ServerSet
     from ._stall import Stall
-    from ._stream import StreamSpec
+    from .contact.agreement import FingerprintCheck
+    from .fleet.kept import KeptScheduler
+    from .fleet.servers import ServerSet
+    from .position.resume import Coordinates, Saved
+    from .transport.frames import Assembled
+    from .transport.stream import StreamSpec
 
 # provenance()'s parts of a sample's source (pb.SampleSource's fields of those names)
 PLACE = ("file", "offset", "nbytes", "line", "row_group", "row", "member", "component",
          "component_index")
 
 
-class OnDemand:
-    """batch_at and the conversions it shares with the loop (see the module docstring)."""
+class Loader(Protocol):
+    """What the on-demand calls read and move of their loader (RemoteLoader is one; a type
+    checker holds it to this where it hands itself over)."""
 
     _options: LoaderOptions
     _coords: Coordinates
     _at: Position
     _feed: Any  # a DeviceFeed, or None
     _servers: ServerSet
-    _pinning: Pinning
+    _agreement: FingerprintCheck
     _normalize: Any  # a Normalizer, or None
-    _aside: tuple[HostBuffers, Any] | None = None  # batch_at's buffers, and device feed
     _described: dict[tuple[int, int], pb.DescribeDatasetResponse]
     _stall: Stall
-    _chain: Chain
+    _kept: KeptScheduler
 
-    if TYPE_CHECKING:  # RemoteLoader's
-        def describe(self) -> pb.DescribeDatasetResponse: ...
+    def describe(self) -> pb.DescribeDatasetResponse: ...
+    def _ask(self, request: pb.DescribeDatasetRequest, epoch: int, start: int
+             ) -> pb.DescribeDatasetResponse: ...
+    def _refuse(self, err: RemoteError) -> None: ...
+    def _spec(self, coordinates: pb.Coordinates, allocate: Any = None,
+              finish: Any = None) -> StreamSpec: ...
 
-        def _ask(self, request: pb.DescribeDatasetRequest, epoch: int, start: int
-                 ) -> pb.DescribeDatasetResponse: ...
 
-        def _refuse(self, err: RemoteError) -> None: ...
+class OnDemand:
+    """batch_at and the conversions it shares with the loop (see the module docstring), for
+    one loader, which holds it."""
 
-        def _spec(self, coordinates: pb.Coordinates, allocate: Any = None,
-                  finish: Any = None) -> StreamSpec: ...
+    def __init__(self, loader: Loader) -> None:
+        self._loader = loader
+        self._aside: tuple[HostBuffers, Any] | None = None  # batch_at's buffers, device feed
 
     def seek(self, step: int, world_sizes: int | Sequence[tuple[int, int]] | None = None
              ) -> None:
@@ -84,43 +89,34 @@ class OnDemand:
         own size from `step`, exactly as `load_state_dict` of a state saved there would."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
-        pin = self._pinning.pin
+        agreed = self._loader._agreement.fingerprint
         stretches = _stretches(world_sizes, step)
         request = pb.DescribeDatasetRequest(
-            coordinates=self._coords.message(0, 0, pin.digest if pin else ""),
+            coordinates=self._loader._coords.message(0, 0, agreed.digest if agreed else ""),
             locate=pb.Locate(step=step, world_sizes=[
                 pb.WorldSizeFrom(from_step=f, world_size=w) for f, w in stretches]))
         # Its answer describes the epoch located, from the start located: cached there (a
         # start > 0 is possible after a change of size: not a whole epoch's sizes to warn of)
         rest = 1 if stretches else 0
-        described = self._ask(request, 0, rest)
-        self._described.pop(self._key(0, rest))
+        described = self._loader._ask(request, 0, rest)
+        self._loader._described.pop(self._key(0, rest))
         located = described.located
-        self._at = Position(located.epoch, located.start, located.batch_index)
-        self._described[self._key(located.epoch, located.start)] = described
+        self._loader._at = Position(located.epoch, located.start, located.batch_index)
+        self._loader._described[self._key(located.epoch, located.start)] = described
 
     def _planned(self, saved: Saved) -> int:
         """Positions consumed by the job that saved `saved` (under batch_tokens, at its
         world_size): where its epoch's plan ended step `next_batch` (one request)."""
-        pin = self._pinning.pin
+        agreed = self._loader._agreement.fingerprint
         at = saved.at
-        theirs = dataclasses.replace(self._coords, rank=0, world_size=saved.world_size)
+        theirs = dataclasses.replace(self._loader._coords, rank=0, world_size=saved.world_size)
         request = pb.DescribeDatasetRequest(
-            coordinates=theirs.message(at.epoch, at.start, pin.digest if pin else ""),
+            coordinates=theirs.message(at.epoch, at.start, agreed.digest if agreed else ""),
             consumed=pb.Consumed(steps=at.next_batch))
-        o = self._options
-        return first_contact(self._servers, lambda: request, connect_timeout=o.connect_timeout,
+        loader, o = self._loader, self._loader._options
+        return first_contact(loader._servers, lambda: request, connect_timeout=o.connect_timeout,
                              timeout=o.timeout, tls=o.channels.tls,
-                             refuse=self._refuse).described.consumed
-
-    def _carry(self, saved: Saved) -> None:
-        """What a loaded state brings into this loader: its exclusions (added to ours) and
-        its order version (the run goes on in the order it began in)."""
-        if saved.order != self._coords.order:
-            self._coords = dataclasses.replace(self._coords, order=saved.order)
-            self._pinning.order = saved.order
-            self._described.clear()
-        self.exclude(saved.excluded.indices if saved.excluded else ())
+                             refuse=loader._refuse).described.consumed
 
     # -- exclusions -------------------------------------------------------------------------
     def exclude(self, sample_indices: Iterable[int]) -> None:
@@ -132,26 +128,26 @@ class OnDemand:
         servers apply it on every rank. Call it between loops (after `break`), not inside
         one: RuntimeError. At most 100,000 samples in all: ValueError past that
         (docs/client.md#finding-and-skipping-the-data-behind-a-loss-spike)."""
-        if self._stall.running:
+        if self._loader._stall.running:
             raise RuntimeError("exclude() inside a loop over the loader: leave the loop "
                                "(break) first; the next loop goes on without those samples")
-        excluded = Excluded.union(self._coords.excluded, sample_indices)
-        if excluded != self._coords.excluded:
-            self._coords = dataclasses.replace(self._coords, excluded=excluded)
-            self._chain.drop()  # what it fetched ahead holds the samples
+        excluded = Excluded.union(self._loader._coords.excluded, sample_indices)
+        if excluded != self._loader._coords.excluded:
+            self._loader._coords = dataclasses.replace(self._loader._coords, excluded=excluded)
+            self._loader._kept.drop()  # what it fetched ahead holds the samples
 
     def _empty_batch(self, allocate: Any) -> Any:
         """What makes the batch of 0 rows that a batch whose samples are all excluded is (on
         a receive thread): every described field, its varying axes 0, in a buffer of
         `allocate`'s; None before the dataset was described (no exclusion yet either)."""
-        if self._coords.excluded is None:
+        if self._loader._coords.excluded is None:
             return None
         fields = [pb.TensorInfo(name=f.name, dtype=f.dtype, shape=[0, *(max(d, 0) for d in
                                                                          f.shape)])
-                  for f in self.describe().fields]
+                  for f in self._loader.describe().fields]
 
         def empty(epoch: int, index: int) -> Assembled:
-            from ._frames import Assembled
+            from .transport.frames import Assembled
 
             return Assembled(index, epoch, allocate(64)[0], fields, 0)
 
@@ -160,22 +156,22 @@ class OnDemand:
     @property
     def excluded(self) -> tuple[int, ...]:
         """The samples this run leaves out (sorted), see exclude."""
-        return self._coords.excluded.indices if self._coords.excluded else ()
+        return self._loader._coords.excluded.indices if self._loader._coords.excluded else ()
 
     # -- sizes: a Describe per epoch under batch_tokens, one for all epochs otherwise ------
     def _key(self, epoch: int, start: int) -> tuple[int, int]:
         """Where Describe's answer for `epoch`'s positions from `start` is cached: each epoch
         of a token budget has its plan's steps; cut by count, every epoch has the same."""
-        return (epoch if self._options.batch_tokens else 0, start)
+        return (epoch if self._loader._options.batch_tokens else 0, start)
 
     def _sizes(self, epoch: int, start: int) -> pb.DescribeDatasetResponse:
         """Describe's answer for `epoch`'s positions from `start`, asked once."""
-        described = self._described.get(self._key(epoch, start))
+        described = self._loader._described.get(self._key(epoch, start))
         if described is None:
-            pin = self._pinning.pin
-            request = pb.DescribeDatasetRequest(
-                coordinates=self._coords.message(epoch, start, pin.digest if pin else ""))
-            described = self._ask(request, epoch, start)
+            agreed = self._loader._agreement.fingerprint
+            request = pb.DescribeDatasetRequest(coordinates=self._loader._coords.message(
+                epoch, start, agreed.digest if agreed else ""))
+            described = self._loader._ask(request, epoch, start)
         return described
 
     def _following(self, epoch: int) -> pb.DescribeDatasetResponse | None:
@@ -185,9 +181,9 @@ class OnDemand:
         a request."""
         if epoch > LAST_EPOCH:
             return None
-        if self._options.batch_tokens:
+        if self._loader._options.batch_tokens:
             return self._sizes(epoch, 0)
-        return self._described.get(self._key(epoch, 0))
+        return self._loader._described.get(self._key(epoch, 0))
 
     def batch_at(self, epoch: int, index: int) -> dict[str, Any]:
         """The batch this rank is given at batch `index` of `epoch`: the same bytes, type and
@@ -197,9 +193,11 @@ class OnDemand:
         INVALID_ARGUMENT (RemoteError) for an index past the epoch."""
         coordinates = self._coordinates_at(epoch, index)
         _, feed = self._aside_buffers()
-        spec = self._spec(coordinates, allocate=lambda n: self._allocate_aside(n),
-                          finish=lambda b: self._convert(b, feed))
-        return self._handed(fetch_one(self._servers, spec, index, self._options.timeout), feed)
+        loader = self._loader
+        spec = loader._spec(coordinates, allocate=lambda n: self._allocate_aside(n),
+                            finish=lambda b: self._convert(b, feed))
+        return self._handed(fetch_one(loader._servers, spec, index, loader._options.timeout),
+                            feed)
 
     def provenance(self, epoch: int, index: int) -> list[dict[str, Any]]:
         """Where each sample of `batch_at(epoch, index)` comes from, in its row order:
@@ -212,7 +210,7 @@ class OnDemand:
         One request; no sample is read."""
         request = pb.ProvenanceRequest(coordinates=self._coordinates_at(epoch, index),
                                        batch_index=index)
-        answer = ask_sources(self._servers, request, self._options.timeout)
+        answer = ask_sources(self._loader._servers, request, self._loader._options.timeout)
         return [{"sample_index": s.sample_index, "source": s.source,
                  **{k: getattr(s, k) for k in PLACE if s.HasField(k)}} for s in answer.samples]
 
@@ -220,21 +218,21 @@ class OnDemand:
         """The coordinates of batch `index` of `epoch` (see batch_at), the data pinned."""
         if epoch < 0 or index < 0:
             raise ValueError(f"epoch and index must be >= 0, got epoch={epoch}, index={index}")
-        self.describe()  # pins the fingerprint: the batch is of the loop's data
-        pin = self._pinning.pin
-        start = self._at.start if epoch == self._at.epoch else 0
-        return self._coords.message(epoch, start, pin.digest if pin else "")
+        self._loader.describe()  # pins the fingerprint: the batch is of the loop's data
+        agreed = self._loader._agreement.fingerprint
+        start = self._loader._at.start if epoch == self._loader._at.epoch else 0
+        return self._loader._coords.message(epoch, start, agreed.digest if agreed else "")
 
     def _aside_buffers(self) -> tuple[HostBuffers, Any]:
         """batch_at's own buffers (and CUDA stream): the loop's pools are sized to its window
         and may all be in use."""
         if self._aside is None:
             feed = None
-            if self._feed is not None:
-                from ._device import DeviceFeed
+            if self._loader._feed is not None:
+                from .delivery.device import DeviceFeed
 
-                feed = DeviceFeed(self._options.device, max_buffers=2,
-                                  normalize=self._feed.normalize)
+                feed = DeviceFeed(self._loader._options.device, max_buffers=2,
+                                  normalize=self._loader._feed.normalize)
             self._aside = (HostBuffers(max_buffers=2), feed)
         return self._aside
 
@@ -248,13 +246,13 @@ class OnDemand:
     def _convert(self, batch: Assembled, feed: Any) -> Any:
         """An assembled batch as the caller gets it (receive threads): on `feed`'s device,
         else numpy views or CPU tensors, normalized if asked."""
-        from ._frames import numpy_views
+        from .transport.tensors import numpy_views
 
-        normalize = self._normalize
+        normalize = self._loader._normalize
         if feed is not None:
             return feed.to_device(batch.buffer, batch.tensors)
         arrays = numpy_views(batch.buffer, batch.tensors)
-        if self._options.output == "numpy":
+        if self._loader._options.output == "numpy":
             return normalize.numpy(arrays) if normalize else arrays
         import torch
 
@@ -266,7 +264,7 @@ class OnDemand:
         for its copy; packed under pack=True."""
         if feed is not None:
             batch = feed.hand_over(*batch)
-        if self._options.pack:
+        if self._loader._options.pack:
             from .packing import pack_padded
 
             batch = pack_padded(batch)

@@ -23,12 +23,12 @@ from stoker.v1 import stoker_pb2 as pb
 from stoker.v1 import stoker_pb2_grpc as pb_grpc
 
 from ._errors import RemoteError
-from ._scheduler import FATAL
-from ._stream import BatchStream
+from .fleet.scheduler import FATAL
+from .transport.stream import BatchStream
 
 if TYPE_CHECKING:
-    from ._servers import Server, ServerSet
-    from ._stream import StreamSpec
+    from .fleet.servers import Server, ServerSet
+    from .transport.stream import StreamSpec
 
 
 T = TypeVar("T")

@@ -17,16 +17,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
-from ._normalize import Normalizer
-from ._resume import ORDER_VERSIONS, Coordinates
-from ._servers import RESOLVE_EVERY, Resolver
 from .channel import ChannelMaker
+from .delivery.normalize import Normalizer
+from .fleet.discovery import RESOLVE_EVERY, Resolver
+from .position.resume import ORDER_VERSIONS, Coordinates
 
 __all__ = ["TOKEN_COSTS", "LoaderOptions", "default_rank_world", "loader_options", "prefetching",
            "signature"]
 
 # Batches requested ahead of the loop when the loader is not told; and, then, the bytes'
-# worth of small batches requested ahead instead (see Window.fit in _sizes.py).
+# worth of small batches requested ahead instead (see Window.fit in fleet/window.py).
 PREFETCH = 8
 PREFETCH_BYTES = 32 << 20
 # The most host (or pinned) memory the batches in flight may take when the window adapts.
@@ -83,12 +83,12 @@ class LoaderOptions:
     order: str = "index"  # a shuffled epoch's order version: ORDER_VERSIONS (docs/client.md)
     # rank, world_size, prefetch and prefetch_bytes: None is "not given", resolved on
     # construction (default_rank_world, prefetching): ints from then on.
-    rank: int | None = None
-    world_size: int | None = None
+    rank: int = None  # type: ignore[assignment]
+    world_size: int = None  # type: ignore[assignment]
     device: Any = None
     output: str = "torch"
-    prefetch: int | None = None
-    prefetch_bytes: int | None = None  # resolved 0: the window is `prefetch`, whatever the size
+    prefetch: int = None  # type: ignore[assignment]
+    prefetch_bytes: int = None  # type: ignore[assignment]  # resolved 0: the window is `prefetch`, whatever the size
     memory_budget: int = MEMORY_BUDGET  # bytes of buffers the window may fill (adapting)
     prefetch_next_epoch: bool = True  # ask for epoch e + 1's first batches as e ends
     timeout: float = 300.0
@@ -105,7 +105,7 @@ class LoaderOptions:
     dns_refresh: float = RESOLVE_EVERY  # dns_refresh and resolver: checked by ServerSet
     resolver: Resolver | None = None
     channels: ChannelMaker = field(init=False)  # made of tls and token
-    # prefetch not given: the window follows the servers and the loop's stall (_sizes.py)
+    # prefetch not given: the window follows the servers and the loop's stall (fleet/window.py)
     adapts: bool = field(init=False)
 
     def __post_init__(self) -> None:

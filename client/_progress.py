@@ -31,7 +31,8 @@ class Progress:
         self._label, self._total = label, total
         self._t0 = self._last = time.perf_counter()
         self._waited = self._waited_last = 0.0
-        self._bytes0 = self._bytes_last = None
+        self._bytes0: int | None = None
+        self._bytes_last: int | None = None
         self._batches_last = 0
 
     def step(self, index: int, waited: float, received_bytes: int) -> None:

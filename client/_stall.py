@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from ._log import say
 
 if TYPE_CHECKING:
-    from ._scheduler import Scheduler
+    from .fleet.scheduler import Scheduler
 
 # The loop's data stall goes to the servers (for their metrics) every REPORT_EVERY seconds of
 # iterating, the first time after REPORT_FIRST, by the clock: from the wait for a batch too

@@ -9,7 +9,7 @@
 
 The token (argument, else the STOKER_TOKEN environment variable) goes out as
 `authorization: Bearer <token>` metadata on every call, by a client interceptor, so no call
-site can forget it. The data connections (client/_datalink.py) use the same settings.
+site can forget it. The data connections (client/transport/datalink.py) use the same settings.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from ._datalink import DataLink, client_context
+from .transport.datalink import DataLink, client_context
 
 TOKEN_ENV = "STOKER_TOKEN"
 TLS_KEYS = ("ca", "cert", "key", "server_name")
@@ -113,23 +113,3 @@ class ChannelMaker:
                    else grpc.secure_channel(address, self.credentials, options=options))
         return channel if self.token is None else grpc.intercept_channel(
             channel, _Bearer(self.token))
-
-
-def hint(tls: bool, errors: str, *, reachable: bool = False) -> str:
-    """A sentence to append to a connection failure that looks like a TLS mismatch ("" if it
-    does not): gRPC's own words ("Socket closed") do not say what to change. `reachable`: the
-    address accepts TCP connections, yet no call got through, whatever gRPC's words say (they
-    may be about another address of the same name: `localhost` is [::1] and 127.0.0.1)."""
-    low = errors.lower()
-    if not tls and reachable:
-        return (" (if the server uses TLS, pass tls=True or tls={'ca': ...}; else check that "
-                "this is its gRPC port, not its HTTP port, and that the server is not stopped)")
-    if not tls and "socket closed" in low:
-        return (" (the server closed the connection at once: if it uses TLS, pass tls=True "
-                "or tls={'ca': ...})")
-    if tls and (reachable or any(w in low for w in ("handshake", "ssl", "certificate",
-                                                    "socket closed"))):
-        return (" (TLS handshake failed: check tls['ca'] signs the server's certificate and "
-                "tls['server_name'] matches it; a server with client_ca_file needs tls['cert'] "
-                "and tls['key']; a server without TLS needs tls=False)")
-    return ""

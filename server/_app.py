@@ -32,7 +32,7 @@ from grpc_reflection.v1alpha import reflection
 from ._config import Config
 from ._errors import StartError
 from .front import limits, tls
-from .front.datasocket import DataSockets
+from .front.data_listener import DataSockets
 from .front.grants import GrantInterceptor, Grants
 from .front.http import HttpLimits, HttpServer
 from .front.listen import address, taken

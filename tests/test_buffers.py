@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stoker.client import BufferPool, RemoteLoader
-from stoker.client._buffers import HostBuffers
+from stoker.client.delivery.buffers import HostBuffers
 
 
 class CopyEvent:

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from stoker.client import RemoteLoader
-from stoker.client._frames import Assembler
-from stoker.server.front.datasocket import MAX_CLAIMS, TOKEN_WAIT
+from stoker.client.transport.frames import Assembler
+from stoker.server.front.data_listener import MAX_CLAIMS, TOKEN_WAIT
 from stoker.server.pool.depth import KEEP_SEGMENTS
 from stoker.v1 import stoker_pb2 as pb
 

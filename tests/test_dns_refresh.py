@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from stoker.client import RemoteLoader
-from stoker.client._servers import RESOLVE_WAIT, ServerSet, ServerState
+from stoker.client.fleet.servers import RESOLVE_WAIT, ServerSet, ServerState
 from stoker.server import ServerProcess, write_config
 
 from conftest import server_env

@@ -1,10 +1,10 @@
 """Bad frames and bad data-socket connections.
 
-The client's frame reassembly (client/_frames.py) gets hypothesis-generated frame sequences:
-valid ones must reassemble byte-exactly; reordered, truncated, corrupted ones, wrong sizes,
-overlapping offsets, bad dtypes and huge shapes must raise its ProtocolError, never anything
-else, and never ask for more memory than the header can justify. The server's data socket
-gets raw TCP connections with garbage, short and wrong tokens, and keeps serving.
+The client's frame reassembly (client/transport/frames.py) gets hypothesis-generated frame
+sequences: valid ones must reassemble byte-exactly; reordered, truncated, corrupted ones,
+wrong sizes, overlapping offsets, bad dtypes and huge shapes must raise its ProtocolError,
+never anything else, and never ask for more memory than the header can justify. The server's data
+socket gets raw TCP connections with garbage, short and wrong tokens, and keeps serving.
 """
 
 from __future__ import annotations
@@ -23,13 +23,8 @@ from hypothesis import strategies as st
 
 from stoker.client import RemoteLoader
 from stoker.client._errors import ProtocolError
-from stoker.client._frames import (
-    MAX_PAYLOAD_BYTES,
-    READ_AHEAD,
-    Assembled,
-    Assembler,
-    numpy_views,
-)
+from stoker.client.transport.frames import READ_AHEAD, Assembled, Assembler
+from stoker.client.transport.tensors import MAX_PAYLOAD_BYTES, numpy_views
 from stoker.v1 import stoker_pb2 as pb
 from stoker.v1.wire import data_prefix
 

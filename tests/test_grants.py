@@ -21,7 +21,7 @@ import pytest
 from certs import Authority, Pair
 
 from stoker.client import RemoteError, RemoteLoader
-from stoker.client._samehost import probe
+from stoker.client.transport.samehost import probe
 from stoker.server import ServerProcess, write_config
 from stoker.server._config import ConfigError, load_config
 from stoker.server.front.redact import redact

@@ -3,8 +3,8 @@ links): a host that loses its network (every packet dropped: no FIN, no RST), fo
 until the partition heals, and an address that black-holes from the start.
 
 - A black-holed address among several costs the first batch no more than CHECK_WAIT
-  (client/_pinning.py): first contact asks every server at once and a server gets no credits
-  before it answered; one with other data that answers late is refused when it answers.
+  (client/contact/agreement.py): first contact asks every server at once and a server gets no
+  credits before it answered; one with other data that answers late is refused when it answers.
 - A host silenced mid-epoch: its batches are asked of the other (the awaited one after
   HEDGE_MIN, the rest after STALL_MIN): nothing lost, nothing twice, the longest wait between
   batches bounded; healed, it is used again within the client's re-probe of a failed server
@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from stoker.client import DataMismatch, RemoteLoader
-from stoker.client._servers import BACKOFF_MAX, PROBE_EVERY
+from stoker.client.fleet.servers import BACKOFF_MAX, PROBE_EVERY
 
 from conftest import StartServer
 from hosts import Host, hosts_or_skip
@@ -47,7 +47,7 @@ LONGEST_WAIT = 1.5  # seconds between batches while a host goes silent
 HEAL_AFTER = 5.0  # seconds a partition lasts
 # How soon a healed server must deliver again: a stalled server gets a probe credit every
 # PROBE_EVERY s; where its connection ended meanwhile, the retry of a down server and the
-# channel's reconnection come at most BACKOFF_MAX s apart each (client/_servers.py,
+# channel's reconnection come at most BACKOFF_MAX s apart each (client/fleet/servers.py,
 # docs/deployment.md#timeouts-for-the-network). A second for a busy machine.
 REPROBE = PROBE_EVERY + BACKOFF_MAX + 1.0
 
@@ -226,7 +226,7 @@ def test_a_partition_that_heals_is_used_again(two_hosts: tuple[Host, Host],
 CLIENT = """
 import sys
 from stoker.client import DataMismatch, RemoteLoader
-from stoker.client._servers import BACKOFF_MAX, PROBE_EVERY
+from stoker.client.fleet.servers import BACKOFF_MAX, PROBE_EVERY
 loader = RemoteLoader(sys.argv[1], "toy", batch_size=4, output="numpy", prefetch=8,
                       timeout=600)
 it = iter(loader)

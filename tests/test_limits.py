@@ -318,7 +318,7 @@ NOISE_BS, CREDITS, FROZEN = 4, 30, 8  # 256 KiB batches
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
 def test_a_frozen_shared_memory_client_holds_at_most_its_cap(start_server: StartServer,
                                                              ledger) -> None:
-    from stoker.client._samehost import probe
+    from stoker.client.transport.samehost import probe
 
     server = start_server(NOISE, server={"max_held_bytes_per_client": "2MiB",
                                          "max_credits": CREDITS},

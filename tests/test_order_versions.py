@@ -88,7 +88,7 @@ def test_an_order_the_server_does_not_know_is_refused_naming_it(address) -> None
 def test_a_server_older_than_index_orders_is_refused(address) -> None:
     """A server that lists no orders (one from before them) would serve the legacy order for
     an index-order loader's coordinates: the loader refuses it."""
-    from stoker.client._pinning import order_refusal
+    from stoker.client.contact.agreement import order_refusal
 
     old = pb.DescribeDatasetResponse(fingerprint=pb.Fingerprint(digest="sha256:ab"))
     refused = order_refusal("n120", ORDER_INDEX, "old:1", old)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from stoker.client import RemoteLoader
-from stoker.client._samehost import probe
+from stoker.client.transport.samehost import probe
 from stoker.v1 import stoker_pb2 as pb
 
 pytestmark = [pytest.mark.timeout(120),

@@ -14,9 +14,10 @@ import grpc
 import pytest
 
 from stoker.client import RemoteError
-from stoker.client._scheduler import BATCH_RETRIES, HEDGE_MIN, STALL_MIN, Scheduler
-from stoker.client._servers import BACKOFF_FIRST, DRAIN_RETRY, PROBE_EVERY, Server, ServerSet
-from stoker.client._stream import StreamSpec
+from stoker.client.fleet.policy import HEDGE_MIN, STALL_MIN
+from stoker.client.fleet.scheduler import BATCH_RETRIES, Scheduler
+from stoker.client.fleet.servers import BACKOFF_FIRST, DRAIN_RETRY, PROBE_EVERY, Server, ServerSet
+from stoker.client.transport.stream import StreamSpec
 from stoker.v1 import stoker_pb2 as pb
 
 A, B, C = "a:1", "b:1", "c:1"
@@ -44,6 +45,7 @@ class FakeStream:
                  on_end: Any) -> None:
         self.address = address
         self.bytes_received = 0
+        self.capacity: tuple[int, float] | None = None
         self.credits: list[int] = []
         self.records: list[list[int]] = []  # each credit() call: one record on the wire
         self.closed = False
@@ -53,7 +55,8 @@ class FakeStream:
         self.credits.extend(indices)
         self.records.append(list(indices))
 
-    def report(self, wait_seconds: float, loop_seconds: float) -> None:
+    def report(self, wait_seconds: float, loop_seconds: float,
+               window: tuple[int, str, int] = (0, "", 0)) -> None:
         pass
 
     def close(self, wait: bool = True) -> None:

@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
 from stoker.client import RemoteError, RemoteLoader
-from stoker.client._samehost import probe
+from stoker.client.transport.samehost import probe
 from stoker.server import ServerProcess, write_config
 from stoker.v1 import stoker_pb2 as pb
 from stoker.v1 import stoker_pb2_grpc as pb_grpc

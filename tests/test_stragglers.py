@@ -1,5 +1,5 @@
 """A slow server does not drag the fleet: its rate is learned, it gets fewer credits, and what
-it would deliver late is hedged to a faster one (client/_rates.py, client/_hedging.py).
+it would deliver late is hedged to a faster one (client/fleet/rates.py, client/fleet/policy.py).
 
 Between real hosts (tests/hosts.py: network namespaces over veth links): every server on a
 host of its own, one link slowed with tc tbf so that its server delivers about 20x fewer
@@ -23,10 +23,11 @@ import pytest
 from test_scheduler import EPS, T0, Channel, Clock, Streams, unused
 
 from stoker.client import RemoteLoader
-from stoker.client._rates import FORGET, Rate
-from stoker.client._scheduler import HEDGE_MIN, Scheduler
-from stoker.client._servers import ServerSet, ServerState
-from stoker.client._stream import StreamSpec
+from stoker.client.fleet.policy import HEDGE_MIN
+from stoker.client.fleet.rates import FORGET, Rate
+from stoker.client.fleet.scheduler import Scheduler
+from stoker.client.fleet.servers import ServerSet, ServerState
+from stoker.client.transport.stream import StreamSpec
 from stoker.v1 import stoker_pb2 as pb
 
 from conftest import StartServer

@@ -20,7 +20,7 @@ import urllib.request
 import pytest
 
 from stoker.client import RemoteLoader
-from stoker.server.front.datasocket import CLAIM_WAIT, MAX_CLAIMS_PER_HOST
+from stoker.server.front.data_listener import CLAIM_WAIT, MAX_CLAIMS_PER_HOST
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.serial]
 
@@ -139,7 +139,7 @@ def test_a_saturated_data_port_is_not_offered_and_streams_get_frames_at_once(
     every 127/8 address): a new stream is offered no data connection while they wait, so it
     is served in frames at once instead of waiting SOCKET_WAIT for an offer a stranger's
     connection may evict; once they are closed (CLAIM_WAIT), the data connection is back."""
-    from stoker.server.front.datasocket import MAX_CLAIMS
+    from stoker.server.front.data_listener import MAX_CLAIMS
     from stoker.server.front.transports.datasocket import SOCKET_WAIT
 
     port = server.ready["data_port"]

@@ -59,3 +59,48 @@ def test_modules_and_classes_stay_readable() -> None:
 def test_design_page_is_made_from_the_code() -> None:
     assert where.current_page()[1] == where.section(where.read()), \
         "run: python tools/where.py --write"
+
+
+def test_the_client_rooms_catch_an_import_that_points_back_up() -> None:
+    modules = where.read()
+    # position/ holds plain values: reaching the scheduler would make them hold its lock
+    modules["stoker.client.position.resume"].runtime.add("stoker.client.fleet.scheduler")
+    # transport/ runs on receive threads: it must not drive the fleet that drives it
+    modules["stoker.client.transport.stream"].runtime.add("stoker.client.fleet.servers")
+    # fleet/ must not reach the loader on top of it
+    modules["stoker.client.fleet.window"].runtime.add("stoker.client._options")
+    found = where.violations(modules)
+    for here, there in (("position.resume", "fleet.scheduler"),
+                        ("transport.stream", "fleet.servers"),
+                        ("fleet.window", "client._options")):
+        assert any(f"client.{here} imports stoker.client.{there}" in v or
+                   f"client.{here} imports stoker.{there}" in v for v in found), (here, found)
+
+
+def test_type_only_circles_are_found_and_the_client_has_none() -> None:
+    modules = where.read()
+    assert [c for c in where.circles(modules, types=True)
+            if c[0].startswith("stoker.client")] == []
+    modules["stoker.client.fleet.rates"].types.add("stoker.client.fleet.servers")
+    assert ["stoker.client.fleet.rates", "stoker.client.fleet.servers"] in where.circles(
+        modules, types=True)
+    assert ["stoker.client.fleet.rates", "stoker.client.fleet.servers"] not in where.circles(
+        modules)
+
+
+def test_client_modules_stay_under_300_lines() -> None:
+    long = [f"{name}: {n}" for name, path in where.all_modules().items()
+            if name.startswith("stoker.client")
+            and (n := len(path.read_text().splitlines())) > 300]
+    assert long == []
+
+
+def test_every_package_folder_is_installed() -> None:
+    """A folder with an __init__.py that pyproject's packages leaves out is missing from a
+    wheel (an editable install still finds it, so only a fresh install would fail)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {name for name, path in where.all_modules().items() if path.name == "__init__.py"}
+    assert found - listed == set()

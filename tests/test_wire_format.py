@@ -14,8 +14,8 @@ import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from stoker.client._errors import ConnectionCut, ProtocolError
-from stoker.client._frames import Assembler, split_frame
-from stoker.server.front.frames import (
+from stoker.client.transport.frames import Assembler, split_frame
+from stoker.server.front.frame_encoding import (
     encode_error,
     encode_frame,
     encode_shm_frame,

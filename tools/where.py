@@ -45,6 +45,8 @@ class Layer:
 
 
 S = "stoker.server"
+C = "stoker.client"
+LEAVES = (f"{C}._errors", f"{C}._log", f"{C}._backoff")  # the client's: any room may import
 LAYERS = (
     Layer("stoker.server.sources", "storage: local files, S3, the disk cache, the prefix cache",
           ()),
@@ -78,7 +80,26 @@ LAYERS = (
     Layer("stoker.server.entry", "the package's face, the `stoker` command, a child server",
           ("stoker.server",),
           modules=(S, f"{S}.__main__", f"{S}.cli", f"{S}._process")),
-    Layer("stoker.client", "the training side", ("stoker.v1",)),
+    Layer("stoker.client.leaves", "the client's errors, its logger, its backoff", ("stoker.v1",),
+          modules=LEAVES),
+    Layer("stoker.client.position", "plain values: coordinates, resume, exclusions, fingerprint",
+          ("stoker.v1",)),
+    Layer("stoker.client.transport", "receive threads: a stream, its frames, the data "
+          "connection, same-host memory", ("stoker.v1", *LEAVES)),
+    Layer("stoker.client.delivery", "a batch's buffers, device copy, normalisation, counts",
+          (*LEAVES, f"{C}.transport.frames")),
+    Layer("stoker.client.fleet", "under the scheduler's lock: servers, rates, credits, hedges, "
+          "the pass, the window", ("stoker.v1", *LEAVES, f"{C}.position",
+                                   f"{C}.transport")),
+    Layer("stoker.client.channel", "how a channel to a server is made (public)",
+          (f"{C}.transport.datalink",), modules=(f"{C}.channel",)),
+    Layer("stoker.client.contact", "first contact, fingerprint agreement, diagnosis",
+          ("stoker.v1", *LEAVES, f"{C}.position", f"{C}.fleet")),
+    Layer("stoker.client.loader", "RemoteLoader, its on-demand calls, its options and checks",
+          ("stoker.v1", C),
+          modules=(C, f"{C}._loader", f"{C}._on_demand", f"{C}._oneshot", f"{C}._options",
+                   f"{C}._checks", f"{C}._epoch_pass", f"{C}._progress", f"{C}._stall",
+                   f"{C}.packing")),
     Layer("stoker.integrations", "stoker inside training frameworks: public API only",
           ("stoker.client", "stoker.server")),
 )
@@ -231,9 +252,15 @@ def _private_across(here: str, target: str) -> bool:
         part.startswith("_") and not part.startswith("__") for part in target.split(".")[2:])
 
 
-def circles(modules: dict[str, Module]) -> list[list[str]]:
-    """Strongly connected groups of more than one module in the run-time import graph
-    (Tarjan's algorithm, iterative)."""
+def circles(modules: dict[str, Module], types: bool = False) -> list[list[str]]:
+    """Strongly connected groups of more than one module in the run-time import graph, or
+    with `types`, in the graph of every import, those for type checkers too (a circle only
+    there still means two modules that cannot be understood apart; Tarjan's algorithm,
+    iterative)."""
+    def edges(name: str) -> Iterator[str]:
+        m = modules[name]
+        return iter(sorted(m.runtime | m.types if types else m.runtime))
+
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     on_stack: set[str] = set()
@@ -243,7 +270,7 @@ def circles(modules: dict[str, Module]) -> list[list[str]]:
     for root in modules:
         if root in index:
             continue
-        work = [(root, iter(sorted(modules[root].runtime)))]
+        work = [(root, edges(root))]
         index[root] = low[root] = counter
         counter += 1
         stack.append(root)
@@ -258,7 +285,7 @@ def circles(modules: dict[str, Module]) -> list[list[str]]:
                     counter += 1
                     stack.append(child)
                     on_stack.add(child)
-                    work.append((child, iter(sorted(modules[child].runtime))))
+                    work.append((child, edges(child)))
                     break
                 if child in on_stack:
                     low[node] = min(low[node], index[child])

@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from stoker.v1.wire import FINGERPRINT_KEY
+
 from ..pool import shm
 from .ready import Accepted, Offer
-from .refusal import FINGERPRINT_KEY, Abort
+from .refusal import Abort
 from .transports import Handshake, Transport, choose
 from .transports.datasocket import SocketOffer
 

@@ -14,7 +14,7 @@ goes on serving everyone else. What each bounds:
   released, per client address and in all (`HeldPool` gives them back).
 
 HTTP connections are bounded in server/front/http.py, data-socket claims in
-server/front/datasocket.py.
+server/front/data_listener.py.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from grpc_health.v1 import health
 
 from ..pool import shm
 from ..pool.depth import DEPTH, KEEP_SEGMENTS
-from .datasocket import MAX_CLAIMS
+from .data_listener import MAX_CLAIMS
 
 if TYPE_CHECKING:
     from .._config import ServerSettings

@@ -100,7 +100,7 @@ class Metrics:
 
     # -- updates (the event loop) ------------------------------------------------------------
     def data_port(self, sockets: Any) -> None:
-        """The data port's claims (front/datasocket.py): those waiting now, its caps, and
+        """The data port's claims (front/data_listener.py): those waiting now, its caps, and
         each connection it closes unclaimed. `waiting` is read from the HTTP thread: the
         length of a dict the loop writes, a single read."""
         sockets.on_dropped = lambda why: self.claims_dropped.labels(why).inc()

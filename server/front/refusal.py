@@ -12,7 +12,6 @@ import grpc
 
 # Initial metadata of an accepted stream, trailing metadata of one refused for its data:
 # the dataset's fingerprint digest as this server has it.
-FINGERPRINT_KEY = "stoker-fingerprint"
 # Answers the log warns about, one line each: the client cannot go on, and the operator
 # should know why (a bad sample, a limit).
 WARNED = (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.RESOURCE_EXHAUSTED)

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .frames import encode_error
+from .frame_encoding import encode_error
 from .ready import Accepted, FailedBatch, Finished, Offer, Ready, ReadyBatch, RefusedCall
 from .transports import Transport, write
 

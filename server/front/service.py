@@ -23,6 +23,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from stoker.v1 import stoker_pb2 as pb
+from stoker.v1.wire import FINGERPRINT_KEY
 
 from .._config import Config
 from ..order import token_batches
@@ -38,7 +39,7 @@ from .grants import CALLER, OPEN, Grant
 from .limits import Admission, Kind, Refused
 from .metrics import Metrics
 from .redact import redact
-from .refusal import FINGERPRINT_KEY, Abort
+from .refusal import Abort
 from .session import StreamSession
 from .session_context import SessionContext
 from .shared_batches import SharedBatches
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from ..pool.layout import BuiltBatch
-    from .datasocket import DataSockets
+    from .data_listener import DataSockets
 
 log = logging.getLogger("stoker.server")
 

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from ..order.sampling import Coordinates
     from ..pool.shm import ReadMappings
     from ..pool.workers import DatasetMeta
-    from .datasocket import DataSockets
+    from .data_listener import DataSockets
     from .grants import Grant
     from .limits import Admission
     from .metrics import Metrics

@@ -11,6 +11,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from stoker.v1.wire import capacity_metadata
+
 from .refusal import WARNED
 
 if TYPE_CHECKING:
@@ -75,7 +77,7 @@ class StreamStats:
         """The stream's initial metadata that says what the server can do (stoker.proto,
         DescribeDatasetResponse.capacity)."""
         workers, rate = self._metrics.capacity()
-        return (("stoker-capacity", f"{workers} {rate:.6g}"),)
+        return capacity_metadata(workers, rate)
 
     def sent(self, batches: list[ReadyBatch], label: str) -> None:
         """Batches starting out by the transport `label`."""

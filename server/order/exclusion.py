@@ -26,7 +26,7 @@ MAX_EXCLUDED = 100_000
 
 def digest_of(indices: np.ndarray) -> str:
     """`sha256:<hex>` of the sorted, distinct indices as little-endian int64 (the client
-    computes the same: client/_exclusions.py)."""
+    computes the same: client/position/exclusions.py)."""
     return "sha256:" + hashlib.sha256(np.asarray(indices, "<i8").tobytes()).hexdigest()
 
 

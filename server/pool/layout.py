@@ -1,7 +1,7 @@
 """A built batch as it lies in shared memory: its segment's name and each tensor's place.
 
 What a worker sends the pool (pool/messages.py `Built`) and what the front end encodes and
-sends (front/frames.py, the transports): a leaf that imports nothing of ours, so that either
+sends (front/frame_encoding.py, the transports): a leaf that imports nothing of ours, so that either
 side can name a batch without importing how one is built.
 """
 

@@ -22,13 +22,42 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
 
 class WireError(ValueError):
     """Bytes that do not follow this module's layouts; the message says where."""
+
+
+# -- metadata --------------------------------------------------------------------------------
+
+# gRPC metadata keys of the protocol (docs/protocol.md), declared here alone: the dataset
+# fingerprint a server holds (the trailers of a FAILED_PRECONDITION refusal of other data,
+# and a stream's initial metadata), and what a server can do (a stream's initial metadata:
+# "WORKERS SAMPLES_PER_SECOND", as DescribeDatasetResponse.capacity).
+FINGERPRINT_KEY = "stoker-fingerprint"
+CAPACITY_KEY = "stoker-capacity"
+
+
+def capacity_metadata(workers: int, rate: float) -> tuple[tuple[str, str], ...]:
+    """A stream's initial metadata saying what its server can do (read by capacity_of)."""
+    return ((CAPACITY_KEY, f"{workers} {rate:.6g}"),)
+
+
+def capacity_of(metadata: Iterable[tuple[str, Any]] | None) -> tuple[int, float]:
+    """(workers, samples/s) from a stream's `stoker-capacity` metadata (stoker.proto's
+    DescribeDatasetResponse.capacity); (0, 0.0) from a server that does not say."""
+    for key, value in metadata or ():
+        if key == CAPACITY_KEY:
+            try:
+                workers, rate = str(value).split()
+                return int(workers), float(rate)
+            except ValueError:
+                break
+    return 0, 0.0
 
 
 # -- frames ----------------------------------------------------------------------------------

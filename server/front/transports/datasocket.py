@@ -1,7 +1,7 @@
 """The data connection: every answer of a stream on a TCP connection of its own.
 
 The connection is the stream's own, claimed with the token of a `SocketOffer` (the listener
-and the claiming are in server/front/datasocket.py). Once it is there, each answer is one
+and the claiming are in server/front/data_listener.py). Once it is there, each answer is one
 record on it (its layout: stoker.v1.wire): a 4-byte little-endian length, the BatchFrame (no
 `data`), and for a batch (`via_socket`) its payload straight from the worker's shared memory,
 no copy in Python. No gRPC message per batch: the gRPC stream carries the offer and, at its
@@ -26,7 +26,7 @@ import grpc
 
 from stoker.v1.wire import RECORD_LENGTH
 
-from ..frames import encode_socket_frame, encode_socket_offer
+from ..frame_encoding import encode_socket_frame, encode_socket_offer
 from ..grants import OPEN, Grant
 from .base import Transport, write
 
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ...pool.layout import BuiltBatch
     from ...pool.shm import ReadMappings
     from ...pool.workers import WorkerPool
-    from ..datasocket import DataSockets
+    from ..data_listener import DataSockets
 
 log = logging.getLogger("stoker.server")
 

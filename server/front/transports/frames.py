@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from ..frames import encode_frame
+from ..frame_encoding import encode_frame
 from .base import Transport, write
 
 if TYPE_CHECKING:

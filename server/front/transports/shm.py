@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from ..frames import encode_shm_frame
+from ..frame_encoding import encode_shm_frame
 from .base import Transport, write
 
 if TYPE_CHECKING:

@@ -1,4 +1,5 @@
-"""The scheduler that serves a loader's loop, kept from one epoch into the next: `Chain`.
+"""The scheduler that serves a loader's loop, kept from one epoch into the next:
+`KeptScheduler`.
 
 A pass that finishes leaves its scheduler running: it has asked for the next epoch's first
 batches (Scheduler.then), and the loop that moves on to that epoch (iterating again, or
@@ -11,24 +12,42 @@ Threading: the loop's thread only.
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ._crediting import group_for
-from ._scheduler import Scheduler
+from .policy import group_for
+from .scheduler import Scheduler
 
 if TYPE_CHECKING:
     from stoker.v1 import stoker_pb2 as pb
 
-    from ._resume import Position
-    from ._servers import ServerSet
-    from ._sizes import Window
-    from ._stream import StreamSpec
+    from ..position.resume import Position
+    from ..transport.stream import StreamSpec
+    from .servers import ServerSet
+    from .window import Window
+
+# Schedulers whose streams may be open. An iterator that is never closed is finalized during
+# interpreter shutdown, after daemon threads stop where they stand: one may hold a gRPC call's
+# lock, and cancelling that call then blocks for ever (seen as a trainer that never exits).
+# So the streams are closed at exit, while the receive threads still run, and their servers'
+# channels too: gRPC's own threads then end before shutdown, with no call's lock held (a
+# client left with its channels open was once seen stuck in a call's __del__ at exit).
+_OPEN: weakref.WeakSet[Scheduler] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_schedulers() -> None:
+    for scheduler in list(_OPEN):
+        scheduler.close()
+        scheduler.close_channels()
+
 
 FIGURES = ("bytes", "failovers", "hedges", "dropped")
 
 
-class Chain:
+class KeptScheduler:
     """`live`: the scheduler now (None between a pass that was left and the next); the
     streams of each pass ask for `spec(coordinates)`; `closed()` runs when one closes."""
 
@@ -49,6 +68,7 @@ class Chain:
                 self._servers, self._spec(coordinates), total=total, start=at.next_batch,
                 window=window.size, timeout=timeout,
                 group=group_for(window.size) if window.widened else 1)
+            _OPEN.add(live)
         return live
 
     def then(self, coordinates: pb.Coordinates, total: int) -> None:
@@ -62,6 +82,7 @@ class Chain:
         live, self.live = self.live, None
         if live is None:
             return
+        _OPEN.discard(live)
         live.close()
         self._closed()
         self._totals["bytes"] += live.bytes_received

@@ -10,7 +10,6 @@ batch's buffer (`recv_into`; pinned when batches go to a GPU), no copy in Python
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import socket
 import ssl
@@ -24,16 +23,11 @@ from google.protobuf.message import DecodeError
 from stoker.v1 import stoker_pb2 as pb
 from stoker.v1.wire import MAX_RECORD_FRAME, RECORD_LENGTH, WireError, read_data_prefix
 
-from ._errors import ConnectionCut, ProtocolError
-from ._samehost import read_segment
+from .._errors import ConnectionCut, ProtocolError
+from .samehost import read_segment
+from .tensors import check_header
 
 log = logging.getLogger("stoker.client")
-# No batch is this large: a header claiming more is corrupt, and is refused before anything
-# is allocated for it.
-MAX_PAYLOAD_BYTES = 1 << 36
-_MAX_DIMS = 32  # numpy's limit is 64; no dataset field comes near
-_KINDS = "biufc"  # bool, integers, floats, complex: what a server may send
-
 # Bytes a receive reads ahead on the data connection: a 64 KiB batch's record whole.
 READ_AHEAD = 80 << 10
 
@@ -52,59 +46,6 @@ def split_frame(raw: bytes) -> tuple[memoryview, pb.BatchFrame]:
     except DecodeError as e:
         raise ProtocolError(f"a frame that is not a BatchFrame: {e}") from None
     return memoryview(frame.data), frame
-
-
-def check_header(head: pb.BatchFrame) -> None:
-    """The header of a batch's first (or only) frame adds up: every tensor a numeric numpy
-    dtype whose shape gives its nbytes, at a 64-byte aligned offset after the one before, and
-    the last ending at payload_bytes, which is at most MAX_PAYLOAD_BYTES."""
-    where = f"batch {head.batch_index}"
-    if not 0 <= head.payload_bytes <= MAX_PAYLOAD_BYTES:
-        raise ProtocolError(f"{where}: payload_bytes {head.payload_bytes} is not in "
-                            f"[0, {MAX_PAYLOAD_BYTES}]")
-    end = 0
-    for t in head.tensors:
-        name = f"{where}: tensor {t.name[:100]!r}"
-        dtype = _numeric_dtype(t.dtype)
-        if dtype is None:
-            raise ProtocolError(f"{name}: dtype {t.dtype[:100]!r} is not a numeric numpy dtype")
-        if len(t.shape) > _MAX_DIMS or any(d < 0 for d in t.shape):
-            raise ProtocolError(f"{name}: shape {list(t.shape)[:_MAX_DIMS + 1]} is not a shape")
-        nbytes = dtype.itemsize
-        for d in t.shape:
-            nbytes *= d  # Python ints: no overflow
-        if nbytes != t.nbytes:
-            raise ProtocolError(f"{name}: {t.dtype}{list(t.shape)} is {nbytes} bytes, the "
-                                f"header says {t.nbytes}")
-        if t.offset < end or t.offset % 64:
-            raise ProtocolError(f"{name}: offset {t.offset} is not 64-byte aligned at or "
-                                f"after byte {end}")
-        end = t.offset + t.nbytes
-    if head.tensors and end != head.payload_bytes:
-        raise ProtocolError(f"{where}: its tensors end at byte {end}, payload_bytes is "
-                            f"{head.payload_bytes}")
-
-
-def _numeric_dtype(name: str) -> np.dtype | None:
-    """The little-endian numpy dtype a header names, or None if it is not a plain numeric
-    one. Cached: a stream's headers name the same few dtypes batch after batch (names as
-    long as no numeric dtype's are not, so a server cannot fill the cache with them)."""
-    return _cached_dtype(name) if len(name) <= 16 else _dtype_of(name)
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_dtype(name: str) -> np.dtype | None:
-    return _dtype_of(name)
-
-
-def _dtype_of(name: str) -> np.dtype | None:
-    try:
-        dtype = np.dtype(name)
-    except (TypeError, ValueError, SyntaxError):
-        return None
-    if dtype.kind not in _KINDS or dtype.fields or dtype.subdtype:
-        return None
-    return dtype.newbyteorder("<")
 
 
 @dataclass
@@ -180,7 +121,7 @@ class Assembler:
         check_header(head)  # before allocating what it claims
         size = head.payload_bytes
         owner, view = self._allocate(size)
-        into = memoryview(view[:size]).cast("B")
+        into = memoryview(view[:size]).cast("B")  # type: ignore[arg-type]  # a buffer
         have = min(self._end - self._start, size)  # the payload's start, read ahead
         into[:have] = self._view[self._start : self._start + have]
         self._start += have
@@ -300,13 +241,3 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
             raise ConnectionCut(f"the data connection closed after {got} of {len(view)} "
                                 "bytes")
         got += n
-
-
-def numpy_views(payload: np.ndarray, tensors: list[pb.TensorInfo]) -> dict[str, np.ndarray]:
-    """Each tensor as a numpy view into the payload (no copy)."""
-    out = {}
-    for t in tensors:
-        dtype = _numeric_dtype(t.dtype)  # checked by check_header as the batch arrived
-        arr = payload[t.offset : t.offset + t.nbytes].view(dtype).reshape(tuple(t.shape))
-        out[t.name] = arr
-    return out

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ._frames import Assembled
+from ..transport.frames import Assembled
 
 
 class SourceCounts:
@@ -39,7 +39,7 @@ class SourceCounts:
 
     def handed_out(self, epoch: int, batch_index: int) -> None:
         """The loop handed this batch out: its counts count."""
-        for source, n in enumerate(self._ahead.pop((epoch, batch_index), None) or ()):
+        for source, n in enumerate(self._ahead.pop((epoch, batch_index), [])):
             self._handed[source] = self._handed.get(source, 0) + n
 
     def forget_ahead(self) -> None:

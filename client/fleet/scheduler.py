@@ -1,82 +1,54 @@
 """Which server computes which batch, and what happens when one fails: one epoch's pass.
 
-The window [next, next + window) of batch indices is credited across the servers; each index
-goes to the usable server expected to deliver it soonest, from its outstanding credits and
-its measured rate (client/_crediting.py, client/_rates.py), so a faster server gets more.
-Batches are handed out in index order.
+The window [next, next + window) is credited as fleet/policy.py decides and fleet/credits.py
+applies; batches are handed out in index order.
 
 Exactly once rests on batches being pure functions of their coordinates: any index may be
 asked of any server, any number of times, and the first answer wins. So:
-- a stream that fails (server killed, draining, unreachable) puts its indices back, and they
-  go to other servers; the failed server is retried with backoff;
-- a server that holds credits and delivers nothing for a while is "stalled": its indices are
-  asked of others too, and it gets no new ones until it delivers again but a probe now and
-  then (PROBE_EVERY, client/_servers.py: a partition may heal);
-- the index the loop waits on, outstanding too long at its server, is also asked of another
-  server (a hedge); the duplicate that may follow is dropped; so is a batch a slow server
-  holds that it will deliver after the loop needs it (client/_hedging.py);
-- an in-band UNAVAILABLE (a draining server refusing new credits) sends that index elsewhere;
-- an in-band INTERNAL (a worker died, or hung past the server's batch_timeout_seconds) is
-  asked again of another usable server when there is one, else of the same one.
+- a stream that fails (killed, draining, unreachable) puts its indices back, for other
+  servers; the failed server is retried with backoff;
+- a server that holds credits and delivers nothing for a while is "stalled": its indices go
+  to others too, and it gets no new ones but a probe (PROBE_EVERY: a partition may heal);
+- a hedged batch's duplicate is dropped; an in-band UNAVAILABLE (a draining server) sends
+  that index elsewhere; an in-band INTERNAL (a worker died, or hung past the server's
+  batch_timeout_seconds) is asked again of another usable server, else of the same one.
 Errors that any server would repeat are raised: stream errors with a FATAL code, and in-band
 batch errors other than UNAVAILABLE and (up to BATCH_RETRIES times) INTERNAL, e.g. DATA_LOSS.
 
 Epochs: a scheduler serves the loop's epoch and, once told of it (`then`), the next one, whose
-first batches it asks for while the loop ends the current one (client/_passes.py: batches are
-numbered by position across epochs, each epoch has its own streams). The loop moves on with
-`follow`; batches of an epoch it does not move on to are dropped at close() and counted
-(`dropped`).
+first batches it asks for while the loop ends the current one (fleet/passes.py: positions
+across epochs, each epoch its own streams). The loop moves on with `follow`; batches of an
+epoch it does not move on to are dropped at close() and counted (`dropped`).
 
 Threading: take(), poll(), then(), follow() and close() run on the loop's thread; receive
-threads call _on_batch and _on_end. All state, the servers' included, is guarded by one
-condition variable. Every decision reads the injected clock (time.monotonic by default), so a
-test can drive the timing with a fake clock and fake streams (tests/test_scheduler.py).
+threads call _on_batch and _on_end. One condition variable guards all state, the servers'
+too. Decisions read the injected clock, so a test drives them with a fake clock and fake
+streams (tests/test_scheduler.py).
 """
 
 from __future__ import annotations
 
-import atexit
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 
-from ._errors import RemoteError
-from ._hedging import Hedging
-from ._passes import Pass, Passes
-from ._servers import Fleet, Server, ServerSet, ServerState
-from ._stream import BatchStream, StreamFactory, StreamSpec
+from .._errors import RemoteError
+from ..transport.stream import BatchStream, Stream, StreamFactory, StreamSpec
+from . import policy
+from .credits import Credits
+from .passes import Pass, Passes
+from .policy import FATAL
+from .servers import Server, ServerSet
+from .window import Fleet
 
-# Codes every server would answer the same way: retrying elsewhere cannot help.
-FATAL = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
-         grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTICATED,
-         grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED,
-         grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE}
 BATCH_RETRIES = 2  # an INTERNAL batch error (a worker died) is tried this many more times
 TICK = 0.1  # while the loop waits: how often to look for stalls, hedges, retries
-HEDGE_MIN, STALL_MIN = 0.5, 2.0  # seconds
 
 
-# Schedulers whose streams may be open. An iterator that is never closed is finalized during
-# interpreter shutdown, after daemon threads stop where they stand: one may hold a gRPC call's
-# lock, and cancelling that call then blocks for ever (seen as a trainer that never exits).
-# So the streams are closed at exit, while the receive threads still run, and their servers'
-# channels too: gRPC's own threads then end before shutdown, with no call's lock held (a
-# client left with its channels open was once seen stuck in a call's __del__ at exit).
-_OPEN: weakref.WeakSet[Scheduler] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_schedulers() -> None:
-    for scheduler in list(_OPEN):
-        scheduler.close()
-        scheduler.close_channels()
-
-
-class Scheduler(Hedging):
+class Scheduler:
     """Batches [start, total) of one epoch, each asked of the servers with `spec`, at most
     `window` indices ahead of the loop, new ones `group` at a time while servers hold credits
     (see _assign); `timeout` s without progress is an error.
@@ -90,26 +62,21 @@ class Scheduler(Hedging):
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._servers = servers
         self._passes = Passes(Pass(spec, 0, start, total))
-        self._next = start  # a position (client/_passes.py); the first pass's are its indices
+        self._next = start  # a position (client/fleet/passes.py); the first pass's are its indices
         self._window = window
         self._group = group  # new credits are sent once this many are due (see _assign)
         self._timeout = timeout
-        self._open_stream = stream_factory
         self._clock = clock
         self._cond = threading.Condition()
         self._ready: dict[int, Any] = {}
-        self._holders: dict[int, set[Server]] = {}  # index -> servers asked for it
-        self._hedged: set[int] = set()
-        self._cost_memo = None
+        self._credits = Credits(servers, self._passes, stream_factory, self._on_batch,
+                                self._on_end)
         # Streams let go of whose receive thread has not ended yet: their bytes still count.
-        self._leaving: set[BatchStream] = set()
-        self._retries: dict[int, int] = {}
+        self._leaving: set[Stream] = set()
         self._fatal: RemoteError | None = None
         self._closed = False
-        _OPEN.add(self)
         self._progress = clock()
         self.failovers = 0
-        self.hedges = 0
         self.bytes_received = 0
         self.dropped = 0  # batches received of an epoch the loop did not move on to
         self.window_note = (0, "", 0)  # the loader's window, why, budget: sent with reports
@@ -117,31 +84,46 @@ class Scheduler(Hedging):
         with self._cond:
             self._assign(clock())
 
+    @property
+    def hedges(self) -> int:
+        """Batches also asked of another server: late at a slow one, or awaited too long."""
+        return self._credits.hedges
+
+    def widen(self, window: int) -> None:
+        """Keep up to `window` batches in flight from now on (more than before), and ask
+        for new ones in groups (see policy.hold_back)."""
+        with self._cond:
+            if window > self._window:
+                self.resize(window, policy.group_for(window))
+
+    def resize(self, window: int, group: int) -> None:
+        """Keep up to `window` batches in flight from now on (fewer: none is asked for
+        until fewer are), new ones `group` at a time."""
+        with self._cond:
+            self._window, self._group = window, group
+            self._assign(self._clock())
+
+    def _assign(self, now: float) -> None:
+        if not self._closed:
+            self._credits.assign(now, self._next, self._window, self._group, self._ready)
+
     # -- the loop's side -------------------------------------------------------------------
     def report(self, wait_seconds: float, loop_seconds: float) -> None:
         """Send the loop's data stall to every server with an open stream."""
         with self._cond:
-            streams = self._streams()
+            streams = self._servers.streams()
         for stream in streams:
             stream.report(wait_seconds, loop_seconds, self.window_note)
 
     def fleet(self) -> Fleet:
         """What the servers in use said they can do, and their batches' latency."""
         with self._cond:
-            up = [s for s in self._servers.servers.values() if s.up]
-            said = [next((st.capacity for st in s.streams.values() if st.capacity),
-                         s.capacity) or (0, 0.0) for s in up]
-            latencies = [s.latency for s in up if s.latency is not None]
-        return Fleet(sum(w for w, _ in said), sum(r for _, r in said),
-                     sum(latencies) / len(latencies) if latencies else None)
-
-    def _streams(self) -> list[BatchStream]:
-        return [st for s in self._servers.servers.values() for st in s.streams.values()]
+            return self._servers.fleet()
 
     def received(self) -> int:
         """Bytes received so far, by streams that ended and by those still open."""
         with self._cond:
-            live = sum(st.bytes_received for st in [*self._streams(), *self._leaving])
+            live = sum(st.bytes_received for st in [*self._servers.streams(), *self._leaving])
             return self.bytes_received + live
 
     def take(self, index: int, on_wait: Callable[[], None] | None = None) -> Any:
@@ -163,7 +145,7 @@ class Scheduler(Hedging):
             # A loop that never waits must still see servers join and leave a dns name.
             self._servers.refresh(now)
             self._assign(now)
-            self._hedge_late(now)
+            self._credits.hedge_late(now, self._next)
         if isinstance(item, RemoteError):
             raise item
         return item
@@ -210,10 +192,11 @@ class Scheduler(Hedging):
                 and self._passes.follow(epoch)
 
     def _retire(self, done: Pass) -> None:
-        for stream in self._passes.retire(done, self._servers.servers.values(), self._holders):
+        for stream in self._passes.retire(done, self._servers.servers.values(),
+                                           self._credits.holders):
             self._let_go(stream)
 
-    def _let_go(self, stream: BatchStream) -> None:
+    def _let_go(self, stream: Stream) -> None:
         """Close a stream no server holds any more (its on_end counts its bytes)."""
         self._leaving.add(stream)
         stream.close(wait=False)
@@ -228,7 +211,6 @@ class Scheduler(Hedging):
         self.dropped += self._passes.drop_beyond_loop(self._ready)
 
     def close(self) -> None:
-        _OPEN.discard(self)
         with self._cond:
             if not self._closed:
                 self.dropped += self._passes.drop_beyond_loop(self._ready)
@@ -248,7 +230,7 @@ class Scheduler(Hedging):
     def servers_now(self) -> str:
         """Every server, its state and last error (for errors and log lines)."""
         with self._cond:
-            return self._servers.now()
+            return self._servers.summary()
 
     def _no_server(self, index: int) -> RemoteError:
         return RemoteError(grpc.StatusCode.UNAVAILABLE,
@@ -258,81 +240,50 @@ class Scheduler(Hedging):
     # -- scheduling (under the lock) -------------------------------------------------------
     def _maintain(self, now: float, waiting_for: int) -> None:
         self._servers.refresh(now)
-        for s in self._servers.servers.values():
-            if s.outstanding and s.up:
-                patience = max(STALL_MIN, 10 * (s.latency or 0.0))
-                if now - s.last_progress > patience:
-                    s.mark_stalled(now)  # ask others for what it holds
-                    self.failovers += 1
+        for s in policy.stalling(self._servers.servers.values(), now):
+            s.mark_stalled(now)  # ask others for what it holds
+            self.failovers += 1
         self._assign(now)
-        self._hedge_late(now)
-        # Hedge the batch the loop is waiting for.
-        holders = self._holders.get(waiting_for, set())
-        if waiting_for not in self._hedged and holders:
-            asked = min(s.outstanding.get(waiting_for, now) for s in holders)
-            fastest = min((s.latency for s in self._servers.servers.values()
-                           if s.latency is not None), default=0.0)
-            if now - asked > max(HEDGE_MIN, 4 * fastest):
-                if self._credit(waiting_for, now, exclude=holders | self._stalled()):
-                    self._hedged.add(waiting_for)
-                    self.hedges += 1
+        self._credits.hedge_late(now, self._next)
+        self._credits.hedge_awaited(waiting_for, now)
 
-    def _server_of(self, stream: BatchStream) -> tuple[Server, Pass] | tuple[None, None]:
+    def _server_of(self, stream: Stream) -> tuple[Server, Pass] | tuple[None, None]:
         """The server of `stream` and the pass it serves; (None, None) for a stream let go."""
         server = self._servers.servers.get(stream.address)
-        lane = self._passes.lane(server, stream) if server is not None else None
-        return (server, lane) if server is not None and lane is not None else (None, None)
+        served = self._passes.served_by(server, stream) if server is not None else None
+        return (server, served) if server is not None and served is not None else (None, None)
 
     # -- receive threads -------------------------------------------------------------------
-    def _on_batch(self, stream: BatchStream, index: int, item: Any) -> None:
+    def _on_batch(self, stream: Stream, index: int, item: Any) -> None:
         with self._cond:
-            server, lane = self._server_of(stream)
-            if server is None or lane is None or self._closed:
+            server, served = self._server_of(stream)
+            if server is None or served is None or self._closed:
                 return  # a stream we already gave up on
-            index += lane.base  # a position from here on
+            index += served.base  # a position from here on
             now = self._clock()
-            server.mark_delivered(index, now)
-            server.rate.delivered(now, stream, stream.bytes_received, bool(server.outstanding))
-            self._cost_memo = None
-            if isinstance(item, RemoteError) and item.code == grpc.StatusCode.UNAVAILABLE:
-                server.mark_draining(item.details)  # it refuses new credits: send none
-            if server.state is ServerState.DRAINING and not server.outstanding:
-                # Done with what it took: let go, so its shutdown need not wait for us.
-                server.mark_drained(now)
-                for drained in server.let_go():
-                    self._let_go(drained)
+            self._credits.forget()
+            for drained in server.took(index, item, stream, now):
+                self._let_go(drained)
             if index < self._next or index in self._ready:
                 return  # a duplicate: another server answered first
-            retry = isinstance(item, RemoteError) and (
-                item.code == grpc.StatusCode.UNAVAILABLE or (
-                    item.code == grpc.StatusCode.INTERNAL
-                    and self._retries.get(index, 0) < BATCH_RETRIES))
-            if retry:
-                holders = self._holders.get(index, set())
-                holders.discard(server)
-                if item.code == grpc.StatusCode.INTERNAL:
-                    self._retries[index] = self._retries.get(index, 0) + 1
-                    # Whatever broke there (a worker that died or hung) may break again:
-                    # another server first; _assign falls back on this one if none is usable.
-                    if not any(s.up for s in holders):
-                        self._credit(index, now, exclude={server})
-                self._assign(now)
+            if self._credits.retry(index, server, item, now, BATCH_RETRIES):
+                self._assign(now)  # ... and on the same server, if no other is usable
                 return
             server.batches += 1
             self._ready[index] = item
-            self._holders.pop(index, None)
+            self._credits.holders.pop(index, None)
             self._progress = now
             if index == self._next:  # the one take() waits for; one further on lets it sleep
                 self._cond.notify_all()
 
-    def _on_end(self, stream: BatchStream, error: RemoteError | None) -> None:
+    def _on_end(self, stream: Stream, error: RemoteError | None) -> None:
         with self._cond:
             self.bytes_received += stream.bytes_received
             self._leaving.discard(stream)
-            server, lane = self._server_of(stream)
-            if server is None or lane is None or self._closed or error is None:
+            server, served = self._server_of(stream)
+            if server is None or served is None or self._closed or error is None:
                 return
-            if error.code in FATAL and any(lane is p for p in self._passes.ahead()):
+            if error.code in FATAL and any(served is p for p in self._passes.ahead()):
                 self._abandon_ahead(error)
                 return
             if error.code in FATAL:
@@ -340,14 +291,8 @@ class Scheduler(Hedging):
                 self._cond.notify_all()
                 return
             now = self._clock()
-            for index in server.outstanding:
-                self._holders.get(index, set()).discard(server)
-            if server.outstanding:
-                self.failovers += 1
-            server.outstanding.clear()
-            server.mark_down(error, now)
-            self._cost_memo = None
-            for other in server.let_go():
+            self.failovers += bool(server.outstanding)
+            for other in self._credits.lost(server, error, now):
                 if other is not stream:
                     self._let_go(other)
             self._assign(now)

@@ -22,8 +22,8 @@ from typing import Any
 
 from stoker.v1 import stoker_pb2 as pb
 
-from ._exclusions import Excluded
-from ._pinning import Pin, short
+from .exclusions import Excluded
+from .fingerprint import Fingerprint, short
 
 _MISSING = object()
 
@@ -103,7 +103,7 @@ class Position:
         return Position(self.epoch, self.start, self.next_batch + 1)
 
 
-def state_of(coords: Coordinates, at: Position, pin: Pin | None) -> dict[str, Any]:
+def state_of(coords: Coordinates, at: Position, agreed: Fingerprint | None) -> dict[str, Any]:
     """state_dict(): `at` (a finished epoch already given as the next one's start) under
     `coords`, with the fingerprint of the data it is a position in."""
     # `start` only where it is not 0: such a state stays what stoker saved before it had
@@ -113,8 +113,8 @@ def state_of(coords: Coordinates, at: Position, pin: Pin | None) -> dict[str, An
     if coords.excluded is not None:
         saved["excluded"] = list(coords.excluded.indices)
     state = {"coordinates": saved, "epoch": at.epoch, "next_batch": at.next_batch}
-    if pin is not None and pin.digest:
-        state["fingerprint"] = pin.state()
+    if agreed is not None and agreed.digest:
+        state["fingerprint"] = agreed.state()
     return state
 
 
@@ -168,17 +168,17 @@ class Saved:
         """The digest of the data it was saved against ("": none recorded)."""
         return (self.fingerprint or {}).get("digest") or ""
 
-    def check_data(self, dataset: str, pin: Pin | None) -> None:
-        """ValueError when the servers' data (`pin`) is not the data it was saved against:
+    def check_data(self, dataset: str, agreed: Fingerprint | None) -> None:
+        """ValueError when the servers' data (`agreed`) is not the data it was saved against:
         the rest of the epoch would not be the rest of that order."""
-        if pin is None or not pin.digest or not self.digest or pin.digest == self.digest:
+        if agreed is None or not agreed.digest or not self.digest or agreed.digest == self.digest:
             return
         saved = self.fingerprint or {}
         raise ValueError(
             f"state_dict was saved against dataset {dataset!r} "
             f"{short(self.digest, saved.get('objects'), saved.get('bytes'))}; "
-            f"the servers now have {short(pin.digest, pin.objects, pin.bytes)} (from "
-            f"{pin.address}): the rest of the epoch would not be the rest of that "
+            f"the servers now have {short(agreed.digest, agreed.objects, agreed.bytes)} (from "
+            f"{agreed.address}): the rest of the epoch would not be the rest of that "
             "order; pass load_state_dict(state, allow_changed_data=True) to go on "
             "anyway")
 

@@ -1,13 +1,13 @@
-"""Which data a loader reads: the dataset fingerprint it pinned, and the servers that agree.
+"""Which data a loader reads: the dataset fingerprint it agreed on, and the servers that agree.
 
-A loader pins the fingerprint of the first server that describes the dataset, and from then on
+A loader keeps the fingerprint of the first server that describes the dataset, and from then on
 sends its digest in every stream's and Describe's coordinates: a server with other data refuses
 those (FAILED_PRECONDITION). The other servers' descriptions are compared as they come (the
-first contact's calls to them, client/_contact.py, or new ones): a server gets no credits until
-its own has come, those that answer within CHECK_WAIT of the first are compared before any
-batch is used, and a later one that disagrees is refused when it answers, so that two servers
-that listed the data at different times are named together, while an address that black-holes
-holds up nothing (docs/client.md, "Servers that hold different data").
+first contact's calls to them, client/contact/first.py, or new ones): a server gets no credits
+until its own has come, those that answer within CHECK_WAIT of the first are compared before
+any batch is used, and a later one that disagrees is refused when it answers, so that two
+servers that listed the data at different times are named together, while an address that
+black-holes holds up nothing (docs/client.md, "Servers that hold different data").
 
 Threading: used from the loop's thread only (the loader's)."""
 
@@ -17,75 +17,39 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 
 from stoker.v1 import stoker_pb2 as pb
 from stoker.v1 import stoker_pb2_grpc as pb_grpc
 
-from ._errors import DataMismatch, RemoteError
-from ._log import say
+from .._errors import DataMismatch, RemoteError
+from .._log import say
+from ..position.fingerprint import Fingerprint, short
 
 if TYPE_CHECKING:
-    from ._contact import Contact
-    from ._servers import ServerSet
+    from ..fleet.servers import ServerSet
+    from .first import Contact
 
-SHORT = len("sha256:") + 12
 # Seconds after the first answer that the other servers' answers are waited for before a
 # loader's first batch is used; later ones are compared as they come.
 CHECK_WAIT = 0.5
 
 
-@dataclass(frozen=True)
-class Pin:
-    """The fingerprint a loader reads (`digest` "" when the server reports none) and the
-    server it came from."""
-
-    digest: str
-    objects: int
-    bytes: int
-    address: str
-
-    @classmethod
-    def of(cls, fp: pb.Fingerprint, address: str) -> Pin:
-        return cls(fp.digest, fp.objects, fp.bytes, address)
-
-    def state(self) -> dict[str, Any]:
-        """What state_dict() records."""
-        return {"digest": self.digest, "objects": self.objects, "bytes": self.bytes}
-
-
-def short(digest: str, objects: int | None = None, nbytes: int | None = None) -> str:
-    """`sha256:9c1d2e3f4a5b... (40 objects, 1.2 MB)`."""
-    text = digest[:SHORT] + "..." if len(digest) > SHORT else digest or "(none)"
-    if objects is None:
-        return text
-    return f"{text} ({objects} objects, {_size(nbytes or 0)})"
-
-
-def _size(n: float) -> str:
-    for unit in ("bytes", "kB", "MB", "GB"):
-        if n < 1000:
-            return f"{int(n)} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
-
-
-def mismatch(dataset: str, pin: Pin, address: str, digest: str,
+def mismatch(dataset: str, agreed: Fingerprint, address: str, digest: str,
              found: pb.Fingerprint | None = None) -> DataMismatch:
     """The error naming both servers and both fingerprints."""
     theirs = short(digest, found.objects, found.bytes) if found is not None else short(digest)
-    ours = short(pin.digest, pin.objects, pin.bytes)
-    if address == pin.address:  # restarted over other data
+    ours = short(agreed.digest, agreed.objects, agreed.bytes)
+    if address == agreed.address:  # restarted over other data
         return DataMismatch(
             f"dataset {dataset!r}: {address} had {ours} when this loader began and now has "
             f"{theirs}: its data changed, and one loader must not mix the two (samples would "
             "repeat or go missing): start a new loader (or resume with "
             "load_state_dict(state, allow_changed_data=True))", address, digest)
     return DataMismatch(
-        f"dataset {dataset!r}: servers hold different data: {pin.address} has {ours}, "
+        f"dataset {dataset!r}: servers hold different data: {agreed.address} has {ours}, "
         f"{address} has {theirs}; one loader must not mix them (samples would repeat or go "
         "missing): restart the stale server so that both list the same data (and keep mtimes "
         "when copying: rsync -a, cp -p), or give the loader only servers that agree",
@@ -127,8 +91,8 @@ def describe_each(channels: Iterable[tuple[str, grpc.Channel]], coordinates: pb.
     return found
 
 
-class Pinning:
-    """A loader's pinned fingerprint (`pin`, None until a server described the dataset) and
+class FingerprintCheck:
+    """A loader's fingerprint (`fingerprint`, None until a server described the dataset) and
     its checks of the servers against it; `dataset` names the data in errors, and `timeout`
     bounds each server's answer (at most 10 s)."""
 
@@ -137,37 +101,37 @@ class Pinning:
         self._dataset, self._servers = dataset, servers
         self.order = order  # the loader's order version: a server must compute it
         self._timeout = min(10.0, timeout)
-        self.pin: Pin | None = None
+        self.fingerprint: Fingerprint | None = None
         self.checked = False  # every server asked once for its fingerprint
         self._asked: dict[str, grpc.Future] = {}  # address -> its Describe, not compared yet
-        self._pinned_at = 0.0
-        self._heed: Callable[[int, str], None] = lambda credits, address: None
+        self._agreed_at = 0.0
+        self._cap_credits: Callable[[int, str], None] = lambda credits, address: None
 
     def first(self, contact: Contact) -> None:
-        """A server described the dataset: the first to do so sets the pin, and the calls of
+        """A server described the dataset: the first to do so sets the fingerprint, and the calls of
         its first contact to the others are kept to compare their answers."""
-        if self.pin is None:
+        if self.fingerprint is None:
             refused = order_refusal(self._dataset, self.order, contact.server.address,
                                     contact.described)
             if refused is not None:
                 raise refused
-            self.pin = Pin.of(contact.described.fingerprint, contact.server.address)
+            self.fingerprint = Fingerprint.of(contact.described.fingerprint, contact.server.address)
             self._asked = dict(contact.pending)
-            self._pinned_at = time.monotonic()
+            self._agreed_at = time.monotonic()
 
     def check_servers(self, coordinates: pb.Coordinates,
-                      heed: Callable[[int, str], None]) -> None:
+                      cap_credits: Callable[[int, str], None]) -> None:
         """Ask every other server for its fingerprint, once (those the first contact has not
         asked already), without waiting: each gets no credits until it has answered (its
         `contact`), and `look` compares the answers; each that agrees has its max_credits
-        `heed`ed. (Servers that come up later refuse our streams themselves: the
+        given to `cap_credits`. (Servers that come up later refuse our streams themselves: the
         coordinates carry the digest.)"""
-        pin = self.pin
+        agreed = self.fingerprint
         self.checked = True
-        if pin is None:
+        if agreed is None:
             return
-        self._heed = heed
-        others = [s for s in self._servers.servers.values() if s.address != pin.address]
+        self._cap_credits = cap_credits
+        others = [s for s in self._servers.servers.values() if s.address != agreed.address]
         for server in others:
             if server.address not in self._asked:
                 self._asked[server.address] = pb_grpc.DataServiceStub(
@@ -178,12 +142,12 @@ class Pinning:
 
     def look(self, first_batch: bool = False) -> None:
         """Compare the servers that have answered since the last look: a server with other
-        data than the pinned one is a DataMismatch. Before the first batch is used
-        (`first_batch`), wait for the others until CHECK_WAIT s after the pin was set."""
+        data than the agreed one is a DataMismatch. Before the first batch is used
+        (`first_batch`), wait for the others until CHECK_WAIT s after the fingerprint was set."""
         if not self._asked:
             return
         if first_batch:
-            until = self._pinned_at + CHECK_WAIT
+            until = self._agreed_at + CHECK_WAIT
             for future in self._asked.values():
                 with contextlib.suppress(grpc.FutureTimeoutError):
                     future.exception(timeout=max(until - time.monotonic(), 0.0))
@@ -198,20 +162,20 @@ class Pinning:
                     "did, and trying it again in the background", address,
                     RemoteError.from_rpc(e, address))
                 continue
-            fp, pin = d.fingerprint, self.pin
-            assert pin is not None
-            if pin.digest and fp.digest and fp.digest != pin.digest:
-                raise mismatch(self._dataset, pin, address, fp.digest, fp)
+            fp, agreed = d.fingerprint, self.fingerprint
+            assert agreed is not None
+            if agreed.digest and fp.digest and fp.digest != agreed.digest:
+                raise mismatch(self._dataset, agreed, address, fp.digest, fp)
             refused = order_refusal(self._dataset, self.order, address, d)
             if refused is not None:
                 raise refused
-            self._heed(d.max_credits, address)
+            self._cap_credits(d.max_credits, address)
 
     def refused(self, address: str, digest: str, coordinates: pb.Coordinates) -> DataMismatch:
         """The DataMismatch for a server that refused our fingerprint, with its own."""
-        assert self.pin is not None
+        assert self.fingerprint is not None
         server = self._servers.servers.get(address)
         found = describe_each([(address, server.channel)] if server else [], coordinates,
                               self._timeout).get(address)
         fp = None if found is None or isinstance(found, RemoteError) else found.fingerprint
-        return mismatch(self._dataset, self.pin, address, digest, fp)
+        return mismatch(self._dataset, self.fingerprint, address, digest, fp)

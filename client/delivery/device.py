@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ._buffers import BufferPool
+from .buffers import BufferPool
 
 
 class DeviceFeed:

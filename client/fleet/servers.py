@@ -1,18 +1,14 @@
 """The data servers a loader may use: their addresses, channels and health as seen from here.
 
-Addresses are "host:port" strings, or one "dns:///name:port" target whose A/AAAA records are
-the servers (a Kubernetes headless service, `docker compose --scale`); it is re-resolved
-every `dns_refresh` seconds (RESOLVE_EVERY by default), so servers added later are used and
-removed ones drained. A `Resolver` replaces the system's DNS for such a target: a service
-registry, or a file of addresses that a local autoscaler writes (`stoker autoscale`).
+Addresses are "host:port" strings, or one "dns:///name:port" target re-resolved every
+`dns_refresh` seconds (fleet/discovery.py), so servers added later are used and removed ones
+drained.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import enum
-import socket
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,11 +16,14 @@ from typing import Any
 
 import grpc
 
-from ._rates import Rate
-from ._stream import BatchStream
+from .._backoff import FIRST, MOST, Backoff
+from .._errors import RemoteError
+from ..transport.stream import Stream
+from .discovery import RESOLVE_EVERY, RESOLVE_WAIT, Resolver, parse_addresses, resolve, start_lookup
+from .rates import Rate
+from .window import Fleet
 
-RESOLVE_EVERY = 15.0  # seconds between resolutions of a dns: target, by default
-BACKOFF_FIRST, BACKOFF_MAX = 0.05, 2.0  # seconds before a failed server is tried again
+BACKOFF_FIRST, BACKOFF_MAX = FIRST, MOST  # seconds before a failed server is tried again
 DRAIN_RETRY = 1.0  # seconds before a server that drained is tried again
 # Seconds after a stall (and after the last credit) before a stalled server is given a probe
 # credit: its host may have lost its network and found it again (a partition that healed),
@@ -32,12 +31,6 @@ DRAIN_RETRY = 1.0  # seconds before a server that drained is tried again
 # stalled (so a server that wakes up never finds more credits than a window's: max_credits);
 # its index is asked of an up server too, at once.
 PROBE_EVERY = 2.0
-# Seconds a refresh waits for its look-up before the loop goes on without it. Look-ups run
-# on a thread of their own: a DNS server that answers in seconds, or not at all (the system
-# resolver's timeouts are 5 s a try), would otherwise hold the training loop (and, under the
-# scheduler's lock, every stream's delivery) that long every dns_refresh seconds. A look-up
-# still running is used by the first refresh after it ends; none other starts meanwhile.
-RESOLVE_WAIT = 0.05
 
 # Servers send frames of at most 32 MiB (server config limit); leave room for the header.
 # Keepalive pings notice a server that stopped answering (frozen, or its host gone) even
@@ -53,17 +46,6 @@ CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
-
-
-@dataclass(frozen=True)
-class Fleet:
-    """What the servers in use can do together: worker processes, the samples/s they build
-    (0.0: not measured yet), and the mean seconds from a credit to its batch (None: no
-    batch yet)."""
-
-    workers: int
-    samples_per_second: float
-    latency: float | None
 
 
 class ServerState(enum.Enum):
@@ -84,11 +66,11 @@ class Server:
 
     address: str
     channel: grpc.Channel
-    streams: dict[int, BatchStream] = field(default_factory=dict)
+    streams: dict[int, Stream] = field(default_factory=dict)
     outstanding: dict[int, float] = field(default_factory=dict)  # batch index -> credited at
     state: ServerState = ServerState.UP
     retry_at: float = 0.0
-    backoff: float = BACKOFF_FIRST
+    backoff: Backoff = field(default_factory=Backoff)
     last_error: str = ""
     refused: str = ""  # the last in-band UNAVAILABLE's message (draining, storage outage)
     latency: float | None = None  # seconds from credit to batch, moving average
@@ -100,8 +82,9 @@ class Server:
     errors: int = 0
     rate: Rate = field(default_factory=Rate)  # what it delivers per busy second
     hedged: int = 0  # its batches also asked of a faster server because it was late
-    # Its answer to the loader's first Describe (client/_pinning.py), while it has not come:
-    # no credits until it does (an address that black-holes must not hold the first batches).
+    # Its answer to the loader's first Describe (client/contact/agreement.py), while it has not
+    # come: no credits until it does (an address that black-holes must not hold the first
+    # batches).
     contact: grpc.Future | None = None
     held_at_stall: int = 0  # credits it held when it stalled (see PROBE_EVERY)
 
@@ -123,7 +106,7 @@ class Server:
         self.latency = seconds if self.latency is None else 0.8 * self.latency + 0.2 * seconds
 
     # -- transitions -----------------------------------------------------------------------
-    def mark_up(self, epoch: int, stream: BatchStream) -> None:
+    def mark_up(self, epoch: int, stream: Stream) -> None:
         """A new stream, for `epoch`, is open to it (it was usable: up, or down and due for
         a retry, or stalled and due for a probe). A stalled server stays stalled: a stream
         opened for its probe (the epoch it stalled in was let go) is no sign of life; it is
@@ -132,7 +115,7 @@ class Server:
             self.state = ServerState.UP
         self.streams[epoch] = stream
 
-    def let_go(self) -> list[BatchStream]:
+    def let_go(self) -> list[Stream]:
         """Forget its streams; the caller closes those still open."""
         streams, self.streams = list(self.streams.values()), {}
         return streams
@@ -146,13 +129,26 @@ class Server:
         self.held_at_stall = len(self.outstanding)
         self.rate.forget()  # the time it stalled is no measure of its rate
 
+    def took(self, index: int, item: Any, stream: Stream, now: float) -> list[Stream]:
+        """It delivered `item` (a batch, or an in-band error) for `index` on `stream`: counted
+        in its rate; an UNAVAILABLE one says it drains (no new credits). The streams to let
+        go: a draining server done with what it took (its shutdown need not wait for us)."""
+        self.mark_delivered(index, now)
+        self.rate.delivered(now, stream, stream.bytes_received, bool(self.outstanding))
+        if isinstance(item, RemoteError) and item.code == grpc.StatusCode.UNAVAILABLE:
+            self.mark_draining(item.details)
+        if self.state is ServerState.DRAINING and not self.outstanding:
+            self.mark_drained(now)
+            return self.let_go()
+        return []
+
     def mark_delivered(self, index: int, now: float) -> None:
         """Its stream answered `index` (a batch or an in-band error): it is alive."""
         asked = self.outstanding.pop(index, None)
         if asked is not None:
             self.record_latency(now - asked)
         self.last_progress = now
-        self.backoff = BACKOFF_FIRST
+        self.backoff.reset()
         if self.state is ServerState.STALLED:
             self.state = ServerState.UP
 
@@ -180,8 +176,7 @@ class Server:
         self.rate.forget()
         self.last_error = str(error)
         self.errors += 1
-        self.retry_at = now + self.backoff
-        self.backoff = min(self.backoff * 2, BACKOFF_MAX)
+        self.retry_at = now + self.backoff.next()
 
     def mark_gone(self) -> None:
         self.state = ServerState.GONE
@@ -197,39 +192,6 @@ class Server:
                 "batches_per_second": self.rate.batches_per_second,
                 "bytes_per_second": self.rate.bytes_per_second, "hedged": self.hedged,
                 "last_error": self.last_error}
-
-
-def parse_addresses(address: str | Sequence[str]) -> tuple[list[str], str | None]:
-    """(fixed addresses, dns target or None)."""
-    addresses = [address] if isinstance(address, str) else list(address)
-    if not addresses:
-        raise ValueError("address: give at least one 'host:port' or 'dns:///name:port'")
-    dns = [a for a in addresses if a.startswith("dns:")]
-    if dns and len(addresses) > 1:
-        raise ValueError(f"address: a dns: target stands alone, got {addresses}")
-    for a in addresses:
-        host, sep, port = a.removeprefix("dns:///").removeprefix("dns:").rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"address: expected 'host:port' or 'dns:///name:port', got {a!r}")
-    return (addresses, None) if not dns else ([], dns[0])
-
-
-# resolver(target) -> the "host:port" addresses a "dns:///name:port" target names now. It
-# runs on a thread of its own (see RESOLVE_WAIT), one call at a time. OSError means "cannot
-# tell now" (the servers known stay); other exceptions reach the loop.
-Resolver = Callable[[str], Sequence[str]]
-
-
-def resolve(target: str) -> list[str]:
-    """The "ip:port" addresses a dns:///name:port target names now (sorted, deduplicated),
-    from the system's resolver: the default `Resolver`."""
-    host, _, port = target.removeprefix("dns:///").removeprefix("dns:").rpartition(":")
-    infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
-    found = set()
-    for family, _, _, _, sockaddr in infos:
-        ip = sockaddr[0]
-        found.add(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
-    return sorted(found)
 
 
 class ServerSet:
@@ -266,7 +228,20 @@ class ServerSet:
     def describe(self) -> str:
         return self._dns or ", ".join(self._fixed)
 
-    def now(self) -> str:
+    def streams(self) -> list[Stream]:
+        """Every server's open streams."""
+        return [st for s in self.servers.values() for st in s.streams.values()]
+
+    def fleet(self) -> Fleet:
+        """What the servers in use said they can do, and their batches' latency."""
+        up = [s for s in self.servers.values() if s.up]
+        said = [next((st.capacity for st in s.streams.values() if st.capacity),
+                     s.capacity) or (0, 0.0) for s in up]
+        latencies = [s.latency for s in up if s.latency is not None]
+        return Fleet(sum(w for w, _ in said), sum(r for _, r in said),
+                     sum(latencies) / len(latencies) if latencies else None)
+
+    def summary(self) -> str:
         """Every server, its state and last error (for errors and log lines)."""
         return "; ".join(
             f"{s.address}: {s.state.value}, last error: {s.last_error or 'none'}"
@@ -292,7 +267,7 @@ class ServerSet:
                                                 or now - self._resolved_at >= self._every)
             if started:
                 self._resolved_at = now
-                self._lookup = self._start_lookup(self._dns)
+                self._lookup = start_lookup(self._resolver, self._dns)
             # Only the refresh that started the look-up waits for it; later ones look.
             if self._lookup is None or not (started or self._lookup.done()):
                 return
@@ -308,46 +283,15 @@ class ServerSet:
                 raise
             self._lookup = None
         for address in wanted:
-            server = self.servers.get(address)
-            if server is None:
+            known = self.servers.get(address)
+            if known is None:
                 channel = self._channel(address, CHANNEL_OPTIONS)
                 self.servers[address] = Server(address, channel, last_progress=now)
             else:
-                server.mark_back()
+                known.mark_back()
         for address, server in self.servers.items():
             if address not in wanted:
                 server.mark_gone()  # no new credits; what it holds still counts
-
-    def _start_lookup(self, target: str) -> concurrent.futures.Future[list[str]]:
-        """_resolved(target) on a daemon thread (a look-up that never returns must not keep
-        the process from exiting)."""
-        fut: concurrent.futures.Future[list[str]] = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                fut.set_result(self._resolved(target))
-            except BaseException as e:  # handed to the loop by result()
-                fut.set_exception(e)
-
-        threading.Thread(target=run, name="stoker-resolve", daemon=True).start()
-        return fut
-
-    def _resolved(self, target: str) -> list[str]:
-        """What the resolver says `target` names, checked: a resolver's mistake is a
-        ValueError naming what it returned, not a channel to nowhere."""
-        found = self._resolver(target)
-        if isinstance(found, str) or not all(isinstance(a, str) for a in found):
-            raise ValueError(f"resolver returned {found!r} for {target!r}: expected a list "
-                             f"of 'host:port' strings")
-        addresses = sorted(set(found))
-        try:
-            fixed, dns = parse_addresses(addresses) if addresses else ([], None)
-        except ValueError as e:
-            dns, fixed = str(e), []
-        if dns is not None:
-            raise ValueError(f"resolver returned {addresses} for {target!r}: expected "
-                             f"'host:port' addresses")
-        return fixed
 
     def close(self) -> None:
         for server in self.servers.values():

@@ -1,6 +1,6 @@
 """The client's end of the data connection: connecting within a budget, and what it used.
 
-A stream offered a data connection (server/front/datasocket.py) connects to the server's data
+A stream offered a data connection (server/front/data_listener.py) connects to the server's data
 port with the loader's own security: TLS with the root certificates, client certificate and server
 name it gives gRPC (the server's name checked as gRPC checks it), and, when the server asks,
 the proof of the bearer token after the claim token. Connecting, the TLS handshake and the
@@ -59,8 +59,8 @@ def client_context(tls: bool | Mapping[str, Any] | None) -> ssl.SSLContext | Non
         return None if tls.get(key) is None else str(Path(tls[key]).expanduser())
 
     context = ssl.create_default_context(cafile=path("ca"))
-    if tls.get("cert") is not None:
-        context.load_cert_chain(path("cert"), path("key"))
+    if (cert := path("cert")) is not None:
+        context.load_cert_chain(cert, path("key"))
     return context
 
 

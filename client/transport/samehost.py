@@ -70,7 +70,7 @@ def _make_probe() -> pb.SharedMemoryProbe | None:
     finally:
         os.close(fd)
     pid = os.getpid()
-    atexit.register(lambda: os.getpid() == pid and _unlink(path))
+    atexit.register(lambda: _unlink(path) if os.getpid() == pid else None)
     return pb.SharedMemoryProbe(name=name, token=token)
 
 
@@ -87,7 +87,7 @@ def read_segment(name: str, out: np.ndarray) -> None:
         raise ValueError(f"not a stoker segment name: {name!r}")
     fd = os.open(os.path.join(_DEV_SHM, name), os.O_RDONLY)
     try:
-        view = memoryview(out).cast("B")
+        view = memoryview(out).cast("B")  # type: ignore[arg-type]  # numpy: a buffer
         done = 0
         while done < len(view):
             n = os.preadv(fd, [view[done:]], done)

@@ -21,8 +21,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ._servers import Server
-from ._stream import BatchStream, StreamSpec
+from ..transport.stream import Stream, StreamSpec
+from .servers import Server
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,7 +85,7 @@ class Passes:
         self._passes = self._passes[self._passes.index(self.loop):]
         return True
 
-    def lane(self, server: Server, stream: BatchStream) -> Pass | None:
+    def served_by(self, server: Server, stream: Stream) -> Pass | None:
         """The pass `stream` (one of `server`'s) serves; None for a stream let go of."""
         for p in self._passes:
             if server.streams.get(p.epoch) is stream:
@@ -107,7 +107,7 @@ class Passes:
 
     @staticmethod
     def retire(done: Pass, servers: Iterable[Server], holders: dict[int, set[Server]]
-               ) -> list[BatchStream]:
+               ) -> list[Stream]:
         """The loop has taken every batch of `done`: forget what its streams still held
         (hedges' duplicates); its streams, which the caller closes."""
         streams = []

@@ -1,7 +1,7 @@
 """One StreamBatches call to one server: credits go out, whole batches come back.
 
 Batches come on the stream's data connection when the server offers one and it can be
-reached (records: client/_frames.py, Assembler.receive), else in gRPC frames.
+reached (records: client/transport/frames.py, Assembler.receive), else in gRPC frames.
 
 Threading: credit() and close() may be called from any thread (the request queue is
 thread-safe). One receive thread per stream reads the gRPC frames; once a data connection is
@@ -18,16 +18,16 @@ import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
 from stoker.v1 import stoker_pb2 as pb
-from stoker.v1.wire import encode_credits
+from stoker.v1.wire import capacity_of, encode_credits
 
-from ._datalink import CONNECT_BUDGET, DataLink, Transports
-from ._errors import ConnectionCut, ProtocolError, RemoteError
-from ._frames import Assembled, Assembler
+from .._errors import ConnectionCut, ProtocolError, RemoteError
+from .datalink import CONNECT_BUDGET, DataLink, Transports
+from .frames import Assembled, Assembler
 
 METHOD = "/stoker.v1.DataService/StreamBatches"
 # Seconds the data thread, its connection broken, waits for the call to end by itself (the
@@ -41,9 +41,26 @@ _STATUS = {code.value[0]: code for code in grpc.StatusCode}
 OnBatch = Callable[["BatchStream", int, Any], None]
 # on_end(stream, RemoteError | None)
 OnEnd = Callable[["BatchStream", "RemoteError | None"], None]
+
+
+class Stream(Protocol):
+    """What the fleet uses of a stream: BatchStream, or a test's fake (a type checker holds
+    the fakes to it)."""
+
+    address: str
+    capacity: tuple[int, float] | None
+
+    @property
+    def bytes_received(self) -> int: ...
+    def credit(self, batch_indices: Iterable[int]) -> None: ...
+    def report(self, wait_seconds: float, loop_seconds: float,
+               window: tuple[int, str, int] = (0, "", 0)) -> None: ...
+    def close(self, wait: bool = True) -> None: ...
+
+
 # A stream's maker (BatchStream itself, or a test's fake): (channel, address, spec, on_batch,
-# on_end) -> a started stream with address, bytes_received, credit, report and close.
-StreamFactory = Callable[[grpc.Channel, str, "StreamSpec", OnBatch, OnEnd], "BatchStream"]
+# on_end) -> a started stream.
+StreamFactory = Callable[[grpc.Channel, str, "StreamSpec", OnBatch, OnEnd], Stream]
 
 
 @dataclass(frozen=True)
@@ -276,19 +293,6 @@ class BatchStream:
 
 
 _NOTHING = object()
-
-
-def capacity_of(metadata: Iterable[tuple[str, Any]] | None) -> tuple[int, float]:
-    """(workers, samples/s) from a stream's `stoker-capacity` metadata (stoker.proto's
-    DescribeDatasetResponse.capacity); (0, 0.0) from a server that does not say."""
-    for key, value in metadata or ():
-        if key == "stoker-capacity":
-            try:
-                workers, rate = str(value).split()
-                return int(workers), float(rate)
-            except ValueError:
-                break
-    return 0, 0.0
 
 
 def _only_credits(req: pb.StreamRequest) -> bool:

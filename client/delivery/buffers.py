@@ -46,11 +46,12 @@ class BufferPool(Generic[T]):
 
         Blocks while all max_buffers are handed out and not yet released.
         """
+        buf: T | None
         with self._lock:
             while True:
                 pick = self._pick(nbytes)
                 if pick is not None:
-                    buf, event = pick
+                    buf, event = pick[0], pick[1]
                     break
                 if self._count < self._max:
                     self._count += 1

@@ -14,10 +14,8 @@ Threading: the loop's thread (the loader's).
 
 from __future__ import annotations
 
-import enum
 import logging
 import queue
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,105 +25,19 @@ import grpc
 from stoker.v1 import stoker_pb2 as pb
 from stoker.v1 import stoker_pb2_grpc as pb_grpc
 
-from ._errors import RemoteError
-from ._log import say
-from ._servers import Server, ServerSet
-from .channel import hint
+from .._backoff import MOST, Backoff
+from .._errors import RemoteError
+from .._log import say
+from ..fleet.servers import Server, ServerSet
+from .diagnosis import explain, reached
 
 CALL_TIMEOUT = 10.0  # seconds one DescribeDataset may take
-PROBE_TIMEOUT = 1.0  # seconds a diagnostic TCP connect may take
-PAUSE_FIRST, PAUSE_MAX = 0.05, 2.0  # seconds before a server that failed is asked again, doubling
-# gRPC's words for a call that never reached a server's code: no connection, no name, no TLS.
-_UNREACHED = ("failed to connect", "errors resolving", "dns resolution failed", "socket closed",
-              "connection reset", "connection refused", "broken pipe", "handshake", "ssl",
-              "end of tcp stream", "connections to all backends failing", "no route to host",
-              "unreachable", "timeout occurred")
-
-
-def reached(err: RemoteError) -> bool:
-    """The server's code answered (a status of its own), rather than gRPC saying that no
-    connection was made. DEADLINE_EXCEEDED counts as no answer: a frozen process, or a port
-    that accepts connections and never speaks gRPC."""
-    if err.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return False
-    if err.code != grpc.StatusCode.UNAVAILABLE:
-        return True
-    low = err.details.lower()
-    return not any(w in low for w in _UNREACHED)
-
-
-class Outcome(enum.Enum):
-    """What a plain TCP connect to one address found; the value is how errors say it."""
-
-    ACCEPTED = "accepts TCP connections"
-    REFUSED = "refused the connection (nothing listens on that port)"
-    SILENT = f"did not answer a TCP connect within {PROBE_TIMEOUT:g}s (a firewall, or no such host)"
-    UNRESOLVED = "does not resolve"
-    FAILED = "cannot be connected to"
-
-
-@dataclass(frozen=True)
-class Probe:
-    """One resolved address (or the name, when it does not resolve) and what was found."""
-
-    address: str
-    outcome: Outcome
-    detail: str = ""
-
-    def __str__(self) -> str:
-        return f"{self.address} {self.outcome.value}" + (f" ({self.detail})" if self.detail
-                                                          else "")
-
-
-def diagnose(address: str, timeout: float = PROBE_TIMEOUT) -> list[Probe]:
-    """A plain TCP connect to every address `address` ("host:port", "[v6]:port" or a dns:
-    target) resolves to, each within `timeout` s."""
-    host, _, port = address.removeprefix("dns:///").removeprefix("dns:").rpartition(":")
-    host = host.strip("[]")
-    try:
-        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError) as e:
-        return [Probe(f"{host!r}", Outcome.UNRESOLVED, getattr(e, "strerror", None) or str(e))]
-    probes = []
-    for family, kind, proto, _, sockaddr in dict.fromkeys(infos):  # dedupe, keep order
-        ip = sockaddr[0]
-        where = f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
-        with socket.socket(family, kind, proto) as s:
-            s.settimeout(timeout)
-            try:
-                s.connect(sockaddr)
-            except ConnectionRefusedError:
-                probes.append(Probe(where, Outcome.REFUSED))
-            except TimeoutError:
-                probes.append(Probe(where, Outcome.SILENT))
-            except OSError as e:
-                probes.append(Probe(where, Outcome.FAILED, e.strerror or str(e)))
-            else:
-                probes.append(Probe(where, Outcome.ACCEPTED))
-    return probes
-
-
-def explain(address: str, err: RemoteError | None, tls: bool) -> str:
-    """`address: what happened`, for the error raised when no server answered."""
-    if err is not None and reached(err):
-        return f"{address}: {err.code.name}: {err.details}"
-    probes = diagnose(address)
-    said = "; ".join(str(p) for p in probes)
-    if len(probes) == 1 and probes[0].address == address:  # an "ip:port" address
-        said = said.removeprefix(f"{address} ")
-    if not any(p.outcome is Outcome.ACCEPTED for p in probes):
-        return f"{address}: {said}"
-    grpc_said = f"{err.code.name}: {err.details}" if err is not None else "no answer"
-    text = f"{address}: {said}, but no gRPC call got through (gRPC: {grpc_said})"
-    return text + (hint(tls, grpc_said, reachable=True) if err is None or not reached(err)
-                   else "")
-
-
+PAUSE_MAX = MOST  # seconds: the longest pause (_backoff.py), and the longest wait for an answer
 @dataclass(frozen=True)
 class Contact:
     """The first description, the server that gave it, and the same question's calls to the
-    other servers still in flight (address -> future; their answers are for the pinning's
-    fingerprint check, client/_pinning.py)."""
+    other servers still in flight (address -> future; their answers are for the agreement's
+    fingerprint check, client/contact/agreement.py)."""
 
     described: pb.DescribeDatasetResponse
     server: Server
@@ -148,7 +60,7 @@ def first_contact(servers: ServerSet, request: Callable[[], pb.DescribeDatasetRe
     answers: queue.SimpleQueue[tuple[Server, grpc.Future]] = queue.SimpleQueue()
     asked: dict[str, grpc.Future] = {}  # address -> its call in flight
     due: dict[str, float] = {}  # address -> when to ask it again
-    pauses: dict[str, float] = {}
+    pauses: dict[str, Backoff] = {}
     answered = said_waiting = False
     try:
         while True:
@@ -180,7 +92,7 @@ def first_contact(servers: ServerSet, request: Callable[[], pb.DescribeDatasetRe
             except queue.Empty:
                 servers.refresh(time.monotonic())
                 continue
-            if asked.get(server.address) is not future:
+            if server.address not in asked or asked[server.address] is not future:
                 continue
             del asked[server.address]
             try:
@@ -191,12 +103,11 @@ def first_contact(servers: ServerSet, request: Callable[[], pb.DescribeDatasetRe
             refuse(err)
             answered = answered or reached(err)
             errors[server.address] = err
-            pause = pauses.get(server.address, PAUSE_FIRST)
-            pauses[server.address] = min(pause * 2, PAUSE_MAX)
-            due[server.address] = time.monotonic() + pause
+            due[server.address] = time.monotonic() + pauses.setdefault(
+                server.address, Backoff()).next()
     except BaseException:
-        for future in asked.values():
-            future.cancel()
+        for call in asked.values():
+            call.cancel()
         raise
 
 

@@ -1,5 +1,5 @@
-"""How fast each server delivers, learned from what it delivers (`Rate`), and what a new
-credit costs there (`costs`): the scheduler's measure of a slow server.
+"""How fast each server delivers, learned from what it delivers (`Rate`): the scheduler's
+measure of a slow server (what a new credit costs there is the policy's: fleet/policy.py).
 
 A server's rate is counted while it holds credits ("busy"): batches and bytes delivered per
 busy second, averaged over the last few seconds of busy time (HALF_LIFE); forgotten when it
@@ -15,12 +15,7 @@ Threading: under the scheduler's lock, as the servers' other fields.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ._servers import Server
 
 HALF_LIFE = 2.0  # busy seconds after which what a server delivered counts half
 # A rate counts once its server has delivered MEASURED batches over MEASURED_SECONDS of holding
@@ -121,28 +116,3 @@ class Rate:
         if batch_bytes and self.nbytes:
             per = max(per, batch_bytes * self.seconds / self.nbytes)
         return per
-
-
-def costs(servers: Iterable[Server], now: float) -> dict[Server, float]:
-    """Each server's expected seconds per batch of the fleet's mean size. A server not
-    measured yet is taken to be as fast as the fastest measured one (so it is tried, and
-    measured), unless what it has shown already says it is slower: the seconds it has held
-    credits over the batches it delivered and the one it is on; or, before its first batch
-    (a latency more than a rate), the seconds it has waited for it, once longer than FIRST x
-    the lowest latency of those measured. None measured: 1.0 each, which makes the earliest
-    expected delivery the fewest outstanding credits."""
-    servers = list(servers)
-    batches = sum(s.rate.batches for s in servers)
-    mean = sum(s.rate.nbytes for s in servers) / batches if batches else 0.0
-    known = {s: s.rate.seconds_per_batch(mean, now) for s in servers}
-    fastest = min((c for c in known.values() if c is not None), default=1.0)
-    latency = min((s.latency for s, c in known.items() if c is not None and s.latency),
-                  default=0.0)
-    cost = {}
-    for s, c in known.items():
-        if c is None:
-            c = fastest
-            if s.outstanding and not s.rate.stale(now):
-                c = max(c, s.rate.shown(now, first=FIRST * latency))
-        cost[s] = c
-    return cost

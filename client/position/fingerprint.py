@@ -1,0 +1,49 @@
+"""The dataset fingerprint a loader reads, as a value: `Fingerprint`; and `short`, how errors
+and logs show one.
+
+Which servers agree with it is client/contact/agreement.py's; this is what is kept (and saved in
+state_dict)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from stoker.v1 import stoker_pb2 as pb
+
+SHORT = len("sha256:") + 12
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """The dataset fingerprint a loader reads (`digest` "" when the server reports none), and
+    the server it came from."""
+
+    digest: str
+    objects: int
+    bytes: int
+    address: str
+
+    @classmethod
+    def of(cls, fp: pb.Fingerprint, address: str) -> Fingerprint:
+        return cls(fp.digest, fp.objects, fp.bytes, address)
+
+    def state(self) -> dict[str, Any]:
+        """What state_dict() records."""
+        return {"digest": self.digest, "objects": self.objects, "bytes": self.bytes}
+
+
+def short(digest: str, objects: int | None = None, nbytes: int | None = None) -> str:
+    """`sha256:9c1d2e3f4a5b... (40 objects, 1.2 MB)`."""
+    text = digest[:SHORT] + "..." if len(digest) > SHORT else digest or "(none)"
+    if objects is None:
+        return text
+    return f"{text} ({objects} objects, {_size(nbytes or 0)})"
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "kB", "MB", "GB"):
+        if n < 1000:
+            return f"{int(n)} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
