@@ -15,7 +15,9 @@ The legacy order (the whole epoch's permutation) is timed the same way up to `--
 samples, and a mixture of three components of N samples each at the largest size.
 
 Token budgets: a Parquet file of `--documents` rows with a `length` column (log-normal
-lengths, 1..4096 tokens), `format: parquet` with `length_column`, batch_tokens 8192 over 8
+lengths, 1..4096 tokens) in row groups of 65,536 rows (reading a sample decodes its row group:
+with row groups of a million rows a batch's reads, not its order, take about a second),
+`format: parquet` with `length_column`, batch_tokens 8192 over 8
 ranks: the first batch of epochs 0..2, and on a fresh server `seek(1_000_000)` then its batch,
 for the index order (windows) and, up to 1e6 documents, the legacy one (the whole epoch's
 plan); the server's memory growth over them.
@@ -113,7 +115,7 @@ def documents(work: Path, n: int) -> Path:
     lengths = np.clip(np.random.default_rng(0).lognormal(5.0, 1.0, n), 1, 4096).astype(np.int32)
     path = work / f"docs-{n}.parquet"
     pq.write_table(pa.table({"length": lengths, "label": np.arange(n, dtype=np.int64)}), path,
-                   row_group_size=1 << 20)
+                   row_group_size=1 << 16)
     return path
 
 

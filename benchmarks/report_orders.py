@@ -43,4 +43,24 @@ def orders(r: dict[str, Any], plots: Path) -> list[str]:
             + ("met on every row." if not missed else "missed: " + "; ".join(missed)), "",
             *_table(["samples", "order", "first batch ms (median)", "max ms",
                      "after an elastic resume, ms", "server RSS growth, MiB"], table),
-            plot, ""]
+            plot, "", *_tokens(r)]
+
+
+def _tokens(r: dict[str, Any]) -> list[str]:
+    """The token-budget rows: a Parquet dataset with length_column, batch_tokens 8192."""
+    found = r.get("tokens") or []
+    if not found:
+        return []
+    rows = [[t["order"], str(t["steps_per_epoch"]),
+             " / ".join(f"{x:.2f}" for x in t["first_batch_s"]),
+             f"{t['seek_s']:.2f} (epoch {t['seek_epoch']})" if "seek_s" in t else "not run",
+             f"{max(t['rss_growth_epochs_bytes'], t.get('rss_growth_seek_bytes', 0)) / 2**20:.1f}"]
+            for t in found]
+    return [f"Token budgets: `format: parquet` of {r['params']['documents']:,} documents "
+            "(log-normal lengths, 1..4096 tokens) with `length_column`, batch_tokens 8192, rank "
+            f"7 of {r['params']['world']}: the first batch of epochs 0, 1 and 2, and on a fresh "
+            "server `seek(1_000_000)` then its batch. Goals (index order): first batch <= 1 s, "
+            "seek <= 2 s, memory <= 256 MiB. The legacy order plans each epoch whole (timed up "
+            "to 1e6 documents; its seek walks every epoch's plan before the step).", "",
+            *_table(["order", "steps an epoch", "first batch s (epochs 0 / 1 / 2)",
+                     "seek to step 1,000,000, s", "server RSS growth, MiB"], rows)]

@@ -20,6 +20,7 @@ from stoker.v1 import stoker_pb2 as pb
 from ._oneshot import ask_sources, fetch_one
 from .contact.first import first_contact
 from .delivery.buffers import HostBuffers
+from .delivery.images import flat_images
 from .position.exclusions import Excluded
 from .position.resume import LAST_EPOCH, Position
 
@@ -261,9 +262,10 @@ class OnDemand:
 
     def _handed(self, batch: Any, feed: Any) -> Any:
         """A finished batch as the loop's thread hands it out: the current CUDA stream waits
-        for its copy; packed under pack=True."""
+        for its copy; images in conversations made flat; packed under pack=True."""
         if feed is not None:
             batch = feed.hand_over(*batch)
+        batch = flat_images(batch)
         if self._loader._options.pack:
             from .packing import pack_padded
 
