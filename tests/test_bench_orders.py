@@ -32,6 +32,7 @@ def test_orders_scenario_times_first_batches_of_both_orders(tmp_path: Path) -> N
         assert 0 < r["first_batch_s"]["min"] <= r["first_batch_s"]["median"] \
             <= r["first_batch_s"]["max"]
         assert r["elastic_first_batch_s"] > 0
-    (tokens,) = res["tokens"]  # 2e4 documents: past --legacy-max, the index order only
+    tokens, legacy = res["tokens"]  # the legacy order's plan up to 1e6 documents
     assert tokens["order"] == "index" and tokens["steps_per_epoch"] > 0
     assert len(tokens["first_batch_s"]) == 3 and tokens["seek_s"] > 0
+    assert legacy["order"] == "legacy" and "seek_s" not in legacy  # its seek is not run
