@@ -16,6 +16,7 @@ int64 -> int64, float -> float32 (TensorFlow's FloatList), bytes -> one value, d
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from functools import cache
 from typing import Any
 
@@ -162,6 +163,23 @@ def write_bytes(field: Any, out: dict[str, Any], data: bytes, rng: np.random.Gen
         text[: len(data)] = np.frombuffer(data, np.uint8)
         out[name] = text
         out[f"{name}_length"] = np.int64(len(data))
+
+
+def write_example(fields: list[Feature], prefixes: list[Any], record: Callable[[], bytes],
+                  sequence: bool, out: dict[str, Any], rng: np.random.Generator,
+                  index: int) -> dict[str, Any]:
+    """Each field of sample `index`'s serialized Example written into `out`; the record is
+    read (`record()`) and parsed only when some field's prefix is not cached. ValueError
+    naming the field that fails."""
+    features = None
+    if any(p is None for p in prefixes):
+        features = parse_features(record(), sequence)
+    for field, prefix in zip(fields, prefixes, strict=True):
+        try:
+            field.write(out, features, rng, index, prefix)
+        except Exception as e:
+            raise ValueError(f"field {field.name!r}: {e}") from e
+    return out
 
 
 def check_names(fields: list[Any]) -> None:

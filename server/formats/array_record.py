@@ -22,7 +22,7 @@ from ..images import image_pipeline
 from ..order.sampling import EpochKey
 from ..sources import Storage
 from ..sources.prefix_cache import use_cache
-from ._example import Feature, check_names, parse_features, write_bytes
+from ._example import Feature, check_names, write_bytes, write_example
 from ._shards import ShardIndex
 from .memmap import OpenMaps
 
@@ -131,15 +131,8 @@ class ArrayRecord:
                     raise ValueError(f"field {self.raw.name!r}: cannot decode "
                                      f"{self.raw.decode}: {type(e).__name__}: {e}") from e
             return out
-        features = None
-        if any(p is None for p in prefixes):
-            features = parse_features(self.record(index), self.sequence)
-        for field, prefix in zip(self.fields, prefixes, strict=True):
-            try:
-                field.write(out, features, rng, index, prefix)
-            except Exception as e:
-                raise ValueError(f"field {field.name!r}: {e}") from e
-        return out
+        return write_example(self.fields, prefixes, lambda: self.record(index), self.sequence,
+                             out, rng, index)
 
     def use_prefix_cache(self, scope: Any) -> None:
         fields = self.fields or [self.raw]

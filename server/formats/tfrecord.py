@@ -39,7 +39,7 @@ from ..order.sampling import EpochKey
 from ..sources import ObjectInfo, Storage
 from ..sources.cache import LOCKS, TMP, file_lock
 from ..sources.prefix_cache import use_cache
-from ._example import Feature, check_names, parse_features
+from ._example import Feature, check_names, write_example
 from ._shards import ShardIndex
 from .memmap import OpenMaps
 
@@ -300,15 +300,8 @@ class Tfrecord:
         out: dict[str, Any] = {}
         prefixes = [f.pipeline.cached(index) if f.pipeline is not None else None
                     for f in self.fields]
-        features = None
-        if any(p is None for p in prefixes):
-            features = parse_features(self.record(index), self.sequence)
-        for field, prefix in zip(self.fields, prefixes, strict=True):
-            try:
-                field.write(out, features, rng, index, prefix)
-            except Exception as e:
-                raise ValueError(f"field {field.name!r}: {e}") from e
-        return out
+        return write_example(self.fields, prefixes, lambda: self.record(index), self.sequence,
+                             out, rng, index)
 
     def use_prefix_cache(self, scope: Any) -> None:
         use_cache(scope, [(f.name, f.pipeline) for f in self.fields])
