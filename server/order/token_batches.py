@@ -77,6 +77,19 @@ class TokenPlan:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.cuts, self.members, self.offsets, self.imbalance))
 
+    @classmethod
+    def of(cls, world_size: int, cuts: list[int], members: list[np.ndarray],
+           offsets: list[int], gaps: list[float], unbalanced: int, dropped: int) -> TokenPlan:
+        """A plan from the lists a planner built (cuts and members already positions of the
+        epoch), its arrays read-only."""
+        plan = cls(world_size, np.asarray(cuts, dtype=np.int64),
+                   np.concatenate(members) if members else np.zeros(0, np.int64),
+                   np.asarray(offsets, dtype=np.int64), np.asarray(gaps, np.float64),
+                   unbalanced, dropped)
+        for arr in (plan.cuts, plan.members, plan.offsets, plan.imbalance):
+            arr.flags.writeable = False
+        return plan
+
     def positions(self, step: int, rank: int) -> np.ndarray:
         k = step * self.world_size + rank
         return self.members[self.offsets[k] : self.offsets[k + 1]]
@@ -231,12 +244,8 @@ def _make(ordering: Ordering, lengths: np.ndarray, c: Coordinates, start: int) -
         gaps.append(gap)
         cuts.append(b)
         a = b
-    p = TokenPlan(world, np.asarray(cuts, dtype=np.int64) + start,
-                  np.concatenate(members) if members else np.zeros(0, np.int64),
-                  np.asarray(offsets, dtype=np.int64), np.asarray(gaps, np.float64),
-                  unbalanced, n - a)
-    for arr in (p.cuts, p.members, p.offsets, p.imbalance):
-        arr.flags.writeable = False
+    p = TokenPlan.of(world, [cut + start for cut in cuts], members, offsets, gaps, unbalanced,
+                     n - a)
     if unbalanced:
         log.warning("dataset %r epoch %d: %d of %d steps of batch_tokens=%d over %d ranks could "
                     "not be balanced within %d%% (samples long against batch_tokens?)",

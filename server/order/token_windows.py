@@ -216,12 +216,8 @@ def _make(ordering: Ordering, lengths: np.ndarray, c: Coordinates, w: int) -> To
         cuts.append(b)
     if not steps:
         dropped += size
-    plan = TokenPlan(world, np.asarray(cuts, dtype=np.int64) + first,
-                     np.concatenate(members) if members else np.zeros(0, np.int64),
-                     np.asarray(offsets, dtype=np.int64), np.asarray(gaps, np.float64),
-                     unbalanced, dropped)
-    for arr in (plan.cuts, plan.members, plan.offsets, plan.imbalance):
-        arr.flags.writeable = False
+    plan = TokenPlan.of(world, [cut + first for cut in cuts], members, offsets, gaps,
+                        unbalanced, dropped)
     if unbalanced or (dropped and w != s.windows - 1):
         log.warning("dataset %r epoch %d window %d: %d of %d steps of batch_tokens=%d over %d "
                     "ranks not balanced within %d%%, %d samples left out (samples long "
