@@ -34,7 +34,9 @@ def test_quick_tfdata_scenario_measures_every_system_and_renders(tmp_path: Path)
     for name in systems:
         (m,) = block[name]["repeats"]
         assert m["images"] == 3 * 16 and m["images_per_s"] > 0  # 4 batches, the first untimed
-        assert m["trainer_cpu_ms_per_image"] > 0
+        # /proc counts CPU in 10 ms ticks: a quick pass's trainer may spend under one tick,
+        # so the figure is only checked to be a measurement (not negative, not missing).
+        assert m["trainer_cpu_ms_per_image"] >= 0
     assert block["stoker"]["repeats"][0]["server_cpu_ms_per_image"] > 0
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
