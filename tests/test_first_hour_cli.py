@@ -63,8 +63,8 @@ def client_only(tmp_path_factory: pytest.TempPathFactory) -> ClientOnly:
     base = tmp_path_factory.mktemp("client-only")
     started = time.monotonic()
     shutil.copytree(ROOT, base / "src", ignore=shutil.ignore_patterns(
-        ".git", ".venv", "__pycache__", "*.egg-info", "build", "dist", ".pytest_cache",
-        ".ruff_cache", "data", "results"))
+        ".git", ".venv*", ".whl", "__pycache__", "*.egg-info", "build", "dist", ".pytest_cache",
+        ".ruff_cache", ".mypy_cache", ".hypothesis", "data", "results"))
     venv = base / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     _pip(venv, "torch==2.13.0")
