@@ -31,7 +31,7 @@ $(FW_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(FW_VENV)
 	$(FW_PY) -m pip install --quiet torch==2.13.0
 	$(FW_PY) -m pip install --quiet -e ".[server,client,lightning,hf,ray]" \
-		"pytest>=8" "pytest-timeout>=2.3" "cryptography>=42"
+		"pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.5" "cryptography>=42"
 	@! $(FW_PY) -c "import torchvision" 2>/dev/null || \
 		{ echo "$(FW_VENV) must not have torchvision (Lightning would import it)"; exit 1; }
 	touch $@
@@ -54,11 +54,11 @@ test: install install-frameworks install-tf lint
 	$(PY) protos/generate.py --check
 	$(PY) -m pytest -n $(JOBS) -m "not serial"
 	$(PY) -m pytest -m serial
-	$(FW_PY) -m pytest -m frameworks tests/frameworks
+	$(FW_PY) -m pytest -n $(JOBS) --dist loadfile -m frameworks tests/frameworks
 
 ## test-frameworks: Lightning, the HF Trainer, torch.distributed.checkpoint and Ray, for real
 test-frameworks: install-frameworks
-	$(FW_PY) -m pytest -m frameworks tests/frameworks
+	$(FW_PY) -m pytest -n $(JOBS) --dist loadfile -m frameworks tests/frameworks
 
 lint: install
 	$(PY) -m ruff check .
