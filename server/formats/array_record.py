@@ -117,12 +117,11 @@ class ArrayRecord:
     def sample(self, index: int, key: EpochKey) -> dict[str, Any]:
         rng = key.rng(index)
         out: dict[str, Any] = {}
-        fields = self.fields or [self.raw]
-        prefixes = [f.pipeline.cached(index) if f.pipeline is not None else None
-                    for f in fields]
         if self.raw is not None:
-            if prefixes[0] is not None:
-                self.raw.pipeline.write(out, self.raw.name, None, rng, index, prefixes[0])
+            pipeline = self.raw.pipeline
+            prefix = pipeline.cached(index) if pipeline is not None else None
+            if pipeline is not None and prefix is not None:
+                pipeline.write(out, self.raw.name, None, rng, index, prefix)
             else:
                 data = self.record(index)
                 try:
@@ -131,12 +130,14 @@ class ArrayRecord:
                     raise ValueError(f"field {self.raw.name!r}: cannot decode "
                                      f"{self.raw.decode}: {type(e).__name__}: {e}") from e
             return out
+        prefixes = [f.pipeline.cached(index) if f.pipeline is not None else None
+                    for f in self.fields]
         return write_example(self.fields, prefixes, lambda: self.record(index), self.sequence,
                              out, rng, index)
 
     def use_prefix_cache(self, scope: Any) -> None:
-        fields = self.fields or [self.raw]
-        use_cache(scope, [(f.name, f.pipeline) for f in fields])
+        use_cache(scope, [(self.raw.name, self.raw.pipeline)] if self.raw is not None
+                  else [(f.name, f.pipeline) for f in self.fields])
 
     def source_of(self, index: int) -> str:
         shard, position = self.shards.locate(index)

@@ -119,9 +119,9 @@ class Chat:
                  self.packing_efficiency, self.long_conversations, cfg.long,
                  len(self.errors), cfg.on_error)
         if self.errors and cfg.on_error == "skip":
-            d, e = next(iter(self.errors.items()))
+            first, why = next(iter(self.errors.items()))
             log.warning("%s: skipped %d bad conversations, the first: %s", storage.url,
-                        len(self.errors), self._error(d, e))
+                        len(self.errors), self._error(first, why))
 
     def _image_settings(self, cfg: Any) -> tuple[int | None, int, Any, tuple[int, ...]]:
         """(the image token's id, tokens per image, the pipeline, its output shape)."""
@@ -243,8 +243,9 @@ class Chat:
             t += k
         position_ids[t:] = np.arange(n - t)
         attention_mask = (document_ids >= 0).astype(np.int64)
-        row = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
-               "document_ids": document_ids, "attention_mask": attention_mask}
+        row: dict[str, np.ndarray] = {
+            "input_ids": input_ids, "labels": labels, "position_ids": position_ids,
+            "document_ids": document_ids, "attention_mask": attention_mask}
         if self.images is not None:
             self._add_images(row, index, key or EpochKey())
         return row

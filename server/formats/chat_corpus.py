@@ -125,7 +125,7 @@ def _open_cached(base: str) -> _Corpus | None:
         arrays = [np.asarray(np.load(base + s, mmap_mode="r")) for s in FILES[:-1]]
     except (OSError, ValueError, KeyError):
         return None
-    tokens, trained, offsets, sources, refs, _blob, at, image_offsets = arrays
+    tokens, trained, offsets, sources, refs, blob, at, image_offsets = arrays
     if (len(tokens) != len(trained) or len(offsets) != meta["conversations"] + 1
             or int(offsets[-1]) != len(tokens) or len(sources) != meta["conversations"]
             or len(image_offsets) != len(offsets) or int(image_offsets[-1]) != len(refs)
@@ -134,7 +134,7 @@ def _open_cached(base: str) -> _Corpus | None:
     for s in FILES:  # a hit is a use: the disk cache evicts least recently used first
         with contextlib.suppress(OSError):
             os.utime(base + s)
-    return _Corpus(*arrays, meta)
+    return _Corpus(tokens, trained, offsets, sources, refs, blob, at, image_offsets, meta)
 
 
 class Renderer:
@@ -218,7 +218,8 @@ class Renderer:
         for rec in self._records(infos):
             d = len(sources)
             sources.append((rec.file, rec.where))
-            error, messages, images = rec.error, rec.messages, []
+            error, messages = rec.error, rec.messages
+            images: list[Any] = []
             if not error:
                 try:
                     if self.image_token is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -110,6 +110,8 @@ class DatasetBase(Strict):
     # Its reader is given the cache folder (cache_dir=), for the files it derives from the
     # data (a tokenized corpus, uncompressed shards), shared by the workers.
     uses_cache_dir: ClassVar[bool] = False
+    if TYPE_CHECKING:  # each model's own `format: Literal[...]`, the union's discriminator
+        format: str
 
     @property
     def draws_from(self) -> tuple[str, ...]:

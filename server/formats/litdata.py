@@ -249,7 +249,7 @@ class Litdata(ChunkedDataset):
         with self._footer_lock:
             table = self._footers.get(shard)
             if table is None:
-                data = memoryview(self.shard_bytes(shard)).cast("B")
+                data = self.shard_bytes(shard)
                 if bytes(data[-8:]) != _FOOTER_MAGIC:
                     raise ValueError(f"{where}: an empty item and no Arrow footer")
                 size = struct.unpack_from("<I", data, len(data) - 12)[0]

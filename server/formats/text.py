@@ -178,7 +178,7 @@ class _Build:
         extra = (self.bos is not None) + (self.eos is not None)
         if extra:  # every document's ids shifted by the specials inserted before it
             doc_of = np.repeat(np.arange(len(docs), dtype=np.int64), lengths)
-            kept_before = np.cumsum(keep) - keep
+            kept_before: np.ndarray = np.cumsum(keep) - keep
             out = np.empty(len(ids) + extra * int(keep.sum()), np.int64)
             out[np.arange(len(ids)) + extra * kept_before[doc_of]
                 + (self.bos is not None)] = ids

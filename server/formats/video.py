@@ -191,7 +191,7 @@ class Video:
         if mode == "all":
             counts = [self._count(v) for v in range(len(keys))]
         else:
-            counts = [1 if mode == "random" else mode] * len(keys)
+            counts = [mode if isinstance(mode, int) else 1] * len(keys)  # random: one
         # starts[v]: video v's first sample; sample i is clip i - starts[v] of video v.
         self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self.length = int(self.starts[-1])

@@ -20,7 +20,7 @@ import collections
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -122,7 +122,15 @@ class EpochKey:
 FIRST_EPOCH = EpochKey()
 
 
-class OrderCache:
+class _HasNbytes(Protocol):
+    @property
+    def nbytes(self) -> int: ...
+
+
+Kept = TypeVar("Kept", bound=_HasNbytes)
+
+
+class OrderCache(Generic[Kept]):
     """Epoch orders by key, least recently used out first, at most `max_bytes` in all. Any
     thread.
 
@@ -132,13 +140,13 @@ class OrderCache:
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._items: collections.OrderedDict[Hashable, np.ndarray] = collections.OrderedDict()
+        self._items: collections.OrderedDict[Hashable, Kept] = collections.OrderedDict()
         self._lock = threading.Lock()  # guards _items and nbytes
         # Reentrant: a mixture's epoch order is computed from its components' (order/mixture.py).
         self._computing = threading.RLock()
         self.nbytes = 0
 
-    def get(self, key: Hashable, compute: Callable[[], np.ndarray]) -> np.ndarray:
+    def get(self, key: Hashable, compute: Callable[[], Kept]) -> Kept:
         found = self._cached(key)
         if found is not None:
             return found
@@ -159,7 +167,7 @@ class OrderCache:
             self.max_bytes = max_bytes
             self._trim()
 
-    def _cached(self, key: Hashable) -> np.ndarray | None:
+    def _cached(self, key: Hashable) -> Kept | None:
         with self._lock:
             found = self._items.get(key)
             if found is not None:
@@ -173,7 +181,7 @@ class OrderCache:
 
 
 # The process's epoch orders, all datasets: the server sets the cap from max_order_cache_bytes.
-ORDERS = OrderCache(1 << 30)
+ORDERS: OrderCache[np.ndarray] = OrderCache(1 << 30)
 
 
 class Ordering:

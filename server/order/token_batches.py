@@ -96,7 +96,7 @@ class TokenPlan:
 
 
 # The process's token plans, all datasets (a plan holds 8 bytes a sample, plus a little).
-PLANS = OrderCache(256 << 20)
+PLANS: OrderCache[TokenPlan] = OrderCache(256 << 20)
 
 
 def check(lengths: np.ndarray | None, c: Coordinates) -> None:
@@ -130,7 +130,7 @@ def plan(ordering: Ordering, lengths: np.ndarray, c: Coordinates) -> TokenPlan:
         STEPS.put(key, made.steps)
         return made
 
-    return PLANS.get(key, make)  # type: ignore[arg-type,return-value]
+    return PLANS.get(key, make)
 
 
 def batches_per_epoch(ordering: Ordering, lengths: np.ndarray, c: Coordinates) -> int:
@@ -358,14 +358,14 @@ def _split_even(lens: np.ndarray, costs: np.ndarray, world: int, budget: int
                     pick, shift_best = (i, j), s
         if pick is None:
             break
-        i, j = pick
-        for item, src, dst in ((i, hi, lo), (j, lo, hi)):
-            if item is None:
+        moved, swapped = pick
+        for one, src, dst in ((moved, hi, lo), (swapped, lo, hi)):
+            if one is None:
                 continue
-            groups[src].remove(item)
-            groups[dst].append(item)
-            load[src] -= costs_l[item]
-            load[dst] += costs_l[item]
-            tokens[src] -= lens_l[item]
-            tokens[dst] += lens_l[item]
+            groups[src].remove(one)
+            groups[dst].append(one)
+            load[src] -= costs_l[one]
+            load[dst] += costs_l[one]
+            tokens[src] -= lens_l[one]
+            tokens[dst] += lens_l[one]
     return groups

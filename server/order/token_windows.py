@@ -151,7 +151,7 @@ def window_plan(ordering: Ordering, lengths: np.ndarray, c: Coordinates, w: int)
     """Window w's plan (from PLANS): its cuts and members are positions of the epoch."""
     key = ("window", ordering, c.seed, c.epoch, c.shuffle, c.world_size, c.batch_tokens,
            c.token_cost, c.start, c.order, w)
-    return PLANS.get(key, lambda: _make(ordering, lengths, c, w))  # type: ignore[return-value]
+    return PLANS.get(key, lambda: _make(ordering, lengths, c, w))
 
 
 def batch_samples(ordering: Ordering, lengths: np.ndarray, c: Coordinates,
