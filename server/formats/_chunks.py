@@ -28,13 +28,13 @@ import io
 import json
 import re
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .._lru import LRU
 from ..images import image_pipeline
 from ..order.sampling import EpochKey
 from ..sources import Storage
@@ -192,7 +192,7 @@ class ChunkedDataset(Sampled):
         self._maps: OpenMaps[np.ndarray] = OpenMaps(
             storage, lambda key, path: np.memmap(path, np.uint8, "r") if path.stat().st_size
             else np.zeros(0, np.uint8))
-        self._decoded: OrderedDict[int, bytes] = OrderedDict()
+        self._decoded: LRU[int, bytes] = LRU(max_items=DECODED_SHARDS)
         self._lock = threading.Lock()
 
     # -- the format's part ---------------------------------------------------------------------
@@ -216,14 +216,11 @@ class ChunkedDataset(Sampled):
         with self._lock:
             data = self._decoded.get(shard)
             if data is not None:
-                self._decoded.move_to_end(shard)
                 return memoryview(data).cast("B")
             raw = int(self._raw_bytes[shard])
             data = self.inflate(codec, self.storage.read(key), None if raw < 0 else raw,
                                 self.storage.where(key))
-            self._decoded[shard] = data
-            while len(self._decoded) > DECODED_SHARDS:
-                self._decoded.popitem(last=False)
+            self._decoded.put(shard, data)
             return memoryview(data).cast("B")
 
     def record(self, shard: int, pos: int) -> memoryview:

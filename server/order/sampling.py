@@ -16,7 +16,6 @@ memory by copy-on-write).
 
 from __future__ import annotations
 
-import collections
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
+from .._lru import LRU
 from .permute import keys_for, permute, permute_each, window_keys
 
 if TYPE_CHECKING:
@@ -130,6 +130,10 @@ class _HasNbytes(Protocol):
 Kept = TypeVar("Kept", bound=_HasNbytes)
 
 
+def _nbytes(value: _HasNbytes) -> int:
+    return value.nbytes
+
+
 class OrderCache(Generic[Kept]):
     """Epoch orders by key, least recently used out first, at most `max_bytes` in all. Any
     thread.
@@ -139,12 +143,10 @@ class OrderCache(Generic[Kept]):
     computed for its caller and not kept."""
 
     def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._items: collections.OrderedDict[Hashable, Kept] = collections.OrderedDict()
-        self._lock = threading.Lock()  # guards _items and nbytes
+        self._items: LRU[Hashable, Kept] = LRU(max_size=max_bytes, size=_nbytes)
+        self._lock = threading.Lock()  # guards _items
         # Reentrant: a mixture's epoch order is computed from its components' (order/mixture.py).
         self._computing = threading.RLock()
-        self.nbytes = 0
 
     def get(self, key: Hashable, compute: Callable[[], Kept]) -> Kept:
         found = self._cached(key)
@@ -157,27 +159,25 @@ class OrderCache(Generic[Kept]):
             value = compute()
             with self._lock:
                 if value.nbytes <= self.max_bytes:
-                    self._items[key] = value
-                    self.nbytes += value.nbytes
-                self._trim()
+                    self._items.put(key, value)
             return value
 
     def resize(self, max_bytes: int) -> None:
         with self._lock:
-            self.max_bytes = max_bytes
-            self._trim()
+            self._items.resize(max_bytes)
+
+    @property
+    def max_bytes(self) -> int:
+        return self._items.max_size or 0
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the orders kept."""
+        return self._items.size
 
     def _cached(self, key: Hashable) -> Kept | None:
         with self._lock:
-            found = self._items.get(key)
-            if found is not None:
-                self._items.move_to_end(key)
-            return found
-
-    def _trim(self) -> None:
-        while self.nbytes > self.max_bytes and self._items:
-            _, old = self._items.popitem(last=False)
-            self.nbytes -= old.nbytes
+            return self._items.get(key)
 
 
 # The process's epoch orders, all datasets: the server sets the cap from max_order_cache_bytes.
