@@ -56,6 +56,14 @@ class LRU(Generic[K, V]):
             self._items.move_to_end(key)
         return found
 
+    def get_or_make(self, key: K, make: Callable[[], V]) -> V:
+        """The value of `key` (a use), or `make()`'s, put under it."""
+        found = self.get(key)
+        if found is None:
+            found = make()
+            self.put(key, found)
+        return found
+
     def pop(self, key: K) -> V | None:
         """Take `key` out (not an eviction: nothing is returned to release)."""
         found = self._items.pop(key, None)

@@ -213,15 +213,11 @@ class ChunkedDataset(Sampled):
         codec = str(self._codecs[shard])
         if not codec:
             return self._maps.get(key).data.cast("B")
+        raw = int(self._raw_bytes[shard])
         with self._lock:
-            data = self._decoded.get(shard)
-            if data is not None:
-                return memoryview(data).cast("B")
-            raw = int(self._raw_bytes[shard])
-            data = self.inflate(codec, self.storage.read(key), None if raw < 0 else raw,
-                                self.storage.where(key))
-            self._decoded.put(shard, data)
-            return memoryview(data).cast("B")
+            data = self._decoded.get_or_make(shard, lambda: self.inflate(
+                codec, self.storage.read(key), None if raw < 0 else raw, self.storage.where(key)))
+        return memoryview(data).cast("B")
 
     def record(self, shard: int, pos: int) -> memoryview:
         """Record `pos` of `shard`, checked against the shard's own header."""

@@ -142,13 +142,10 @@ class OpenMaps(Generic[T]):
 
     def get(self, key: str) -> T:
         with self._lock:
-            found = self._maps.get(key)
-            if found is not None:
-                return found
-            # Under the lock: two threads never map (or, for s3, fetch) one file twice.
-            opened = self.opener(key, self.storage.local_path(key))
-            self._maps.put(key, opened)  # the evicted: unmapped when the last row view is gone
-            return opened
+            # Under the lock: two threads never map (or, for s3, fetch) one file twice. The
+            # evicted are unmapped when their last row view is gone.
+            return self._maps.get_or_make(
+                key, lambda: self.opener(key, self.storage.local_path(key)))
 
 
 class _Field:

@@ -24,6 +24,7 @@ from ..images import ImagePipeline, resize_pipeline
 from ..order.sampling import EpochKey
 from ..sources import Storage
 from ._clips import ClipPlan, read_video_manifest
+from ._folders import class_folders
 from ._video import (
     FrameTable,
     FrameTables,
@@ -164,14 +165,7 @@ class Video:
             labels = [r[1] for r in rows]
             bounds = [(r[2], r[3]) for r in rows]
         else:
-            keys = [o.key for o in storage.list(pattern)
-                    if o.key.lower().endswith(cfg.extensions) and o.key.count("/") == 1]
-            if not keys:
-                raise ValueError(f"{storage.url}: no {'/'.join(cfg.extensions)} files in "
-                                 "class sub-folders")
-            classes = sorted({k.split("/", 1)[0] for k in keys})
-            index = {name: i for i, name in enumerate(classes)}
-            labels = [index[k.split("/", 1)[0]] for k in keys]
+            keys, labels = class_folders(storage, pattern, tuple(cfg.extensions))
             bounds = [(None, None)] * len(keys)
         # Fixed-width numpy arrays, not lists of str: no per-item refcounts to copy on write.
         self.keys = np.array(keys)

@@ -337,13 +337,17 @@ def batches_per_epoch(num_samples: int, c: Coordinates) -> int:
     return -(-per_rank // c.batch_size)
 
 
+def check_batch_index(batch_index: int, batches: int) -> None:
+    """CoordinateError naming `batch_index` unless it is one of the epoch's `batches`."""
+    if not 0 <= batch_index < batches:
+        raise CoordinateError("batch_index", f"must be in [0, {batches}) for this epoch and "
+                                             f"rank, got {batch_index}")
+
+
 def batch_samples(ordering: Ordering, c: Coordinates, batch_index: int) -> np.ndarray:
     """Dataset indices of batch `batch_index` under coordinates `c` (validated): a new array,
     which keeps no epoch order alive. Unshuffled, no order is made at all."""
-    n = batches_per_epoch(ordering.num_samples, c)
-    if not 0 <= batch_index < n:
-        raise CoordinateError(
-            "batch_index", f"must be in [0, {n}) for this epoch and rank, got {batch_index}")
+    check_batch_index(batch_index, batches_per_epoch(ordering.num_samples, c))
     first = batch_index * c.batch_size
     stop = min(first + c.batch_size, samples_per_rank(ordering.num_samples, c))
     # This rank's j-th sample is at position start + rank + j * world_size of the epoch's order.
