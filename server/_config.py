@@ -13,7 +13,7 @@ import os
 import types
 import typing
 from pathlib import Path
-from typing import Annotated, Any, Union
+from typing import TYPE_CHECKING, Annotated, Any, Union
 
 import yaml
 from pydantic import (
@@ -27,7 +27,7 @@ from pydantic import (
 )
 
 from .formats import config_models
-from .formats.config_base import ConfigPath, RelativeToConfig, S3Settings, Strict
+from .formats.config_base import ConfigPath, DatasetBase, RelativeToConfig, S3Settings, Strict
 
 # Frames must stay well under the client's receive limit (see stoker.client).
 MAX_FRAME_BYTES = 32 << 20
@@ -63,9 +63,13 @@ class CacheSettings(Strict):
 
 
 # One model a format, told apart by `format:`; in FORMATS order, which the error for an unknown
-# format lists.
-DatasetConfig = Annotated[Union[tuple(config_models())],  # noqa: UP007
-                          Field(discriminator="format")]
+# format lists. The union is built from FORMATS at run time, which a type checker cannot
+# follow: it sees what every member has, DatasetBase.
+if TYPE_CHECKING:
+    DatasetConfig = DatasetBase
+else:
+    DatasetConfig = Annotated[Union[tuple(config_models())],  # noqa: UP007
+                              Field(discriminator="format")]
 
 
 def _readable_file(v: Path) -> Path:

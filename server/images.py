@@ -83,7 +83,8 @@ def _size(v: Any) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
-def _resize(plan: _Plan, args: Any, rng: np.random.Generator) -> None:
+# A geometry step: deterministic steps (the prefix's) are given no generator.
+def _resize(plan: _Plan, args: Any, rng: np.random.Generator | None) -> None:
     if isinstance(args.size, int):  # shorter side -> size, as torchvision's Resize(int)
         short, long_ = sorted((plan.width, plan.height))
         other = int(args.size * long_ / short)
@@ -93,7 +94,7 @@ def _resize(plan: _Plan, args: Any, rng: np.random.Generator) -> None:
         plan.height, plan.width = _size(args.size)
 
 
-def _center_crop(plan: _Plan, args: Any, rng: np.random.Generator) -> None:
+def _center_crop(plan: _Plan, args: Any, rng: np.random.Generator | None) -> None:
     h, w = _size(args.size)
     if h > plan.height or w > plan.width:
         raise ValueError(f"center_crop {h}x{w} is larger than the image ({plan.height}x"
@@ -127,12 +128,14 @@ def rrc_box(width: int, height: int, scale: Sequence[float], ratio: Sequence[flo
     return (width - w) // 2, (height - h) // 2, w, h
 
 
-def _random_resized_crop(plan: _Plan, args: Any, rng: np.random.Generator) -> None:
+def _random_resized_crop(plan: _Plan, args: Any, rng: np.random.Generator | None) -> None:
+    assert rng is not None  # a random step is never in the prefix
     plan.crop(*rrc_box(plan.width, plan.height, args.scale, args.ratio, rng))
     plan.height, plan.width = _size(args.size)
 
 
-def _horizontal_flip(plan: _Plan, args: Any, rng: np.random.Generator) -> None:
+def _horizontal_flip(plan: _Plan, args: Any, rng: np.random.Generator | None) -> None:
+    assert rng is not None  # a random step is never in the prefix
     if rng.random() < args.p:
         plan.flip = not plan.flip
 

@@ -48,15 +48,17 @@ S = "stoker.server"
 C = "stoker.client"
 LEAVES = (f"{C}._errors", f"{C}._log", f"{C}._backoff")  # the client's: any room may import
 LAYERS = (
+    Layer("stoker.server.lru", "the one least-recently-used map of the server's caches", (),
+          modules=(f"{S}._lru",)),
     Layer("stoker.server.sources", "storage: local files, S3, the disk cache, the prefix cache",
-          ()),
+          (f"{S}._lru",)),
     Layer("stoker.server.order", "pure ordering math: coordinates -> sample indices",
-          ("stoker.server.sources",)),
+          ("stoker.server.sources", f"{S}._lru")),
     Layer("stoker.server.leaves", "the start error", (),
           modules=(f"{S}._errors",)),
     Layer("stoker.server.formats", "readers: a `format:` block -> a dataset; samples",
           ("stoker.server.sources", "stoker.server.order", "stoker.server.images",
-           "stoker.server._config")),
+           "stoker.server._config", f"{S}._lru")),
     Layer("stoker.server.config", "the YAML schema; decoding and transforms",
           ("stoker.server.sources", "stoker.server.formats"),
           modules=(f"{S}._config", f"{S}.images")),

@@ -1,19 +1,28 @@
-"""Why a server cannot be reached, said in words a user can act on: `reached` (did a call get
-to the server's code at all), `diagnose` (a plain TCP connect to every address a name resolves
-to), `explain` (one address's line in the error when no server answered) and `hint` (what a
-TLS mismatch looks like).
+"""Why a server cannot be reached, said in words a user can act on; one module for the loader
+and the `stoker` command (server/tools/connect.py words the same findings for its flags).
 
-gRPC's own error names only the last address it tried (for `localhost`, often `[::1]`,
-refused, while `127.0.0.1` failed its TLS handshake), so the error is built from the TCP
-connects.
+- `Connectivity`: a channel's connectivity state as gRPC reports it (`Channel.subscribe`):
+  READY once a connection (TCP, TLS, HTTP/2) is up, TRANSIENT_FAILURE when making one failed.
+- `reached`: did a failed call get to the server's code at all? From the status code, then
+  the channel's state; gRPC's words only where no state is known.
+- `cause`: which step of making the connection failed (refused, no such name, an HTTP port,
+  a TLS mismatch...). gRPC says *that* it failed (UNAVAILABLE, TRANSIENT_FAILURE) but not
+  which step: that is in its error text alone, so this is the one place that reads the text.
+- `diagnose`: a plain TCP connect to every address a name resolves to. gRPC's own error names
+  only the last address it tried (for `localhost`, often `[::1]`, refused, while `127.0.0.1`
+  failed its TLS handshake), so the loader's error is built from these connects.
+- `explain` (one address's line in the loader's error when no server answered) and `hint`
+  (what a TLS mismatch looks like, in the loader's arguments).
 
-Threading: the loop's thread (first contact's), or a CLI's.
+Threading: the loop's thread (first contact's), or a CLI's; `Connectivity` is updated from
+gRPC's threads.
 """
 
 from __future__ import annotations
 
 import enum
 import socket
+import threading
 from dataclasses import dataclass
 
 import grpc
@@ -21,23 +30,94 @@ import grpc
 from .._errors import RemoteError
 
 PROBE_TIMEOUT = 1.0  # seconds a diagnostic TCP connect may take
-# gRPC's words for a call that never reached a server's code: no connection, no name, no TLS.
-_UNREACHED = ("failed to connect", "errors resolving", "dns resolution failed", "socket closed",
-              "connection reset", "connection refused", "broken pipe", "handshake", "ssl",
-              "end of tcp stream", "connections to all backends failing", "no route to host",
-              "unreachable", "timeout occurred")
+_READY = grpc.ChannelConnectivity.READY
 
 
-def reached(err: RemoteError) -> bool:
+class Connectivity:
+    """The latest connectivity state of `channel`, as gRPC reports it from its own threads;
+    `close` stops listening (the channel's own close does too)."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self.state: grpc.ChannelConnectivity | None = None  # None: nothing reported yet
+        self._changed = threading.Condition()
+        self._channel = channel
+        channel.subscribe(self._seen, try_to_connect=False)
+
+    def _seen(self, state: grpc.ChannelConnectivity) -> None:
+        with self._changed:
+            self.state = state
+            self._changed.notify_all()
+
+    def wait_for(self, state: grpc.ChannelConnectivity, timeout: float) -> bool:
+        """Whether the channel reports `state` within `timeout` s (reports come from gRPC's
+        threads, possibly after a call on the channel has ended)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self.state is state, timeout)
+
+    def close(self) -> None:
+        self._channel.unsubscribe(self._seen)
+
+
+def reached(err: RemoteError, state: grpc.ChannelConnectivity | None = None) -> bool:
     """The server's code answered (a status of its own), rather than gRPC saying that no
     connection was made. DEADLINE_EXCEEDED counts as no answer: a frozen process, or a port
-    that accepts connections and never speaks gRPC."""
+    that accepts connections and never speaks gRPC. An UNAVAILABLE is the server's own (it is
+    draining, say) when its channel is READY, and gRPC's when it is not; `state`: the
+    channel's, when known (`Connectivity`)."""
     if err.code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return False
     if err.code != grpc.StatusCode.UNAVAILABLE:
         return True
-    low = err.details.lower()
-    return not any(w in low for w in _UNREACHED)
+    if state is not None:
+        return state is _READY
+    # No state known: gRPC's words are all there is.
+    return cause(err.details) is None and not any(w in err.details.lower() for w in _UNREACHED)
+
+
+class Cause(enum.Enum):
+    """The step of making a connection that failed, as gRPC's words tell it."""
+
+    REFUSED = "connection refused"
+    UNRESOLVED = "the host name does not resolve"
+    HTTP_PORT = "an HTTP port, not gRPC"
+    NOT_TLS = "the server does not use TLS"
+    UNTRUSTED = "the server's certificate is not signed by a CA we trust"
+    WRONG_NAME = "the server's certificate does not name this host"
+    CLOSED = "the server closed the connection at once"
+    TLS = "the TLS handshake failed"
+
+
+# gRPC's words for each cause (lower case), in the order they are tried: the first that
+# matches wins (a TLS error's text may also say "socket closed").
+_WORDS: tuple[tuple[Cause, tuple[str, ...]], ...] = (
+    (Cause.REFUSED, ("connection refused",)),
+    (Cause.UNRESOLVED, ("errors resolving", "dns resolution failed", "resolving", "lookup",
+                        "name not found")),
+    (Cause.HTTP_PORT, ("http1.x server", "failed parsing http/2")),
+    (Cause.NOT_TLS, ("wrong_version_number",)),
+    (Cause.UNTRUSTED, ("certificate_verify_failed", "unable to get local issuer")),
+    (Cause.WRONG_NAME, ("peer name", "hostname")),
+    (Cause.CLOSED, ("socket closed", "connection reset")),
+    (Cause.TLS, ("handshake", "ssl", "tls", "certificate")),
+)
+# Other words of gRPC's for a call that never reached a server's code, naming no cause.
+_UNREACHED = ("failed to connect", "end of tcp stream", "connections to all backends failing",
+              "no route to host", "unreachable", "timeout occurred", "broken pipe")
+
+
+def cause(details: str) -> Cause | None:
+    """Which step of making a connection failed, from gRPC's error text (None: it does not
+    say). gRPC gives no code or state for the step, only these words."""
+    low = details.lower()
+    for found, words in _WORDS:
+        if any(w in low for w in words) or (
+                found is Cause.NOT_TLS and "handshake" in low and "version" in low):
+            return found
+    return None
+
+
+_TLS_CAUSES = frozenset({Cause.NOT_TLS, Cause.UNTRUSTED, Cause.WRONG_NAME, Cause.CLOSED,
+                         Cause.TLS})
 
 
 class Outcome(enum.Enum):
@@ -91,9 +171,11 @@ def diagnose(address: str, timeout: float = PROBE_TIMEOUT) -> list[Probe]:
     return probes
 
 
-def explain(address: str, err: RemoteError | None, tls: bool) -> str:
-    """`address: what happened`, for the error raised when no server answered."""
-    if err is not None and reached(err):
+def explain(address: str, err: RemoteError | None, tls: bool,
+            state: grpc.ChannelConnectivity | None = None) -> str:
+    """`address: what happened`, for the error raised when no server answered; `state`: its
+    channel's connectivity, when known."""
+    if err is not None and reached(err, state):
         return f"{address}: {err.code.name}: {err.details}"
     probes = diagnose(address)
     said = "; ".join(str(p) for p in probes)
@@ -103,8 +185,7 @@ def explain(address: str, err: RemoteError | None, tls: bool) -> str:
         return f"{address}: {said}"
     grpc_said = f"{err.code.name}: {err.details}" if err is not None else "no answer"
     text = f"{address}: {said}, but no gRPC call got through (gRPC: {grpc_said})"
-    return text + (hint(tls, grpc_said, reachable=True) if err is None or not reached(err)
-                   else "")
+    return text + hint(tls, grpc_said, reachable=True)
 
 
 def hint(tls: bool, errors: str, *, reachable: bool = False) -> str:
@@ -112,15 +193,14 @@ def hint(tls: bool, errors: str, *, reachable: bool = False) -> str:
     does not): gRPC's own words ("Socket closed") do not say what to change. `reachable`: the
     address accepts TCP connections, yet no call got through, whatever gRPC's words say (they
     may be about another address of the same name: `localhost` is [::1] and 127.0.0.1)."""
-    low = errors.lower()
+    found = cause(errors)
     if not tls and reachable:
         return (" (if the server uses TLS, pass tls=True or tls={'ca': ...}; else check that "
                 "this is its gRPC port, not its HTTP port, and that the server is not stopped)")
-    if not tls and "socket closed" in low:
+    if not tls and found is Cause.CLOSED:
         return (" (the server closed the connection at once: if it uses TLS, pass tls=True "
                 "or tls={'ca': ...})")
-    if tls and (reachable or any(w in low for w in ("handshake", "ssl", "certificate",
-                                                    "socket closed"))):
+    if tls and (reachable or found in _TLS_CAUSES):
         return (" (TLS handshake failed: check tls['ca'] signs the server's certificate and "
                 "tls['server_name'] matches it; a server with client_ca_file needs tls['cert'] "
                 "and tls['key']; a server without TLS needs tls=False)")

@@ -29,7 +29,7 @@ from .._backoff import MOST, Backoff
 from .._errors import RemoteError
 from .._log import say
 from ..fleet.servers import Server, ServerSet
-from .diagnosis import explain, reached
+from .diagnosis import Connectivity, explain, reached
 
 CALL_TIMEOUT = 10.0  # seconds one DescribeDataset may take
 PAUSE_MAX = MOST  # seconds: the longest pause (_backoff.py), and the longest wait for an answer
@@ -61,6 +61,8 @@ def first_contact(servers: ServerSet, request: Callable[[], pb.DescribeDatasetRe
     asked: dict[str, grpc.Future] = {}  # address -> its call in flight
     due: dict[str, float] = {}  # address -> when to ask it again
     pauses: dict[str, Backoff] = {}
+    # Each asked server's channel state, from gRPC: whether its error is the server's own.
+    watched: dict[str, Connectivity] = {}
     answered = said_waiting = False
     try:
         while True:
@@ -71,6 +73,8 @@ def first_contact(servers: ServerSet, request: Callable[[], pb.DescribeDatasetRe
                 for server in list(servers.servers.values()):
                     if server.address not in asked and due.get(server.address, 0.0) <= now:
                         due.pop(server.address, None)
+                        if server.address not in watched:
+                            watched[server.address] = Connectivity(server.channel)
                         asked[server.address] = _ask(server, request(), answers,
                                                      min(CALL_TIMEOUT, limit - waited))
             # Wake for the next server due again, to give up in time, to look at a dns name
@@ -85,8 +89,8 @@ def first_contact(servers: ServerSet, request: Callable[[], pb.DescribeDatasetRe
             elif not said_waiting:
                 wake = min(wake, started + 1.0)
             if waited >= limit and not asked:
-                raise _none_answered(servers, errors, waited, answered, connect_timeout,
-                                     timeout, tls)
+                raise _none_answered(servers, errors, watched, waited, answered,
+                                     connect_timeout, timeout, tls)
             try:
                 server, future = answers.get(timeout=min(max(wake - now, 0.01), PAUSE_MAX))
             except queue.Empty:
@@ -101,7 +105,7 @@ def first_contact(servers: ServerSet, request: Callable[[], pb.DescribeDatasetRe
                 err = RemoteError.from_rpc(e, server.address)
             say(logging.DEBUG, "DescribeDataset at %s: %s", server.address, err)
             refuse(err)
-            answered = answered or reached(err)
+            answered = answered or reached(err, watched[server.address].state)
             errors[server.address] = err
             due[server.address] = time.monotonic() + pauses.setdefault(
                 server.address, Backoff()).next()
@@ -109,6 +113,9 @@ def first_contact(servers: ServerSet, request: Callable[[], pb.DescribeDatasetRe
         for call in asked.values():
             call.cancel()
         raise
+    finally:
+        for watch in watched.values():
+            watch.close()
 
 
 def _ask(server: Server, request: pb.DescribeDatasetRequest,
@@ -120,13 +127,14 @@ def _ask(server: Server, request: pb.DescribeDatasetRequest,
     return future
 
 
-def _none_answered(servers: ServerSet, errors: dict[str, RemoteError], waited: float,
-                   answered: bool, connect_timeout: float, timeout: float,
-                   tls: bool) -> RemoteError:
+def _none_answered(servers: ServerSet, errors: dict[str, RemoteError],
+                   watched: dict[str, Connectivity], waited: float, answered: bool,
+                   connect_timeout: float, timeout: float, tls: bool) -> RemoteError:
     bound = (f"timeout={timeout:g}" if answered or timeout <= connect_timeout
              else f"connect_timeout={connect_timeout:g}")
     if servers.servers:
-        parts = [explain(a, errors.get(a), tls) for a in servers.servers]
+        parts = [explain(a, errors.get(a), tls, w.state if (w := watched.get(a)) else None)
+                 for a in servers.servers]
     else:  # a dns: target that resolves to nothing
         parts = [explain(servers.describe(), None, tls)]
     return RemoteError(grpc.StatusCode.UNAVAILABLE,

@@ -19,9 +19,10 @@ import typing
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._contract import Dataset, DatasetParts
+    from ._contract import Dataset, DatasetParts, DrawnFrom
 
-__all__ = ["FORMATS", "OPTIONAL", "Dataset", "DatasetParts", "config_models", "open_dataset"]
+__all__ = ["FORMATS", "OPTIONAL", "Dataset", "DatasetParts", "DrawnFrom", "config_models",
+           "open_dataset"]
 
 # format -> (its config model, its reader), as "module:name" under formats/, in the order the
 # config's errors list the formats. load_config imports every config model (their modules are
@@ -66,7 +67,7 @@ def config_models() -> list[Any]:
 def __getattr__(name: str) -> Any:
     # The contract needs numpy: loaded on use, so that load_config, which imports the config
     # models from this package, does not import it.
-    if name in ("OPTIONAL", "Dataset", "DatasetParts"):
+    if name in ("OPTIONAL", "Dataset", "DatasetParts", "DrawnFrom"):
         from . import _contract
 
         return getattr(_contract, name)

@@ -28,13 +28,13 @@ import io
 import json
 import re
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .._lru import LRU
 from ..images import image_pipeline
 from ..order.sampling import EpochKey
 from ..sources import Storage
@@ -192,7 +192,7 @@ class ChunkedDataset(Sampled):
         self._maps: OpenMaps[np.ndarray] = OpenMaps(
             storage, lambda key, path: np.memmap(path, np.uint8, "r") if path.stat().st_size
             else np.zeros(0, np.uint8))
-        self._decoded: OrderedDict[int, bytes] = OrderedDict()
+        self._decoded: LRU[int, bytes] = LRU(max_items=DECODED_SHARDS)
         self._lock = threading.Lock()
 
     # -- the format's part ---------------------------------------------------------------------
@@ -206,28 +206,22 @@ class ChunkedDataset(Sampled):
         return decompress(codec, data, raw_bytes, where)
 
     # -- reading -------------------------------------------------------------------------------
-    def shard_bytes(self, shard: int) -> np.ndarray | bytes:
-        """The shard's (uncompressed) bytes: a memory map, or a decompressed copy."""
+    def shard_bytes(self, shard: int) -> memoryview:
+        """The shard's (uncompressed) bytes, unsigned: of a memory map, or of a decompressed
+        copy."""
         key = str(self.shard_keys[shard])
         codec = str(self._codecs[shard])
         if not codec:
-            return self._maps.get(key)
+            return self._maps.get(key).data.cast("B")
+        raw = int(self._raw_bytes[shard])
         with self._lock:
-            data = self._decoded.get(shard)
-            if data is not None:
-                self._decoded.move_to_end(shard)
-                return data
-            raw = int(self._raw_bytes[shard])
-            data = self.inflate(codec, self.storage.read(key), None if raw < 0 else raw,
-                                self.storage.where(key))
-            self._decoded[shard] = data
-            while len(self._decoded) > DECODED_SHARDS:
-                self._decoded.popitem(last=False)
-            return data
+            data = self._decoded.get_or_make(shard, lambda: self.inflate(
+                codec, self.storage.read(key), None if raw < 0 else raw, self.storage.where(key)))
+        return memoryview(data).cast("B")
 
     def record(self, shard: int, pos: int) -> memoryview:
         """Record `pos` of `shard`, checked against the shard's own header."""
-        data = memoryview(self.shard_bytes(shard)).cast("B")
+        data = self.shard_bytes(shard)
         where = self.storage.where(str(self.shard_keys[shard]))
         count = int(self._counts[shard])
         if len(data) < 4 * (count + 2):
@@ -269,14 +263,15 @@ class ChunkedDataset(Sampled):
 
 
 def split_sized(record: memoryview, sizes: Sequence[int | None], where: str
-                ) -> list[memoryview]:
+                ) -> list[memoryview | bytes]:
     """Cut a record into its columns: `sizes[i]` bytes for column i, or where it is None, the
     next uint32 of the size table that opens the record (one entry per None, in order)."""
     variable = sum(s is None for s in sizes)
     if len(record) < 4 * variable:
         raise ValueError(f"{where}: {len(record)} bytes, shorter than its size table")
     table = iter(np.frombuffer(record, _U32, variable).tolist())
-    parts, at = [], 4 * variable
+    parts: list[memoryview | bytes] = []  # a record's columns, as `split` gives them
+    at = 4 * variable
     for size in sizes:
         n = next(table) if size is None else size
         parts.append(record[at: at + n])

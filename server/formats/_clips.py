@@ -7,8 +7,9 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 from fractions import Fraction
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -74,7 +75,7 @@ class ClipPlan:
         self.fps = None if cfg.clip.fps is None else Fraction(str(cfg.clip.fps))
         self.short = cfg.short
         # "random", "all" or K; a clip of a tar member or parquet cell: one random clip
-        self.mode = getattr(cfg, "clips_per_video", "random")
+        self.mode: Literal["random", "all"] | int = getattr(cfg, "clips_per_video", "random")
 
     def _window(self, table: FrameTable, start: float | None, end: float | None
                 ) -> tuple[int, int]:
@@ -120,7 +121,7 @@ class ClipPlan:
             first = int(table.pts[lo + int(rng.integers(0, last_start - lo + 1))])
         else:
             first = int(table.pts[lo]) + self._offset(room, clip, rng, self.frames * step)
-        ticks = np.array([first + int(np.floor(i * step)) for i in range(self.frames)], np.int64)
+        ticks = np.array([first + math.floor(i * step) for i in range(self.frames)], np.int64)
         found = np.searchsorted(table.pts, ticks, "right") - 1
         return np.clip(found, lo, hi - 1)
 
@@ -136,6 +137,7 @@ class ClipPlan:
             return int(rng.integers(0, room + 1))
         if self.mode == "all":
             return int(np.floor(clip * length))
+        assert isinstance(self.mode, int)  # K clips a video, evenly spaced
         if self.mode == 1:
             return room // 2
         return round(clip * room / (self.mode - 1))

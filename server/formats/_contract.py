@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -27,6 +27,17 @@ class Dataset(Protocol):
 
     def __len__(self) -> int: ...
     def __getitem__(self, index: int) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class DrawnFrom(Dataset, Protocol):
+    """A dataset made of the config's other datasets (its `draws_from`, e.g. a mixture): its
+    order and token lengths follow from theirs, given in the order of `names`."""
+
+    names: list[str]
+
+    def ordering(self, components: list[Any]) -> Any: ...
+    def lengths(self, components: list[np.ndarray | None]) -> np.ndarray | None: ...
 
 
 class Sampled:

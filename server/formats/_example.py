@@ -16,6 +16,7 @@ int64 -> int64, float -> float32 (TensorFlow's FloatList), bytes -> one value, d
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Callable
 from functools import cache
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..images import image_pipeline
+from ..sources import ObjectInfo, Storage
 
 _PACKAGE = "stoker.tfexample"
 _LISTS = {"bytes": "bytes_list", "float": "float_list", "int64": "int64_list"}
@@ -88,15 +90,12 @@ def parse_features(record: bytes, sequence: bool) -> dict[str, Any]:
     return {entry.key: entry.value for entry in features.feature}
 
 
-class Feature:
-    """One output field read from one feature of a record; immutable once made."""
+class RecordBytes:
+    """One output field made of bytes (a raw record, or a bytes feature): decoded as an image,
+    npy, or kept as bytes with their length; immutable once made."""
 
     def __init__(self, name: str, cfg: Any) -> None:
         self.name = name
-        self.key = cfg.key or name
-        self.kind = cfg.kind
-        self.shape = tuple(cfg.shape)
-        self.count = int(np.prod(self.shape)) if self.shape else 1
         self.decode = cfg.decode
         self.max_bytes = cfg.max_bytes
         self.pipeline = image_pipeline(cfg) if cfg.decode == "image" else None
@@ -104,8 +103,22 @@ class Feature:
     def output_names(self) -> list[str]:
         if self.pipeline is not None:
             return self.pipeline.output_names(self.name)
-        if self.kind == "bytes" and self.decode != "npy":
-            return [self.name, f"{self.name}_length"]
+        return [self.name] if self.decode == "npy" else [self.name, f"{self.name}_length"]
+
+
+class Feature(RecordBytes):
+    """One output field read from one feature of a record; immutable once made."""
+
+    def __init__(self, name: str, cfg: Any) -> None:
+        super().__init__(name, cfg)
+        self.key = cfg.key or name
+        self.kind = cfg.kind
+        self.shape = tuple(cfg.shape)
+        self.count = int(np.prod(self.shape)) if self.shape else 1
+
+    def output_names(self) -> list[str]:
+        if self.kind == "bytes" or self.pipeline is not None:
+            return super().output_names()
         return [self.name]
 
     def values(self, features: dict[str, Any]) -> Any:
@@ -186,3 +199,15 @@ def check_names(fields: list[Any]) -> None:
     names = [n for f in fields for n in f.output_names()]
     if len(set(names)) != len(names):
         raise ValueError(f"output field names collide: {sorted(names)}")
+
+
+def record_files(storage: Storage, pattern: str | None, named: re.Pattern[str],
+                 what: str) -> list[ObjectInfo]:
+    """The files of a record format: those `pattern` matches, or with no pattern those whose
+    name `named` matches (in any folder; `what` says which, for the error)."""
+    infos = storage.list(pattern)
+    if pattern is None:
+        infos = [o for o in infos if named.search(o.key.rsplit("/", 1)[-1])]
+    if not infos:
+        raise ValueError(f"{storage.url}: no files match {pattern or what + ' (in any folder)'!r}")
+    return infos

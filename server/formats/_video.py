@@ -26,12 +26,13 @@ from __future__ import annotations
 import bisect
 import io
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
 import numpy as np
+
+from .._lru import LRU
 
 try:
     import av
@@ -123,15 +124,13 @@ class FrameTables:
     read it, and the second's equal table replaces the first's."""
 
     def __init__(self, kept: int = 4096) -> None:
-        self.kept = kept
-        self._tables: OrderedDict[str, FrameTable] = OrderedDict()
+        self._tables: LRU[str, FrameTable] = LRU(max_items=kept)
         self._lock = threading.Lock()
 
     def get(self, path: str) -> FrameTable:
         with self._lock:
             found = self._tables.get(path)
             if found is not None:
-                self._tables.move_to_end(path)
                 return found
         container, stream = open_video(path)
         try:
@@ -139,9 +138,7 @@ class FrameTables:
         finally:
             container.close()
         with self._lock:
-            self._tables[path] = table
-            while len(self._tables) > self.kept:
-                self._tables.popitem(last=False)
+            self._tables.put(path, table)
         return table
 
 

@@ -18,11 +18,18 @@ from typing import Any
 
 import numpy as np
 
-from ..images import image_pipeline
 from ..order.sampling import EpochKey
 from ..sources import Storage
 from ..sources.prefix_cache import use_cache
-from ._example import Feature, check_names, write_bytes, write_example
+from ._contract import Sampled
+from ._example import (
+    Feature,
+    RecordBytes,
+    check_names,
+    record_files,
+    write_bytes,
+    write_example,
+)
 from ._shards import ShardIndex
 from .memmap import OpenMaps
 
@@ -56,37 +63,17 @@ class _File:
             self.reader.close()
 
 
-class _Raw:
-    """The one field of a raw record."""
-
-    def __init__(self, cfg: Any) -> None:
-        self.name = cfg.field
-        self.decode = cfg.decode
-        self.max_bytes = cfg.max_bytes
-        self.pipeline = image_pipeline(cfg) if cfg.decode == "image" else None
-
-    def output_names(self) -> list[str]:
-        if self.pipeline is not None:
-            return self.pipeline.output_names(self.name)
-        return [self.name] if self.decode == "npy" else [self.name, f"{self.name}_length"]
-
-
-class ArrayRecord:
+class ArrayRecord(Sampled):
     """Thread-safe: sample() reads immutable arrays; each file's reads hold its lock."""
 
     def __init__(self, cfg: Any, storage: Storage, pattern: str | None = None) -> None:
         self.storage = storage
         self.sequence = cfg.record == "sequence_example"
-        self.raw = _Raw(cfg) if cfg.features is None else None
+        self.raw = RecordBytes(cfg.field, cfg) if cfg.features is None else None
         self.fields = ([Feature(n, f) for n, f in cfg.features.items()]
                        if cfg.features is not None else [])
         check_names(self.fields or [self.raw])
-        infos = storage.list(pattern)
-        if pattern is None:
-            infos = [o for o in infos if NAMED.search(o.key.rsplit("/", 1)[-1])]
-        if not infos:
-            raise ValueError(f"{storage.url}: no files match "
-                             f"{pattern or '*.array_record* (in any folder)'!r}")
+        infos = record_files(storage, pattern, NAMED, "*.array_record*")
         self._files: OpenMaps[_File] = OpenMaps(
             storage, lambda key, path: _File(path, storage.where(key)))
         counts = [self._files.get(o.key).reader.num_records() for o in infos]
@@ -96,12 +83,6 @@ class ArrayRecord:
             raise ValueError(f"{storage.url}: no records in {len(infos)} files")
         self.shard_keys = np.array([o.key for o in infos])
         self.shard_starts = self.shards.shard_starts
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.sample(index, EpochKey())
 
     def record(self, index: int) -> bytes:
         shard, position = self.shards.locate(index)
@@ -117,12 +98,11 @@ class ArrayRecord:
     def sample(self, index: int, key: EpochKey) -> dict[str, Any]:
         rng = key.rng(index)
         out: dict[str, Any] = {}
-        fields = self.fields or [self.raw]
-        prefixes = [f.pipeline.cached(index) if f.pipeline is not None else None
-                    for f in fields]
         if self.raw is not None:
-            if prefixes[0] is not None:
-                self.raw.pipeline.write(out, self.raw.name, None, rng, index, prefixes[0])
+            pipeline = self.raw.pipeline
+            prefix = pipeline.cached(index) if pipeline is not None else None
+            if pipeline is not None and prefix is not None:
+                pipeline.write(out, self.raw.name, None, rng, index, prefix)
             else:
                 data = self.record(index)
                 try:
@@ -131,12 +111,14 @@ class ArrayRecord:
                     raise ValueError(f"field {self.raw.name!r}: cannot decode "
                                      f"{self.raw.decode}: {type(e).__name__}: {e}") from e
             return out
+        prefixes = [f.pipeline.cached(index) if f.pipeline is not None else None
+                    for f in self.fields]
         return write_example(self.fields, prefixes, lambda: self.record(index), self.sequence,
                              out, rng, index)
 
     def use_prefix_cache(self, scope: Any) -> None:
-        fields = self.fields or [self.raw]
-        use_cache(scope, [(f.name, f.pipeline) for f in fields])
+        use_cache(scope, [(self.raw.name, self.raw.pipeline)] if self.raw is not None
+                  else [(f.name, f.pipeline) for f in self.fields])
 
     def source_of(self, index: int) -> str:
         shard, position = self.shards.locate(index)

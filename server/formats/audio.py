@@ -26,6 +26,7 @@ import numpy as np
 from ..order.sampling import EpochKey
 from ..sources import Storage
 from ._clips import read_video_manifest
+from ._folders import class_folders
 from ._video import VideoError, av
 from .samples import padded
 
@@ -87,13 +88,7 @@ class Audio:
             rows = read_video_manifest(storage, cfg.manifest)
             keys, labels = [r[0] for r in rows], [r[1] for r in rows]
         else:
-            keys = [o.key for o in storage.list(pattern)
-                    if o.key.lower().endswith(cfg.extensions) and o.key.count("/") == 1]
-            if not keys:
-                raise ValueError(f"{storage.url}: no {'/'.join(cfg.extensions)} files in "
-                                 "class sub-folders")
-            classes = sorted({k.split("/", 1)[0] for k in keys})
-            labels = [classes.index(k.split("/", 1)[0]) for k in keys]
+            keys, labels = class_folders(storage, pattern, tuple(cfg.extensions))
         self.keys = np.array(keys)
         self.labels = np.array(labels, dtype=np.int64)
         self.rate = cfg.sample_rate

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from .config_base import Sourced, Strict
+from .config_base import Sourced, Strict, Suffixes
 
 
 class UniformCrops(Strict):
@@ -30,11 +30,4 @@ class AudioDataset(Sourced):
                               "(seed, epoch, index); {uniform: K}: K evenly spaced crops")
     manifest: str | None = Field(
         None, description="key under source of a CSV (path,label) or JSON lines file")
-    extensions: tuple[str, ...] = (".wav", ".flac", ".mp3", ".ogg", ".opus", ".m4a", ".aac")
-
-    @field_validator("extensions")
-    @classmethod
-    def _dotted(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        if not v or any(not e.startswith(".") for e in v):
-            raise ValueError("extensions: a list of suffixes starting with '.', e.g. ['.wav']")
-        return tuple(e.lower() for e in v)
+    extensions: Suffixes = (".wav", ".flac", ".mp3", ".ogg", ".opus", ".m4a", ".aac")

@@ -57,7 +57,7 @@ from .chat_corpus import Renderer
 from .chat_images import Images, output_shape
 from .chat_template import ChatTemplate
 from .samples import padded
-from .text import IGNORE, SUFFIXES
+from .text import IGNORE, empty_row, text_files
 
 log = logging.getLogger("stoker.server")
 
@@ -70,21 +70,13 @@ class Chat:
 
     def __init__(self, cfg: Any, storage: Storage, pattern: str | None = None,
                  cache_dir: str | os.PathLike[str] | None = None) -> None:
-        import tokenizers
-
+        infos = text_files(storage, pattern)
+        self.keys = [o.key for o in infos]
         self.storage = storage
         self.seq_len = int(cfg.seq_len)
         self.field = cfg.field
-        infos = storage.list(pattern)
-        if pattern is None:
-            infos = [o for o in infos if o.key.endswith(SUFFIXES)]
-        if not infos:
-            raise ValueError(f"{storage.url}: no .jsonl or .parquet files match "
-                             f"{pattern or '**'!r}")
-        for o in infos:
-            if not o.key.endswith(SUFFIXES):
-                raise ValueError(f"{storage.where(o.key)}: not a .jsonl or .parquet file")
-        self.keys = [o.key for o in infos]
+        import tokenizers
+
         raw = Path(cfg.tokenizer).read_bytes()
         try:
             self.tokenizer = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
@@ -119,9 +111,9 @@ class Chat:
                  self.packing_efficiency, self.long_conversations, cfg.long,
                  len(self.errors), cfg.on_error)
         if self.errors and cfg.on_error == "skip":
-            d, e = next(iter(self.errors.items()))
+            first, why = next(iter(self.errors.items()))
             log.warning("%s: skipped %d bad conversations, the first: %s", storage.url,
-                        len(self.errors), self._error(d, e))
+                        len(self.errors), self._error(first, why))
 
     def _image_settings(self, cfg: Any) -> tuple[int | None, int, Any, tuple[int, ...]]:
         """(the image token's id, tokens per image, the pipeline, its output shape)."""
@@ -224,10 +216,7 @@ class Chat:
 
     def sample(self, index: int, key: EpochKey | None = None) -> dict[str, np.ndarray]:
         n = self.seq_len
-        input_ids = np.full(n, self.pad_id, np.int64)
-        labels = np.full(n, IGNORE, np.int64)
-        position_ids = np.zeros(n, np.int64)
-        document_ids = np.full(n, -1, np.int32)
+        input_ids, labels, position_ids, document_ids = empty_row(n, self.pad_id)
         t = 0
         for seg, (d, p, q) in enumerate(self._pieces(index)):
             first = int(self.offsets[d])
@@ -243,8 +232,9 @@ class Chat:
             t += k
         position_ids[t:] = np.arange(n - t)
         attention_mask = (document_ids >= 0).astype(np.int64)
-        row = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
-               "document_ids": document_ids, "attention_mask": attention_mask}
+        row: dict[str, np.ndarray] = {
+            "input_ids": input_ids, "labels": labels, "position_ids": position_ids,
+            "document_ids": document_ids, "attention_mask": attention_mask}
         if self.images is not None:
             self._add_images(row, index, key or EpochKey())
         return row

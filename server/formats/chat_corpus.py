@@ -26,10 +26,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..sources import ObjectInfo, Storage
-from ..sources.cache import LOCKS, TMP, file_lock
+from ..sources.cache import LOCKS, file_lock
 from .chat_images import expand, take_images
 from .chat_template import ChatTemplate, TemplateError
-from .text import _lookup
+from .text import _lookup, cache_entry_files, jsonl_lines
 
 log = logging.getLogger("stoker.server")
 
@@ -49,24 +49,18 @@ class _Record(NamedTuple):
 def _jsonl_records(f: int, path: Path, field: str, column: str | None) -> Iterator[_Record]:
     parts = field.split(".")
     images = column.split(".") if column else None
-    with open(path, "rb") as fh:
-        for n, line in enumerate(fh, 1):
-            body = line.rstrip(b"\n")
-            if body in (b"", b"\r"):
-                continue
-            try:
-                record = json.loads(body)
-                column_value = None
-                if images is not None:
-                    with contextlib.suppress(KeyError):  # none: the parts hold their images
-                        column_value = _lookup(record, images)
-                yield _Record(f, n, _lookup(record, parts), "", column_value)
-            except json.JSONDecodeError as e:
-                yield _Record(f, n, None, f"not valid JSON: {e.msg} at column {e.colno}")
-            except UnicodeDecodeError as e:
-                yield _Record(f, n, None, f"not valid UTF-8 at byte {e.start + 1}")
-            except KeyError as e:
-                yield _Record(f, n, None, f"field {field!r}: {e.args[0]}")
+    for n, record, error in jsonl_lines(path):
+        if error:
+            yield _Record(f, n, None, error)
+            continue
+        try:
+            column_value = None
+            if images is not None:
+                with contextlib.suppress(KeyError):  # none: the parts hold their images
+                    column_value = _lookup(record, images)
+            yield _Record(f, n, _lookup(record, parts), "", column_value)
+        except KeyError as e:
+            yield _Record(f, n, None, f"field {field!r}: {e.args[0]}")
 
 
 def _parquet_records(f: int, path: Path, where: str, field: str, column: str | None
@@ -125,7 +119,7 @@ def _open_cached(base: str) -> _Corpus | None:
         arrays = [np.asarray(np.load(base + s, mmap_mode="r")) for s in FILES[:-1]]
     except (OSError, ValueError, KeyError):
         return None
-    tokens, trained, offsets, sources, refs, _blob, at, image_offsets = arrays
+    tokens, trained, offsets, sources, refs, blob, at, image_offsets = arrays
     if (len(tokens) != len(trained) or len(offsets) != meta["conversations"] + 1
             or int(offsets[-1]) != len(tokens) or len(sources) != meta["conversations"]
             or len(image_offsets) != len(offsets) or int(image_offsets[-1]) != len(refs)
@@ -134,7 +128,7 @@ def _open_cached(base: str) -> _Corpus | None:
     for s in FILES:  # a hit is a use: the disk cache evicts least recently used first
         with contextlib.suppress(OSError):
             os.utime(base + s)
-    return _Corpus(*arrays, meta)
+    return _Corpus(tokens, trained, offsets, sources, refs, blob, at, image_offsets, meta)
 
 
 class Renderer:
@@ -218,7 +212,8 @@ class Renderer:
         for rec in self._records(infos):
             d = len(sources)
             sources.append((rec.file, rec.where))
-            error, messages, images = rec.error, rec.messages, []
+            error, messages = rec.error, rec.messages
+            images: list[Any] = []
             if not error:
                 try:
                     if self.image_token is not None:
@@ -258,17 +253,10 @@ class Renderer:
                   ".image_at.npy": np.concatenate([empty, *at]).astype(np.int64),
                   ".image_offsets.npy": np.concatenate(
                       [[0], np.cumsum([len(r) for r in refs], dtype=np.int64)]).astype(np.int64)}
-        tmp = {s: folder / f"{TMP}{os.getpid()}-{digest}{s}" for s in FILES}
-        try:
+        with cache_entry_files(folder, digest, FILES) as tmp:
             for s, a in arrays.items():
                 np.save(tmp[s], a)
             tmp[".json"].write_text(json.dumps({
                 "conversations": len(sources), "tokens": int(sum(lengths)),
                 "images": len(flat), "errors": sorted(errors),
                 "seconds": time.perf_counter() - t0, "files": [o.key for o in infos]}))
-            for s in FILES:
-                os.replace(tmp[s], folder / f"{digest}{s}")
-        finally:
-            for path in tmp.values():
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import datetime
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -56,7 +56,9 @@ _tracking: ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = ContextV
 class _Generation(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}`: records the span its body rendered."""
 
-    tags: ClassVar[set[str]] = {"generation"}
+    # jinja2 declares `tags` on Extension as an instance attribute, though it reads it from the
+    # class: so the same declaration here, not a ClassVar.
+    tags = {"generation"}  # noqa: RUF012
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -100,6 +100,16 @@ def _path_unless_url(v: Any, info: ValidationInfo) -> Any:
 Source = Annotated[str, AfterValidator(_local_root_exists), BeforeValidator(_path_unless_url)]
 
 
+def _suffixes(v: tuple[str, ...]) -> tuple[str, ...]:
+    if not v or any(not e.startswith(".") for e in v):
+        raise ValueError("extensions: a list of suffixes starting with '.', e.g. ['.mp4']")
+    return tuple(e.lower() for e in v)
+
+
+# File name suffixes, compared ignoring case (class-folder formats' `extensions:`).
+Suffixes = Annotated[tuple[str, ...], AfterValidator(_suffixes)]
+
+
 class DatasetBase(Strict):
     """A dataset's config model. What the server asks of a dataset's kind is asked of its
     model, here: class variables and properties, none of them a key of the config."""
@@ -110,6 +120,8 @@ class DatasetBase(Strict):
     # Its reader is given the cache folder (cache_dir=), for the files it derives from the
     # data (a tokenized corpus, uncompressed shards), shared by the workers.
     uses_cache_dir: ClassVar[bool] = False
+    if TYPE_CHECKING:  # each model's own `format: Literal[...]`, the union's discriminator
+        format: str
 
     @property
     def draws_from(self) -> tuple[str, ...]:

@@ -5,7 +5,7 @@ mds and litdata. server/images.py runs the steps.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from pydantic import (
     AfterValidator,
@@ -141,7 +141,7 @@ class NormalizeStep(Strict):
     normalize: Annotated[NormalizeArgs, _Args]
 
 
-TRANSFORMS = {"resize": ResizeStep, "center_crop": CenterCropStep,
+TRANSFORMS: dict[str, type[Strict]] = {"resize": ResizeStep, "center_crop": CenterCropStep,
               "random_resized_crop": RandomResizedCropStep,
               "horizontal_flip": HorizontalFlipStep, "normalize": NormalizeStep}
 
@@ -154,11 +154,17 @@ def _transform_name(v: Any) -> str | None:
     return None  # `- resize` (a bare name), a number...: the error names the step
 
 
-TransformStep = Annotated[
-    Union[tuple(Annotated[m, Tag(n)] for n, m in TRANSFORMS.items())],  # noqa: UP007
-    Discriminator(_transform_name, custom_error_type="transform",
-                  custom_error_message="each transform is a one-key mapping `name: {arguments}`"
-                                       f" with name one of {', '.join(TRANSFORMS)}")]
+# Built from TRANSFORMS at run time, which a type checker cannot follow: it sees what every
+# step is, a Strict model.
+if TYPE_CHECKING:
+    TransformStep = Strict
+else:
+    TransformStep = Annotated[
+        Union[tuple(Annotated[m, Tag(n)] for n, m in TRANSFORMS.items())],  # noqa: UP007
+        Discriminator(_transform_name, custom_error_type="transform",
+                      custom_error_message="each transform is a one-key mapping `name: "
+                                           f"{{arguments}}` with name one of "
+                                           f"{', '.join(TRANSFORMS)}")]
 
 
 def transform_steps(steps: list[Any]) -> list[tuple[str, Any]]:

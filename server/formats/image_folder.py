@@ -22,6 +22,7 @@ import numpy as np
 from ..images import image_pipeline
 from ..order.sampling import EpochKey
 from ..sources import Storage
+from ._folders import class_folders
 
 EXTENSIONS = (".jpg", ".jpeg", ".png")
 INT64 = np.iinfo(np.int64)
@@ -120,14 +121,7 @@ class ImageFolder:
         if cfg.manifest is not None:
             keys, labels = read_manifest(storage, cfg.manifest, pattern)
         else:
-            keys = [o.key for o in storage.list(pattern)
-                    if o.key.lower().endswith(EXTENSIONS) and o.key.count("/") == 1]
-            if not keys:
-                raise ValueError(f"{storage.url}: no {'/'.join(EXTENSIONS)} files in class "
-                                 "sub-folders")
-            classes = sorted({k.split("/", 1)[0] for k in keys})
-            index = {name: i for i, name in enumerate(classes)}
-            labels = [index[k.split("/", 1)[0]] for k in keys]
+            keys, labels = class_folders(storage, pattern, EXTENSIONS)
         # Fixed-width numpy arrays, not lists of str: no per-item refcounts to copy on write.
         self.keys = np.array(keys)
         self.labels = np.array(labels, dtype=np.int64)

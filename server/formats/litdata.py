@@ -34,11 +34,11 @@ from __future__ import annotations
 import json
 import struct
 import threading
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
+from .._lru import LRU
 from ..sources import Storage
 from ._chunks import (
     DECODED_SHARDS,
@@ -212,7 +212,7 @@ class Litdata(ChunkedDataset):
         wanted = {f.column or n for n, f in cfg.fields.items()}
         cols = [column(n, f) if n in wanted else Column(n, f, Kind.NUMBER, bytes)
                 for n, f in zip(names, formats, strict=True)]
-        self._footers: OrderedDict[int, Any] = OrderedDict()
+        self._footers: LRU[int, Any] = LRU(max_items=DECODED_SHARDS)
         self._footer_lock = threading.Lock()
         super().__init__(cfg, storage, shards, cols, where)
 
@@ -249,7 +249,7 @@ class Litdata(ChunkedDataset):
         with self._footer_lock:
             table = self._footers.get(shard)
             if table is None:
-                data = memoryview(self.shard_bytes(shard)).cast("B")
+                data = self.shard_bytes(shard)
                 if bytes(data[-8:]) != _FOOTER_MAGIC:
                     raise ValueError(f"{where}: an empty item and no Arrow footer")
                 size = struct.unpack_from("<I", data, len(data) - 12)[0]
@@ -258,9 +258,7 @@ class Litdata(ChunkedDataset):
                     table = pa.ipc.open_file(ipc).read_all()
                 else:
                     table = pa.ipc.open_stream(ipc).read_all()
-                self._footers[shard] = table
-                while len(self._footers) > DECODED_SHARDS:
-                    self._footers.popitem(last=False)
+                self._footers.put(shard, table)
         row = table.slice(pos, 1).to_pylist()[0]
         wanted = {f.column.name for f in self.fields}
         missing = sorted(wanted - row.keys())

@@ -26,7 +26,6 @@ import io
 import os
 import struct
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from .._lru import LRU
 from ..sources import Storage
 from ._shards import ShardIndex
 
@@ -137,22 +137,15 @@ class OpenMaps(Generic[T]):
                  limit: int = 128) -> None:
         self.storage = storage
         self.opener = opener
-        self.limit = limit
-        self._maps: OrderedDict[str, T] = OrderedDict()
+        self._maps: LRU[str, T] = LRU(max_items=limit)
         self._lock = threading.Lock()
 
     def get(self, key: str) -> T:
         with self._lock:
-            found = self._maps.get(key)
-            if found is not None:
-                self._maps.move_to_end(key)
-                return found
-            # Under the lock: two threads never map (or, for s3, fetch) one file twice.
-            opened = self.opener(key, self.storage.local_path(key))
-            self._maps[key] = opened
-            if len(self._maps) > self.limit:
-                self._maps.popitem(last=False)  # unmapped when the last row view is gone
-            return opened
+            # Under the lock: two threads never map (or, for s3, fetch) one file twice. The
+            # evicted are unmapped when their last row view is gone.
+            return self._maps.get_or_make(
+                key, lambda: self.opener(key, self.storage.local_path(key)))
 
 
 class _Field:

@@ -36,7 +36,7 @@ class Mixture:
         self.parts = [components[n] for n in self.names]
         self.configs = [configs[n] for n in self.names]
         # this component's field -> the mixture's name for it
-        self.renames = [{own: common for common, own in c.fields.items()}
+        self.renames: list[dict[str, str]] = [{own: common for common, own in c.fields.items()}
                         for c in cfg.components.values()]
         sizes = [len(p.dataset) for p in self.parts]
         for name, n in zip(self.names, sizes, strict=True):
@@ -116,7 +116,7 @@ class Mixture:
         renames = self.renames[c]
         if not renames:
             return dict(raw)  # a copy: `source` goes in, the component may reuse its dict
-        return {renames.get(k, k): v for k, v in raw.items()}
+        return {renames[k] if k in renames else k: v for k, v in raw.items()}
 
     def _check_fields(self) -> None:
         """Components' sample 0, renamed, must have the same fields, dtypes and shapes."""

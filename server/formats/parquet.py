@@ -114,7 +114,7 @@ def dense(arr: pa.Array, fill: Any = None) -> tuple[np.ndarray, np.ndarray]:
             width = int(lengths[0]) if n else 0
         values, inner_ok = dense(arr.flatten(), fill)
         return (values.reshape(n, width, *values.shape[1:]),
-                inner_ok.reshape(n, width).all(axis=1))
+                np.asarray(inner_ok.reshape(n, width).all(axis=1)))
     return arr.to_numpy(zero_copy_only=False), np.ones(n, dtype=bool)
 
 
@@ -166,8 +166,9 @@ class _Field:
     def outputs(self) -> list[str]:
         if self.pipeline is not None:  # native size adds <name>_size
             return self.pipeline.output_names(self.name)
-        if self.frames is not None or self.clip is not None:
-            return (self.frames or self.clip).output_names(self.name)
+        video = self.frames if self.frames is not None else self.clip
+        if video is not None:
+            return video.output_names(self.name)
         return [self.name] + ([f"{self.name}_length"] if self.decode in ("utf8", "tokens")
                               else [])
 
@@ -374,6 +375,7 @@ class Parquet(Sampled):
             if field.decode == "utf8":
                 return _Decoded(column, ok)
             texts = [t if t is not None else "" for t in column.to_pylist()]
+            assert field.tokenizer is not None  # decode: tokens has one
             ids, lengths = field.tokenizer.encode(texts)
             return _Decoded(ids, ok, starts=np.concatenate([[0], np.cumsum(lengths)]))
         values, ok = dense(column, field.fill)
@@ -410,6 +412,7 @@ class Parquet(Sampled):
                 raise ValueError(f"field {field.name!r}: column {field.col!r}: a value does "
                                  f"not fit {field.dtype}")
             if field.pipeline is not None:
+                assert rng is not None  # drawn above for image and video fields
                 try:
                     prefix = field.pipeline.cached(index)
                     data = None if prefix is not None else column.values[row].as_py()
@@ -418,8 +421,10 @@ class Parquet(Sampled):
                     raise ValueError(f"field {field.name!r}: column {field.col!r}: cannot "
                                      f"decode image: {type(e).__name__}: {e}") from e
             elif field.clip is not None:
+                assert rng is not None
                 field.clip.write(out, field.name, column.values[row].as_py(), rng)
             elif field.frames is not None:
+                assert rng is not None
                 times = decoded[f"{field.name}\0time"]
                 if not times.ok[row]:
                     raise ValueError(f"field {field.name!r}: time_column {field.time_col!r} "
@@ -431,6 +436,7 @@ class Parquet(Sampled):
                 out[field.name], out[f"{field.name}_length"] = utf8_padded(
                     column.values[row].as_py(), field.max_bytes)
             elif field.decode == "tokens":
+                assert column.starts is not None  # tokens are decoded with their starts
                 a, b = int(column.starts[row]), int(column.starts[row + 1])
                 n = min(b - a, field.max_tokens)
                 ids = np.full(field.max_tokens, field.pad_id, np.int64)

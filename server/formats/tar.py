@@ -128,7 +128,9 @@ class _Field:
         `data` is None)."""
         if self.pipeline is not None:
             self.pipeline.write(out, self.name, data, rng, index, prefix)
-        elif self.clip is not None:
+            return
+        assert data is not None  # only an image's cached prefix comes without its bytes
+        if self.clip is not None:
             self.clip.write(out, self.name, data, rng)
         elif self.json is not None:
             if id(data) not in parsed:
@@ -337,8 +339,8 @@ class Tar:
         except tarfile.TarError as e:
             raise ValueError(f"{where}: not a readable tar: {e}") from None
         if end < file_size:
-            with open(path, "rb") as f:
-                rest = os.pread(f.fileno(), BLOCK, end)
+            with open(path, "rb") as fh:
+                rest = os.pread(fh.fileno(), BLOCK, end)
             # tarfile stops silently at a header it cannot parse: only zeros may follow.
             if rest.strip(b"\0"):
                 raise ValueError(f"{where}: damaged tar header at byte {end}; the members "

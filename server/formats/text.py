@@ -102,29 +102,78 @@ def _lookup(record: Any, parts: list[str]) -> Any:
     return value
 
 
-def _jsonl_docs(f: int, path: Path, field: str) -> Iterator[_Doc]:
-    parts = field.split(".")
+def jsonl_lines(path: Path) -> Iterator[tuple[int, Any, str]]:
+    """Each line of a JSON lines file but blank ones: (line number, its value, "") or, where
+    it is not JSON, (line number, None, why)."""
     with open(path, "rb") as fh:
         for n, line in enumerate(fh, 1):
             body = line.rstrip(b"\n")
             if body in (b"", b"\r"):
                 continue
             try:
-                value = _lookup(json.loads(body), parts)
+                value, error = json.loads(body), ""
             except json.JSONDecodeError as e:
-                yield _Doc(f, n, None, f"not valid JSON: {e.msg} at column {e.colno}")
-                continue
+                value, error = None, f"not valid JSON: {e.msg} at column {e.colno}"
             except UnicodeDecodeError as e:
-                yield _Doc(f, n, None, f"not valid UTF-8 at byte {e.start + 1}")
-                continue
-            except KeyError as e:
-                yield _Doc(f, n, None, f"field {field!r}: {e.args[0]}")
-                continue
-            if isinstance(value, str):
-                yield _Doc(f, n, value, "")
-            else:
-                yield _Doc(f, n, None, f"field {field!r}: expected a string, got "
-                                       f"{type(value).__name__}")
+                value, error = None, f"not valid UTF-8 at byte {e.start + 1}"
+            yield n, value, error
+
+
+def text_files(storage: Storage, pattern: str | None) -> list[ObjectInfo]:
+    """The .jsonl and .parquet files `pattern` names (all of them, in a folder: None)."""
+    infos = storage.list(pattern)
+    if pattern is None:  # a folder: its .jsonl and .parquet files
+        infos = [o for o in infos if o.key.endswith(SUFFIXES)]
+    if not infos:
+        raise ValueError(f"{storage.url}: no .jsonl or .parquet files match "
+                         f"{pattern or '**'!r}")
+    for o in infos:
+        if not o.key.endswith(SUFFIXES):
+            raise ValueError(f"{storage.where(o.key)}: not a .jsonl or .parquet file")
+    return infos
+
+
+def empty_row(seq_len: int, pad_id: int
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A packed row to fill: input_ids (padding), labels (IGNORE), position_ids (0) and
+    document_ids (-1: no document)."""
+    return (np.full(seq_len, pad_id, np.int64), np.full(seq_len, IGNORE, np.int64),
+            np.zeros(seq_len, np.int64), np.full(seq_len, -1, np.int32))
+
+
+@contextlib.contextmanager
+def cache_entry_files(folder: Path, digest: str, suffixes: tuple[str, ...]
+                      ) -> Iterator[dict[str, Path]]:
+    """Temporary files for a cache entry's files (suffix -> path), to write in the block: once
+    it ends without error each is renamed to `folder/<digest><suffix>`, in `suffixes` order
+    (the last one renamed is what a reader checks for); whatever is left is removed."""
+    tmp = {s: folder / f"{TMP}{os.getpid()}-{digest}{s}" for s in suffixes}
+    try:
+        yield tmp
+        for s in suffixes:
+            os.replace(tmp[s], folder / f"{digest}{s}")
+    finally:
+        for path in tmp.values():
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+
+def _jsonl_docs(f: int, path: Path, field: str) -> Iterator[_Doc]:
+    parts = field.split(".")
+    for n, record, error in jsonl_lines(path):
+        if error:
+            yield _Doc(f, n, None, error)
+            continue
+        try:
+            value = _lookup(record, parts)
+        except KeyError as e:
+            yield _Doc(f, n, None, f"field {field!r}: {e.args[0]}")
+            continue
+        if isinstance(value, str):
+            yield _Doc(f, n, value, "")
+        else:
+            yield _Doc(f, n, None, f"field {field!r}: expected a string, got "
+                                   f"{type(value).__name__}")
 
 
 def _parquet_docs(f: int, path: Path, where: str, field: str) -> Iterator[_Doc]:
@@ -178,7 +227,7 @@ class _Build:
         extra = (self.bos is not None) + (self.eos is not None)
         if extra:  # every document's ids shifted by the specials inserted before it
             doc_of = np.repeat(np.arange(len(docs), dtype=np.int64), lengths)
-            kept_before = np.cumsum(keep) - keep
+            kept_before: np.ndarray = np.cumsum(keep) - keep
             out = np.empty(len(ids) + extra * int(keep.sum()), np.int64)
             out[np.arange(len(ids)) + extra * kept_before[doc_of]
                 + (self.bos is not None)] = ids
@@ -231,15 +280,7 @@ class Text:
         self.seq_len = int(cfg.seq_len)
         self.field = cfg.field
         self.skip = cfg.on_error == "skip"
-        infos = storage.list(pattern)
-        if pattern is None:  # a folder: its .jsonl and .parquet files
-            infos = [o for o in infos if o.key.endswith(SUFFIXES)]
-        if not infos:
-            raise ValueError(f"{storage.url}: no .jsonl or .parquet files match "
-                             f"{pattern or '**'!r}")
-        for o in infos:
-            if not o.key.endswith(SUFFIXES):
-                raise ValueError(f"{storage.where(o.key)}: not a .jsonl or .parquet file")
+        infos = text_files(storage, pattern)
         self.keys = np.array([o.key for o in infos])
         tok = load_tokenizer(cfg.tokenizer, cfg.tiktoken_pattern)
         self.bos_id = self._special(cfg, tok, "bos")
@@ -339,12 +380,11 @@ class Text:
             shutil.rmtree(scratch, ignore_errors=True)
 
     def _build(self, folder: Path, digest: str, infos: list[ObjectInfo], tok: Tokenizer) -> None:
-        tmp = {s: folder / f"{TMP}{os.getpid()}-{digest}{s}" for s in FILES}
         top = max(tok.vocab_size - 1, self.bos_id or 0, self.eos_id or 0)
         dtype = np.dtype("<u2" if top < 1 << 16 else "<u4")
         t0 = time.perf_counter()
         skipped, first_error = 0, ""
-        try:
+        with cache_entry_files(folder, digest, FILES) as tmp:
             with open(tmp[".tokens.npy"], "wb") as out:
                 out.write(_npy_header(dtype, 0))
                 build = _Build(tok, self.bos_id, self.eos_id, dtype, out)
@@ -381,12 +421,6 @@ class Text:
                     "seconds": time.perf_counter() - t0, "dtype": dtype.str,
                     "files": [o.key for o in infos]}
             tmp[".json"].write_text(json.dumps(meta))
-            for s in FILES:
-                os.replace(tmp[s], folder / f"{digest}{s}")
-        finally:
-            for path in tmp.values():
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
 
     def _encode(self, build: _Build, batch: list[_Doc]) -> list[str]:
         """Add the batch; returns why each document left out (on_error: skip) was."""
@@ -445,10 +479,7 @@ class Text:
 
     def sample(self, index: int, key: EpochKey) -> dict[str, np.ndarray]:
         n = self.seq_len
-        input_ids = np.full(n, self.pad_id, np.int64)
-        labels = np.full(n, IGNORE, np.int64)
-        position_ids = np.zeros(n, np.int64)
-        document_ids = np.full(n, -1, np.int32)
+        input_ids, labels, position_ids, document_ids = empty_row(n, self.pad_id)
         t = 0
         for seg, (d, p, q) in enumerate(self._segments(index, key)):
             first, last = int(self.offsets[d]), int(self.offsets[d + 1])

@@ -39,7 +39,8 @@ from ..order.sampling import EpochKey
 from ..sources import ObjectInfo, Storage
 from ..sources.cache import LOCKS, TMP, file_lock
 from ..sources.prefix_cache import use_cache
-from ._example import Feature, check_names, write_example
+from ._contract import Sampled
+from ._example import Feature, check_names, record_files, write_example
 from ._shards import ShardIndex
 from .memmap import OpenMaps
 
@@ -243,7 +244,7 @@ class _Fd:
             _close(self.fd)
 
 
-class Tfrecord:
+class Tfrecord(Sampled):
     """Thread-safe: sample() reads immutable arrays and descriptors opened under a lock."""
 
     def __init__(self, cfg: Any, storage: Storage, pattern: str | None = None,
@@ -252,12 +253,7 @@ class Tfrecord:
         self.sequence = cfg.record == "sequence_example"
         self.fields = [Feature(name, f) for name, f in cfg.features.items()]
         check_names(self.fields)
-        infos = storage.list(pattern)
-        if pattern is None:
-            infos = [o for o in infos if NAMED.search(o.key.rsplit("/", 1)[-1])]
-        if not infos:
-            raise ValueError(f"{storage.url}: no files match "
-                             f"{pattern or '*.tfrecord*, *.tfrec* (in any folder)'!r}")
+        infos = record_files(storage, pattern, NAMED, "*.tfrecord*, *.tfrec*")
         compression = {o.key: compression_of(o.key, cfg.compression) for o in infos}
         self._files = _Files(storage, Path(cache_dir) if cache_dir is not None else None,
                              compression)
@@ -273,12 +269,6 @@ class Tfrecord:
         self.shard_starts = self.shards.shard_starts
         self._fds: OpenMaps[_Fd] = OpenMaps(self._files,  # type: ignore[arg-type]
                                             lambda key, path: _Fd(path))
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.sample(index, EpochKey())
 
     def record(self, index: int) -> bytes:
         """Record `index`'s data, its CRC checked."""

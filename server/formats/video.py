@@ -24,6 +24,7 @@ from ..images import ImagePipeline, resize_pipeline
 from ..order.sampling import EpochKey
 from ..sources import Storage
 from ._clips import ClipPlan, read_video_manifest
+from ._folders import class_folders
 from ._video import (
     FrameTable,
     FrameTables,
@@ -164,14 +165,7 @@ class Video:
             labels = [r[1] for r in rows]
             bounds = [(r[2], r[3]) for r in rows]
         else:
-            keys = [o.key for o in storage.list(pattern)
-                    if o.key.lower().endswith(cfg.extensions) and o.key.count("/") == 1]
-            if not keys:
-                raise ValueError(f"{storage.url}: no {'/'.join(cfg.extensions)} files in "
-                                 "class sub-folders")
-            classes = sorted({k.split("/", 1)[0] for k in keys})
-            index = {name: i for i, name in enumerate(classes)}
-            labels = [index[k.split("/", 1)[0]] for k in keys]
+            keys, labels = class_folders(storage, pattern, tuple(cfg.extensions))
             bounds = [(None, None)] * len(keys)
         # Fixed-width numpy arrays, not lists of str: no per-item refcounts to copy on write.
         self.keys = np.array(keys)
@@ -191,7 +185,7 @@ class Video:
         if mode == "all":
             counts = [self._count(v) for v in range(len(keys))]
         else:
-            counts = [1 if mode == "random" else mode] * len(keys)
+            counts = [mode if isinstance(mode, int) else 1] * len(keys)  # random: one
         # starts[v]: video v's first sample; sample i is clip i - starts[v] of video v.
         self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self.length = int(self.starts[-1])

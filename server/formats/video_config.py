@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from .config_base import Sourced, Strict
+from .config_base import Sourced, Strict, Suffixes
 from .image_config import ImageSize, Transforms, size_or_transforms
 
 
@@ -57,20 +57,13 @@ class VideoDataset(Sourced):
     manifest: str | None = Field(
         None, description="key under source of a CSV (path,label[,start,end]) or JSON lines "
                           "file; paths relative to source")
-    extensions: tuple[str, ...] = Field(
+    extensions: Suffixes = Field(
         (".mp4", ".mkv", ".webm", ".mov", ".avi", ".m4v"),
         description="files taken from class sub-folders (ignoring case)")
     audio: ClipAudio | None = Field(
         None, description="also the clip's span of the audio track: `audio`, `audio_length`")
     skip_nonref: bool = Field(
         True, description="do not decode frames no kept frame depends on (same pixels)")
-
-    @field_validator("extensions")
-    @classmethod
-    def _dotted(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        if not v or any(not e.startswith(".") for e in v):
-            raise ValueError("extensions: a list of suffixes starting with '.', e.g. ['.mp4']")
-        return tuple(e.lower() for e in v)
 
     @model_validator(mode="after")
     def _one_geometry(self) -> VideoDataset:

@@ -225,9 +225,12 @@ class DataSockets:
                     result = (wrapped, got, Identity.of_ssl(wrapped.getpeercert()))
                 except (OSError, ValueError):
                     pass
+                def settle() -> None:  # on the loop: the waiter may have given up
+                    if not done.done():
+                        done.set_result(result)
+
                 with contextlib.suppress(RuntimeError):  # the loop has closed
-                    loop.call_soon_threadsafe(
-                        lambda: done.done() or done.set_result(result))
+                    loop.call_soon_threadsafe(settle)
 
             threading.Thread(target=handshake, name="stoker-data-tls", daemon=True).start()
             found, claim, identity = await done

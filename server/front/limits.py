@@ -37,7 +37,7 @@ from .data_listener import MAX_CLAIMS
 if TYPE_CHECKING:
     from .._config import ServerSettings
     from ..pool.layout import BuiltBatch
-    from ..pool.workers import WorkerPool
+    from .transports.base import BatchOwner
 
 log = logging.getLogger("stoker.server")
 
@@ -241,7 +241,7 @@ class HeldPool:
     """The worker pool as one stream's transport sees it: a batch handed back stops counting
     against the stream's client in `Admission`."""
 
-    def __init__(self, pool: WorkerPool, admission: Admission, client: str) -> None:
+    def __init__(self, pool: BatchOwner, admission: Admission, client: str) -> None:
         self._pool = pool
         self._admission = admission
         self._client = client

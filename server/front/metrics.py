@@ -281,7 +281,8 @@ class TallyHistogram:
         family = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
         for key, counts in list(self.counts.items()):
             counts = list(counts)
-            cumulative, total = [], 0
+            cumulative: list[tuple[str, float]] = []
+            total = 0.0
             for bound, n in zip([*map(floatToGoString, self.bounds), "+Inf"], counts[:-1],
                                 strict=True):
                 total += n

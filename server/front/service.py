@@ -208,8 +208,7 @@ class DataService:
             fields=[pb.FieldSpec(name=n, dtype=d, shape=s) for n, d, s in meta.fields],
             fingerprint=fingerprint_pb(meta.fingerprint),
             max_credits=self.settings.max_credits,
-            capacity=pb.Capacity(**dict(zip(("workers", "samples_per_second"),
-                                            self.pool.capacity(), strict=True))))
+            capacity=capacity_pb(*self.pool.capacity()))
 
     async def Provenance(self, request: pb.ProvenanceRequest,
                          context: grpc.aio.ServicerContext) -> pb.ProvenanceResponse:
@@ -297,3 +296,7 @@ class DataService:
                 await session.run(requests)
             finally:
                 await session.close()
+
+
+def capacity_pb(workers: int, samples_per_second: float) -> pb.Capacity:
+    return pb.Capacity(workers=workers, samples_per_second=samples_per_second)

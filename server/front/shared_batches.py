@@ -32,6 +32,7 @@ import collections
 import concurrent.futures
 import contextlib
 import enum
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -147,7 +148,7 @@ class SharedBatches:
             source = self.pool.submit(coords.dataset, indices, ahead,
                                       EpochKey(coords.seed, coords.epoch, coords.shuffle))
             build = self._building[key] = _Build(source, indices, [mine])
-            _on_loop(source, lambda k=key, b=build: self._settle(k, b))
+            _on_loop(source, functools.partial(self._settle, key, build))
             outcome = self._count(coords, Outcome.BUILT)
         try:
             # Each waiter's own future: one going away does not touch the others' build.

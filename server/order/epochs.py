@@ -25,9 +25,14 @@ from .sampling import (
 class EpochSource(Protocol):
     """What the arithmetic reads of a dataset (pool/messages.py's DatasetMeta has it)."""
 
-    num_samples: int
-    ordering: Ordering
-    lengths: np.ndarray | None  # each sample's token count, where the dataset knows it
+    # Read-only: DatasetMeta is a frozen dataclass.
+    @property
+    def num_samples(self) -> int: ...
+    @property
+    def ordering(self) -> Ordering: ...
+    @property
+    def lengths(self) -> np.ndarray | None:
+        """Each sample's token count, where the dataset knows it."""
 
 
 def samples_of(meta: EpochSource, c: Coordinates, index: int) -> np.ndarray:

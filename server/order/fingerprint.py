@@ -65,6 +65,7 @@ class Fingerprint:
             if old == now:
                 continue
             if old is None:
+                assert now is not None  # the name is in one of the two
                 said.append(f"added {name!r} ({_objects(now[0])})")
             elif now is None:
                 said.append(f"removed {name!r} ({_objects(old[0])})")

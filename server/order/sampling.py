@@ -16,14 +16,14 @@ memory by copy-on-write).
 
 from __future__ import annotations
 
-import collections
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
+from .._lru import LRU
 from .permute import keys_for, permute, permute_each, window_keys
 
 if TYPE_CHECKING:
@@ -122,7 +122,19 @@ class EpochKey:
 FIRST_EPOCH = EpochKey()
 
 
-class OrderCache:
+class _HasNbytes(Protocol):
+    @property
+    def nbytes(self) -> int: ...
+
+
+Kept = TypeVar("Kept", bound=_HasNbytes)
+
+
+def _nbytes(value: _HasNbytes) -> int:
+    return value.nbytes
+
+
+class OrderCache(Generic[Kept]):
     """Epoch orders by key, least recently used out first, at most `max_bytes` in all. Any
     thread.
 
@@ -131,14 +143,12 @@ class OrderCache:
     computed for its caller and not kept."""
 
     def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._items: collections.OrderedDict[Hashable, np.ndarray] = collections.OrderedDict()
-        self._lock = threading.Lock()  # guards _items and nbytes
+        self._items: LRU[Hashable, Kept] = LRU(max_size=max_bytes, size=_nbytes)
+        self._lock = threading.Lock()  # guards _items
         # Reentrant: a mixture's epoch order is computed from its components' (order/mixture.py).
         self._computing = threading.RLock()
-        self.nbytes = 0
 
-    def get(self, key: Hashable, compute: Callable[[], np.ndarray]) -> np.ndarray:
+    def get(self, key: Hashable, compute: Callable[[], Kept]) -> Kept:
         found = self._cached(key)
         if found is not None:
             return found
@@ -149,31 +159,29 @@ class OrderCache:
             value = compute()
             with self._lock:
                 if value.nbytes <= self.max_bytes:
-                    self._items[key] = value
-                    self.nbytes += value.nbytes
-                self._trim()
+                    self._items.put(key, value)
             return value
 
     def resize(self, max_bytes: int) -> None:
         with self._lock:
-            self.max_bytes = max_bytes
-            self._trim()
+            self._items.resize(max_bytes)
 
-    def _cached(self, key: Hashable) -> np.ndarray | None:
+    @property
+    def max_bytes(self) -> int:
+        return self._items.max_size or 0
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the orders kept."""
+        return self._items.size
+
+    def _cached(self, key: Hashable) -> Kept | None:
         with self._lock:
-            found = self._items.get(key)
-            if found is not None:
-                self._items.move_to_end(key)
-            return found
-
-    def _trim(self) -> None:
-        while self.nbytes > self.max_bytes and self._items:
-            _, old = self._items.popitem(last=False)
-            self.nbytes -= old.nbytes
+            return self._items.get(key)
 
 
 # The process's epoch orders, all datasets: the server sets the cap from max_order_cache_bytes.
-ORDERS = OrderCache(1 << 30)
+ORDERS: OrderCache[np.ndarray] = OrderCache(1 << 30)
 
 
 class Ordering:
@@ -329,13 +337,17 @@ def batches_per_epoch(num_samples: int, c: Coordinates) -> int:
     return -(-per_rank // c.batch_size)
 
 
+def check_batch_index(batch_index: int, batches: int) -> None:
+    """CoordinateError naming `batch_index` unless it is one of the epoch's `batches`."""
+    if not 0 <= batch_index < batches:
+        raise CoordinateError("batch_index", f"must be in [0, {batches}) for this epoch and "
+                                             f"rank, got {batch_index}")
+
+
 def batch_samples(ordering: Ordering, c: Coordinates, batch_index: int) -> np.ndarray:
     """Dataset indices of batch `batch_index` under coordinates `c` (validated): a new array,
     which keeps no epoch order alive. Unshuffled, no order is made at all."""
-    n = batches_per_epoch(ordering.num_samples, c)
-    if not 0 <= batch_index < n:
-        raise CoordinateError(
-            "batch_index", f"must be in [0, {n}) for this epoch and rank, got {batch_index}")
+    check_batch_index(batch_index, batches_per_epoch(ordering.num_samples, c))
     first = batch_index * c.batch_size
     stop = min(first + c.batch_size, samples_per_rank(ordering.num_samples, c))
     # This rank's j-th sample is at position start + rank + j * world_size of the epoch's order.

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .sampling import CoordinateError, Coordinates, OrderCache, Ordering
+from .sampling import CoordinateError, Coordinates, OrderCache, Ordering, check_batch_index
 
 log = logging.getLogger("stoker.server")
 
@@ -96,7 +96,7 @@ class TokenPlan:
 
 
 # The process's token plans, all datasets (a plan holds 8 bytes a sample, plus a little).
-PLANS = OrderCache(256 << 20)
+PLANS: OrderCache[TokenPlan] = OrderCache(256 << 20)
 
 
 def check(lengths: np.ndarray | None, c: Coordinates) -> None:
@@ -130,7 +130,7 @@ def plan(ordering: Ordering, lengths: np.ndarray, c: Coordinates) -> TokenPlan:
         STEPS.put(key, made.steps)
         return made
 
-    return PLANS.get(key, make)  # type: ignore[arg-type,return-value]
+    return PLANS.get(key, make)
 
 
 def batches_per_epoch(ordering: Ordering, lengths: np.ndarray, c: Coordinates) -> int:
@@ -209,9 +209,7 @@ def batch_samples(ordering: Ordering, lengths: np.ndarray, c: Coordinates,
                   batch_index: int) -> np.ndarray:
     """Dataset indices of rank c.rank's batch `batch_index` (a new array)."""
     p = plan(ordering, lengths, c)
-    if not 0 <= batch_index < p.steps:
-        raise CoordinateError(
-            "batch_index", f"must be in [0, {p.steps}) for this epoch and rank, got {batch_index}")
+    check_batch_index(batch_index, p.steps)
     positions = p.positions(batch_index, c.rank)
     return np.array(ordering.indices(positions, c.seed, c.epoch, c.shuffle, c.order),
                     dtype=np.int64)
@@ -225,8 +223,7 @@ def _make(ordering: Ordering, lengths: np.ndarray, c: Coordinates, start: int) -
     costs = lens if c.token_cost == "tokens" else lens * lens
     world, budget = c.world_size, c.batch_tokens
     ends = np.cumsum(lens)  # tokens in positions [0, i] of `lens`
-    cuts, members, offsets, gaps = [0], [], [0], []
-    unbalanced = 0
+    made = PlanSteps()
     a, n = 0, len(lens)
     while n - a >= world:
         before = int(ends[a - 1]) if a else 0
@@ -236,21 +233,41 @@ def _make(ordering: Ordering, lengths: np.ndarray, c: Coordinates, start: int) -
                           world, budget)
         if best is None:  # cannot happen: one sample per rank always fits
             raise AssertionError(f"no split of positions {a}..{a + world}")
-        gap, b, groups = best
-        unbalanced += gap > BALANCE
-        for g in groups:
-            members.append(np.sort(np.asarray(g, dtype=np.int64)) + a + start)
-            offsets.append(offsets[-1] + len(g))
-        gaps.append(gap)
-        cuts.append(b)
-        a = b
-    p = TokenPlan.of(world, [cut + start for cut in cuts], members, offsets, gaps, unbalanced,
-                     n - a)
-    if unbalanced:
+        a = made.add(best, a, start)
+    p = made.plan(world, start, n - a)
+    if made.unbalanced:
         log.warning("dataset %r epoch %d: %d of %d steps of batch_tokens=%d over %d ranks could "
                     "not be balanced within %d%% (samples long against batch_tokens?)",
-                    c.dataset, c.epoch, unbalanced, p.steps, budget, world, 100 * BALANCE)
+                    c.dataset, c.epoch, made.unbalanced, p.steps, budget, world, 100 * BALANCE)
     return p
+
+
+class PlanSteps:
+    """A plan's steps as they are chosen, in order; `plan` makes the TokenPlan. Positions are
+    relative to the plan's `base` (its first position in the epoch)."""
+
+    def __init__(self) -> None:
+        self.cuts = [0]
+        self.members: list[np.ndarray] = []
+        self.offsets = [0]
+        self.gaps: list[float] = []
+        self.unbalanced = 0  # steps over BALANCE
+
+    def add(self, split: tuple[float, int, list[list[int]]], a: int, base: int) -> int:
+        """The step of `split` (best_split's imbalance, end and groups) from position `a`;
+        its end."""
+        gap, b, groups = split
+        self.unbalanced += gap > BALANCE
+        for g in groups:
+            self.members.append(np.sort(np.asarray(g, dtype=np.int64)) + a + base)
+            self.offsets.append(self.offsets[-1] + len(g))
+        self.gaps.append(gap)
+        self.cuts.append(b)
+        return b
+
+    def plan(self, world: int, base: int, dropped: int) -> TokenPlan:
+        return TokenPlan.of(world, [cut + base for cut in self.cuts], self.members,
+                            self.offsets, self.gaps, self.unbalanced, dropped)
 
 
 def best_split(lens: np.ndarray, costs: np.ndarray, a: int, ends: Iterable[int], world: int,
@@ -358,14 +375,14 @@ def _split_even(lens: np.ndarray, costs: np.ndarray, world: int, budget: int
                     pick, shift_best = (i, j), s
         if pick is None:
             break
-        i, j = pick
-        for item, src, dst in ((i, hi, lo), (j, lo, hi)):
-            if item is None:
+        moved, swapped = pick
+        for one, src, dst in ((moved, hi, lo), (swapped, lo, hi)):
+            if one is None:
                 continue
-            groups[src].remove(item)
-            groups[dst].append(item)
-            load[src] -= costs_l[item]
-            load[dst] += costs_l[item]
-            tokens[src] -= lens_l[item]
-            tokens[dst] += lens_l[item]
+            groups[src].remove(one)
+            groups[dst].append(one)
+            load[src] -= costs_l[one]
+            load[dst] += costs_l[one]
+            tokens[src] -= lens_l[one]
+            tokens[dst] += lens_l[one]
     return groups

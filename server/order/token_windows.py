@@ -41,11 +41,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .sampling import CoordinateError, Coordinates, Ordering
+from .sampling import Coordinates, Ordering, check_batch_index
 from .token_batches import (
     BALANCE,
     MAX_TRIES,
     PLANS,
+    PlanSteps,
     TokenPlan,
     best_split,
     imbalance,
@@ -151,16 +152,14 @@ def window_plan(ordering: Ordering, lengths: np.ndarray, c: Coordinates, w: int)
     """Window w's plan (from PLANS): its cuts and members are positions of the epoch."""
     key = ("window", ordering, c.seed, c.epoch, c.shuffle, c.world_size, c.batch_tokens,
            c.token_cost, c.start, c.order, w)
-    return PLANS.get(key, lambda: _make(ordering, lengths, c, w))  # type: ignore[return-value]
+    return PLANS.get(key, lambda: _make(ordering, lengths, c, w))
 
 
 def batch_samples(ordering: Ordering, lengths: np.ndarray, c: Coordinates,
                   batch_index: int) -> np.ndarray:
     """Dataset indices of rank c.rank's batch `batch_index` (a new array)."""
     s = shape(ordering, lengths, c)
-    if not 0 <= batch_index < s.total:
-        raise CoordinateError(
-            "batch_index", f"must be in [0, {s.total}) for this epoch and rank, got {batch_index}")
+    check_batch_index(batch_index, s.total)
     w, k = s.window_of(batch_index)
     positions = window_plan(ordering, lengths, c, w).positions(k, c.rank)
     return np.array(ordering.indices(positions, c.seed, c.epoch, c.shuffle, c.order),
@@ -187,10 +186,10 @@ def _make(ordering: Ordering, lengths: np.ndarray, c: Coordinates, w: int) -> To
     world, budget = c.world_size, c.batch_tokens
     ends = np.cumsum(lens)
     total = int(ends[-1]) if size else 0
-    cuts, members, offsets, gaps = [0], [], [0], []
-    unbalanced = dropped = 0
+    made = PlanSteps()
+    dropped = 0
     for k in range(steps):
-        a = cuts[-1]
+        a = made.cuts[-1]
         left = steps - k - 1  # runs after this one: each needs world positions
         lo, hi = a + world, size - left * world
         if k == steps - 1:
@@ -207,21 +206,14 @@ def _make(ordering: Ordering, lengths: np.ndarray, c: Coordinates, w: int) -> To
             groups, lost = _fit(lens, costs, a, b, world, budget)
             dropped += lost
             best = (imbalance(costs[a:b], groups), b, groups)
-        gap, b, groups = best
-        unbalanced += gap > BALANCE
-        for g in groups:
-            members.append(np.sort(np.asarray(g, dtype=np.int64)) + a + first)
-            offsets.append(offsets[-1] + len(g))
-        gaps.append(gap)
-        cuts.append(b)
+        made.add(best, a, first)
     if not steps:
         dropped += size
-    plan = TokenPlan.of(world, [cut + first for cut in cuts], members, offsets, gaps,
-                        unbalanced, dropped)
-    if unbalanced or (dropped and w != s.windows - 1):
+    plan = made.plan(world, first, dropped)
+    if made.unbalanced or (dropped and w != s.windows - 1):
         log.warning("dataset %r epoch %d window %d: %d of %d steps of batch_tokens=%d over %d "
                     "ranks not balanced within %d%%, %d samples left out (samples long "
-                    "against batch_tokens?)", c.dataset, c.epoch, w, unbalanced, steps,
+                    "against batch_tokens?)", c.dataset, c.epoch, w, made.unbalanced, steps,
                     budget, world, 100 * BALANCE, dropped)
     return plan
 

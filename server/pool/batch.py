@@ -266,7 +266,8 @@ def _write(view: np.ndarray, pos: int, value: np.ndarray) -> None:
     """Row `pos` of a batch's field; a smaller padded value is zero-padded at the end."""
     if isinstance(value, Padded) and value.shape != view.shape[1:]:
         view[pos] = 0  # segments are reused: the padding must be written
-        view[(pos, *(slice(0, d) for d in value.shape))] = value
+        region: tuple[int | slice, ...] = (pos, *(slice(0, d) for d in value.shape))
+        view[region] = value
     else:
         view[pos] = value
 

@@ -192,8 +192,10 @@ class Assembly:
 
     def error(self) -> BatchFailed:
         """The lowest failed part's error (Verdict.FAILED)."""
-        return next(self.outcomes[k] for k in sorted(self.outcomes)
-                    if not isinstance(self.outcomes[k], PartBuilt))
+        # Exception: the one kind of outcome that is an error (BatchFailed is imported for
+        # types only, assign.py imports this module).
+        return next(o for k in sorted(self.outcomes)
+                    if isinstance(o := self.outcomes[k], Exception))
 
     def batch(self) -> BuiltBatch:
         """The batch, once every part was built (Verdict.BUILT)."""

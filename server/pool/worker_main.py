@@ -140,10 +140,13 @@ def _describe(name: str, ds: DatasetParts, config: Any, fp: Fingerprint,
     """`described`: the datasets before it in opening_order (a mixture's components)."""
     cfg = config.datasets[name]
     if cfg.draws_from:  # a mixture
-        ordering: Any = ds.dataset.ordering([described[c].ordering for c in cfg.draws_from])
+        from ..formats import DrawnFrom
+
+        drawn = ds.dataset
+        assert isinstance(drawn, DrawnFrom), f"{name}: draws_from, not DrawnFrom"
+        ordering: Any = drawn.ordering([described[c].ordering for c in cfg.draws_from])
         return msg.DatasetMeta(ordering.num_samples, probe_fields(ds), ordering, fp,
-                               ds.dataset.lengths([described[c].lengths
-                                                   for c in ds.dataset.names]),
+                               drawn.lengths([described[c].lengths for c in drawn.names]),
                                ds.prefetches)
     ordering = Ordering(len(ds.dataset), ds.shard_starts,
                         getattr(cfg, "shuffle", "global") == "block",

@@ -25,10 +25,11 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from .._lru import LRU
 
 log = logging.getLogger("stoker.server")
 
@@ -87,14 +88,15 @@ class DiskCache:
     def __init__(self, root: Path, max_bytes: int, scratch_bytes: int = SCRATCH_BYTES) -> None:
         self.root = Path(root)
         self.max_bytes = max_bytes
-        self.scratch_bytes = scratch_bytes
         self._added = 0
         self._lock = threading.Lock()
         self.hits = self.misses = self.bytes_fetched = 0
         self.writable = True  # False once its disk is known read-only: stop trying to write
         self._warned = False
         self._full = False  # the last write failed for want of space (it may free up)
-        self._scratch: OrderedDict[str, _Scratch] = OrderedDict()
+        # Memory files past a read-only or full disk, closed on eviction (see SCRATCH_GRACE).
+        self._scratch: LRU[str, _Scratch] = LRU(max_items=SCRATCH_FILES, max_size=scratch_bytes,
+                                                size=lambda s: s.size)
         try:
             (self.root / LOCKS).mkdir(parents=True, exist_ok=True)
             self._remove_stale_temps()
@@ -161,7 +163,6 @@ class DiskCache:
             scratch = self._scratch.get(path.name)
             if scratch is None:
                 return None
-            self._scratch.move_to_end(path.name)
             scratch.handed_out = time.monotonic()
             self.hits += 1
             return scratch.path
@@ -251,24 +252,20 @@ class DiskCache:
     def _fetch_to_scratch(self, name: str, fetch: Callable[[int], None]) -> Path:
         fd, size = self._memory_file(fetch)
         now = time.monotonic()
+        entry = _Scratch(fd, size, now)
+
+        def opening(s: _Scratch) -> bool:  # maybe not opened yet: over the bound for a while
+            return now - s.handed_out < SCRATCH_GRACE
+
         closing = []
         with self._lock:
-            old = self._scratch.pop(name, None)  # two threads fetched it: keep the newer
+            old = self._scratch.pop(name)  # two threads fetched it: keep the newer
             if old is not None:  # under another name, closed as the LRU's oldest
-                self._scratch[f"{name}-{old.fd}"] = old
-                self._scratch.move_to_end(f"{name}-{old.fd}", last=False)
-            entry = self._scratch[name] = _Scratch(fd, size, now)
-            total = sum(s.size for s in self._scratch.values())
-            for key, s in list(self._scratch.items()):
-                if total <= self.scratch_bytes and len(self._scratch) <= SCRATCH_FILES:
-                    break
-                if s is entry or now - s.handed_out < SCRATCH_GRACE:
-                    continue  # maybe not opened yet: over the bound for a while
-                del self._scratch[key]
-                total -= s.size
-                closing.append(s.fd)
-        for old_fd in closing:
-            os.close(old_fd)
+                closing += self._scratch.put(f"{name}-{old.fd}", old, oldest=True,
+                                             spare=opening)
+            closing += self._scratch.put(name, entry, spare=opening)
+        for _, s in closing:
+            os.close(s.fd)
         return entry.path
 
     def evict(self) -> None:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -114,7 +115,8 @@ def _pages(n: int) -> int:
 
 def _write_entry(path: Path, arrays: dict[str, np.ndarray]) -> int:
     """Write `arrays` as one entry file; its size in bytes."""
-    specs, offset = [], 0
+    specs: list[dict[str, Any]] = []
+    offset = 0
     for name, a in arrays.items():
         specs.append({"name": name, "dtype": a.dtype.str, "shape": list(a.shape),
                       "offset": offset})
@@ -219,7 +221,7 @@ class _Tier:
             if total <= target:
                 break
             if self.below is not None:
-                self.below.add(name, lambda dst, src=path: _copy(src, dst))
+                self.below.add(name, functools.partial(_copy, path))
             try:
                 os.unlink(path)
             except FileNotFoundError:

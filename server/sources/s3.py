@@ -21,6 +21,7 @@ Threading contract: every method may be called from any thread.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import random
@@ -157,9 +158,9 @@ class S3Storage:
                     continue
                 self._inflight_bytes += size
                 fut = self._pool.submit(self.cache.get, self.where(key), version,
-                                        lambda fd, k=key, n=size: self._download(k, n, fd))
+                                        functools.partial(self._download, key, size))
                 self._inflight[key] = fut
-            fut.add_done_callback(lambda f, k=key, n=size: self._settled(k, n, f))
+            fut.add_done_callback(functools.partial(self._settled, key, size))
 
     def verify(self, keys: Iterable[str]) -> None:
         pass  # cache entries are keyed by ETag, and GETs send If-Match: nothing can drift

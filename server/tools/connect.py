@@ -90,9 +90,30 @@ def https_context(sec: Security, command: str) -> ssl.SSLContext | None:
     return context
 
 
-def explain(address: str, code: str, details: str, sec: Security, seconds: float) -> str:
-    """One line for a failed first call: gRPC status `code` (its name) and `details`."""
-    low = details.lower()
+# What each cause of a failed connection (client/contact/diagnosis.py, which reads gRPC's
+# words once for the loader and this command) asks the user to change, in this command's flags.
+_CHANGE = {
+    "REFUSED": "connection refused: no server listens there (is it running, and is this its "
+               "gRPC port, `port:` in its config, 50051 by default?)",
+    "UNRESOLVED": "cannot resolve the host name: {details}",
+    "HTTP_PORT": "this is an HTTP port, not gRPC: give the server's gRPC port (`port:`, 50051 "
+                 "by default; `http_port:` is for /metrics and `stoker stats`)",
+    "NOT_TLS": "TLS handshake failed: the server does not use TLS; drop the --tls options",
+    "UNTRUSTED": "TLS handshake failed: the server's certificate is not signed by a CA we "
+                 "trust; pass --tls-ca CA.pem ({details})",
+    "WRONG_NAME": "TLS handshake failed: the server's certificate does not name this host; "
+                  "pass --tls-server-name NAME ({details})",
+    "TLS": "TLS handshake failed: check --tls-ca, --tls-server-name and, for mutual TLS, "
+           "--tls-cert/--tls-key ({details})",
+}
+
+
+def explain(address: str, code: str, details: str, sec: Security, seconds: float,
+            connected: bool = False) -> str:
+    """One line for a failed first call: gRPC status `code` (its name) and `details`;
+    `connected`: its channel was READY (a connection made) when the call failed."""
+    from stoker.client.contact.diagnosis import Cause, cause
+
     if code == "UNAUTHENTICATED":
         if sec.token_source is None:
             return (f"{address}: UNAUTHENTICATED: the server needs a token: pass --token-file "
@@ -100,36 +121,22 @@ def explain(address: str, code: str, details: str, sec: Security, seconds: float
         return (f"{address}: UNAUTHENTICATED: the server refused the token from "
                 f"{sec.token_source}: is it the server's auth_token_file?")
     if code == "DEADLINE_EXCEEDED":
+        if connected:
+            return (f"{address}: connected, but no answer within {seconds:g} s: is the server "
+                    "stopped or overloaded?")
         return (f"{address}: no answer within {seconds:g} s: a wrong host or port, or a "
                 "firewall dropping the packets?")
-    if code != "UNAVAILABLE":
+    if code != "UNAVAILABLE" or connected:  # the server's own status
         return f"{address}: {code}: {details}"
-    if "connection refused" in low:
-        return (f"{address}: connection refused: no server listens there (is it running, and "
-                "is this its gRPC port, `port:` in its config, 50051 by default?)")
-    if "resolving" in low or "lookup" in low or "name not found" in low:
-        return f"{address}: cannot resolve the host name: {details}"
-    if "http1.x server" in low or "failed parsing http/2" in low:
-        return (f"{address}: this is an HTTP port, not gRPC: give the server's gRPC port "
-                "(`port:`, 50051 by default; `http_port:` is for /metrics and `stoker stats`)")
-    if "wrong_version_number" in low or ("handshake" in low and "version" in low):
-        return (f"{address}: TLS handshake failed: the server does not use TLS; drop the "
-                "--tls options")
-    if "certificate_verify_failed" in low or "unable to get local issuer" in low:
-        return (f"{address}: TLS handshake failed: the server's certificate is not signed by a "
-                f"CA we trust; pass --tls-ca CA.pem ({details})")
-    if "peer name" in low or "hostname" in low:
-        return (f"{address}: TLS handshake failed: the server's certificate does not name "
-                f"this host; pass --tls-server-name NAME ({details})")
-    if "socket closed" in low or "connection reset" in low:
+    found = cause(details)
+    if found is Cause.CLOSED:
         if not sec.uses_tls:
             return (f"{address}: the server closed the connection at once: it may need TLS; "
                     f"pass {TLS_FLAGS}")
         return (f"{address}: the server closed the TLS connection: if it requires client "
                 "certificates (client_ca_file), pass --tls-cert and --tls-key")
-    if "handshake" in low or "ssl" in low or "tls" in low:
-        return (f"{address}: TLS handshake failed: check --tls-ca, --tls-server-name and, for "
-                f"mutual TLS, --tls-cert/--tls-key ({details})")
+    if found is not None:
+        return f"{address}: " + _CHANGE[found.name].format(details=details)
     return f"{address}: UNAVAILABLE: {details}"
 
 
@@ -139,14 +146,18 @@ def first_contact(address: str, sec: Security, timeout: float = CONTACT_SECONDS)
     import grpc
 
     from stoker.client.channel import ChannelMaker
+    from stoker.client.contact.diagnosis import Connectivity
     from stoker.v1 import stoker_pb2 as pb
     from stoker.v1 import stoker_pb2_grpc as pb_grpc
 
     channel = ChannelMaker(sec.tls, sec.token)(address, [])
+    watch = Connectivity(channel)
     try:
         with channel:
             return pb_grpc.DataServiceStub(channel).ListDatasets(pb.ListDatasetsRequest(),
                                                                  timeout=timeout)
     except grpc.RpcError as e:
-        raise ContactError(explain(address, e.code().name, e.details() or "", sec,
-                                   timeout)) from None
+        raise ContactError(explain(address, e.code().name, e.details() or "", sec, timeout,
+                                   watch.state is grpc.ChannelConnectivity.READY)) from None
+    finally:
+        watch.close()

@@ -180,13 +180,14 @@ def inspect(args: argparse.Namespace) -> int:
 
 
 def _save_grid(batch: dict[str, np.ndarray], path: Path) -> int:
-    name = next((k for k, v in batch.items() if image_field(v)), None)
-    if name is None:
+    name, layout = next(((k, f) for k, v in batch.items() if (f := image_field(v))),
+                        (None, None))
+    if name is None or layout is None:
         return _save_clips(batch, path)
     label = label_field(batch)
     captions = [str(i) if label is None else f"{i}:{batch[label][k]}"
                 for k, i in enumerate(batch["sample_index"].tolist())]
-    write_png(path, grid(batch[name], image_field(batch[name]), captions=captions))
+    write_png(path, grid(batch[name], layout, captions=captions))
     under = "sample index" if label is None else f"sample index:{label}"
     print(f"wrote {path}: field {name!r}, {len(batch[name])} images, each captioned {under}")
     return 0

@@ -19,16 +19,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .base import Handshake, Transport, write
+from .base import BatchOwner, Handshake, Transport, write
 
 if TYPE_CHECKING:
     from ...pool.shm import ReadMappings
-    from ...pool.workers import WorkerPool
 
 __all__ = ["Handshake", "Transport", "choose", "write"]
 
 
-def choose(asked: Handshake, pool: WorkerPool, mappings: ReadMappings,
+def choose(asked: Handshake, pool: BatchOwner, mappings: ReadMappings,
            frame_bytes: int) -> Transport:
     """The transport of a stream whose handshake asked for `asked`. A data socket offered
     wins (its client may already be connecting); it falls back to the one chosen without it."""

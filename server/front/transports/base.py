@@ -14,6 +14,13 @@ if TYPE_CHECKING:
     from .datasocket import SocketOffer
 
 
+class BatchOwner(Protocol):
+    """Where a transport hands a sent batch back: the worker pool, or a view of it
+    (front/limits.py's HeldPool, front/shared_batches.py's SharedBatches)."""
+
+    def release(self, batch: BuiltBatch, reuse: bool = True) -> None: ...
+
+
 class Transport(Protocol):
     """Sends a stream's batches. `send` owns the batch it is given: it hands the batch back
     to the pool once sent (or once the client has gone), or lends it to the client until
@@ -36,7 +43,7 @@ class Transport(Protocol):
         """Send several batches (batch, batch index, epoch) in order, owning all of them as
         `send` owns one, cancelled or not; False if the client went away. Only where
         `sends_many`."""
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__} sends one batch at a time (sends_many)")
 
     async def send_frame(self, context: grpc.aio.ServicerContext, frame: bytes) -> bool:
         """Send an answer that carries no payload (a batch's error), on the path this
@@ -46,9 +53,11 @@ class Transport(Protocol):
     def returned(self, shm_name: str) -> None:
         """The client is done with a lent batch (a name in `StreamRequest.released`); a name
         this transport did not lend is ignored."""
+        return None
 
     def close(self) -> None:
         """The stream has ended: give back what the client still holds."""
+        return None
 
 
 @dataclass

@@ -28,12 +28,11 @@ from stoker.v1.wire import RECORD_LENGTH
 
 from ..frame_encoding import encode_socket_frame, encode_socket_offer
 from ..grants import OPEN, Grant
-from .base import Transport, write
+from .base import BatchOwner, Transport, write
 
 if TYPE_CHECKING:
     from ...pool.layout import BuiltBatch
     from ...pool.shm import ReadMappings
-    from ...pool.workers import WorkerPool
     from ..data_listener import DataSockets
 
 log = logging.getLogger("stoker.server")
@@ -125,7 +124,7 @@ async def _sendmsg_all(loop: asyncio.AbstractEventLoop, sock: socket.socket,
 
 
 class SocketTransport(Transport):
-    def __init__(self, offer: SocketOffer, pool: WorkerPool, mappings: ReadMappings,
+    def __init__(self, offer: SocketOffer, pool: BatchOwner, mappings: ReadMappings,
                  fallback: Transport) -> None:
         self._offer = offer
         self._pool = pool

@@ -13,12 +13,11 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from ..frame_encoding import encode_frame
-from .base import Transport, write
+from .base import BatchOwner, Transport, write
 
 if TYPE_CHECKING:
     from ...pool.layout import BuiltBatch
     from ...pool.shm import ReadMappings
-    from ...pool.workers import WorkerPool
 
 # Frames smaller than this go plain: compressing them saves nothing worth a thread hop.
 MIN_COMPRESS = 64 << 10
@@ -36,7 +35,7 @@ def zstd_compressor() -> Any:
 
 
 class FramesTransport(Transport):
-    def __init__(self, pool: WorkerPool, mappings: ReadMappings, frame_bytes: int,
+    def __init__(self, pool: BatchOwner, mappings: ReadMappings, frame_bytes: int,
                  zstd: Any = None) -> None:
         self._pool = pool
         self._mappings = mappings

@@ -12,17 +12,16 @@ from typing import TYPE_CHECKING
 import grpc
 
 from ..frame_encoding import encode_shm_frame
-from .base import Transport, write
+from .base import BatchOwner, Transport, write
 
 if TYPE_CHECKING:
     from ...pool.layout import BuiltBatch
-    from ...pool.workers import WorkerPool
 
 
 class ShmTransport(Transport):
     label = "shm"
 
-    def __init__(self, pool: WorkerPool) -> None:
+    def __init__(self, pool: BatchOwner) -> None:
         self._pool = pool
         # By segment name, each time it was lent and not yet released: a stream that asks
         # for one batch twice is lent one (shared) segment twice, and holds two references.
