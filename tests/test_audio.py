@@ -139,3 +139,14 @@ def test_a_late_crop_decoded_from_a_seek_equals_the_decode_from_the_start(
     assert from_start == []
     early = audio_format.decode_span(path, RATE, 1, 100, 100 + crop)  # before SEEKS_FROM
     assert len(from_start) == 1 and np.array_equal(early, whole[:, 100:100 + crop])
+
+
+def test_the_audio_track_of_a_video_from_a_seek_equals_its_decode_from_the_start(
+        tmp_path: Path) -> None:
+    """`audio:` on a video dataset reads the track through decode_span too (MP4 with AAC)."""
+    path = str(video_files.write_video(tmp_path / "talk", "h264", frames=240, audio=True))
+    whole = audio_format.decode_audio(path, 8000, 1, None)
+    seeks_from = round((audio_format.SETTLE + audio_format.PREROLL) * 8000)
+    for start in range(seeks_from, whole.shape[1] - 2000, 1333):
+        got = audio_format.decode_span(path, 8000, 1, start, start + 2000)
+        assert np.array_equal(got, whole[:, start:start + 2000]), start
