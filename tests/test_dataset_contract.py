@@ -36,7 +36,7 @@ IMAGES = {"sample", "use_prefix_cache"}  # formats that may hold images (issue 1
 PLACED = {"place_of"}  # provenance by part: file and byte offset, row group and row, member
 EXPECTED = {
     "image-folder": {"source_of", "objects_of", "storage"} | IMAGES | PLACED,
-    "jsonl": SHARDED | PLACED,
+    "jsonl": SHARDED | PLACED | {"sample"},  # sample: video_frames fields draw per epoch
     "tokens": SHARDED | PLACED,
     "memmap": SHARDED,
     "tar": SHARDED | IMAGES | PLACED,

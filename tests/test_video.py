@@ -351,10 +351,14 @@ def test_the_prefix_cache_keeps_uniform_clips_and_changes_no_byte(
     assert hits >= 2 * n  # epochs 1 and 2 of u3 from the cache; random clips never are
 
 
-def test_frames_at_given_times_from_a_parquet_table(tmp_path: Path,
-                                                    start_server: StartServer) -> None:
+@pytest.mark.parametrize("table", ["parquet", "jsonl"])
+def test_frames_at_given_times_from_a_table(tmp_path: Path, start_server: StartServer,
+                                            table: str) -> None:
     """The robot-learning layout: rows name an episode's video and a time; the field is the
-    frames shown at that time plus each offset (the last frame starting at or before it)."""
+    frames shown at that time plus each offset (the last frame starting at or before it).
+    From a parquet table (columns) or jsonl records (dotted keys)."""
+    import json
+
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -363,14 +367,20 @@ def test_frames_at_given_times_from_a_parquet_table(tmp_path: Path,
                                      seed=e, vfr=e == 1) for e in range(2)]
     rng = np.random.default_rng(0)
     rows = [(e, float(t)) for e in range(2) for t in rng.uniform(0, 1.4, 10)]
-    pq.write_table(pa.table({
-        "video": [f"videos/{paths[e].name}" for e, _ in rows],
-        "timestamp": [t for _, t in rows], "episode": [e for e, _ in rows]}),
-        tmp_path / "frames.parquet", row_group_size=8)
+    if table == "parquet":
+        pq.write_table(pa.table({
+            "video": [f"videos/{paths[e].name}" for e, _ in rows],
+            "timestamp": [t for _, t in rows], "episode": [e for e, _ in rows]}),
+            tmp_path / "frames.parquet", row_group_size=8)
+        cam = {"column": "video", "time_column": "timestamp"}
+    else:
+        (tmp_path / "frames.jsonl").write_text("".join(
+            json.dumps({"obs": {"video": f"videos/{paths[e].name}", "t": t}, "episode": e})
+            + "\n" for e, t in rows))
+        cam = {"path": "obs.video", "time_column": "obs.t"}
     server = start_server({"robot": {
-        "format": "parquet", "source": str(tmp_path),
-        "fields": {"cam": {"column": "video", "decode": "video_frames",
-                           "time_column": "timestamp", "offsets": [-0.1, 0.0]},
+        "format": table, "source": str(tmp_path),
+        "fields": {"cam": {**cam, "decode": "video_frames", "offsets": [-0.1, 0.0]},
                    "episode": {}}}}, workers=2)
     refs = [reference(p) for p in paths]
     with RemoteLoader(server.address, "robot", batch_size=4, shuffle=False, output="numpy",
@@ -388,6 +398,40 @@ def test_frames_at_given_times_from_a_parquet_table(tmp_path: Path,
             assert shown == expected
             h, w = ref[shown].shape[:2]
             assert np.array_equal(frame.transpose(1, 2, 0)[:h, :w], ref[shown])
+
+
+def test_jsonl_video_frames_names_the_line_and_checks_its_options(
+        tmp_path: Path, start_server: StartServer) -> None:
+    import json
+
+    from pydantic import ValidationError
+
+    from stoker.server.formats.jsonl_config import JsonField
+
+    with pytest.raises(ValidationError, match="needs time_column"):
+        JsonField(decode="video_frames")
+    with pytest.raises(ValidationError, match="dtype: not with decode: video_frames"):
+        JsonField(decode="video_frames", time_column="t", dtype="float32")
+    with pytest.raises(ValidationError, match="offsets: only with decode: video_frames"):
+        JsonField(offsets=[0.0])
+    path = video_files.write_video(tmp_path / "ep", "h264", frames=24)
+    good = {"video": f"v/{path.name}", "t": 0.2}  # the first: the server probes it at start
+    tables = {"a": [good, {"video": f"v/{path.name}", "t": "x"}],
+              "b": [good, {"video": "v/missing.mp4", "t": 0.1}]}
+    for name, records in tables.items():
+        (tmp_path / name / "v").mkdir(parents=True)
+        (tmp_path / name / "v" / path.name).write_bytes(path.read_bytes())
+        (tmp_path / name / "f.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    cam = {"path": "video", "decode": "video_frames", "time_column": "t"}
+    server = start_server({name: {"format": "jsonl", "source": str(tmp_path / name),
+                                  "fields": {"cam": cam}} for name in tables})
+    for name, line, said in (("a", 2, "expected seconds"), ("b", 2, "missing.mp4")):
+        with pytest.raises(RemoteError) as info:
+            with RemoteLoader(server.address, name, batch_size=1, shuffle=False,
+                              output="numpy", timeout=60) as loader:
+                list(loader)
+        message = str(info.value)
+        assert f"f.jsonl line {line}" in message and said in message, message
 
 
 def test_audio_of_a_clip_is_its_span_of_the_track(tmp_path: Path,

@@ -6,12 +6,17 @@ sample per file), or at K evenly spaced places (`{uniform: K}`, K samples per fi
 `duration`, the whole file, zero-padded to the batch's longest, with its `length`.
 
 Every value is what decoding the file from its start with PyAV and resampling it with
-`av.AudioResampler(format="fltp", layout=..., rate=...)` gives at that position: the file is
-decoded from its start up to the crop's end, with no seek, so that the resampler's filter
-state and the codec's priming (MP3, AAC, Opus pre-skip) are the same as for the whole file.
-A crop late in a long file costs the decode of everything before it: fine for clips of
-speech and sound events, not for hour-long recordings (not yet: a seek a second before the
-crop, which would differ from the reference in its first samples).
+`av.AudioResampler(format="fltp", layout=..., rate=...)` gives at that position, within the
+issue's bound. A crop that starts early in the file (below) is decoded from the start
+(exactly the reference). A later one seeks to PREROLL seconds before the crop and decodes
+from the packet the demuxer lands on: the codec's state (MDCT overlap, MP3's bit reservoir,
+Opus' pre-roll) and the resampler's filter history settle within that time, and the first
+decoded frame is cut so that resampling starts on the same phase as the whole file's (a
+multiple of src / gcd(src, rate) source samples), so the output samples sit at the same
+positions. The frame's place is its pts less the first frame's. Should the seek land after
+the crop, or a frame have no pts, the crop is decoded from the start instead. Crops that
+start within SETTLE + PREROLL seconds of the file's start are decoded from its start:
+FFmpeg's AAC decoder differs there after any seek (see SETTLE).
 
 Fields: `audio` float32 [channels, samples], `audio_start` (float64 seconds into the file),
 `label` (int64), and, for whole files, `length` (int64: samples before padding).
@@ -19,6 +24,7 @@ Fields: `audio` float32 [channels, samples], `audio_start` (float64 seconds into
 
 from __future__ import annotations
 
+from math import gcd
 from typing import Any
 
 import numpy as np
@@ -30,6 +36,11 @@ from ._folders import class_folders
 from ._video import VideoError, av
 from .samples import padded
 
+PREROLL = 0.5  # seconds decoded before a crop's start when seeking (Opus asks for 80 ms)
+# A seek lands no earlier than this into the file: FFmpeg's AAC decoder gives different
+# samples for the first ~0.84 s (18432 samples at 22.05 kHz) after a seek than from the
+# file's start, even a seek to 0; from there on they agree after one frame.
+SETTLE = 1.0
 LAYOUTS = {1: "mono", 2: "stereo", 3: "2.1", 4: "quad", 5: "5.0", 6: "5.1", 7: "6.1", 8: "7.1"}
 
 
@@ -79,6 +90,66 @@ def decode_audio(path: str, rate: int, channels: int, stop: int | None) -> np.nd
     return out if stop is None else out[:, :stop]
 
 
+def _cut(frame: Any, drop: int) -> Any:
+    """The frame without its first `drop` samples."""
+    arr = frame.to_ndarray()
+    per = 1 if frame.format.is_planar else len(frame.layout.channels)  # packed: interleaved
+    cut = av.AudioFrame.from_ndarray(np.ascontiguousarray(arr[:, drop * per:]),
+                                     format=frame.format.name, layout=frame.layout.name)
+    cut.sample_rate = frame.sample_rate
+    cut.time_base = frame.time_base
+    cut.pts = frame.pts + round(drop / frame.sample_rate / frame.time_base)
+    return cut
+
+
+def decode_span(path: str, rate: int, channels: int, start: int, stop: int) -> np.ndarray:
+    """float32 [channels, <= stop - start]: samples [start, stop) of the file as decode_audio
+    gives them, from a seek PREROLL seconds before `start` (see the module's docstring)."""
+    if start < (SETTLE + PREROLL) * rate:
+        return decode_audio(path, rate, channels, stop)[:, start:]
+    parts: list[np.ndarray] = []
+    try:
+        with av.open(path) as container:
+            if not container.streams.audio:
+                raise VideoError("no audio stream")
+            stream = container.streams.audio[0]
+            stream.codec_context.thread_count = 1
+            first = next(iter(container.decode(stream)), None)
+            if first is None or first.pts is None or stream.time_base is None:
+                return decode_audio(path, rate, channels, stop)[:, start:]
+            tb, src = stream.time_base, first.sample_rate
+            step = src // gcd(src, rate)  # source samples per whole cycle of output phases
+            target = first.pts + int((start / rate - PREROLL) / tb)
+            container.seek(target, stream=stream, backward=True)
+            resampler = av.AudioResampler(format="fltp", layout=LAYOUTS[channels], rate=rate)
+            at = None  # the output index of the first resampled sample
+            have = 0
+            for frame in container.decode(stream):
+                if at is None:
+                    if frame.pts is None:
+                        return decode_audio(path, rate, channels, stop)[:, start:]
+                    s0 = round((frame.pts - first.pts) * tb * src)
+                    drop = -s0 % step
+                    if drop >= frame.samples:
+                        continue
+                    at = (s0 + drop) * rate // src
+                    if s0 < 0 or at > start:  # landed after the crop: from the start
+                        return decode_audio(path, rate, channels, stop)[:, start:]
+                    frame = _cut(frame, drop) if drop else frame
+                for f in resampler.resample(frame):
+                    parts.append(f.to_ndarray())
+                    have += parts[-1].shape[1]
+                if at + have >= stop:
+                    break
+            else:
+                parts += [f.to_ndarray() for f in resampler.resample(None)]
+    except av.FFmpegError as e:
+        raise VideoError(f"FFmpeg cannot decode it: {e.strerror or e}") from None
+    if not parts or at is None:
+        raise VideoError("no audio decoded")
+    return np.concatenate(parts, axis=1)[:, start - at: stop - at]
+
+
 class Audio:
     """Thread-safe: immutable after open."""
 
@@ -122,7 +193,7 @@ class Audio:
                 return {"audio": padded(audio, (1,)), "audio_start": np.float64(0.0),
                         "length": np.int64(audio.shape[1]), "label": self.labels[file]}
             start = self._start(path, index, key)
-            audio = decode_audio(path, self.rate, self.channels, start + self.crop)[:, start:]
+            audio = decode_span(path, self.rate, self.channels, start, start + self.crop)
         except VideoError as e:
             raise VideoError(f"{self.source_of(index)}: {e}") from None
         if audio.shape[1] < self.crop:  # the header said more than there was: zeros after

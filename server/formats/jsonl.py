@@ -24,6 +24,10 @@ JSON number without `.` or an exponent; int64 is the type pandas and torch use f
 and no narrower type is safe for values not yet seen), else float32. A later record whose
 value does not fit the inferred type fails its sample, as with a configured dtype. A field
 whose first values are strings or objects stops the open: it needs `dtype: utf8`.
+
+A field with `decode: video_frames` is a video's path (a key under the source) with its time
+at `time_column` (a dotted path): the frames shown at that time plus each offset, decoded as
+format: parquet's `video_frames` (formats/video.py's FramesAt), PyAV imported only then.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from ..order.sampling import EpochKey
 from ..sources import Storage
 from ._shards import ShardIndex
 from .memmap import OpenMaps
@@ -123,7 +128,14 @@ class _Field:
         self.name = name
         self.path = tuple((cfg.path or name).split("."))
         self.utf8 = cfg.dtype == "utf8"
-        self.infer = cfg.dtype is None  # Jsonl sets self.dtype at open
+        self.frames: Any = None  # decode: video_frames
+        self.time_path: tuple[str, ...] = ()
+        if getattr(cfg, "decode", None) == "video_frames":  # PyAV only where a field needs it
+            from .video import FramesAt
+
+            self.frames = FramesAt(cfg)
+            self.time_path = tuple(cfg.time_column.split("."))
+        self.infer = cfg.dtype is None and self.frames is None  # Jsonl sets self.dtype at open
         self.dtype = np.dtype(np.uint8 if self.utf8 else cfg.dtype or np.float32)
         self.fill = getattr(cfg, "fill", None)
         self.shape = tuple(cfg.shape)
@@ -136,10 +148,11 @@ class _Field:
         if not self.utf8 and self.max_bytes is not None:
             raise ValueError(f"field {name!r}: max_bytes applies to dtype utf8 only")
 
-    def lookup(self, record: Any) -> Any:
+    def lookup(self, record: Any, path: tuple[str, ...] | None = None) -> Any:
         value = record
-        for i, part in enumerate(self.path):
-            at = ".".join(self.path[: i + 1])
+        path = path or self.path
+        for i, part in enumerate(path):
+            at = ".".join(path[: i + 1])
             if isinstance(value, dict):
                 if part not in value:
                     raise KeyError(f"field {self.name!r}: no {at!r} in the record")
@@ -152,6 +165,18 @@ class _Field:
                 raise KeyError(f"field {self.name!r}: {at!r}: a {type(value).__name__} has no "
                                "keys")
         return value
+
+    def frames_of(self, record: Any, out: dict[str, Any], storage: Storage,
+                  rng: np.random.Generator) -> None:
+        """decode: video_frames: the frames shown at the record's time plus each offset."""
+        key, time = self.lookup(record), self.lookup(record, self.time_path)
+        if not isinstance(key, str):
+            raise TypeError(f"field {self.name!r}: expected a video's path, got "
+                            f"{type(key).__name__}")
+        if isinstance(time, bool) or not isinstance(time, int | float):
+            raise TypeError(f"field {self.name!r}: time_column {'.'.join(self.time_path)!r}: "
+                            f"expected seconds, got {_describe(time)}")
+        self.frames.write(out, self.name, storage, key, float(time), rng)
 
     def convert(self, value: Any, out: dict[str, Any]) -> None:
         if self.fill is not None:
@@ -309,6 +334,9 @@ class Jsonl:
         return self.length
 
     def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.sample(index, EpochKey())
+
+    def sample(self, index: int, key: EpochKey) -> dict[str, Any]:
         line = self._line(index)
         try:
             record = json.loads(line)
@@ -319,9 +347,13 @@ class Jsonl:
             raise ValueError(f"{self.source_of(index)}: not valid UTF-8 at byte "
                              f"{e.start + 1}") from None
         out: dict[str, Any] = {}
-        for field in self.fields:
+        rng = key.rng(index) if any(f.frames for f in self.fields) else None
+        for field in self.fields:  # video fields share one generator, in field order
             try:
-                field.convert(field.lookup(record), out)
+                if field.frames is not None:
+                    field.frames_of(record, out, self.storage, rng)
+                else:
+                    field.convert(field.lookup(record), out)
             except (KeyError, TypeError, ValueError) as e:
                 msg = e.args[0] if e.args else str(e)
                 raise ValueError(f"{self.source_of(index)}: {msg}") from None

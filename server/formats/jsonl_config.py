@@ -7,6 +7,9 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from .config_base import Fill, LengthColumn, NumberDtype, Sourced, Strict, check_fill, check_text
+from .image_config import ImageSize, Transforms, size_or_transforms
+
+VIDEO_FRAMES_ONLY = ("time_column", "offsets", "size", "transforms", "layout")
 
 
 class JsonField(Strict):
@@ -19,6 +22,29 @@ class JsonField(Strict):
     # utf8: the text's bytes as uint8[max_bytes], zero-padded, and `<name>_length` (int64).
     max_bytes: int | None = Field(None, ge=1)
     fill: Fill = None
+    # video_frames, as in format: parquet: the field's value is a video's path (a key under
+    # the source's root) and `time_column` (a dotted key) a time in seconds; the field is
+    # the frames shown at time + each offset.
+    decode: Literal["video_frames"] | None = None
+    time_column: str | None = Field(None, min_length=1)
+    offsets: tuple[float, ...] = Field((0.0,), min_length=1)
+    size: ImageSize | None = None
+    transforms: Transforms | None = None
+    layout: Literal["chw", "hwc"] = "chw"  # tchw or thwc
+
+    @model_validator(mode="after")
+    def _video_frames_options(self) -> JsonField:
+        if self.decode == "video_frames":
+            if self.time_column is None:
+                raise ValueError("decode: video_frames needs time_column")
+            size_or_transforms(self.size, self.transforms)
+            numbers = {"dtype", "shape", "max_bytes", "fill"} & self.model_fields_set
+            if numbers:
+                raise ValueError(f"{', '.join(sorted(numbers))}: not with decode: video_frames")
+        elif set(VIDEO_FRAMES_ONLY) & self.model_fields_set:
+            named = sorted(set(VIDEO_FRAMES_ONLY) & self.model_fields_set)
+            raise ValueError(f"{', '.join(named)}: only with decode: video_frames")
+        return self
 
     @model_validator(mode="after")
     def _utf8_needs_max_bytes(self) -> JsonField:

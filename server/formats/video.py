@@ -262,9 +262,9 @@ class Video:
     def _write_audio(self, out: dict[str, Any], video: int, times: np.ndarray) -> None:
         """`audio` (float32 [channels, n], zero-padded to the batch's longest) and
         `audio_length`: the audio track from the clip's first frame's time to the end of its
-        last frame (its next frame's time), resampled from the track's start as format:
-        audio does (sample k of the track is at k / sample_rate seconds)."""
-        from .audio import decode_audio
+        last frame (its next frame's time), resampled as format: audio does (sample k of the
+        track is at k / sample_rate seconds; a late clip's from a seek, audio.decode_span)."""
+        from .audio import decode_span
 
         seconds = self.table(video).seconds(np.arange(len(self.table(video))))
         after = int(np.searchsorted(seconds, times[-1], "right"))
@@ -276,7 +276,7 @@ class Video:
         a = round(times[0] * rate)
         b = max(round(end * rate), a + 1)
         path = str(self.storage.local_path(str(self.keys[video])))
-        sound = decode_audio(path, rate, self.audio.channels, b)[:, a:b]
+        sound = decode_span(path, rate, self.audio.channels, a, b)
         if sound.shape[1] < b - a:  # the track ends before the clip: zeros after
             sound = np.pad(sound, ((0, 0), (0, b - a - sound.shape[1])))
         out["audio"] = padded(np.ascontiguousarray(sound), (1,))
