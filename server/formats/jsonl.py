@@ -351,6 +351,7 @@ class Jsonl:
         for field in self.fields:  # video fields share one generator, in field order
             try:
                 if field.frames is not None:
+                    assert rng is not None  # made above whenever a field has frames
                     field.frames_of(record, out, self.storage, rng)
                 else:
                     field.convert(field.lookup(record), out)
