@@ -57,6 +57,15 @@ def file_seconds(path: str) -> float:
     raise VideoError("its duration is not in its header")
 
 
+def _first_audio(container: Any) -> Any:
+    """The container's first audio stream, decoded on one thread (a worker is one core)."""
+    if not container.streams.audio:
+        raise VideoError("no audio stream")
+    stream = container.streams.audio[0]
+    stream.codec_context.thread_count = 1
+    return stream
+
+
 def decode_audio(path: str, rate: int, channels: int, stop: int | None) -> np.ndarray:
     """float32 [channels, samples]: the file from its start, resampled, up to sample `stop`
     (None: to its end)."""
@@ -64,10 +73,7 @@ def decode_audio(path: str, rate: int, channels: int, stop: int | None) -> np.nd
     have = 0
     try:
         with av.open(path) as container:
-            if not container.streams.audio:
-                raise VideoError("no audio stream")
-            stream = container.streams.audio[0]
-            stream.codec_context.thread_count = 1
+            stream = _first_audio(container)
             resampler = av.AudioResampler(format="fltp", layout=LAYOUTS[channels], rate=rate)
 
             def take(frames: list[Any]) -> None:
@@ -110,10 +116,7 @@ def decode_span(path: str, rate: int, channels: int, start: int, stop: int) -> n
     parts: list[np.ndarray] = []
     try:
         with av.open(path) as container:
-            if not container.streams.audio:
-                raise VideoError("no audio stream")
-            stream = container.streams.audio[0]
-            stream.codec_context.thread_count = 1
+            stream = _first_audio(container)
             first = next(iter(container.decode(stream)), None)
             if first is None or first.pts is None or stream.time_base is None:
                 return decode_audio(path, rate, channels, stop)[:, start:]
