@@ -530,7 +530,10 @@ def _lockstep_cpu(systems: dict[str, Any]) -> list[str]:
             "together): the rank processes (loader threads included), their children "
             "(DataLoader's workers), the servers' front ends and the servers' workers.", "",
             *_table(["system", "ranks", "rank children", "server front", "server workers",
-                     "total"], rows)]
+                     "total"], rows),
+            "CPUs kept busy, at each one's rate: " + ", ".join(
+                f"{k} {v['cpu_ms_per_step']['total'] * v['steps_per_s'] / 1000:.2f}"
+                for k, v in systems.items() if v.get("cpu_ms_per_step")) + ".", ""]
 
 
 def _lockstep_goal(systems: dict[str, Any], machine: dict[str, Any]) -> str:
