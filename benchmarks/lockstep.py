@@ -20,6 +20,12 @@ does not have) and are `--sample-bytes` each. Systems, over the same steps:
 Reported per system: steps/s (rank 0's timed steps over their time), the ratio to the bound,
 the stall (1 - compute time / step time) and the p99 of the wait per step (batch and
 barrier). Every rank's figures are in the JSON.
+
+CPU per step (`cpu_ms_per_step`): CPU seconds (user + system, from /proc/<pid>/stat) spent
+over rank 0's timed steps, divided by those steps, split into the rank processes
+themselves (their loader threads included), the rank processes' children (DataLoader's
+workers), the servers' front ends and the servers' workers (their child processes). On a
+machine with fewer cores than busy processes this is what the steps are waiting for.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ WARMUP = 10  # steps not timed: process start, the first batches, the window's g
 
 
 def _rank_main(system: str, rank: int, args: dict[str, Any], addresses: list[str],
-               barrier: Any, out: Any) -> None:
+               barrier: Any, out: Any, pids: Any = None) -> None:
     """One rank: its loader, then the loop; its figures go to `out`."""
     sys.path.insert(0, str(HERE))
     import torch
@@ -78,14 +84,19 @@ def _rank_main(system: str, rank: int, args: dict[str, Any], addresses: list[str
         dl = DataLoader(mine, batch_size=batch, shuffle=True, num_workers=workers,
                         prefetch_factor=2, persistent_workers=True, drop_last=True)
         batches = _epochs(dl)
+    if pids is not None:  # a queue: (rank pids, server pids), put once the ranks started
+        pids = pids.get(timeout=120)
     it = iter(batches)
     waits, steps_s = [], []
     barrier.wait()  # every rank's loader made: start together
     t_start = 0.0
+    cpu0: dict[str, float] = {}
     for k in range(steps):
         t0 = time.perf_counter()
         if k == WARMUP:
             t_start = t0
+            if rank == 0 and pids is not None:
+                cpu0 = cpu_snapshot(list(pids[0]), list(pids[1]))
         b = next(it)
         _ = b["x"].shape
         barrier.wait()
@@ -96,10 +107,51 @@ def _rank_main(system: str, rank: int, args: dict[str, Any], addresses: list[str
             waits.append(t1 - t0)
             steps_s.append(t2 - t0)
     total = time.perf_counter() - t_start
+    cpu: dict[str, float] = {}
+    if cpu0:
+        cpu1 = cpu_snapshot(list(pids[0]), list(pids[1]))
+        cpu = {k: 1000 * (cpu1[k] - cpu0[k]) / args["steps"] for k in cpu1}
     if close is not None:
         close()
     out.put({"rank": rank, "steps": args["steps"], "seconds": total,
-             "wait_ms": [1000 * w for w in waits]})
+             "wait_ms": [1000 * w for w in waits], "cpu_ms_per_step": cpu})
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_s(pid: int) -> float:
+    """user + system CPU seconds of one process (all its threads), 0 when gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15)
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of pid (children of each of its threads, recursively)."""
+    out: list[int] = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return out
+    for t in tasks:
+        try:
+            kids = [int(k) for k in (t / "children").read_text().split()]
+        except OSError:
+            continue
+        for k in kids:
+            out += [k, *_children(k)]
+    return out
+
+
+def cpu_snapshot(ranks: list[int], servers: list[int]) -> dict[str, float]:
+    """CPU seconds so far of the rank processes, their children, servers' fronts, workers."""
+    return {"ranks": sum(_cpu_s(p) for p in ranks),
+            "rank_children": sum(_cpu_s(c) for p in ranks for c in _children(p)),
+            "server_front": sum(_cpu_s(p) for p in servers),
+            "server_workers": sum(_cpu_s(c) for p in servers for c in _children(p))}
 
 
 def _epochs(loader: Any) -> Any:
@@ -117,17 +169,22 @@ def _p(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run_system(system: str, args: argparse.Namespace, addresses: list[str]) -> dict[str, Any]:
+def run_system(system: str, args: argparse.Namespace, addresses: list[str],
+               server_pids: list[int] | None = None) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(args.ranks), ctx.Queue()
+    # Rank 0 reads the CPU of every rank and server over its timed steps: it gets the pids.
+    manager_pids = ctx.Queue()
     shared = {"steps": args.steps, "compute_ms": args.compute_ms, "ranks": args.ranks,
               "batch_size": args.batch_size, "sample_bytes": args.sample_bytes,
               "sample_ms": args.sample_ms, "samples": args.samples, "servers": args.servers,
               "workers": args.workers, "stoker_options": {"output": "torch"}}
     procs = [ctx.Process(target=_rank_main, args=(system, r, shared, addresses, barrier, out),
+                         kwargs={"pids": manager_pids} if r == 0 else {},
                          daemon=False) for r in range(args.ranks)]
     for p in procs:
         p.start()
+    manager_pids.put(([p.pid for p in procs], list(server_pids or [])))
     ranks: list[dict[str, Any]] = []
     deadline = time.monotonic() + 600
     while len(ranks) < len(procs):
@@ -147,10 +204,13 @@ def run_system(system: str, args: argparse.Namespace, addresses: list[str]) -> d
     rate = r0["steps"] / r0["seconds"]
     step_ms = 1000 / rate
     waits = [w for r in ranks for w in r["wait_ms"]]
+    cpu = r0.get("cpu_ms_per_step") or {}
+    if cpu:
+        cpu = {**cpu, "total": sum(cpu.values())}
     return {"system": system, "steps_per_s": rate, "step_ms": step_ms,
             "stall": max(0.0, 1 - args.compute_ms / step_ms),
             "wait_p50_ms": statistics.median(waits), "wait_p99_ms": _p(waits, 0.99),
-            "ranks": ranks}
+            "cpu_ms_per_step": cpu, "ranks": ranks}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -180,7 +240,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 s.start()
             addresses = [s.address for s in servers]
             for system in args.systems:
-                res["systems"][system] = run_system(system, args, addresses)
+                res["systems"][system] = run_system(
+                    system, args, addresses,
+                    [s.proc.pid for s in servers if s.proc is not None])
                 print(f"{system}: {res['systems'][system]['steps_per_s']:.2f} steps/s",
                       file=sys.stderr, flush=True)
         finally:
@@ -204,6 +266,12 @@ def report(res: dict[str, Any]) -> str:
         of = f"{r['of_bound']:.3f}" if r.get("of_bound") else "-"
         lines.append(f"{LABELS[name]:36} {r['steps_per_s']:8.2f} {of:>9} {r['stall']:7.1%} "
                      f"{r['wait_p50_ms']:8.1f}ms {r['wait_p99_ms']:8.1f}ms")
+    lines.append(f"CPU ms per step (all ranks together; {os.cpu_count()} CPUs = "
+                 f"{1000 * (os.cpu_count() or 1)} CPU ms per s):")
+    for name, r in res["systems"].items():
+        c = r.get("cpu_ms_per_step") or {}
+        if c:
+            lines.append(f"  {name:12} " + "  ".join(f"{k} {v:.1f}" for k, v in c.items()))
     return "\n".join(lines)
 
 

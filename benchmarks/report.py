@@ -514,7 +514,26 @@ def lockstep(r: dict[str, Any], plots: Path) -> list[str]:
             "shared: compare the ratios, measured in one run.", "",
             *_table(["system", "steps/s", "of bound", "stall", "p50 wait ms",
                      "p99 wait ms"], rows),
+            *_lockstep_cpu(systems),
             _lockstep_goal(systems, r["machine"])]
+
+
+def _lockstep_cpu(systems: dict[str, Any]) -> list[str]:
+    """CPU ms per step, all ranks together, by process kind (results that have it)."""
+    parts = ("ranks", "rank_children", "server_front", "server_workers", "total")
+    rows = [[labels, *(f"{c.get(k, 0.0):.1f}" for k in parts)]
+            for labels, c in ((k, v.get("cpu_ms_per_step") or {}) for k, v in systems.items())
+            if c]
+    if not rows:
+        return []
+    return ["CPU ms per step (user + system from /proc over rank 0's timed steps, every rank "
+            "together): the rank processes (loader threads included), their children "
+            "(DataLoader's workers), the servers' front ends and the servers' workers.", "",
+            *_table(["system", "ranks", "rank children", "server front", "server workers",
+                     "total"], rows),
+            "CPUs kept busy, at each one's rate: " + ", ".join(
+                f"{k} {v['cpu_ms_per_step']['total'] * v['steps_per_s'] / 1000:.2f}"
+                for k, v in systems.items() if v.get("cpu_ms_per_step")) + ".", ""]
 
 
 def _lockstep_goal(systems: dict[str, Any], machine: dict[str, Any]) -> str:

@@ -267,7 +267,14 @@ def test_quick_lockstep_benchmark_measures_the_bound_stoker_and_dataloader(
         assert s["steps_per_s"] > 0 and 0 <= s["stall"] < 1
         assert len(s["ranks"]) == res["parameters"]["ranks"]
         assert s["wait_p99_ms"] >= s["wait_p50_ms"]
+    # CPU per step by process kind: the servers' workers build stoker's batches, DataLoader's
+    # workers are the ranks' children.
+    assert systems["stoker"]["cpu_ms_per_step"]["server_workers"] > 0
+    assert systems["dataloader"]["cpu_ms_per_step"]["rank_children"] > 0
+    assert systems["bound"]["cpu_ms_per_step"]["total"] < systems["stoker"]["cpu_ms_per_step"][
+        "total"]
     assert "## Lockstep: ranks that step together" in page
+    assert "CPU ms per step" in page
 
 
 @pytest.mark.timeout(200)
