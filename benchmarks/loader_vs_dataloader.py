@@ -240,11 +240,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             g = torch.Generator()
             g.manual_seed(args.seed)
+            # persistent_workers: workers outlive an epoch, as in a real training loop.
+            dataloader = DataLoader(ds, batch_size=args.batch_size, shuffle=True,
+                                    drop_last=True, num_workers=args.workers,
+                                    persistent_workers=args.workers > 0, generator=g)
+            # Its workers are forked here, before the RemoteLoader's gRPC threads exist: a
+            # fork while gRPC's threads run skips gRPC's fork handlers and a worker can die
+            # of SIGSEGV (seen in CI). Outside every timed region, like the server's start.
+            if args.workers > 0:
+                iter(dataloader)
             loaders = {
-                # persistent_workers: workers outlive an epoch, as in a real training loop.
-                "dataloader": DataLoader(ds, batch_size=args.batch_size, shuffle=True,
-                                         drop_last=True, num_workers=args.workers,
-                                         persistent_workers=args.workers > 0, generator=g),
+                "dataloader": dataloader,
                 "stoker": RemoteLoader(
                     server.address, DATASET, batch_size=args.batch_size, seed=args.seed,
                     shuffle=True, drop_last=True, prefetch=args.prefetch,
