@@ -259,7 +259,7 @@ def test_item_12_the_stall_is_absent_until_reported_and_reported_on_time(server,
     text = metrics(server)
     while (series(text, "stoker_client_data_stall", "eighty") is not None
            and time.monotonic() < deadline):
-        time.sleep(0.05)
+        time.sleep(0.05)  # a poll of the server's figures, bounded by the deadline
         text = metrics(server)
     assert series(text, "stoker_client_data_stall", "eighty") is None
     assert series(text, "stoker_client_data_stall_max", "eighty") is None
