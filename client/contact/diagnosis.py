@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 import socket
-import threading
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -34,28 +34,45 @@ _READY = grpc.ChannelConnectivity.READY
 
 
 class Connectivity:
-    """The latest connectivity state of `channel`, as gRPC reports it from its own threads;
-    `close` stops listening (the channel's own close does too)."""
+    """The connectivity state of `channel`, read from gRPC when asked (`state`).
+
+    Read, not subscribed to: `Channel.subscribe` runs a gRPC polling thread that outlives an
+    unsubscribe by up to 0.2 s and raises "Cannot monitor channel state: Channel closed!" in
+    that thread when the channel closes meanwhile (the loader closes its channels right after
+    a failed first contact). gRPC's public API has no other way to read the state, so this
+    reads the core channel's `check_connectivity_state` behind grpc's channel (and an
+    interceptor's wrapper); where that is not there, `state` is None and the diagnosis falls
+    back to gRPC's words."""
 
     def __init__(self, channel: grpc.Channel) -> None:
-        self.state: grpc.ChannelConnectivity | None = None  # None: nothing reported yet
-        self._changed = threading.Condition()
-        self._channel = channel
-        channel.subscribe(self._seen, try_to_connect=False)
+        core: object = channel
+        for _ in range(4):  # grpc.intercept_channel's wrapper -> grpc's Channel -> cygrpc's
+            if hasattr(core, "check_connectivity_state"):
+                break
+            core = getattr(core, "_channel", None)
+        self._core = core if hasattr(core, "check_connectivity_state") else None
 
-    def _seen(self, state: grpc.ChannelConnectivity) -> None:
-        with self._changed:
-            self.state = state
-            self._changed.notify_all()
+    @property
+    def state(self) -> grpc.ChannelConnectivity | None:
+        if self._core is None:
+            return None
+        try:
+            from grpc._common import CYGRPC_CONNECTIVITY_STATE_TO_CHANNEL_CONNECTIVITY as BY
+            return BY.get(self._core.check_connectivity_state(False))
+        except (ImportError, ValueError, AttributeError):  # closed, or another grpc
+            return None
 
     def wait_for(self, state: grpc.ChannelConnectivity, timeout: float) -> bool:
-        """Whether the channel reports `state` within `timeout` s (reports come from gRPC's
-        threads, possibly after a call on the channel has ended)."""
-        with self._changed:
-            return self._changed.wait_for(lambda: self.state is state, timeout)
+        """Whether the channel is in `state` within `timeout` s (looked at every 10 ms)."""
+        deadline = time.monotonic() + timeout
+        while self.state is not state:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     def close(self) -> None:
-        self._channel.unsubscribe(self._seen)
+        """Nothing to release (kept for the callers' symmetry)."""
 
 
 def reached(err: RemoteError, state: grpc.ChannelConnectivity | None = None) -> bool:
