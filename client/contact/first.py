@@ -113,9 +113,6 @@ def first_contact(servers: ServerSet, request: Callable[[], pb.DescribeDatasetRe
         for call in asked.values():
             call.cancel()
         raise
-    finally:
-        for watch in watched.values():
-            watch.close()
 
 
 def _ask(server: Server, request: pb.DescribeDatasetRequest,

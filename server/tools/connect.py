@@ -152,12 +152,11 @@ def first_contact(address: str, sec: Security, timeout: float = CONTACT_SECONDS)
 
     channel = ChannelMaker(sec.tls, sec.token)(address, [])
     watch = Connectivity(channel)
-    try:
-        with channel:
+    with channel:  # the state is read before the channel closes (a closed one has none)
+        try:
             return pb_grpc.DataServiceStub(channel).ListDatasets(pb.ListDatasetsRequest(),
                                                                  timeout=timeout)
-    except grpc.RpcError as e:
-        raise ContactError(explain(address, e.code().name, e.details() or "", sec, timeout,
-                                   watch.state is grpc.ChannelConnectivity.READY)) from None
-    finally:
-        watch.close()
+        except grpc.RpcError as e:
+            raise ContactError(explain(address, e.code().name, e.details() or "", sec,
+                                       timeout, watch.state is grpc.ChannelConnectivity.READY)
+                               ) from None
