@@ -123,7 +123,7 @@ def test_silent_connections_from_one_address_keep_no_trainer_off_its_data_connec
     # drift. The harms held against cost far more than the bound: a trainer's claim closed as a
     # stranger's waits SOCKET_WAIT (5 s, 100x a 50 ms epoch) or falls back to frames (above).
     # The bound (within 10%); the ratio of medians failed CI at 1.1005 on a busy machine.
-    ratio = statistics.median(d / q for (d, _), (q, _) in zip(disturbed, quiet[5:]))
+    ratio = statistics.median(d / q for (d, _), (q, _) in zip(disturbed, quiet[5:], strict=True))
     ledger.record("security", f"data port: {SILENT} silent connections from the trainer's "
                   f"address before each of {EPOCHS} epochs", tried=EPOCHS,
                   detail=f"{len(fallen)} epochs fell back to frames; epoch time "
