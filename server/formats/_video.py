@@ -40,6 +40,8 @@ except ImportError as e:  # the server opens a video or audio dataset without th
     raise ImportError("format: video and format: audio need PyAV: pip install "
                       "'stoker[server,video]'") from e
 
+from av.video.reformatter import VideoReformatter  # after the check above
+
 av.logging.set_level(av.logging.PANIC)  # FFmpeg's own warnings: errors are raised, with text
 
 
@@ -142,17 +144,30 @@ class FrameTables:
         return table
 
 
+# One FFmpeg scaler per thread, kept from frame to frame. `VideoFrame.to_ndarray(...)` makes
+# a new one for every frame, and setting up its filters cost more than the scaling itself:
+# 0.84 ms a frame against 0.25 ms kept, 480x360 to 112x112 (the same bytes out).
+_scalers = threading.local()
+
+
+def _reformat(frame: Any, **how: Any) -> Any:
+    scaler = getattr(_scalers, "scaler", None)
+    if scaler is None:
+        scaler = _scalers.scaler = VideoReformatter()
+    return scaler.reformat(frame, **how)
+
+
 def _rgb(frame: Any, width: int | None = None, height: int | None = None) -> np.ndarray:
     """FFmpeg's own RGB conversion of the frame (at width x height: scaled in the same pass,
     area-averaging), rotated as its display matrix says."""
     turn = int(getattr(frame, "rotation", 0) or 0) % 360
     if width is None:
-        pixels = frame.to_ndarray(format="rgb24")
+        pixels = _reformat(frame, format="rgb24").to_ndarray()
     else:
         if turn in (90, 270):  # scaled before it is turned
             width, height = height, width
-        pixels = frame.to_ndarray(width=width, height=height, format="rgb24",
-                                  interpolation="AREA")
+        pixels = _reformat(frame, width=width, height=height, format="rgb24",
+                           interpolation="AREA").to_ndarray()
     if turn:  # counter-clockwise degrees, as FFmpeg's display matrix gives them
         pixels = np.ascontiguousarray(np.rot90(pixels, turn // 90))
     return pixels
