@@ -151,6 +151,13 @@ class FramesAt:
 class Video:
     """Thread-safe: the frame tables' cache is; the rest is immutable."""
 
+    @property
+    def threaded_samples(self) -> bool:
+        """Its samples spend their time in FFmpeg, which releases the GIL: a worker with cores
+        to spare (fewer workers than cores) decodes several of a batch's clips at once
+        (pool/batch.py in_order). Not with the prefix cache, whose handle is one thread's."""
+        return self.cache is None
+
     def __init__(self, cfg: Any, storage: Storage, pattern: str | None = None) -> None:
         self.storage = storage
         self.labelled = True

@@ -13,14 +13,16 @@ briefly holds its samples twice; the others are written into the payload as they
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import functools
 import itertools
 import json
 import logging
 import math
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -75,6 +77,38 @@ def fetch_or_replace(dataset: DatasetParts, i: int, key: EpochKey, skip: bool
     raise SampleError(f"{error} (and {MAX_REPLACEMENTS} replacements failed too)")
 
 
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+_threads: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None  # (size, pool)
+
+
+def in_order(fetch: Callable[[_T], _R], items: list[_T], threads: int = 1) -> Iterator[_R]:
+    """fetch(item) for each item, in order. threads > 1: up to that many fetched at once by
+    this process's sample threads, for datasets whose samples spend their time in code that
+    releases the GIL (video decoding: FFmpeg), where a worker has cores to spare. A failure
+    comes out at its place in the order, as it would one at a time; the fetches already
+    started are waited for first (a worker builds one batch at a time)."""
+    if threads <= 1:
+        yield from map(fetch, items)
+        return
+    global _threads
+    if _threads is None or _threads[0] < threads:
+        _threads = (threads, concurrent.futures.ThreadPoolExecutor(threads, "stoker-sample"))
+    pool, rest = _threads[1], iter(items)
+    pending = collections.deque(pool.submit(fetch, item)
+                                for item in itertools.islice(rest, threads))
+    try:
+        while pending:
+            done = pending.popleft()
+            for item in itertools.islice(rest, 1):
+                pending.append(pool.submit(fetch, item))
+            yield done.result()
+    finally:
+        for f in pending:
+            f.cancel()
+        concurrent.futures.wait(pending)
+
+
 def plan_layout(first: dict[str, np.ndarray], n: int, first_index: int,
                 shapes: dict[str, tuple[int, ...]] | None = None) -> list[TensorLayout]:
     """Where each field of a batch of `n` samples shaped like `first` goes in the payload;
@@ -123,7 +157,7 @@ class Misfit(Exception):
 def build_part(dataset: DatasetParts, layout: tuple[TensorLayout, ...], first: int,
                indices: np.ndarray, segment: Any,
                key: EpochKey = FIRST_EPOCH, skip: bool = False,
-               on_sample: Callable[[int], None] | None = None) -> int:
+               on_sample: Callable[[int], None] | None = None, threads: int = 1) -> int:
     """Write rows [first, first + len(indices)) of a batch laid out as `layout` into
     `segment` (a writable buffer): what build_batch writes there, given that every sample
     has the planned fields. Returns how many samples were replaced under `skip`; raises
@@ -136,10 +170,14 @@ def build_part(dataset: DatasetParts, layout: tuple[TensorLayout, ...], first: i
     rows = views[SAMPLE_INDEX]
     skipped = 0
     try:
-        for pos, i in enumerate(indices.tolist(), first):
+        def fetch(i: int) -> tuple[dict[str, np.ndarray], int]:
             if on_sample is not None:
                 on_sample(i)
-            s, j = fetch_or_replace(dataset, i, key, skip)
+            return fetch_or_replace(dataset, i, key, skip)
+
+        todo = indices.tolist()
+        got = in_order(fetch, todo, threads)
+        for pos, (i, (s, j)) in enumerate(zip(todo, got, strict=True), first):
             if not _like(s, names, expect):
                 raise Misfit(f"sample {j}")
             for field_name, value in s.items():
@@ -187,7 +225,8 @@ def _check_like(s: dict[str, np.ndarray], idx: int, layout: list[TensorLayout],
 def build_batch(dataset: DatasetParts, indices: np.ndarray, segments: shm.SegmentPool,
                 key: EpochKey = FIRST_EPOCH, skip: bool = False,
                 max_bytes: int | None = None,
-                on_sample: Callable[[int], None] | None = None) -> BuiltBatch:
+                on_sample: Callable[[int], None] | None = None, threads: int = 1
+                ) -> BuiltBatch:
     """Compute the batch of `indices` into a segment of `segments`, lent to the caller.
 
     Collated in one pass: the first sample fixes the layout, the segment is created, and each
@@ -195,30 +234,35 @@ def build_batch(dataset: DatasetParts, indices: np.ndarray, segments: shm.Segmen
     the first sample has a `Padded` field: then every sample is fetched first, since the
     batch's shape is their largest. A batch whose payload would exceed `max_bytes` raises
     BatchTooLarge before any memory is taken for it. `on_sample(i)` is called as sample i is
-    started (the pool's watchdog names the sample a hung worker was at), so it must be cheap."""
+    started (the pool's watchdog names the sample a hung worker was at), so it must be cheap.
+    `threads` > 1: samples are fetched that many at once (see in_order)."""
     started = time.perf_counter()
     delivered = np.array(indices, dtype=np.int64)
     skipped = 0
     name, segment, views, layout = "", None, {}, []
     todo = indices.tolist()
 
-    def fetch(pos: int, i: int) -> dict[str, np.ndarray]:
-        nonlocal skipped
+    def fetch(i: int) -> tuple[dict[str, np.ndarray], int]:
         if on_sample is not None:
             on_sample(i)
-        s, j = fetch_or_replace(dataset, i, key, skip)
-        skipped += j != i
+        return fetch_or_replace(dataset, i, key, skip)
+
+    def took(pos: int, got: tuple[dict[str, np.ndarray], int]) -> dict[str, np.ndarray]:
+        nonlocal skipped
+        s, j = got
+        skipped += j != todo[pos]
         delivered[pos] = j
         return s
 
     try:
         if not todo:
             raise SampleError("a batch needs at least one sample")
-        gathered = [fetch(0, todo[0])]
+        gathered = [took(0, fetch(todo[0]))]
         first_index = int(delivered[0])
         shapes = None
         if any(isinstance(v, Padded) for v in gathered[0].values()):
-            gathered += [fetch(pos, i) for pos, i in enumerate(todo[1:], 1)]
+            gathered += [took(pos, got) for pos, got in
+                         enumerate(in_order(fetch, todo[1:], threads), 1)]
             shapes = _padded_shapes(gathered)
         layout = plan_layout(gathered[0], len(indices), first_index, shapes)
         size = layout[-1].offset + layout[-1].nbytes
@@ -231,8 +275,8 @@ def build_batch(dataset: DatasetParts, indices: np.ndarray, segments: shm.Segmen
                                     t.offset) for t in layout}
         names = {t.name for t in layout[:-1]}
         expect = [(t.name, t.shape[1:], np.dtype(t.dtype)) for t in layout[:-1]]
-        rest = ((pos, fetch(pos, i)) for pos, i in enumerate(todo[len(gathered):],
-                                                              len(gathered)))
+        rest = ((pos, took(pos, got)) for pos, got in
+                enumerate(in_order(fetch, todo[len(gathered):], threads), len(gathered)))
         for pos, s in itertools.chain(enumerate(gathered), rest):
             if pos and not _like(s, names, expect):  # names the difference, if one matters
                 _check_like(s, int(delivered[pos]), layout, first_index)

@@ -201,6 +201,12 @@ class _Builder:
         self.redact = _Redact(config)
         self._logged: set[str] = set()  # failure messages logged in full
         self.mappings = shm.ReadMappings(writable=True)  # of the pool's segments (parts)
+        # Threads a sample-threaded dataset's batch is fetched with: the cores the workers
+        # leave, shared out (one per worker once there are as many workers as cores).
+        self.spare = max(1, len(os.sched_getaffinity(0)) // config.server.worker_count)
+
+    def _threads(self, ds: DatasetParts) -> int:
+        return self.spare if getattr(ds.dataset, "threaded_samples", False) else 1
 
     def _start(self, task: msg.Task | msg.Part) -> tuple[Any, str]:
         """Before a task or a part: the pool's watchdog learns which it is on, its storage is
@@ -231,7 +237,8 @@ class _Builder:
             if task.sources:
                 return msg.Built(task.task_id, build_sources(ds, task.indices, self.segments))
             batch = build_batch(ds, task.indices, self.segments, task.key, skip,
-                                int(self.config.server.max_batch_bytes), on_sample)
+                                int(self.config.server.max_batch_bytes), on_sample,
+                                self._threads(ds))
         except Exception as e:
             return self._failure(task, e)
         if self.cache is not None:  # what the cache did since the last batch, for /metrics
@@ -250,7 +257,7 @@ class _Builder:
         try:
             segment = self.mappings.get(part.segment, part.size)
             skipped = build_part(ds, part.layout, part.first, part.indices, segment, part.key,
-                                 skip, on_sample)
+                                 skip, on_sample, self._threads(ds))
         except Misfit:
             return msg.Misfit(part.task_id)
         except Exception as e:
