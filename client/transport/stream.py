@@ -159,23 +159,26 @@ class BatchStream:
             self._thread.join(timeout=10)
 
     def _outgoing(self) -> Iterator[pb.StreamRequest]:
-        """The requests; credits queued one behind another go as one message."""
+        """The requests; credits and releases queued one behind another go as one message.
+        Nothing waits to be merged: releases held up to 50 ms for the next credit cost the
+        servers fresh segments (8 ranks in lockstep: 0.58 of the bound against 0.88)."""
         nxt: Any = self._requests.get()
         while nxt is not None:
             req, nxt = nxt, _NOTHING
-            if _only_credits(req):
-                indices = list(req.batch_indices)
+            if _mergeable(req):
+                indices, released = list(req.batch_indices), list(req.released)
                 while True:
                     try:
                         more = self._requests.get_nowait()
                     except queue.Empty:
                         break
-                    if more is None or not _only_credits(more):
+                    if more is None or not _mergeable(more):
                         nxt = more
                         break
                     indices += more.batch_indices
-                if len(indices) > len(req.batch_indices):
-                    req = pb.StreamRequest(batch_indices=indices)
+                    released += more.released
+                if (len(indices), len(released)) != (len(req.batch_indices), len(req.released)):
+                    req = pb.StreamRequest(batch_indices=indices, released=released)
             yield req
             if nxt is _NOTHING:
                 nxt = self._requests.get()
@@ -295,5 +298,10 @@ class BatchStream:
 _NOTHING = object()
 
 
-def _only_credits(req: pb.StreamRequest) -> bool:
-    return len(req.ListFields()) == 1 and bool(req.batch_indices)
+_MERGEABLE = frozenset({"batch_indices", "released"})
+
+
+def _mergeable(req: pb.StreamRequest) -> bool:
+    """Credits or releases and nothing else: such messages can go as one."""
+    fields = {f.name for f, _ in req.ListFields()}
+    return bool(fields) and fields <= _MERGEABLE
