@@ -354,8 +354,14 @@ def video(r: dict[str, Any], plots: Path) -> list[str]:
             "workers; the same Dataset through `format: python`; stoker's `format: video`. "
             "CPU: ms per clip of the processes each ran (trainer and DataLoader workers; trainer "
             "and server tree), peer / stoker / python. Target: "
-            f"stoker >= 1.5x the peer at every W ({'met' if r['meets_target'] else 'NOT met'})."
-            , "", *_table(["W", "peer clips/s", "format: video", "format: python",
+            f"stoker >= 1.5x the peer at every W ({'met' if r['meets_target'] else 'NOT met'}). "
+            "Where it comes from: frames no kept frame refers to are not decoded (H.264, HEVC); "
+            "one FFmpeg scaler per thread, kept from frame to frame (`to_ndarray(width=...)` "
+            "builds one per frame, over half the conversion's cost); and with fewer workers "
+            "than cores a worker decodes a batch's clips on cores // W threads (FFmpeg "
+            "releases the GIL), where the peer's PyAV decodes each clip with FFmpeg's own "
+            "frame threads (its CPU per clip above its wall time).", "",
+            *_table(["W", "peer clips/s", "format: video", "format: python",
                            "stoker / peer", "CPU ms/clip"], rows), ""]
 
 
