@@ -85,3 +85,4 @@ def test_build_batch_with_threads_is_the_batch_one_thread_builds() -> None:
                         threads=3)
     finally:
         pool._release_free()
+

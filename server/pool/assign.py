@@ -141,7 +141,7 @@ class Assignment:
         """`w` built task `task_id`: its future gets the batch, which the front end now holds.
         False: nobody waits for it any more (the caller releases it)."""
         with self.lock:
-            self.depth = depth_for(batch.payload_bytes)
+            self.depth = depth_for(batch.payload_bytes, batch.build_seconds)
             job = w.jobs.pop(task_id, None)
             w.head_since = time.monotonic()  # the next of its jobs starts now
             self.lent.add(batch.shm_name)
@@ -193,7 +193,7 @@ class Assignment:
         assert self.segments is not None
         if verdict is Verdict.BUILT:
             built = batch.batch()
-            self.depth = depth_for(built.payload_bytes)
+            self.depth = depth_for(built.payload_bytes, built.build_seconds)
             self.lent.add(built.shm_name)
             self._settled.append((batch, built))
             return

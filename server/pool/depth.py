@@ -34,9 +34,18 @@ KEEP_MIN = 4
 KEEP_BYTES = 64 << 20
 
 
-def depth_for(payload_bytes: int) -> int:
-    """Tasks a worker holds at once while batches are of this size."""
-    return DEPTH if payload_bytes <= DEEP_BYTES else SHALLOW_DEPTH
+# Batches that take a worker longer than this to build keep SHALLOW_DEPTH whatever their size:
+# the round trip that depth hides is a fraction of a millisecond, and a worker's queued tasks
+# are out of the pool's hands. 8 ranks in lockstep credited 22 batches each at start; with 8
+# queued per worker (64 ms a batch), a rank's next batch waited behind half a second of others'.
+QUICK_SECONDS = 0.01
+
+
+def depth_for(payload_bytes: int, build_seconds: float = 0.0) -> int:
+    """Tasks a worker holds at once while batches are of this size and take this long."""
+    if payload_bytes <= DEEP_BYTES and build_seconds < QUICK_SECONDS:
+        return DEPTH
+    return SHALLOW_DEPTH
 
 
 def idle_bytes(payload_bytes: int) -> int:
