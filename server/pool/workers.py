@@ -133,7 +133,7 @@ class WorkerPool:
         with self._lock:
             self._check_locked()
             plan = None if sources else self._jobs.splitter.plan_locked(
-                dataset, len(indices), self._idle_locked)
+                dataset, len(indices), self._ready_locked)
             if plan is None:
                 fut = self._jobs.add_locked(dataset, indices, ahead, key, sources)
                 inline, wake = self._hand_out_locked()
@@ -168,13 +168,8 @@ class WorkerPool:
                                                     segment))
             return (fut, *self._hand_out_locked())
 
-    def _idle_locked(self) -> int:
-        """Workers free to start a part now: ready ones holding no task, less the jobs
-        queued for them. A batch is cut over these only: with every worker busy, cutting
-        gains no time and costs a message and a result per part (8 ranks in lockstep from
-        8 workers: batches cut in 4 while every worker had work)."""
-        idle = sum(1 for w in self._workers.workers if w.ready and not w.jobs)
-        return max(0, idle - len(self._jobs.queue))
+    def _ready_locked(self) -> int:
+        return sum(w.ready for w in self._workers.workers)
 
     def _hand_out_locked(self) -> tuple[bool, bool]:
         """After a submit: (whether this thread hands out, on the loop; whether it wakes the
