@@ -195,14 +195,13 @@ def test_a_worker_killed_mid_part_costs_that_part_only(
 def test_a_server_killed_mid_batch_loses_and_repeats_nothing(tmp_path: Path,
                                                              ledger: Any) -> None:
     """Two servers of 4 workers, every batch built in parts: one is killed (kill -9) while its
-    workers are on a batch's parts; its batches come from the other, once each. One credit per
-    server at a time (prefetch=2): a batch is cut over idle workers only, so each is."""
+    workers are on a batch's parts; its batches come from the other, once each."""
     config = write_config(tmp_path / "c.yaml", {"datasets": {"d": toy(n=160, delay=0.002)}})
     victim, other = (ServerProcess(config, workers=4, env=server_env()) for _ in range(2))
     delivered: list[int] = []
     with victim, other, RemoteLoader([victim.address, other.address], "d", batch_size=BATCH,
                                      seed=3, order="legacy", output="numpy", timeout=60,
-                                     shared_memory=False, prefetch=2) as loader:
+                                     shared_memory=False) as loader:
         for k, batch in enumerate(loader):
             delivered += batch["sample_index"].tolist()
             if k == 1:  # both servers hold credits now, and build them in parts
