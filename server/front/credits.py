@@ -120,7 +120,7 @@ class Credits:
         # this stream holds its reference from here on, released like any batch.
         pool = self._front.shared
         try:
-            batch, _ = await pool.get(coords, index, indices, ahead)
+            batch, _ = await pool.get(coords, index, indices, ahead, stream=id(self))
         except BatchFailed as e:
             self._ready.put_nowait(FailedBatch(index, coords.epoch, FAILURE_CODE[e.kind],
                                                f"batch {index}: {e}", e.detail))

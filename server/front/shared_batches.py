@@ -34,7 +34,7 @@ import contextlib
 import enum
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -129,9 +129,11 @@ class SharedBatches:
         self._timer: asyncio.TimerHandle | None = None  # at the oldest one's time
 
     async def get(self, coords: Coordinates, index: int, indices: np.ndarray,
-                  ahead: np.ndarray) -> tuple[BuiltBatch, Outcome]:
+                  ahead: np.ndarray, stream: Hashable = None) -> tuple[BuiltBatch, Outcome]:
         """Batch `index` of `coords` (its samples `indices`; `ahead`: samples a later batch
         will need, a hint for the workers), held by the caller until it calls release().
+        `stream`: who asks, for the workers' fair queue (a build shared is queued as the
+        first asker's).
 
         Raises BatchFailed (the build failed; every waiter gets it)."""
         key = (coords, index)
@@ -146,7 +148,8 @@ class SharedBatches:
             outcome = self._count(coords, Outcome.JOINED)
         else:
             source = self.pool.submit(coords.dataset, indices, ahead,
-                                      EpochKey(coords.seed, coords.epoch, coords.shuffle))
+                                      EpochKey(coords.seed, coords.epoch, coords.shuffle),
+                                      stream=stream)
             build = self._building[key] = _Build(source, indices, [mine])
             _on_loop(source, functools.partial(self._settle, key, build))
             outcome = self._count(coords, Outcome.BUILT)

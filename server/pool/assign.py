@@ -15,17 +15,17 @@ outside it (a waiter's callback may call back into the pool).
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..order.sampling import EpochKey
 from .depth import SHALLOW_DEPTH, depth_for
+from .fair_queue import FairQueue
 from .handle import WorkerHandle
 from .layout import BuiltBatch
 from .messages import Discard, FailureKind, GiveBack, Part, PartBuilt, Task, ToWorker
@@ -58,7 +58,7 @@ class Assignment:
 
     def __init__(self, lock: threading.Lock, batch_timeout: float) -> None:
         self.lock = lock
-        self.queue: collections.deque[Job] = collections.deque()
+        self.queue: FairQueue[Job] = FairQueue()  # fair between streams (fair_queue.py)
         self.next_id = 0
         self.lent: set[str] = set()  # segments of built batches the front end holds
         # Tasks per worker, by the size of the latest batch built (see depth.DEPTH).
@@ -75,16 +75,18 @@ class Assignment:
         self._settled: list[tuple[Assembly, BuiltBatch | BatchFailed]] = []
 
     def add_locked(self, dataset: str, indices: np.ndarray, ahead: np.ndarray,
-                   key: EpochKey, sources: bool = False
+                   key: EpochKey, sources: bool = False, stream: Hashable = None
                    ) -> concurrent.futures.Future[BuiltBatch]:
-        """Queue the batch of `indices` (or, `sources`, where they come from); its future."""
+        """Queue the batch of `indices` (or, `sources`, where they come from) for `stream`
+        (who asked: the queue is fair between them); its future."""
         fut: concurrent.futures.Future[BuiltBatch] = concurrent.futures.Future()
         self.next_id += 1
-        self.queue.append(Job(Task(self.next_id, dataset, indices, ahead, key, sources), fut))
+        self.queue.add([Job(Task(self.next_id, dataset, indices, ahead, key, sources), fut)],
+                       stream)
         return fut
 
     def add_parts_locked(self, dataset: str, indices: np.ndarray, ahead: np.ndarray,
-                         key: EpochKey, plan: Plan, segment: str
+                         key: EpochKey, plan: Plan, segment: str, stream: Hashable = None
                          ) -> concurrent.futures.Future[BuiltBatch]:
         """Queue the batch of `indices` as `plan`'s parts, built into `segment` (the pool's,
         lent to the batch); its future."""
@@ -93,7 +95,7 @@ class Assignment:
         batch = Assembly(Task(self.next_id, dataset, indices, ahead, key), fut, segment, plan)
         parts = batch.cut(self.next_id + 1)
         self.next_id += len(parts)
-        self.queue.extend(Job(p, fut, batch, k) for k, p in enumerate(parts))
+        self.queue.add([Job(p, fut, batch, k) for k, p in enumerate(parts)], stream)
         return fut
 
     def deal_locked(self, workers: Sequence[WorkerHandle], flush: bool
@@ -112,7 +114,7 @@ class Assignment:
             w = min(ready, key=lambda w: len(w.jobs))
             if len(w.jobs) >= self.depth:
                 break
-            job = self.queue.popleft()
+            job = self.queue.pop()
             if job.future.cancelled():
                 if job.batch is not None:  # its segment comes back once no part is out
                     self._conclude_locked(job, job.batch.settle_locked(job.part, None))
@@ -199,7 +201,7 @@ class Assignment:
             return
         if verdict is Verdict.WHOLE:  # before the batches queued after it
             self.splitter.misfit_locked(batch.whole.dataset)
-            self.queue.appendleft(Job(batch.whole, batch.future))
+            self.queue.put_back([Job(batch.whole, batch.future)])
         elif verdict is Verdict.FAILED:
             self._settled.append((batch, batch.error()))
         self.segments.give_back(batch.segment)
@@ -240,14 +242,12 @@ class Assignment:
             if times < RESENDS:
                 building.batch.resent[building.part] = times + 1
                 building = None
-        self.queue.extendleft(reversed([j for j in jobs if j is not building]))
+        self.queue.put_back([j for j in jobs if j is not building])
         return building
 
     def clear_locked(self) -> list[Job]:
         """Empty the queue; what was in it."""
-        jobs = list(self.queue)
-        self.queue.clear()
-        return jobs
+        return self.queue.clear()
 
 
 def fail_all(jobs: Iterable[Job], message: str, kind: FailureKind = FailureKind.INTERNAL) -> None:

@@ -30,6 +30,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
@@ -125,20 +126,20 @@ class WorkerPool:
 
     # -- the front end's calls -------------------------------------------------------------
     def submit(self, dataset: str, indices: np.ndarray, ahead: np.ndarray = _NOTHING,
-               key: EpochKey = FIRST_EPOCH, sources: bool = False
+               key: EpochKey = FIRST_EPOCH, sources: bool = False, stream: Hashable = None
                ) -> concurrent.futures.Future[BuiltBatch]:
         """Build the batch of `indices` for the epoch `key`; `ahead`: samples a later batch
         will need (a hint). `sources`: instead, where each sample comes from (Task.sources:
-        one worker, never in parts)."""
+        one worker, never in parts). `stream`: who asks (batches queue fairly between them)."""
         with self._lock:
             self._check_locked()
             plan = None if sources else self._jobs.splitter.plan_locked(
                 dataset, len(indices), self._ready_locked)
             if plan is None:
-                fut = self._jobs.add_locked(dataset, indices, ahead, key, sources)
+                fut = self._jobs.add_locked(dataset, indices, ahead, key, sources, stream)
                 inline, wake = self._hand_out_locked()
         if plan is not None:
-            fut, inline, wake = self._submit_parts(dataset, indices, ahead, key, plan)
+            fut, inline, wake = self._submit_parts(dataset, indices, ahead, key, plan, stream)
         if inline:
             self._loop_side.assign_soon()
         if wake:
@@ -146,7 +147,7 @@ class WorkerPool:
         return fut
 
     def _submit_parts(self, dataset: str, indices: np.ndarray, ahead: np.ndarray,
-                      key: EpochKey, plan: Plan
+                      key: EpochKey, plan: Plan, stream: Hashable
                       ) -> tuple[concurrent.futures.Future[BuiltBatch], bool, bool]:
         """submit() of a batch cut into parts, built into a segment of the pool's (taken
         outside the pool's lock: a new one is made and its pages reserved)."""
@@ -163,9 +164,10 @@ class WorkerPool:
                 if segment is not None:
                     segments.give_back(segment)
                 raise
-            fut = (self._jobs.add_locked(dataset, indices, ahead, key) if segment is None
+            fut = (self._jobs.add_locked(dataset, indices, ahead, key, stream=stream)
+                   if segment is None
                    else self._jobs.add_parts_locked(dataset, indices, ahead, key, plan,
-                                                    segment))
+                                                    segment, stream))
             return (fut, *self._hand_out_locked())
 
     def _ready_locked(self) -> int:
