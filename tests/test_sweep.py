@@ -224,7 +224,7 @@ class Pool:
         self.submitted: list[concurrent.futures.Future] = []
         self.released: list[tuple[str, bool]] = []
 
-    def submit(self, *args: Any) -> concurrent.futures.Future:
+    def submit(self, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
         self.submitted.append(concurrent.futures.Future())
         return self.submitted[-1]
 
