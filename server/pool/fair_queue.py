@@ -33,7 +33,6 @@ class FairQueue(Generic[T]):
         self._arrivals = itertools.count()
         self._last: dict[Hashable, int] = {}  # stream -> the tag of its latest job
         self._now = 0  # the tag of the job served last
-        self._front = 0  # below every tag given: where jobs put back go
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -51,9 +50,9 @@ class FairQueue(Generic[T]):
 
     def put_back(self, jobs: Iterable[T]) -> None:
         """Jobs to serve before any other, in this order."""
-        self._front = min(self._front, self._now, *(t for t, _, _ in self._heap[:1])) - 1
+        front = min(self._now, self._heap[0][0] if self._heap else self._now) - 1
         for job in jobs:
-            heapq.heappush(self._heap, (self._front, next(self._arrivals), job))
+            heapq.heappush(self._heap, (front, next(self._arrivals), job))
 
     def pop(self) -> T:
         """The next job (IndexError when none)."""
