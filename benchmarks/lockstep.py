@@ -78,7 +78,8 @@ def _rank_main(system: str, rank: int, args: dict[str, Any], addresses: list[str
         from _sim import Waiting
         from torch.utils.data import DataLoader, Subset
 
-        data = Waiting(args["samples"], args["sample_ms"], args["sample_bytes"])
+        data = Waiting(args["samples"], args["sample_ms"], args["sample_bytes"],
+                       args["sleep_quantum_ms"])
         mine = Subset(data, range(rank, args["samples"], world))
         workers = max(1, args["servers"] * args["workers"] // world)
         dl = DataLoader(mine, batch_size=batch, shuffle=True, num_workers=workers,
@@ -87,7 +88,7 @@ def _rank_main(system: str, rank: int, args: dict[str, Any], addresses: list[str
     if pids is not None:  # a queue: (rank pids, server pids), put once the ranks started
         pids = pids.get(timeout=120)
     it = iter(batches)
-    waits, steps_s = [], []
+    waits, steps_s, takes, take_cpu = [], [], [], []
     barrier.wait()  # every rank's loader made: start together
     t_start = 0.0
     cpu0: dict[str, float] = {}
@@ -97,14 +98,19 @@ def _rank_main(system: str, rank: int, args: dict[str, Any], addresses: list[str
             t_start = t0
             if rank == 0 and pids is not None:
                 cpu0 = cpu_snapshot(list(pids[0]), list(pids[1]))
+        c0 = time.thread_time()
         b = next(it)
         _ = b["x"].shape
+        t_took = time.perf_counter()
+        c1 = time.thread_time()
         barrier.wait()
         t1 = time.perf_counter()
         time.sleep(compute_s)
         t2 = time.perf_counter()
         if k >= WARMUP:
             waits.append(t1 - t0)
+            takes.append(t_took - t0)
+            take_cpu.append(c1 - c0)
             steps_s.append(t2 - t0)
     total = time.perf_counter() - t_start
     cpu: dict[str, float] = {}
@@ -114,7 +120,8 @@ def _rank_main(system: str, rank: int, args: dict[str, Any], addresses: list[str
     if close is not None:
         close()
     out.put({"rank": rank, "steps": args["steps"], "seconds": total,
-             "wait_ms": [1000 * w for w in waits], "cpu_ms_per_step": cpu})
+             "wait_ms": [1000 * w for w in waits], "take_ms": [1000 * w for w in takes],
+             "take_cpu_ms": [1000 * w for w in take_cpu], "cpu_ms_per_step": cpu})
 
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -178,6 +185,7 @@ def run_system(system: str, args: argparse.Namespace, addresses: list[str],
     shared = {"steps": args.steps, "compute_ms": args.compute_ms, "ranks": args.ranks,
               "batch_size": args.batch_size, "sample_bytes": args.sample_bytes,
               "sample_ms": args.sample_ms, "samples": args.samples, "servers": args.servers,
+              "sleep_quantum_ms": args.sleep_quantum_ms,
               "workers": args.workers, "stoker_options": {"output": "torch"}}
     procs = [ctx.Process(target=_rank_main, args=(system, r, shared, addresses, barrier, out),
                          kwargs={"pids": manager_pids} if r == 0 else {},
@@ -232,6 +240,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         config = write_config(Path(tmp) / "c.yaml", {"datasets": {"sim": {
             "format": "python", "factory": "_sim:Waiting",
             "options": {"n": args.samples, "sample_ms": args.sample_ms,
+                        "quantum_ms": args.sleep_quantum_ms,
                         "sample_bytes": args.sample_bytes}}}})
         servers = [ServerProcess(config, workers=args.workers, env=env)
                    for _ in range(args.servers)]
@@ -284,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample-ms", type=float, default=2.0)
     ap.add_argument("--sample-bytes", type=int, default=32 << 10)
     ap.add_argument("--compute-ms", type=float, default=40.0)
+    ap.add_argument("--sleep-quantum-ms", type=float, default=8.0,
+                    help="samples' waits slept this much at a time (_sim.Waiting), 0: one "
+                         "sleep a sample")
     ap.add_argument("--steps", type=int)
     ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     args = ap.parse_args(argv)
