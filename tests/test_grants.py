@@ -295,6 +295,8 @@ def http_get(server: Any, pki: dict[str, Any], who: str, path: str) -> tuple[int
 
 
 def test_operator_endpoints_refuse_non_operators(server, pki, ledger) -> None:
+    with loader(server, pki, "team-a", "alpha") as lo:  # a stream of its, for /metrics below
+        next(iter(lo))
     tried = 0
     for path in ("/v1/stats", "/v1/datasets", "/v1/datasets/alpha", "/v1/datasets/beta",
                  "/metrics", "/"):

@@ -81,9 +81,8 @@ def test_metrics_count_what_flows(server) -> None:
     with RemoteLoader(server.address, "toy", batch_size=4, output="numpy", timeout=60,
                       prefetch_next_epoch=False) as ld:
         n = sum(1 for _ in ld)
-        shm = ld.stats()["bytes"] > 0  # same host: batches came through shared memory
+        transport = ld.stats()["transport"]  # same host: the data connection
     text = get(server, "/metrics")[1]
-    transport = "shm" if shm else "frames"
     sent = (metric(text, "stoker_batches_total", dataset="toy", transport=transport)
             - metric(before, "stoker_batches_total", dataset="toy", transport=transport))
     assert sent == n == 10

@@ -108,6 +108,10 @@ class DataSockets:
         from two threads at once)."""
         return self._tls is None
 
+    @property
+    def tls(self) -> bool:
+        return self._tls is not None
+
     max_claims, max_claims_per_host = MAX_CLAIMS, MAX_CLAIMS_PER_HOST
 
     @property
