@@ -43,9 +43,10 @@ def shifty(**options) -> Shifty:
 
 
 class Gated(Toy):
-    """Toy, except sample `gate_at`: until the file `gate` exists, the worker reading it writes
-    its pid into the FIFO `fifo` (the test reads it there: it is mid-part now) and then waits
-    to be killed; once `gate` exists, the sample is read as any other."""
+    """Toy, except sample `gate_at`: until the file `gate` exists, the first worker reading it
+    writes its pid into the FIFO `fifo` (the test reads it there: it is mid-part now) and then
+    waits to be killed (any other waits for `gate`); once `gate` exists, the sample is read
+    as any other."""
 
     def __init__(self, gate_at: int, gate: str, fifo: str, **options) -> None:
         super().__init__(**options)
@@ -53,6 +54,13 @@ class Gated(Toy):
 
     def __getitem__(self, i: int) -> dict:
         if i == self.gate_at and not os.path.exists(self.gate):
+            try:  # one worker is the test's to kill; another one there (the next epoch's
+                # batch, asked ahead) waits for the gate instead of blocking on the FIFO
+                os.close(os.open(self.gate + ".claimed", os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                while not os.path.exists(self.gate):
+                    time.sleep(0.01)
+                return super().__getitem__(i)
             with open(self.fifo, "w") as f:  # blocks until the test reads
                 f.write(f"{os.getpid()}\n")
             while True:  # until the test kills this worker

@@ -171,8 +171,8 @@ def test_a_worker_killed_mid_part_costs_that_part_only(
     got: concurrent.futures.Future[list[dict[str, np.ndarray]]] = concurrent.futures.Future()
 
     def read_epoch() -> None:
-        try:
-            got.set_result(epoch(server, "d", shuffle=False))
+        try:  # one batch credited at a time: each is cut over the 4 idle workers
+            got.set_result(epoch(server, "d", shuffle=False, prefetch=1))
         except BaseException as e:
             got.set_exception(e)
 
