@@ -37,6 +37,7 @@ import queue
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,11 @@ HERE = Path(__file__).resolve().parent
 SYSTEMS = ("bound", "stoker", "dataloader")
 LABELS = {"bound": "same loop, data in hand (bound)", "stoker": "stoker RemoteLoader",
           "dataloader": "DataLoader (same total workers)"}
-WARMUP = 10  # steps not timed: process start, the first batches, the window's growth
+# Steps not timed: the first batches and the window's growth. Every rank's window is asked
+# for at once at the start (8 ranks x ~30 batches: about a second of the servers' work at
+# 1.28x what the steps take), so the servers catch up for a second or so: steps/s is the
+# steady state after that; `warmup_s` says what the start took, against the bound's.
+WARMUP = 30
 
 
 def _rank_main(system: str, rank: int, args: dict[str, Any], addresses: list[str],
@@ -57,7 +62,8 @@ def _rank_main(system: str, rank: int, args: dict[str, Any], addresses: list[str
     import torch
 
     torch.set_num_threads(1)
-    steps, compute_s = args["steps"] + WARMUP, args["compute_ms"] / 1000
+    warmup = args["warmup_steps"]
+    steps, compute_s = args["steps"] + warmup, args["compute_ms"] / 1000
     world, batch = args["ranks"], args["batch_size"]
     close = None
     if system == "bound":
@@ -90,14 +96,18 @@ def _rank_main(system: str, rank: int, args: dict[str, Any], addresses: list[str
     it = iter(batches)
     waits, steps_s, takes, take_cpu = [], [], [], []
     barrier.wait()  # every rank's loader made: start together
+    t_begin = time.perf_counter()
     t_start = 0.0
     cpu0: dict[str, float] = {}
+    snap = None
     for k in range(steps):
         t0 = time.perf_counter()
-        if k == WARMUP:
+        if k == warmup:
             t_start = t0
-            if rank == 0 and pids is not None:
-                cpu0 = cpu_snapshot(list(pids[0]), list(pids[1]))
+            if rank == 0 and pids is not None:  # on a thread: /proc is read while ranks step
+                snap = threading.Thread(target=lambda: cpu0.update(
+                    cpu_snapshot(list(pids[0]), list(pids[1]))))
+                snap.start()
         c0 = time.thread_time()
         b = next(it)
         _ = b["x"].shape
@@ -107,19 +117,21 @@ def _rank_main(system: str, rank: int, args: dict[str, Any], addresses: list[str
         t1 = time.perf_counter()
         time.sleep(compute_s)
         t2 = time.perf_counter()
-        if k >= WARMUP:
+        if k >= warmup:
             waits.append(t1 - t0)
             takes.append(t_took - t0)
             take_cpu.append(c1 - c0)
             steps_s.append(t2 - t0)
     total = time.perf_counter() - t_start
     cpu: dict[str, float] = {}
-    if cpu0:
+    if snap is not None:
+        snap.join()
         cpu1 = cpu_snapshot(list(pids[0]), list(pids[1]))
         cpu = {k: 1000 * (cpu1[k] - cpu0[k]) / args["steps"] for k in cpu1}
     if close is not None:
         close()
     out.put({"rank": rank, "steps": args["steps"], "seconds": total,
+             "warmup_s": t_start - t_begin,
              "wait_ms": [1000 * w for w in waits], "take_ms": [1000 * w for w in takes],
              "take_cpu_ms": [1000 * w for w in take_cpu], "cpu_ms_per_step": cpu})
 
@@ -185,7 +197,7 @@ def run_system(system: str, args: argparse.Namespace, addresses: list[str],
     shared = {"steps": args.steps, "compute_ms": args.compute_ms, "ranks": args.ranks,
               "batch_size": args.batch_size, "sample_bytes": args.sample_bytes,
               "sample_ms": args.sample_ms, "samples": args.samples, "servers": args.servers,
-              "sleep_quantum_ms": args.sleep_quantum_ms,
+              "sleep_quantum_ms": args.sleep_quantum_ms, "warmup_steps": args.warmup_steps,
               "workers": args.workers, "stoker_options": {"output": "torch"}}
     procs = [ctx.Process(target=_rank_main, args=(system, r, shared, addresses, barrier, out),
                          kwargs={"pids": manager_pids} if r == 0 else {},
@@ -218,7 +230,7 @@ def run_system(system: str, args: argparse.Namespace, addresses: list[str],
     return {"system": system, "steps_per_s": rate, "step_ms": step_ms,
             "stall": max(0.0, 1 - args.compute_ms / step_ms),
             "wait_p50_ms": statistics.median(waits), "wait_p99_ms": _p(waits, 0.99),
-            "cpu_ms_per_step": cpu, "ranks": ranks}
+            "warmup_s": r0.get("warmup_s"), "cpu_ms_per_step": cpu, "ranks": ranks}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -232,7 +244,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "parameters": dict(vars(args)), "systems": {},
                            "check_problems": [], "server_exit_code": 0}
     # Enough samples that the timed steps stay in one or two epochs of each rank.
-    per_rank = (args.steps + WARMUP + 8) * args.batch_size
+    per_rank = (args.steps + args.warmup_steps + 8) * args.batch_size
     args.samples = per_rank * args.ranks
     res["parameters"]["samples"] = args.samples
     env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
@@ -270,11 +282,12 @@ def report(res: dict[str, Any]) -> str:
              f"batch {p['batch_size']}, {p['sample_ms']} ms samples of {p['sample_bytes']} B, "
              f"{p['compute_ms']} ms compute, {p['steps']} timed steps",
              f"{'system':36} {'steps/s':>8} {'of bound':>9} {'stall':>7} {'p50 wait':>9} "
-             f"{'p99 wait':>9}"]
+             f"{'p99 wait':>9} {'start':>7}"]
     for name, r in res["systems"].items():
         of = f"{r['of_bound']:.3f}" if r.get("of_bound") else "-"
         lines.append(f"{LABELS[name]:36} {r['steps_per_s']:8.2f} {of:>9} {r['stall']:7.1%} "
-                     f"{r['wait_p50_ms']:8.1f}ms {r['wait_p99_ms']:8.1f}ms")
+                     f"{r['wait_p50_ms']:8.1f}ms {r['wait_p99_ms']:8.1f}ms "
+                     f"{r.get('warmup_s') or 0:6.2f}s")
     lines.append(f"CPU ms per step (all ranks together; {os.cpu_count()} CPUs = "
                  f"{1000 * (os.cpu_count() or 1)} CPU ms per s):")
     for name, r in res["systems"].items():
@@ -297,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="samples' waits slept this much at a time (_sim.Waiting), 0: one "
                          "sleep a sample")
     ap.add_argument("--steps", type=int)
+    ap.add_argument("--warmup-steps", type=int, default=WARMUP,
+                    help="steps before the timed ones (the start: the first batches)")
     ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     args = ap.parse_args(argv)
     settle(args, quick={"ranks": 4, "servers": 2, "workers": 4, "steps": 60},

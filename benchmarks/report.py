@@ -507,7 +507,10 @@ def lockstep(r: dict[str, Any], plots: Path) -> list[str]:
               "dataloader": "DataLoader, same total workers"}
     rows = [[labels.get(k, k), f"{v['steps_per_s']:.2f}",
              f"**{v['of_bound']:.3f}**" if v.get("of_bound") else "-", f"{v['stall']:.1%}",
-             f"{v['wait_p50_ms']:.1f}", f"{v['wait_p99_ms']:.1f}"] for k, v in systems.items()]
+             f"{v['wait_p50_ms']:.1f}", f"{v['wait_p99_ms']:.1f}",
+             f"{v['warmup_s']:.2f}" if v.get("warmup_s") is not None else "-"]
+            for k, v in systems.items()]
+    warm = p.get("warmup_steps", 10)
     return [f"{p['ranks']} rank processes, each with its own loader, step together: take a "
             "batch, a barrier (every rank has its batch, as an all-reduce waits), then "
             f"{p['compute_ms']:g} ms of compute (a sleep). {p['servers']} servers of "
@@ -516,13 +519,15 @@ def lockstep(r: dict[str, Any], plots: Path) -> list[str]:
             + (f"; slept {p['sleep_quantum_ms']:g} ms at a time, as a sleep costs this VM "
                "40-65 us of CPU that such nodes would not take from the ranks"
                if p.get("sleep_quantum_ms") else "") + "), "
-            f"batch {p['batch_size']}, {p['steps']} timed steps after warm-up. The bound is the "
+            f"batch {p['batch_size']}, {p['steps']} timed steps after {warm} steps of start "
+            "(every rank's window asked for at once; the servers catch up for about a second: "
+            "their time is the start column). The bound is the "
             "same loop with a batch already in hand; DataLoader runs "
             f"{p['servers'] * p['workers'] // p['ranks']} workers per rank (the same total). "
             "The wait is per step and rank, batch and barrier together. This machine is "
             "shared: compare the ratios, measured in one run.", "",
             *_table(["system", "steps/s", "of bound", "stall", "p50 wait ms",
-                     "p99 wait ms"], rows),
+                     "p99 wait ms", f"start s ({warm} steps)"], rows),
             *_lockstep_cpu(systems),
             _lockstep_goal(systems, r["machine"])]
 
