@@ -66,7 +66,7 @@ class KeptScheduler:
             self.drop()
             live = self.live = Scheduler(
                 self._servers, self._spec(coordinates), total=total, start=at.next_batch,
-                window=window.size, timeout=timeout,
+                window=window.size, timeout=timeout, hold_credits=True,
                 group=group_for(window.size) if window.widened else 1)
             _OPEN.add(live)
         return live

@@ -1,29 +1,26 @@
 """Which server computes which batch, and what happens when one fails: one epoch's pass.
-
 The window [next, next + window) is credited as fleet/policy.py decides and fleet/credits.py
-applies; batches are handed out in index order.
+applies (a take's credits held a moment: fleet/hold.py); batches go out in index order.
 
 Exactly once rests on batches being pure functions of their coordinates: any index may be
-asked of any server, any number of times, and the first answer wins. So:
-- a stream that fails (killed, draining, unreachable) puts its indices back, for other
-  servers; the failed server is retried with backoff;
-- a server that holds credits and delivers nothing for a while is "stalled": its indices go
-  to others too, and it gets no new ones but a probe (PROBE_EVERY: a partition may heal);
-- a hedged batch's duplicate is dropped; an in-band UNAVAILABLE (a draining server) sends
-  that index elsewhere; an in-band INTERNAL (a worker died, or hung past the server's
-  batch_timeout_seconds) is asked again of another usable server, else of the same one.
-Errors that any server would repeat are raised: stream errors with a FATAL code, and in-band
-batch errors other than UNAVAILABLE and (up to BATCH_RETRIES times) INTERNAL, e.g. DATA_LOSS.
+asked of any server, any number of times, and the first answer wins. So: a stream that fails
+(killed, draining, unreachable) puts its indices back, for other servers, and its server is
+retried with backoff; a server that holds credits and delivers nothing for a while is
+"stalled": its indices go to others too, and it gets no new ones but a probe (PROBE_EVERY: a
+partition may heal); a hedged batch's duplicate is dropped; an in-band UNAVAILABLE (a draining
+server) sends that index elsewhere; an in-band INTERNAL (a worker died, or hung past the
+server's batch_timeout_seconds) is asked again of another usable server, else of the same one.
+Errors any server would repeat are raised: stream errors with a FATAL code, and in-band batch
+errors other than UNAVAILABLE and (up to BATCH_RETRIES times) INTERNAL, e.g. DATA_LOSS.
 
-Epochs: a scheduler serves the loop's epoch and, once told of it (`then`), the next one, whose
-first batches it asks for while the loop ends the current one (fleet/passes.py: positions
-across epochs, each epoch its own streams). The loop moves on with `follow`; batches of an
-epoch it does not move on to are dropped at close() and counted (`dropped`).
+Epochs: a scheduler serves the loop's epoch and, told of it (`then`), the next one, whose first
+batches it asks for while the loop ends the current one (fleet/passes.py: each epoch its own
+streams). The loop moves on with `follow`; batches of an epoch it does not move on to are
+dropped at close() and counted (`dropped`).
 
 Threading: take(), poll(), then(), follow() and close() run on the loop's thread; receive
-threads call _on_batch and _on_end. One condition variable guards all state, the servers'
-too. Decisions read the injected clock, so a test drives them with a fake clock and fake
-streams (tests/test_scheduler.py).
+threads call _on_batch and _on_end; one condition guards all state, the servers' too. The
+injected clock is what decisions read: a test drives them with a fake clock and streams.
 """
 
 from __future__ import annotations
@@ -38,7 +35,8 @@ import grpc
 from .._errors import RemoteError
 from ..transport.stream import BatchStream, Stream, StreamFactory, StreamSpec
 from . import policy
-from .credits import Credits
+from .credits import LATE_EVERY, Credits
+from .hold import CreditHold
 from .passes import Pass, Passes
 from .policy import FATAL
 from .servers import Server, ServerSet
@@ -51,13 +49,12 @@ TICK = 0.1  # while the loop waits: how often to look for stalls, hedges, retrie
 class Scheduler:
     """Batches [start, total) of one epoch, each asked of the servers with `spec`, at most
     `window` indices ahead of the loop, new ones `group` at a time while servers hold credits
-    (see _assign); `timeout` s without progress is an error.
-
-    `stream_factory` opens a stream to a server (BatchStream, or a test's fake); `clock` is
-    the time every decision reads (seconds, monotonic)."""
+    (see _assign), a take's held a moment under `hold_credits` (hold.py); `timeout` s without
+    progress is an error. `stream_factory` opens a stream to a server (BatchStream, or a
+    test's fake); `clock` is the time every decision reads (seconds, monotonic)."""
 
     def __init__(self, servers: ServerSet, spec: StreamSpec, *, total: int, start: int,
-                 window: int, timeout: float, group: int = 1,
+                 window: int, timeout: float, group: int = 1, hold_credits: bool = False,
                  stream_factory: StreamFactory = BatchStream,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._servers = servers
@@ -65,8 +62,7 @@ class Scheduler:
         self._next = start  # a position (client/fleet/passes.py); the first pass's are its indices
         self._window = window
         self._group = group  # new credits are sent once this many are due (see _assign)
-        self._timeout = timeout
-        self._clock = clock
+        self._timeout, self._clock = timeout, clock
         self._cond = threading.Condition()
         self._ready: dict[int, Any] = {}
         self._credits = Credits(servers, self._passes, stream_factory, self._on_batch,
@@ -75,9 +71,10 @@ class Scheduler:
         self._leaving: set[Stream] = set()
         self._fatal: RemoteError | None = None
         self._closed = False
+        self._hold = (CreditHold(self._cond, lambda: self._assign(self._clock()))
+                      if hold_credits else None)
         self._progress = clock()
-        self.failovers = 0
-        self.bytes_received = 0
+        self.failovers = self.bytes_received = 0
         self.dropped = 0  # batches received of an epoch the loop did not move on to
         self.window_note = (0, "", 0)  # the loader's window, why, budget: sent with reports
         self.refused_ahead: RemoteError | None = None  # why a next epoch's stream failed
@@ -144,8 +141,9 @@ class Scheduler:
                 self._retire(done)
             # A loop that never waits must still see servers join and leave a dns name.
             self._servers.refresh(now)
-            self._assign(now)
-            self._credits.hedge_late(now, self._next)
+            if self._hold is None or not self._hold.holds(now, len(self._ready)):
+                self._assign(now)
+            self._credits.hedge_late(now, self._next, LATE_EVERY)
         if isinstance(item, RemoteError):
             raise item
         return item
@@ -215,6 +213,8 @@ class Scheduler:
             if not self._closed:
                 self.dropped += self._passes.drop_beyond_loop(self._ready)
             self._closed = True
+            if self._hold is not None:
+                self._hold.close()
             streams = []
             for server in self._servers.servers.values():
                 streams += server.let_go()
