@@ -157,11 +157,13 @@ class EpochPass:
         (Window.fit); an adapting one follows the fleet and the loop's stall (Window.adapt).
         The buffer pools grow to match, and the streams' credits follow."""
         loader = self._loader
-        w, described = loader._window, loader.describe()
+        w, loop = loader._window, loader._stall.loop_seconds()
         size = None if w.sized else w.fit(loader._options.prefetch_bytes or 0)
-        rows = described.samples_per_rank / max(described.batches_per_epoch, 1)
-        size = w.adapt(scheduler.fleet(), rows, loader._stall.wait_seconds,
-                       loader._stall.loop_seconds(), loader._stats["batches"]) or size
+        if w.due(loop):  # else adapt() would not look: the fleet's figures are not taken
+            described = loader.describe()
+            rows = described.samples_per_rank / max(described.batches_per_epoch, 1)
+            size = w.adapt(scheduler.fleet(), rows, loader._stall.wait_seconds, loop,
+                           loader._stats["batches"]) or size
         if size is not None:
             loader._host.grow(size + 2)
             if loader._feed is not None:

@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from .servers import Server, ServerSet
 
 
+# A take looks for late batches at most this often (a hedge waits HEDGE_MIN at least): the
+# costs of every server, per batch, were a sixth of the loop's CPU a take.
+LATE_EVERY = policy.HEDGE_MIN / 10
+
 class Credits:
     """The servers asked for each position (`holders`), the positions hedged (`hedged`, and
     how many: `hedges`), and the costs computed for the credits sent at one time."""
@@ -35,6 +39,7 @@ class Credits:
         self.hedges = 0
         self._retries: dict[int, int] = {}  # position -> INTERNAL errors it had
         self._memo: tuple[float, dict[Server, float]] | None = None  # (now, costs then)
+        self._late_looked = float("-inf")  # when hedge_late last looked
 
     def costs(self, now: float) -> dict[Server, float]:
         """policy.costs(), once for every credit sent at `now` (see `forget`)."""
@@ -91,9 +96,12 @@ class Credits:
             records.setdefault(stream, []).append(index - part.base)
         return True
 
-    def hedge_late(self, now: float, next_index: int) -> None:
+    def hedge_late(self, now: float, next_index: int, every: float = 0.0) -> None:
         """Ask a faster server for each batch a slow one will deliver after the loop needs
-        it (policy.late, policy.sooner)."""
+        it (policy.late, policy.sooner); not if it looked less than `every` s ago."""
+        if now - self._late_looked < every:
+            return
+        self._late_looked = now
         servers = self._servers.servers.values()
         cost = self.costs(now)
         for server, index, expected in policy.late(servers, cost, next_index, self.holders,

@@ -104,6 +104,12 @@ class Window:
                 self.size = want
                 self.why = f"{fleet.workers} workers, their rate not measured yet"
 
+    def due(self, loop: float) -> bool:
+        """Whether adapt() would look at the fleet after a batch at `loop` seconds of the
+        loop (at most every ADAPT_EVERY s): the fleet's figures are worth taking then only."""
+        return bool(self.adapts and self.batch_bytes) and (
+            self._seen is None or loop - self._seen[1] >= ADAPT_EVERY)
+
     def adapt(self, fleet: Fleet, rows: float, wait: float, loop: float, taken: int
               ) -> int | None:
         """After a batch: the new size if it changes (None: it stays), from the fleet
