@@ -227,8 +227,10 @@ CLIENT = """
 import sys
 from stoker.client import DataMismatch, RemoteLoader
 from stoker.client.fleet.servers import BACKOFF_MAX, PROBE_EVERY
+# data_socket=False: batches lent in shared memory (its network namespace shares this
+# host's /dev/shm), which the server holds for it until it lets the silent client go.
 loader = RemoteLoader(sys.argv[1], "toy", batch_size=4, output="numpy", prefetch=8,
-                      timeout=600)
+                      timeout=600, data_socket=False)
 it = iter(loader)
 for _ in range(3):
     next(it)
