@@ -79,10 +79,12 @@ class Stream:
                  on_end: Any) -> None:
         self.address, self.bytes_received, self.capacity = address, 0, None
         self.credits: list[int] = []
+        self.credited = threading.Event()  # set by every credit() call
         self.on_batch, self._on_end = on_batch, on_end
 
     def credit(self, indices: Any) -> None:
         self.credits.extend(indices)
+        self.credited.set()
 
     def report(self, *args: Any) -> None:
         pass
@@ -117,11 +119,10 @@ def test_a_scheduler_holding_credits_sends_a_takes_from_the_holds_thread() -> No
         sched.take(0)  # the first take: sent at once
         assert stream.credits == [0, 1, 2, 3, 4]
         now[0] += STEP
+        stream.credited.clear()
         sched.take(1)  # batches 2 and 3 in hand: held
         assert stream.credits == [0, 1, 2, 3, 4]
-        deadline = time.monotonic() + 10
-        while stream.credits != [0, 1, 2, 3, 4, 5] and time.monotonic() < deadline:
-            time.sleep(0.005)  # poll: the hold's thread sends it
+        assert stream.credited.wait(10)  # the hold's thread sends it
         assert stream.credits == [0, 1, 2, 3, 4, 5]
     finally:
         sched.close()
