@@ -58,7 +58,10 @@ class Gated(Toy):
                 # batch, asked ahead) waits for the gate instead of blocking on the FIFO
                 os.close(os.open(self.gate + ".claimed", os.O_CREAT | os.O_EXCL))
             except FileExistsError:
-                while not os.path.exists(self.gate):
+                # A poll: the gate is a file the test makes in another process, which no
+                # event of ours reports; bounded (the test's own wait is 90 s).
+                deadline = time.monotonic() + 90
+                while not os.path.exists(self.gate) and time.monotonic() < deadline:
                     time.sleep(0.01)
                 return super().__getitem__(i)
             with open(self.fifo, "w") as f:  # blocks until the test reads
