@@ -24,7 +24,7 @@ import pytest
 from stoker.client import RemoteError, RemoteLoader
 from stoker.server import ServerProcess, write_config
 from stoker.server._config import CacheSettings
-from stoker.server.front.shared_batches import Outcome, SharedBatches
+from stoker.server.front.shared_batches import LONE_SHARE, Outcome, SharedBatches
 from stoker.server.order.sampling import Coordinates
 from stoker.server.pool.layout import BuiltBatch
 from stoker.server.pool.messages import FailureKind
@@ -327,7 +327,8 @@ def test_a_build_is_counted_once_even_when_the_stream_that_asked_first_leaves() 
 def test_the_cache_keeps_within_its_bytes_oldest_out_first() -> None:
     async def go() -> None:
         seg = 64 << 10  # a segment's smallest size: what each kept batch counts as
-        pool, shared = sharing(cache_bytes=2 * seg)
+        # One stream asks: its batches are kept within the cache's lone share.
+        pool, shared = sharing(cache_bytes=2 * seg * LONE_SHARE)
         for i in range(3):
             job = asyncio.ensure_future(shared.get(COORDS, i, NO, NO))
             await asyncio.sleep(0)
@@ -368,7 +369,7 @@ def test_a_full_cache_gives_the_building_worker_one_of_its_own_segments_back() -
     # segment instead of making a new one.
     async def go() -> None:
         seg = 64 << 10
-        pool, shared = sharing(cache_bytes=3 * seg)
+        pool, shared = sharing(cache_bytes=3 * seg * LONE_SHARE)  # the lone share: 3 batches
         names = ["stoker_1_2_0", "stoker_1_3_0", "stoker_1_2_1", "stoker_1_3_1",
                  "stoker_1_3_2", "stoker_1_4_0"]
         for i, name in enumerate(names):
@@ -384,5 +385,51 @@ def test_a_full_cache_gives_the_building_worker_one_of_its_own_segments_back() -
         for i, name in ((2, "stoker_1_2_1"), (4, "stoker_1_3_2"), (5, "stoker_1_4_0")):
             got, how = await shared.get(COORDS, i, NO, NO)
             assert how is Outcome.CACHED and got.shm_name == name
+
+    asyncio.run(go())
+
+
+def test_coordinates_a_second_stream_asks_for_get_the_whole_budget() -> None:
+    # A lone job's batches are kept within 1/LONE_SHARE of the budget (new segments for
+    # nobody, otherwise); once another stream asks for the same coordinates, theirs are kept
+    # within all of it, those already kept included.
+    async def go() -> None:
+        seg = 64 << 10
+        pool, shared = sharing(cache_bytes=seg * LONE_SHARE)  # the lone share: one batch
+        other = Coordinates("toy", 1, 0, True, 1, 2, 4, True)  # another rank's
+
+        async def build(coords: Coordinates, i: int, name: str, stream: str) -> None:
+            job = asyncio.ensure_future(shared.get(coords, i, NO, NO, stream=stream))
+            await asyncio.sleep(0)
+            pool.submitted[-1].set_result(batch(name))
+            got, how = await job
+            assert how is Outcome.BUILT
+            shared.release(got)
+
+        await build(COORDS, 0, "stoker_1_2_0", "a")
+        await build(COORDS, 1, "stoker_1_2_1", "a")
+        assert pool.released == [("stoker_1_2_0", True)]  # one batch kept: the newest
+        assert (shared.kept_bytes, shared.lone_bytes) == (seg, seg)
+        got, how = await shared.get(COORDS, 1, NO, NO, stream="b")  # a sweep's second job
+        assert how is Outcome.CACHED and got.shm_name == "stoker_1_2_1"
+        shared.release(got)
+        assert (shared.kept_bytes, shared.lone_bytes) == (seg, 0)
+        await build(COORDS, 2, "stoker_1_2_2", "a")
+        await build(COORDS, 3, "stoker_1_2_3", "a")
+        assert shared.kept_bytes == 3 * seg and len(pool.released) == 1  # all kept
+        await build(other, 0, "stoker_1_3_0", "c")  # another rank, alone: the lone share
+        await build(other, 1, "stoker_1_3_1", "c")
+        assert pool.released[1:] == [("stoker_1_3_0", True)]
+        assert (shared.kept_bytes, shared.lone_bytes) == (4 * seg, seg)
+        for i in (2, 3):
+            got, how = await shared.get(COORDS, i, NO, NO, stream="b")
+            assert how is Outcome.CACHED
+            shared.release(got)
+        # The same stream asking again is still one stream.
+        got, how = await shared.get(other, 1, NO, NO, stream="c")
+        assert how is Outcome.CACHED
+        shared.release(got)
+        await build(other, 2, "stoker_1_3_2", "c")
+        assert pool.released[-1] == ("stoker_1_3_1", True) and shared.lone_bytes == seg
 
     asyncio.run(go())

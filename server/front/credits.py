@@ -11,6 +11,7 @@ sender.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import TYPE_CHECKING
 
 import grpc
@@ -38,6 +39,9 @@ FAILURE_CODE = {FailureKind.DATA_LOSS: grpc.StatusCode.DATA_LOSS,
                 FailureKind.INTERNAL: grpc.StatusCode.INTERNAL,
                 FailureKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
                 FailureKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE}
+# Each stream's name for the shared builds (who asks: the workers' fair queue, and whether
+# another stream asked for the same coordinates). Not id(): ids are reused once freed.
+_STREAMS = itertools.count()
 
 
 class Credits:
@@ -50,6 +54,7 @@ class Credits:
         self._front = front
         self._client = client
         self._ready = ready
+        self._stream = next(_STREAMS)
         self.outstanding = 0
         self.jobs: set[asyncio.Task] = set()
         self._last_payload = 0  # bytes of this stream's last batch: the next one's estimate
@@ -120,7 +125,7 @@ class Credits:
         # this stream holds its reference from here on, released like any batch.
         pool = self._front.shared
         try:
-            batch, _ = await pool.get(coords, index, indices, ahead, stream=id(self))
+            batch, _ = await pool.get(coords, index, indices, ahead, stream=self._stream)
         except BatchFailed as e:
             self._ready.put_nowait(FailedBatch(index, coords.epoch, FAILURE_CODE[e.kind],
                                                f"batch {index}: {e}", e.detail))

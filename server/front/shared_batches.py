@@ -6,7 +6,9 @@ of each batch. A request for (coordinates, batch index) is answered, in this ord
 preference, by a batch
 - kept from a build a little earlier (`cached`): built batches are kept for
   `cache.shared_seconds`, within `cache.shared_batches` bytes of shared memory (and at most
-  1/8 of /dev/shm, and MAX_KEPT batches), oldest dropped first (nearly: see OWNER_SCAN);
+  1/8 of /dev/shm, and MAX_KEPT batches), oldest dropped first (nearly: see OWNER_SCAN).
+  Only coordinates a second stream has asked for get the whole budget; those of one stream
+  alone share 1/LONE_SHARE of it (see LONE_SHARE);
 - being built for another stream (`joined`): the request waits for that build;
 - built for it (`built`).
 
@@ -65,6 +67,26 @@ MAX_KEPT = 1024
 # a fresh segment's page faults (measured at 1 MiB batches: 1 batch in 8 built in a new
 # segment, a third of the workers' time).
 OWNER_SCAN = 16
+
+# Batches of coordinates that only one stream has asked for (a lone job: every job, until
+# a sweep's second job asks for the same coordinates) are kept within 1/LONE_SHARE of the
+# budget, all such coordinates together. Keeping costs memory that has never been touched:
+# each kept batch's worker writes the next one into a new segment (measured here: 1.7 ms of
+# CPU for a new 1 MiB segment, 0.08 ms for one reused), so a lone job filling the whole
+# budget paid 256 MiB of new segments a server for nobody (lockstep: 2.5-5 ms of the
+# servers' CPU a step). A job that comes later than the lone share holds is served from the
+# cache from then on: it builds what it missed once, and the first job's builds wait for it.
+LONE_SHARE = 16
+# Coordinates whose askers are remembered (oldest forgotten first: asked again, they start
+# over as one stream's).
+MAX_COORDS = 4096
+
+
+class _Shared:
+    """The asker of coordinates that two streams have asked for."""
+
+
+SHARED = _Shared()
 
 BatchKey = tuple[Coordinates, int]  # coordinates, batch index: all a batch's bytes depend on
 
@@ -126,6 +148,11 @@ class SharedBatches:
         self._refs: dict[str, _Refs] = {}  # by segment name
         self._kept: collections.OrderedDict[BatchKey, _Kept] = collections.OrderedDict()
         self.kept_bytes = 0  # of the batches in _kept (oldest first)
+        # The first stream to ask for coordinates, or SHARED once another has (MAX_COORDS).
+        self._askers: collections.OrderedDict[Coordinates, Hashable] = \
+            collections.OrderedDict()
+        self._lone: collections.OrderedDict[BatchKey, None] = collections.OrderedDict()
+        self.lone_bytes = 0  # of the kept batches in _lone (one stream's coordinates)
         self._timer: asyncio.TimerHandle | None = None  # at the oldest one's time
 
     async def get(self, coords: Coordinates, index: int, indices: np.ndarray,
@@ -137,6 +164,7 @@ class SharedBatches:
 
         Raises BatchFailed (the build failed; every waiter gets it)."""
         key = (coords, index)
+        self._asked(coords, stream)
         kept = self._kept.get(key)
         if kept is not None:
             self._refs[kept.batch.shm_name].count += 1
@@ -200,7 +228,7 @@ class SharedBatches:
         batch = source.result()
         if self._on_built is not None:
             self._on_built(key[0], build.indices, batch)
-        keep = self._fits(batch)
+        keep = self._fits(batch, self._askers.get(key[0]) is not SHARED)
         count = len(waiting) + keep
         if count == 0:  # built just as the last waiter went away
             self.pool.release(batch)
@@ -231,9 +259,29 @@ class SharedBatches:
             self._metrics.shared_batch(coords.dataset, outcome.value)
         return outcome
 
+    # -- who asks ----------------------------------------------------------------------------
+    def _asked(self, coords: Coordinates, stream: Hashable) -> None:
+        """`stream` asked for a batch of `coords`: the second stream to do so makes their
+        batches the whole budget's (those already kept included)."""
+        first = self._askers.get(coords, None)
+        if first is None:
+            self._askers[coords] = stream
+            if len(self._askers) > MAX_COORDS:
+                self._askers.popitem(last=False)
+        elif first is not SHARED and first != stream:
+            self._askers[coords] = SHARED
+            for key in [k for k in self._lone if k[0] == coords]:
+                del self._lone[key]
+                self.lone_bytes -= self._kept[key].nbytes
+
+    @property
+    def lone_budget(self) -> int:
+        """The bytes kept for coordinates one stream alone has asked for (LONE_SHARE)."""
+        return self.budget // LONE_SHARE
+
     # -- the cache -------------------------------------------------------------------------
-    def _fits(self, batch: BuiltBatch) -> bool:
-        return 0 < _footprint(batch) <= self.budget
+    def _fits(self, batch: BuiltBatch, lone: bool) -> bool:
+        return 0 < _footprint(batch) <= (self.lone_budget if lone else self.budget)
 
     def _keep(self, key: BatchKey, batch: BuiltBatch) -> None:
         loop = asyncio.get_running_loop()
@@ -243,26 +291,35 @@ class SharedBatches:
             self._drop(key)
         self._kept[key] = kept
         self.kept_bytes += kept.nbytes
+        if self._askers.get(key[0]) is not SHARED:
+            self._lone[key] = None
+            self.lone_bytes += kept.nbytes
+            while self.lone_bytes > self.lone_budget:
+                self._drop(self._victim(key, kept.owner, self._lone))
         while self.kept_bytes > self.budget or len(self._kept) > MAX_KEPT:
-            self._drop(self._victim(key, kept.owner))
+            self._drop(self._victim(key, kept.owner, self._kept))
         if self._timer is None:
             self._timer = loop.call_at(kept.until, self._expire)
 
     def _drop_oldest(self) -> None:
         self._drop(next(iter(self._kept)))
 
-    def _victim(self, new: BatchKey, owner: int | None) -> BatchKey:
-        """The batch to drop for room for batch `new` (the newest): the oldest of `owner`'s
-        among the OWNER_SCAN oldest, else the oldest."""
-        for key, kept in itertools.islice(self._kept.items(), OWNER_SCAN):
-            if kept.owner == owner and key is not new:
+    def _victim(self, new: BatchKey, owner: int | None,
+                among: collections.OrderedDict[BatchKey, _Kept] |
+                collections.OrderedDict[BatchKey, None]) -> BatchKey:
+        """The batch of `among` (kept ones, oldest first) to drop for room for batch `new`
+        (the newest): the oldest of `owner`'s among the OWNER_SCAN oldest, else the oldest."""
+        for key in itertools.islice(among, OWNER_SCAN):
+            if self._kept[key].owner == owner and key is not new:
                 return key
-        return next(iter(self._kept))
+        return next(iter(among))
 
     def _drop(self, key: BatchKey) -> None:
         """The cache lets go of a batch (its reference released)."""
         kept = self._kept.pop(key)
         self.kept_bytes -= kept.nbytes
+        if self._lone.pop(key, SHARED) is None:  # it was one stream's
+            self.lone_bytes -= kept.nbytes
         self.release(kept.batch)
 
     def _expire(self) -> None:
