@@ -129,3 +129,25 @@ def test_stats_show_memory_and_index_orders_hold_none(start_server) -> None:
     assert memory["legacy_order_cache_bytes"] == 0
     assert memory["legacy_order_cache_max_bytes"] == 1 << 30
     assert memory["front_end_rss_anon_bytes"] > 0 and memory["workers_rss_anon_bytes"] > 0
+
+
+@pytest.mark.parametrize("batch_size", [1, 7, 32, 600])
+def test_index_orders_made_a_chunk_at_a_time_are_each_batch_made_alone(batch_size) -> None:
+    # sampling.batch_samples makes CHUNK_SAMPLES positions at once and keeps them: the same
+    # indices as the batch's own positions, a fresh writable array each time, the last
+    # (short) batch included.
+    from stoker.server.order import sampling
+    ordering = Ordering(10_007, None)
+    for rank, world, start in ((0, 1, 0), (2, 3, 5)):
+        c = sampling.Coordinates("d", 4, 1, True, rank, world, batch_size, False, start=start,
+                                 order=ORDER_INDEX)
+        per_rank = sampling.samples_per_rank(ordering.num_samples, c)
+        batches = sampling.batches_per_epoch(ordering.num_samples, c)
+        for b in [0, 1, batches // 2, batches - 2, batches - 1]:
+            got = sampling.batch_samples(ordering, c, b)
+            first, stop = b * batch_size, min((b + 1) * batch_size, per_rank)
+            positions = start + rank + world * np.arange(first, stop, dtype=np.int64)
+            want = ordering.indices(positions, 4, 1, True, ORDER_INDEX)
+            assert np.array_equal(got, want), (rank, b)
+            got[:] = -1  # the caller's own copy
+            assert np.array_equal(sampling.batch_samples(ordering, c, b), want)
