@@ -58,6 +58,32 @@ def test_takes_held_together_are_sent_once_after_the_hold() -> None:
     hold.close()
 
 
+def test_a_steady_loops_takes_do_not_wake_the_holds_thread() -> None:
+    # The thread paces itself by the time between takes: a take that holds sets the wake-up
+    # event only when the thread waits to be woken (the first take, or after a pause).
+    sends = Sends()
+    hold = CreditHold(sends.lock, sends)
+    woken = []
+    wake_set = hold._wake.set
+    hold._wake.set = lambda: (woken.append(time.monotonic()), wake_set())  # type: ignore[method-assign]
+    start = time.monotonic()
+    takes = []
+    for k in range(10):
+        with sends.lock:
+            takes.append(time.monotonic())
+            held = hold.holds(takes[-1] - start, in_hand=SLACK)
+        assert held == (k > 0)  # the first: no time between takes yet
+        time.sleep(STEP)  # the training step between two takes (what the hold paces by)
+    assert sends.sent.wait(10)
+    hold.close()
+    assert len(woken) <= 3, woken  # the first hold's, and at most two late takes'
+    # Each held take's credits went out after it, before the next take's (or within a step).
+    assert len(sends.times) >= 6
+    for sent in sends.times:
+        before = max(t for t in takes if t <= sent)
+        assert sent - before < 2 * STEP
+
+
 def test_nothing_is_sent_after_close() -> None:
     sends = Sends()
     hold = CreditHold(sends.lock, sends)
