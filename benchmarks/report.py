@@ -525,11 +525,24 @@ def lockstep(r: dict[str, Any], plots: Path) -> list[str]:
             "same loop with a batch already in hand; DataLoader runs "
             f"{p['servers'] * p['workers'] // p['ranks']} workers per rank (the same total). "
             "The wait is per step and rank, batch and barrier together. This machine is "
-            "shared: compare the ratios, measured in one run.", "",
+            "shared: compare the ratios, measured in one run"
+            + (f"; each system ran {p['repeats']} times, alternating with the others, each "
+               "repeat against the bound of the same repeat, and the repeat with the median "
+               "ratio is shown (every repeat's below)" if (p.get("repeats") or 1) > 1 else "")
+            + ".", "",
             *_table(["system", "steps/s", "of bound", "stall", "p50 wait ms",
                      "p99 wait ms", f"start s ({warm} steps)"], rows),
+            *_lockstep_repeats(systems),
             *_lockstep_cpu(systems),
             _lockstep_goal(systems, r["machine"])]
+
+
+def _lockstep_repeats(systems: dict[str, Any]) -> list[str]:
+    """Each repeat's steps/s (and ratio to its bound), where there were several."""
+    lines = [f"- {k}: " + ", ".join(
+        f"{x['steps_per_s']:.2f}" + (f" ({x['of_bound']:.3f})" if x.get("of_bound") else "")
+        for x in v["repeats"]) for k, v in systems.items() if len(v.get("repeats", [])) > 1]
+    return ["Steps/s by repeat (of bound):", "", *lines, ""] if lines else []
 
 
 def _lockstep_cpu(systems: dict[str, Any]) -> list[str]:

@@ -267,6 +267,7 @@ def test_quick_lockstep_benchmark_measures_the_bound_stoker_and_dataloader(
         assert s["steps_per_s"] > 0 and 0 <= s["stall"] < 1
         assert len(s["ranks"]) == res["parameters"]["ranks"]
         assert s["wait_p99_ms"] >= s["wait_p50_ms"]
+        assert [r["steps_per_s"] for r in s["repeats"]] == [s["steps_per_s"]]  # --quick: 1
     # CPU per step by process kind: the servers' workers build stoker's batches, DataLoader's
     # workers are the ranks' children.
     assert systems["stoker"]["cpu_ms_per_step"]["server_workers"] > 0
@@ -275,6 +276,22 @@ def test_quick_lockstep_benchmark_measures_the_bound_stoker_and_dataloader(
         "total"]
     assert "## Lockstep: ranks that step together" in page
     assert "CPU ms per step" in page
+
+
+@pytest.mark.timeout(30)
+def test_lockstep_reports_the_repeat_with_the_median_ratio_to_its_own_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from lockstep import _median_run
+    bound = [{"steps_per_s": b, "wait_p99_ms": 1.0} for b in (20.0, 25.0, 24.0)]
+    # steps/s 19, 21, 22 against bounds 20, 25, 24: ratios 0.95, 0.84, 0.917
+    runs = [{"steps_per_s": s, "wait_p99_ms": w} for s, w in ((19.0, 3.0), (21.0, 9.0),
+                                                             (22.0, 5.0))]
+    got = _median_run(runs, bound)
+    assert got["steps_per_s"] == 22.0 and got["wait_p99_ms"] == 5.0
+    assert abs(got["of_bound"] - 22 / 24) < 1e-12
+    assert [round(r["of_bound"], 3) for r in got["repeats"]] == [0.95, 0.84, 0.917]
+    assert _median_run(bound, bound)["of_bound"] == 1.0
 
 
 @pytest.mark.timeout(200)
