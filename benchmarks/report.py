@@ -534,7 +534,7 @@ def lockstep(r: dict[str, Any], plots: Path) -> list[str]:
                      "p99 wait ms", f"start s ({warm} steps)"], rows),
             *_lockstep_repeats(systems),
             *_lockstep_cpu(systems),
-            _lockstep_goal(systems, r["machine"])]
+            _lockstep_goal(systems, r["machine"]), ""]
 
 
 def _lockstep_repeats(systems: dict[str, Any]) -> list[str]:
@@ -572,6 +572,7 @@ def _lockstep_goal(systems: dict[str, Any], machine: dict[str, Any]) -> str:
     met = ours >= 0.95 and (theirs is None or ours > theirs)
     return (f"Goal: stoker >= 0.95 of the bound and ahead of DataLoader: "
             f"{'met' if met else '**not met**'} in this run ({ours:.3f}"
+            + (" in the median repeat" if len(systems["stoker"].get("repeats", [])) > 1 else "")
             + (f" against DataLoader's {theirs:.3f}" if theirs is not None else "")
             + f", on {machine.get('cpus_usable', '?')} usable CPUs that the ranks, the "
               "servers' front ends and their workers all share).")
