@@ -118,6 +118,14 @@ def outcomes(server: ServerProcess, dataset: str = "toy") -> dict[str, float]:
     return got
 
 
+def gauge(server: ServerProcess, name: str) -> float:
+    with urllib.request.urlopen(server.http_url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    found = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert found, f"no {name} in /metrics"
+    return float(found.group(1))
+
+
 def since(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: after[k] - before[k] for k in after}
 
@@ -141,9 +149,14 @@ def test_four_jobs_at_once_get_a_lone_jobs_bytes_from_one_build_each(pair) -> No
 def test_a_job_that_comes_later_is_served_from_the_cache(pair) -> None:
     shared, lone = pair
     first = read(shared.address, 1)
+    # Kept within the lone share (16 batches of 64 KiB segments: 1 MiB of 16 MiB).
+    alone = gauge(shared, "stoker_shared_kept_lone_bytes")
+    assert alone >= N // BATCH * (64 << 10)
     before = outcomes(shared)
     later = read(shared.address, 1)
     assert since(before, outcomes(shared)) == {"built": 0, "joined": 0, "cached": N // BATCH}
+    # A second stream asked for them: theirs now, out of the lone share.
+    assert gauge(shared, "stoker_shared_kept_lone_bytes") == alone - N // BATCH * (64 << 10)
     assert same(later, first) and same(later, read(lone.address, 1))
     # A lone job's server keeps nothing: each job builds its own.
     before = outcomes(lone)

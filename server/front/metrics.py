@@ -79,6 +79,9 @@ class Metrics:
         self.shared_kept = Gauge("stoker_shared_kept_bytes", "Shared memory of the built "
                                  "batches kept for other jobs (cache.shared_batches)",
                                  registry=r)  # its value: set_function, by SharedBatches
+        self.shared_lone = Gauge("stoker_shared_kept_lone_bytes", "Of the kept batches' shared "
+                                 "memory, that of coordinates only one stream has asked for "
+                                 "(at most 1/16 of cache.shared_batches)", registry=r)
         r.register(_Tallies([self.batches, self.samples, self.bytes, self.busy, self.shared,
                              self.build]))
         # -- end of "batches shared across jobs"

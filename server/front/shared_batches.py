@@ -144,6 +144,7 @@ class SharedBatches:
         self._metrics = metrics
         if metrics is not None:
             metrics.shared_kept.set_function(lambda: self.kept_bytes)
+            metrics.shared_lone.set_function(lambda: self.lone_bytes)
         self._building: dict[BatchKey, _Build] = {}
         self._refs: dict[str, _Refs] = {}  # by segment name
         self._kept: collections.OrderedDict[BatchKey, _Kept] = collections.OrderedDict()
