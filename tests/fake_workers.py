@@ -41,7 +41,7 @@ class Script:
 
 
 def main(script: Script, config: Any, conn: mpc.Connection, probe: bool, log_level: int,
-         progress: Any = None, slot: int = 0) -> None:
+         progress: Any = None, slot: int = 0, cache_counts: Any = None) -> None:
     """The worker's body (pool/lifecycle.WorkerMain, with the Script first)."""
     seen = DRIFTED if not probe and os.path.exists(script.drift) else SEEN
     meta = {DATASET: DatasetMeta(SAMPLES, [], Ordering(SAMPLES), fingerprint=seen)}

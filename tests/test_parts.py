@@ -249,7 +249,7 @@ def dealt(jobs: Assignment, workers: list[WorkerHandle]) -> dict[int, list[Any]]
 
 
 def built(part: Part) -> PartBuilt:
-    return PartBuilt(part.task_id, skipped=1, seconds=0.01, cache=(1, 2, 3))
+    return PartBuilt(part.task_id, skipped=1, seconds=0.01)
 
 
 def test_parts_go_one_to_each_worker_in_row_order_and_the_last_in_resolves_the_batch() -> None:
@@ -269,7 +269,7 @@ def test_parts_go_one_to_each_worker_in_row_order_and_the_last_in_resolves_the_b
         jobs.part_built(w, built(p))
     batch = future.result(0)
     assert (batch.shm_name, batch.num_samples, batch.skipped) == ("seg", 32, 4)
-    assert batch.cache == (4, 8, 12) and batch.build_seconds == pytest.approx(0.04)
+    assert batch.build_seconds == pytest.approx(0.04)
     assert back.back == [] and "seg" in jobs.lent  # the front end holds it now
 
 

@@ -127,7 +127,8 @@ def test_tasks_go_to_the_least_busy_worker_up_to_the_depth_and_results_to_their_
     # Turn about (the least busy first), two each (the depth); the fifth waits for room.
     assert sorted(by_worker.values()) == [[1, 3], [2, 4]], got
     assert pool.status() == {"workers": 2, "queued": 1, "building": 4, "held": 0,
-                             "timeouts": 0}
+                             "timeouts": 0, "cache_hits": 0, "cache_misses": 0,
+                             "cache_fetched_bytes": 0}
     pools.open_gate()  # each worker sends its results newest first
     batches = [f.result(WAIT) for f in futures]
     for first, batch in zip(firsts, batches, strict=True):

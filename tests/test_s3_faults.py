@@ -421,6 +421,33 @@ def test_a_server_reads_an_image_folder_from_s3_through_faults(
 
 # -- a server's disk cache under a small bound, and a broken TCP path to the endpoint ----------
 
+def test_metrics_count_what_a_failed_batch_fetched(
+        moto_endpoint: MotoServer, bucket: str, tmp_path: Path) -> None:
+    """The disk cache's counters are the workers' own, read at the scrape: objects fetched
+    for a batch that failed count though no batch was built after it (they rode on the next
+    built batch's result before, and a scrape between missed them)."""
+    rng = np.random.default_rng(3)
+    objects = {}
+    for i in range(3):
+        path = tmp_path / f"{i}.png"
+        Image.fromarray(rng.integers(0, 256, (6, 5, 3), dtype=np.uint8)).save(path)
+        objects[f"pics/cat/{i}.png"] = path.read_bytes()
+    objects["pics/cat/3.png"] = b"not a png"
+    put_objects(s3_client(moto_endpoint.url), bucket, objects)
+    config = write_config(tmp_path / "config.yaml", {
+        "s3": {"endpoint_url": moto_endpoint.url, "region": "us-east-1"},
+        "cache": {"dir": str(tmp_path / "cache"), "max_bytes": "64MiB"},
+        "datasets": {"remote": {"format": "image-folder", "source": f"s3://{bucket}/pics",
+                                "size": 6}}})
+    with ServerProcess(config, workers=1, env={**server_env(), **s3_env()}) as server:
+        with RemoteLoader(server.address, "remote", batch_size=4, seed=0, output="numpy",
+                          timeout=60) as loader, pytest.raises(RemoteError, match=r"3\.png"):
+            list(loader)
+        stats = metrics_of(server)
+    assert stats["stoker_cache_misses_total"] == len(objects), stats
+    assert stats["stoker_cache_fetched_bytes_total"] == sum(map(len, objects.values()))
+
+
 def _noise_pngs(local: Path, n: int, side: int) -> dict[str, bytes]:
     """n random-noise PNGs (incompressible: about side*side*3 bytes each) in one class."""
     rng = np.random.default_rng(n)

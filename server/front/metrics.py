@@ -49,12 +49,6 @@ class Metrics:
         self.build = TallyHistogram("stoker_batch_build_seconds", "Worker time to build a "
                                     "batch", ["dataset"], BUILD_BUCKETS)
         self.busy = Tally("stoker_worker_busy_seconds", "Worker time spent building batches")
-        self.cache_hits = Counter("stoker_cache_hits", "Remote objects read from the disk "
-                                  "cache", registry=r)
-        self.cache_misses = Counter("stoker_cache_misses", "Remote objects fetched into the "
-                                    "disk cache", registry=r)
-        self.cache_bytes = Counter("stoker_cache_fetched_bytes", "Bytes fetched from remote "
-                                   "storage into the disk cache", registry=r)
         self.streams = Gauge("stoker_active_streams", "Open batch streams", ["dataset"],
                              registry=r)
         # -- issue 41: who reads (a grant's name, never its token), and strangers on the
@@ -127,17 +121,9 @@ class Metrics:
         while recent[0][0] < now - WINDOW:
             recent.popleft()
 
-    def built(self, dataset: str, seconds: float, skipped: int,
-              cache: tuple[int, int, int] = (0, 0, 0)) -> None:
+    def built(self, dataset: str, seconds: float, skipped: int) -> None:
         self.build.observe((dataset,), seconds)
         self.busy.add((), seconds)
-        hits, misses, fetched = cache
-        if hits:
-            self.cache_hits.inc(hits)
-        if misses:
-            self.cache_misses.inc(misses)
-        if fetched:
-            self.cache_bytes.inc(fetched)
         if skipped:
             self.skipped.labels(dataset).inc(skipped)
 
@@ -318,9 +304,19 @@ class _PoolCounters:
         return list(self.collect())
 
     def collect(self) -> Any:
+        status = self._status()
         yield CounterMetricFamily("stoker_worker_timeouts", "Workers killed and replaced for "
                                   "a batch not built within batch_timeout_seconds",
-                                  value=self._status().get("timeouts", 0))
+                                  value=status.get("timeouts", 0))
+        # The workers' disk cache (sources/cache.py), read from their shared counters: what
+        # they did up to now, prefetches and failed builds included.
+        yield CounterMetricFamily("stoker_cache_hits", "Remote objects read from the disk "
+                                  "cache", value=status.get("cache_hits", 0))
+        yield CounterMetricFamily("stoker_cache_misses", "Remote objects fetched into the "
+                                  "disk cache", value=status.get("cache_misses", 0))
+        yield CounterMetricFamily("stoker_cache_fetched_bytes", "Bytes fetched from remote "
+                                  "storage into the disk cache",
+                                  value=status.get("cache_fetched_bytes", 0))
 
 
 class _PrefixCacheMetrics:

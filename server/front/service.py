@@ -131,7 +131,7 @@ class DataService:
     def _built(self, coords: Coordinates, indices: np.ndarray, batch: BuiltBatch) -> None:
         """A build ended well (once per build, however many streams share it): the worker's
         figures, and a mixture's samples by component."""
-        self.metrics.built(coords.dataset, batch.build_seconds, batch.skipped, batch.cache)
+        self.metrics.built(coords.dataset, batch.build_seconds, batch.skipped)
         self.metrics.mixed(coords.dataset, self._meta[coords.dataset].ordering, indices)
 
     # -- read by the HTTP control plane (another thread) ------------------------------------

@@ -33,5 +33,3 @@ class BuiltBatch:
     num_samples: int  # rows of every tensor: the batch's sample count, for metrics
     skipped: int = 0  # samples replaced under on_error: skip
     build_seconds: float = 0.0  # the worker's time to build it
-    # The worker's disk cache since its previous batch: hits, misses, bytes fetched.
-    cache: tuple[int, int, int] = (0, 0, 0)

@@ -51,7 +51,7 @@ class WorkerMain(Protocol):
     over `conn` as pool/messages.py says. Must be picklable: workers are spawned."""
 
     def __call__(self, config: Any, conn: mpc.Connection, probe: bool, log_level: int,
-                 progress: Any = None, slot: int = 0) -> None: ...
+                 progress: Any = None, slot: int = 0, cache_counts: Any = None) -> None: ...
 
 
 class Workers:
@@ -69,6 +69,9 @@ class Workers:
         self._release = release  # a built batch nobody waits for goes back
         self._main = main
         self.workers: list[WorkerHandle] = []
+        # Each slot's disk cache counters [hits, misses, bytes fetched]: its workers add to
+        # them (a replacement to its predecessor's), /metrics reads them (cache_counts()).
+        self._cache_counts = [ctx.RawArray("q", 3) for _ in range(processes)]
         self.by_pid: dict[int, WorkerHandle] = {}
         self.meta: dict[str, DatasetMeta] = {}
         # Why the last replacement worker was refused (its data differs): what batches
@@ -108,6 +111,11 @@ class Workers:
             self._loop_side.hand_over(w, self.settle_all)
         return self.meta
 
+    def cache_counts(self) -> tuple[int, int, int]:
+        """The disk cache's hits, misses and bytes fetched, over every worker (past ones
+        included) up to now. Any thread: each is a sum of int64 loads."""
+        return tuple(sum(c[i] for c in self._cache_counts) for i in range(3))
+
     def spawn(self, probe: bool, slot: int) -> WorkerHandle:
         """Start a worker; `slot`: its place in the pool (a replacement takes the one of the
         worker it replaces), which names it in `ps`."""
@@ -115,7 +123,7 @@ class Workers:
         progress = self._ctx.RawArray("q", [0, -1])
         p = self._ctx.Process(target=self._main,
                               args=(self._config, child, probe, log.getEffectiveLevel(),
-                                    progress, slot),
+                                    progress, slot, self._cache_counts[slot]),
                               name="stoker-worker", daemon=True)
         p.start()
         child.close()

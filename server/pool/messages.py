@@ -155,13 +155,11 @@ class BuildFailed:
 @dataclass(frozen=True)
 class PartBuilt:
     """A Part's rows are written. `skipped`: samples replaced under on_error: skip;
-    `seconds`: the worker's time on it; `cache`: its disk cache's counters since its previous
-    result (as in BuiltBatch)."""
+    `seconds`: the worker's time on it."""
 
     task_id: int
     skipped: int
     seconds: float
-    cache: tuple[int, int, int] = (0, 0, 0)
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from . import shm
 from .batch import planned_layout
 from .depth import KEEP_BYTES, KEEP_MIN, KEEP_SEGMENTS
@@ -200,10 +198,9 @@ class Assembly:
     def batch(self) -> BuiltBatch:
         """The batch, once every part was built (Verdict.BUILT)."""
         built = [o for o in self.outcomes.values() if isinstance(o, PartBuilt)]
-        cache = tuple(int(x) for x in np.sum([o.cache for o in built], axis=0))
         return BuiltBatch(self.segment, self.plan.size, self.plan.layout,
                           len(self.whole.indices), sum(o.skipped for o in built),
-                          sum(o.seconds for o in built), (cache[0], cache[1], cache[2]))
+                          sum(o.seconds for o in built))
 
 
 class OwnSegments:

@@ -7,7 +7,6 @@ threads.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import multiprocessing.connection as mpc
@@ -40,10 +39,11 @@ HOLD = 0.001
 
 
 def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int,
-                progress: Any = None, slot: int = 0) -> None:
+                progress: Any = None, slot: int = 0, cache_counts: Any = None) -> None:
     """The worker process's body; `probe`: describe every dataset in the Opened message;
     `progress`: shared int64 [task id, sample] this worker is at, for the pool's watchdog;
-    `slot`: its place in the pool, for its name in `ps`."""
+    `slot`: its place in the pool, for its name in `ps`; `cache_counts`: the slot's shared
+    int64 [hits, misses, bytes fetched] of the disk cache, which /metrics reads."""
     _name_process(slot, list(config.datasets))
     malloc.keep_freed_memory()  # a sample's freed temporaries serve the next one
     # The parent owns shutdown and closes our pipe when it is time (or dies, and the pipe ends).
@@ -59,7 +59,7 @@ def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int,
     if any(str(getattr(c, "source", "")).startswith("s3://") for c in config.datasets.values()):
         from ..sources.cache import DiskCache
 
-        cache = DiskCache(config.cache.dir, int(config.cache.max_bytes))
+        cache = DiskCache(config.cache.dir, int(config.cache.max_bytes), counts=cache_counts)
     prefixes = prefix_cache.open_for_worker(config.cache)  # None: not configured
     datasets: dict[str, DatasetParts] = {}
     meta: dict[str, msg.DatasetMeta] = {}
@@ -83,7 +83,7 @@ def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int,
             return
     in_config_order = {n: meta[n] for n in config.datasets if n in meta}
     conn.send(msg.Opened(in_config_order if probe else None, prints))
-    builder = _Builder(config, datasets, cache, progress)
+    builder = _Builder(config, datasets, progress)
     # The datasets opened live as long as this worker (a list of a million file names, say):
     # the cyclic collector leaves them out of its passes from now on.
     gc.freeze()
@@ -186,17 +186,15 @@ def _prefetch(ds: DatasetParts, indices: np.ndarray) -> None:
 
 
 class _Builder:
-    """Builds batches into this worker's segments; counts what its disk cache did."""
+    """Builds batches into this worker's segments."""
 
-    def __init__(self, config: Any, datasets: dict[str, DatasetParts], cache: Any,
+    def __init__(self, config: Any, datasets: dict[str, DatasetParts],
                  progress: Any = None) -> None:
         self.config = config
         self.progress = progress  # [task id, sample]: two stores per sample, no lock
         self.datasets = datasets
-        self.cache = cache
         self.segments = shm.SegmentPool(shm.worker_prefix(os.getppid(), os.getpid()),
                                          depth.KEEP_SEGMENTS, depth.KEEP_MIN, depth.KEEP_BYTES)
-        self.reported = (0, 0, 0)  # the cache's counters as of the last batch sent
         self.shm_warned = False
         self.redact = _Redact(config)
         self._logged: set[str] = set()  # failure messages logged in full
@@ -241,8 +239,6 @@ class _Builder:
                                 self._threads(ds))
         except Exception as e:
             return self._failure(task, e)
-        if self.cache is not None:  # what the cache did since the last batch, for /metrics
-            batch = dataclasses.replace(batch, cache=self._cache_delta())
         return msg.Built(task.task_id, batch)
 
     def build_part(self, part: msg.Part) -> msg.PartBuilt | msg.BuildFailed | msg.Misfit:
@@ -262,18 +258,7 @@ class _Builder:
             return msg.Misfit(part.task_id)
         except Exception as e:
             return self._failure(part, e)
-        return msg.PartBuilt(part.task_id, skipped, time.perf_counter() - started,
-                             self._cache_delta())
-
-    def _cache_delta(self) -> tuple[int, int, int]:
-        """What the disk cache did since the last result, for /metrics."""
-        if self.cache is None:
-            return (0, 0, 0)
-        now = (self.cache.hits, self.cache.misses, self.cache.bytes_fetched)
-        delta = (now[0] - self.reported[0], now[1] - self.reported[1],
-                 now[2] - self.reported[2])
-        self.reported = now
-        return delta
+        return msg.PartBuilt(part.task_id, skipped, time.perf_counter() - started)
 
     def _failure(self, task: msg.Task | msg.Part, error: Exception) -> msg.BuildFailed:
         """A build that raised `error`, as the client is told of it."""

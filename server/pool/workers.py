@@ -231,7 +231,7 @@ class WorkerPool:
         """Workers ready (a worker past its batch's deadline is not), batches queued for a
         worker, batches handed to workers, built batches the front end holds (being sent, or
         kept for other jobs: their segments are not back with their workers), workers
-        replaced for a batch past its deadline. Any thread."""
+        replaced for a batch past its deadline, and the disk cache's counters. Any thread."""
         now = time.monotonic()
         with self._lock:
             workers = self._workers.workers
@@ -240,7 +240,9 @@ class WorkerPool:
                     "queued": len(self._jobs.queue),
                     "building": sum(len(w.jobs) for w in workers),
                     "held": len(self._jobs.lent),
-                    "timeouts": self._dispatcher.timeouts}
+                    "timeouts": self._dispatcher.timeouts,
+                    **dict(zip(("cache_hits", "cache_misses", "cache_fetched_bytes"),
+                               self._workers.cache_counts(), strict=True))}
 
     def pids(self) -> list[int]:
         """The worker processes' pids (for their memory in /v1/stats). Any thread."""

@@ -28,6 +28,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from .._lru import LRU
 
@@ -35,6 +38,7 @@ log = logging.getLogger("stoker.server")
 
 LOCKS = ".locks"
 TMP = ".tmp-"
+HITS, MISSES, FETCHED = range(3)  # a cache's counters, in this order
 
 
 @contextlib.contextmanager
@@ -85,12 +89,17 @@ class _Scratch:
 class DiskCache:
     """Thread-safe; processes share the folder (see the module's docstring)."""
 
-    def __init__(self, root: Path, max_bytes: int, scratch_bytes: int = SCRATCH_BYTES) -> None:
+    def __init__(self, root: Path, max_bytes: int, scratch_bytes: int = SCRATCH_BYTES,
+                 counts: Any = None) -> None:
         self.root = Path(root)
         self.max_bytes = max_bytes
         self._added = 0
         self._lock = threading.Lock()
-        self.hits = self.misses = self.bytes_fetched = 0
+        # [hits, misses, bytes fetched], added to (never set): `counts` is the server's
+        # shared int64 array for this worker's slot, which /metrics reads at each scrape (a
+        # replacement worker adds to its predecessor's), or this cache's own.
+        self._counts = np.frombuffer(counts, np.int64, 3) if counts is not None \
+            else np.zeros(3, np.int64)
         self.writable = True  # False once its disk is known read-only: stop trying to write
         self._warned = False
         self._full = False  # the last write failed for want of space (it may free up)
@@ -110,6 +119,20 @@ class DiskCache:
         """Whether the disk refuses writes now (read-only, or full since the last write that
         worked): prefetching has nowhere to go."""
         return not self.writable or self._full
+
+    @property
+    def hits(self) -> int:
+        """Objects read from the cache (with a predecessor's, where the counts are shared)."""
+        return int(self._counts[HITS])
+
+    @property
+    def misses(self) -> int:
+        """Objects fetched from remote storage."""
+        return int(self._counts[MISSES])
+
+    @property
+    def bytes_fetched(self) -> int:
+        return int(self._counts[FETCHED])
 
     def entry(self, url: str, version: str) -> Path:
         digest = hashlib.sha256(f"{url}\0{version}".encode()).hexdigest()
@@ -164,7 +187,7 @@ class DiskCache:
             if scratch is None:
                 return None
             scratch.handed_out = time.monotonic()
-            self.hits += 1
+            self._counts[HITS] += 1
             return scratch.path
 
     def _fill(self, path: Path, fetch: Callable[[int], None]) -> Path:
@@ -187,14 +210,16 @@ class DiskCache:
                 with contextlib.suppress(OSError):  # gone, or the disk went read-only
                     tmp.unlink()
                 raise
+            # Counted before the lock goes: a reader waiting on it (a hit) never returns
+            # before the miss that filled the entry is counted.
+            with self._lock:
+                self._counts[MISSES] += 1
+                self._counts[FETCHED] += size
+                self._added += size
+                due = self._added > self.max_bytes // 16
+                if due:
+                    self._added = 0
         self._full = False  # a write worked: the disk has room again
-        with self._lock:
-            self.misses += 1
-            self.bytes_fetched += size
-            self._added += size
-            due = self._added > self.max_bytes // 16
-            if due:
-                self._added = 0
         if due:
             try:
                 self.evict()
@@ -238,8 +263,8 @@ class DiskCache:
             os.close(fd)
             raise
         with self._lock:
-            self.misses += 1
-            self.bytes_fetched += size
+            self._counts[MISSES] += 1
+            self._counts[FETCHED] += size
         return fd, size
 
     def _read_past(self, fetch: Callable[[int], None]) -> bytes:
@@ -315,7 +340,7 @@ class DiskCache:
             if not path.is_file():
                 return False
         with self._lock:
-            self.hits += 1
+            self._counts[HITS] += 1
         return True
 
     def _remove_stale_temps(self) -> None:
