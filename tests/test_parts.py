@@ -195,8 +195,11 @@ def test_a_worker_killed_mid_part_costs_that_part_only(
 def test_a_server_killed_mid_batch_loses_and_repeats_nothing(tmp_path: Path,
                                                              ledger: Any) -> None:
     """Two servers of 4 workers, every batch built in parts: one is killed (kill -9) while its
-    workers are on a batch's parts; its batches come from the other, once each."""
-    config = write_config(tmp_path / "c.yaml", {"datasets": {"d": toy(n=160, delay=0.002)}})
+    workers are on a batch's parts; its batches come from the other, once each. 20 batches:
+    the loop goes on long enough after the kill to credit the victim again (with 5, the
+    victim could have sent all it was credited before the kill, and nobody noticed it)."""
+    n = 640
+    config = write_config(tmp_path / "c.yaml", {"datasets": {"d": toy(n=n, delay=0.002)}})
     victim, other = (ServerProcess(config, workers=4, env=server_env()) for _ in range(2))
     delivered: list[int] = []
     with victim, other, RemoteLoader([victim.address, other.address], "d", batch_size=BATCH,
@@ -208,7 +211,7 @@ def test_a_server_killed_mid_batch_loses_and_repeats_nothing(tmp_path: Path,
                 victim.proc.kill()
         servers = loader.stats()["servers"]
     assert servers[victim.address]["state"] != "up", servers  # the client noticed the kill
-    order = np.random.default_rng([3, 0]).permutation(160).tolist()
+    order = np.random.default_rng([3, 0]).permutation(n).tolist()
     lost, duplicated = ledger.compare(delivered, order)
     ledger.record("servers", "kill -9 one of 2 servers mid-batch (batches built by 4 workers "
                   "each, in parts)", lost=lost, duplicated=duplicated)
