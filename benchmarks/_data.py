@@ -3,18 +3,33 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
 # The image pipeline of the pipeline, sweep and prefix_cache scenarios (torchvision's
-# ImageNet statistics), and how each transport is asked of a RemoteLoader.
+# ImageNet statistics).
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 TRANSFORMS = [{"random_resized_crop": {"size": 224}}, {"horizontal_flip": {"p": 0.5}},
               {"normalize": {"mean": list(MEAN), "std": list(STD)}}]
-TRANSPORTS = {"shm": {"shared_memory": True},
+# A --transport label -> the RemoteLoader arguments that make exactly that transport carry the
+# batches on one host, and the name stats()["transport"] gives it. Each label turns the others
+# off: on the same host a data connection is offered and wins over shared memory
+# (server/front/handshake.py), so shared memory alone is `data_socket=False`.
+TRANSPORTS = {"shm": {"shared_memory": True, "data_socket": False},
               "grpc": {"shared_memory": False, "data_socket": False},
-              "socket": {"shared_memory": False}}  # the default between machines
+              "socket": {"shared_memory": False, "data_socket": True}}
+RAN_AS = {"shm": "shm", "grpc": "frames", "socket": "data_socket"}
+
+
+def transport_ran(label: str, loaders: dict[str, Any], problems: list[str]) -> dict[str, str]:
+    """Which transport carried each loader's batches (its stats()["transport"], read before
+    it closes); one problem per loader whose transport is not the one `label` asked for."""
+    ran = {name: loader.stats()["transport"] for name, loader in loaders.items()}
+    problems += [f"{name}: --transport {label} asked, batches came by {got}"
+                 for name, got in ran.items() if got != RAN_AS[label]]
+    return ran
 
 
 def make_image_folder(root: Path, images: int, classes: int, source_size: int,

@@ -226,32 +226,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def report(res: dict[str, Any]) -> str:
-    m, p, c = res["machine"], res["params"], res["corpus"]
-    lines = [f"chat: format chat vs transformers' apply_chat_template in a DataLoader, seq_len "
-             f"{p['seq_len']}, batch {p['batch_size']}, {p['workers']} workers each, "
-             f"{p['repeats']} repeats, medians [min, max]",
-             f"machine: {m['cpus_usable']} cores, {m['platform']}, python {m['python']}, "
-             f"transformers {m['transformers']}", "",
-             f"corpus: {c['conversations']} conversations, {c['tokens']} tokens, {c['rows']} "
-             f"rows, packing efficiency {c['packing_efficiency']:.4f}",
-             f"stoker start (render, tokenize, mask, plan; {p['workers']} workers): "
-             f"{res['start_s']:.2f} s; the peer's length pass: {res['peer_plan_s']:.2f} s", ""]
-    head = f"{'system':<11} {'rows/s':>24} {'trainer CPU ms/row':>24}"
-    lines += [head, "-" * len(head)]
-    for name, s in res["systems"].items():
-        r, cpu = s["rows_per_s"], s["cpu_per_row_s"]
-        lines.append(f"{name:<11} {r['median']:>8.1f} [{r['min']:.1f}, {r['max']:.1f}]".ljust(36)
-                     + f" {1e3 * cpu['median']:>8.3f} [{1e3 * cpu['min']:.3f}, "
-                     f"{1e3 * cpu['max']:.3f}]")
-    lines.append(f"\nstoker / dataloader: rows/s {res['ratio_rows_per_s']:.2f}x, trainer CPU "
-                 f"per row {res['ratio_cpu_per_row']:.3f}x ({res['compared_rows']} rows "
-                 "compared equal)")
-    if res["check_problems"]:
-        lines += ["", "CHECK PROBLEMS:", *[f"  - {x}" for x in res["check_problems"]]]
-    return "\n".join(lines)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = scenario_parser(__doc__)
     ap.add_argument("--conversations", type=int, default=0)
@@ -262,7 +236,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_scenario(parse_args(argv), run, report)
+    return run_scenario(parse_args(argv), run)
 
 
 if __name__ == "__main__":

@@ -277,31 +277,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def report(res: dict[str, Any]) -> str:
-    s, c, m = res["scripted"], res["control"], res["model"]
-    lines = ["", f"elastic: trainer wants {m['demand_batches_per_s']:.0f} batches/s, one server "
-                 f"makes {m['server_batches_per_s']:.1f}", ""]
-    for ph in s["phases"]:
-        eff = f"  efficiency {ph['efficiency']:.2f}" if "efficiency" in ph else ""
-        lines.append(f"  {ph['phase']:<30} stall {ph['stall']:6.1%}  step {ph['step_ms']:6.1f} ms"
-                     f"  {ph['batches_per_s']:6.1f} batches/s{eff}")
-    lines.append(f"  samples {s['check']['samples']}: lost {s['check']['lost']}, duplicated "
-                 f"{s['check']['duplicated']}")
-    settled = c["settled_stall"]
-    lines += ["", f"  control loop: {c['final_servers']} servers from {c['converged_at_s']:.0f} s"
-                  f" (model: {m['fewest_servers']}), stall since then "
-                  + (f"{settled:.1%}" if settled is not None else "n/a"),
-              f"  samples {c['check']['samples']}: lost {c['check']['lost']}, duplicated "
-              f"{c['check']['duplicated']}"]
-    for r in c["trace"]:
-        if r["action"] != "hold":
-            lines.append(f"    {r['t']:6.1f} s  {r['servers']} servers  {r['action']}: "
-                         f"{r['reason']}")
-    if res["check_problems"]:
-        lines += ["", "CHECK FAILED:"] + [f"  - {x}" for x in res["check_problems"]]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = scenario_parser(__doc__)
     ap.add_argument("--compute-ms", type=float, default=25.0, help="the step's compute")
@@ -319,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     settle(args, quick={"phase_s": 10.0, "control_s": 110.0},
            full={"phase_s": 15.0, "control_s": 140.0})
-    return run_scenario(args, run, report)
+    return run_scenario(args, run)
 
 
 if __name__ == "__main__":

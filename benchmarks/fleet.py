@@ -240,33 +240,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def report(res: dict[str, Any]) -> str:
-    p, g = res["parameters"], res["goals"]
-    lines = ["", f"fleet: one rank, batch {p['batch_size']} of {p['sample_bytes'] // 1024} KiB "
-                 f"samples that take {p['sample_ms']:g} ms asleep, shared_memory=False, "
-                 f"{p['repeats']} repeats, medians", "",
-             f"{'servers':<24}{'samples/s':>10}{'capacity':>10}{'ratio':>7}{'goal':>6}"
-             f"{'first batch s':>15}{'window':>8}"]
-    for r in res["throughput"]:
-        lines.append(f"{r['name']:<24}{r['samples_per_s']['median']:>10.0f}"
-                     f"{r['capacity_samples_per_s']:>10.0f}{r['capacity_ratio']:>7.2f}"
-                     f"{g['capacity_ratio']:>6.2f}{r['first_batch_s']['median']:>15.3f}"
-                     f"{r['window']:>8}")
-    lines += ["", f"first batch from {p['boundary_workers']} workers: "
-                  f"{res['first_batch_s']['median']:.3f} s (goal <= "
-                  f"{res['first_batch_goal_s']:.3f} s)"]
-    for style, s in res.get("boundaries", {}).items():
-        lines.append(f"epoch boundaries ({p['epoch_batches']} batches an epoch, a step every "
-                     f"{p['step_ms']:g} ms), {STYLES[style]}: stall {s['stall']['median']:.1%} "
-                     f"(goal < {g['stall']:.0%}), {s['batches_per_s']['median']:.2f} batches/s, "
-                     f"wait at a boundary {s['boundary_wait_s']['median']:.3f} s")
-    lines.append("server start s: " + ", ".join(f"{k} {v:.1f}"
-                                                for k, v in res["server_start_s"].items()))
-    if res["check_problems"]:
-        lines += ["", "CHECK FAILED:"] + [f"  - {x}" for x in res["check_problems"]]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = scenario_parser(__doc__)
     ap.add_argument("--workers", type=int, nargs="+", help="W of the one-server runs (4 8 16)")
@@ -287,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--boundary-workers and --pair must be among --workers")
     if args.batches < 2 or args.epochs < 2:
         ap.error("--batches and --epochs must be >= 2")
-    return run_scenario(args, run, report)
+    return run_scenario(args, run)
 
 
 if __name__ == "__main__":

@@ -440,30 +440,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def report(res: dict[str, Any]) -> str:
-    s = res["cpu_standin"]
-    lines = ["", f"CPU stand-in: 8 workers x 2 ms samples (capacity "
-                 f"{s['capacity_batches_per_s']:.1f} batches/s), batch 256, shared_memory=False"]
-    for row in s["rows"]:
-        lines.append(f"  burn {row['burn_ms']:4.0f} ms/step  {row['batches_per_s']['median']:6.2f} "
-                     f"batches/s ({row['over_counting']:.2f} of counting only)  stall "
-                     f"{row['stall']['median']:.1%}  client CPU "
-                     f"{row['client_cpu_ms_per_batch']['median']:.1f} ms/batch")
-    if "skipped" in res:
-        lines.append(f"GPU part skipped: {res['skipped']}")
-        return "\n".join(lines)
-    for part, unit in (("images", "images"), ("tokens", "tokens")):
-        lines.append(f"{part} on {res['device']}:")
-        for name, m in res[part].items():
-            if isinstance(m, dict) and "items_per_s" in m:
-                lines.append(f"  {name:<26} {m['items_per_s']:10.0f} {unit}/s  "
-                             f"{m.get('of_ceiling', 1.0):.2f} of ceiling  stall {m['stall']:.1%}"
-                             f"  node CPU {m['node_cpu_s_per_1000']:.2f} s/1000")
-    if res["check_problems"]:
-        lines += ["", "CHECK FAILED:"] + [f"  - {x}" for x in res["check_problems"]]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = scenario_parser(__doc__)
     ap.add_argument("--images", type=int)
@@ -487,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.trainer_cores is None:
         args.trainer_cores = max(1, len(os.sched_getaffinity(0)) // 4)
     args.device = "cpu"
-    return run_scenario(args, run, report)
+    return run_scenario(args, run)
 
 
 if __name__ == "__main__":

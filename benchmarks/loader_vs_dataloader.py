@@ -454,7 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     res["total_s"] = time.perf_counter() - t0
     text = (report(res) + f"\n\ntotal wall time {res['total_s']:.1f} s "
             f"(data generation {res['data_generation_s']:.1f} s)")
-    return write_results(res, text, args.json, args.json_only)
+    if not args.json_only:
+        print(text)
+    return write_results(res, args.json, args.json_only)
 
 
 if __name__ == "__main__":

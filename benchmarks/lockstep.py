@@ -300,33 +300,6 @@ def _median_run(done: list[dict[str, Any]], bound: list[dict[str, Any]] | None
     return median
 
 
-def report(res: dict[str, Any]) -> str:
-    p = res["parameters"]
-    lines = [f"lockstep: {p['ranks']} ranks, {p['servers']} servers x {p['workers']} workers, "
-             f"batch {p['batch_size']}, {p['sample_ms']} ms samples of {p['sample_bytes']} B, "
-             f"{p['compute_ms']} ms compute, {p['steps']} timed steps, "
-             f"median of {p.get('repeats') or 1} repeats",
-             f"{'system':36} {'steps/s':>8} {'of bound':>9} {'stall':>7} {'p50 wait':>9} "
-             f"{'p99 wait':>9} {'start':>7}"]
-    for name, r in res["systems"].items():
-        of = f"{r['of_bound']:.3f}" if r.get("of_bound") else "-"
-        lines.append(f"{LABELS[name]:36} {r['steps_per_s']:8.2f} {of:>9} {r['stall']:7.1%} "
-                     f"{r['wait_p50_ms']:8.1f}ms {r['wait_p99_ms']:8.1f}ms "
-                     f"{r.get('warmup_s') or 0:6.2f}s")
-    for name, r in res["systems"].items():
-        if len(r.get("repeats", [])) > 1:
-            lines.append(f"  {name} by repeat: " + ", ".join(
-                f"{x['steps_per_s']:.2f}" + (f" ({x['of_bound']:.3f})" if x["of_bound"] else "")
-                for x in r["repeats"]))
-    lines.append(f"CPU ms per step (all ranks together; {os.cpu_count()} CPUs = "
-                 f"{1000 * (os.cpu_count() or 1)} CPU ms per s):")
-    for name, r in res["systems"].items():
-        c = r.get("cpu_ms_per_step") or {}
-        if c:
-            lines.append(f"  {name:12} " + "  ".join(f"{k} {v:.1f}" for k, v in c.items()))
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = scenario_parser(__doc__)
     ap.add_argument("--ranks", type=int)
@@ -348,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     settle(args, quick={"ranks": 4, "servers": 2, "workers": 4, "steps": 60, "repeats": 1},
            full={"ranks": 8, "servers": 2, "workers": 8, "steps": 200, "repeats": 3})
-    return run_scenario(args, run, report)
+    return run_scenario(args, run)
 
 
 if __name__ == "__main__":

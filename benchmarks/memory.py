@@ -170,23 +170,6 @@ def _bytes(size: str) -> int:
     return int(TypeAdapter(ByteSize).validate_python(size))
 
 
-def report(res: dict[str, Any]) -> str:
-    s, p = res["summary"], res["parameters"]
-    lines = ["", f"memory over {p['batches']} batches of {p['batch_size']} ({p['workers']} "
-                 f"server workers): batch {s['from_batch']} -> {s['to_batch']}", "",
-             f"{'':<8}{'':<9}{'first MiB':>11}{'last MiB':>10}{'peak MiB':>10}{'growth':>9}"]
-    for who in ("server", "client"):
-        for key in ("RssAnon", "VmRSS"):
-            v = s[who][key]
-            lines.append(f"{who:<8}{key:<9}{v['first'] / 2**20:>11.1f}{v['last'] / 2**20:>10.1f}"
-                         f"{v['peak'] / 2**20:>10.1f}{v['growth']:>+9.2%}")
-    for key in ("prefix_memory", "prefix_disk", "segments"):
-        if key in s:
-            bound = f" (bound {s[key]['bound'] / 2**20:.1f} MiB)" if "bound" in s[key] else ""
-            lines.append(f"server  {key:<14} peak {s[key]['peak'] / 2**20:.1f} MiB{bound}")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = scenario_parser(__doc__)
     ap.add_argument("--batches", type=int)
@@ -203,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     settle(args, quick={"batches": 2_000}, full={"batches": 20_000})
     if args.warmup is None:
         args.warmup = args.batches // 20
-    return run_scenario(args, run, report)
+    return run_scenario(args, run)
 
 
 if __name__ == "__main__":

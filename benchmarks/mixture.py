@@ -134,27 +134,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def report(res: dict[str, Any]) -> str:
-    m, p = res["machine"], res["params"]
-    lines = [f"mixture: 3 token datasets (weights {p['weights']}) vs one plain `tokens` "
-             f"dataset over the same files, seq_len {p['seq_len']}, batch {p['batch_size']}, "
-             f"{p['workers']} server workers, {p['repeats']} repeats, medians [min, max]",
-             f"machine: {m['cpus_usable']} cores, {m['platform']}, python {m['python']}",
-             f"windows: {res['windows']}", ""]
-    head = f"{'system':<8} {'samples/s':>24} {'M tokens/s':>10} {'1st batch s':>11}"
-    lines += [head, "-" * len(head)]
-    for name, s in res["systems"].items():
-        r = s["samples_per_s"]
-        lines.append(f"{name:<8} {r['median']:>8.0f} [{r['min']:.0f}, {r['max']:.0f}]".ljust(33)
-                     + f" {s['tokens_per_s']['median'] / 1e6:>10.2f}"
-                     f" {s['first_batch_s']['median']:>11.3f}")
-    lines.append(f"\nratio mixture / plain tokens: samples/s {res['ratio_mix_over_plain']:.3f} "
-                 "(goal >= 0.9)")
-    if res["check_problems"]:
-        lines += ["", "CHECK PROBLEMS:", *[f"  - {x}" for x in res["check_problems"]]]
-    return "\n".join(lines)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = scenario_parser(__doc__)
     ap.add_argument("--tokens", type=int, help="tokens in all three files")
@@ -166,7 +145,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_scenario(parse_args(argv), run, report)
+    return run_scenario(parse_args(argv), run)
 
 
 if __name__ == "__main__":

@@ -191,37 +191,6 @@ def run(args: Any) -> dict[str, Any]:
     return res
 
 
-def report(res: dict[str, Any]) -> str:
-    p = res["params"]
-    lines = [f"orders: first batch of a new shuffled epoch, batch {p['batch']}, ranks "
-             f"{p['ranks']} of {p['world']}, seeds 0..{p['seeds'] - 1} x epochs "
-             f"0..{p['epochs'] - 1}; memory growth over all of them", ""]
-    head = (f"{'samples':>14} {'order':<8} {'median ms':>10} {'max ms':>8} "
-            f"{'elastic ms':>10} {'RSS +MiB':>9}")
-    lines += [head, "-" * len(head)]
-    for r in res["rows"]:
-        label = f"{r['samples']:,}" + (" x3 mix" if r["mixture"] else "")
-        lines.append(f"{label:>14} {r['order']:<8} {r['first_batch_s']['median'] * 1e3:>10.1f} "
-                     f"{r['first_batch_s']['max'] * 1e3:>8.1f} "
-                     f"{r['elastic_first_batch_s'] * 1e3:>10.1f} "
-                     f"{r['rss_growth_bytes'] / 2**20:>9.1f}")
-    lines += ["", f"token budgets: {p['documents']:,} documents, batch_tokens {TOKENS}, "
-              f"rank 7 of {WORLD}", f"{'order':<8} {'steps/epoch':>11} {'first batch s':>24} "
-              f"{'seek s':>7} {'epoch':>6} {'RSS +MiB':>9}"]
-    for t in res.get("tokens", []):
-        firsts = " ".join(f"{x:.2f}" for x in t["first_batch_s"])
-        seek = (f"{t['seek_s']:>7.2f} {t['seek_epoch']:>6}" if "seek_s" in t
-                else f"{'-':>7} {'-':>6}")
-        grown = max(t["rss_growth_epochs_bytes"], t.get("rss_growth_seek_bytes", 0))
-        lines.append(f"{t['order']:<8} {t['steps_per_epoch']:>11} {firsts:>24} {seek} "
-                     f"{grown / 2**20:>9.1f}")
-    lines += ["", "GOALS MISSED:", *(f"  - {x}" for x in res["goal_missed"])
-              ] if res.get("goal_missed") else []
-    lines += ["", "CHECK PROBLEMS:", *(f"  - {x}" for x in res["check_problems"])
-              ] if res["check_problems"] else []
-    return "\n".join(lines)
-
-
 def main() -> int:
     ap = scenario_parser(__doc__ or "")
     ap.add_argument("--sizes", type=lambda s: [int(float(x)) for x in s.split(",")],
@@ -229,7 +198,7 @@ def main() -> int:
     for key in ("legacy_max", "seeds", "epochs", "documents"):
         ap.add_argument(f"--{key.replace('_', '-')}", dest=key, type=lambda s: int(float(s)),
                         default=None)
-    return run_scenario(ap.parse_args(), run, report)
+    return run_scenario(ap.parse_args(), run)
 
 
 if __name__ == "__main__":

@@ -243,42 +243,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def report(res: dict[str, Any]) -> str:
-    m, p, c = res["machine"], res["params"], res["corpus"]
-    pk, tk, st = res["packing"], res["tokenize"], res["server_start"]
-    lines = [f"packing: format text (concatenate and chunk) vs format tokens, seq_len "
-             f"{p['seq_len']}, batch {p['batch_size']}, {p['workers']} server workers, "
-             f"{p['repeats']} repeats, medians [min, max]",
-             f"machine: {m['cpus_usable']} cores, {m['platform']}, python {m['python']}", "",
-             f"corpus: {c['documents']} documents, {c['tokens']} tokens ({p['tokenizer']}), "
-             f"median {c['median_doc_tokens']:.0f}, p99 {c['p99_doc_tokens']:.0f} tokens, "
-             f"{c['docs_longer_than_seq_len']} longer than seq_len; {c['bytes'] / 1e6:.1f} MB",
-             f"packing: {pk['rows']} rows, efficiency {pk['packing_efficiency']:.5f} "
-             f"({pk['padding_tokens']} padding tokens), {100 * pk['cut_fraction']:.1f}% of "
-             "documents cut across rows",
-             f"tokenize at open (this process): {tk['cold_open_s']:.2f} s cold "
-             f"({tk['tokens_per_s'] / 1e6:.2f} M tokens/s), {tk['warm_open_s']:.3f} s from "
-             f"the cache; the tokenizer alone {tk['tokenizer_alone_s']:.2f} s (open / alone "
-             f"{tk['ratio_open_over_tokenizer_alone']:.2f})",
-             f"server start: {st['cold_s']:.2f} s with an empty cache, {st['warm_s']:.2f} s "
-             f"warm (tokens peer: {st['tokens_peer_s']:.2f} s)", ""]
-    head = f"{'system':<8} {'rows/s':>22} {'M tokens/s':>10} {'M real tok/s':>12} " \
-           f"{'MB/s':>8} {'1st batch s':>11}"
-    lines += [head, "-" * len(head)]
-    for name, s in res["systems"].items():
-        r = s["rows_per_s"]
-        lines.append(f"{name:<8} {r['median']:>8.0f} [{r['min']:.0f}, {r['max']:.0f}]".ljust(31)
-                     + f" {s['tokens_per_s']['median'] / 1e6:>10.2f}"
-                     f" {s['real_tokens_per_s']['median'] / 1e6:>12.2f}"
-                     f" {s['mb_per_s']['median']:>8.1f} {s['first_batch_s']['median']:>11.3f}")
-    ratio = res["ratio_text_over_tokens"]
-    lines.append(f"\nratio text / tokens: rows/s {ratio['rows_per_s']:.3f}, real tokens/s "
-                 f"{ratio['real_tokens_per_s']:.3f}")
-    if res["check_problems"]:
-        lines += ["", "CHECK PROBLEMS:", *[f"  - {x}" for x in res["check_problems"]]]
-    return "\n".join(lines)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = scenario_parser(__doc__)
     ap.add_argument("--documents", type=int, default=0)
@@ -290,7 +254,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_scenario(parse_args(argv), run, report)
+    return run_scenario(parse_args(argv), run)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """CPU per batch on the default path, by process: where a small batch's fixed cost goes.
 
-    python benchmarks/per_batch.py                        # 64 KiB batches, 20,000 of them
+    python benchmarks/per_batch.py                        # 64 KiB batches, 2 x 20,000
+    python benchmarks/per_batch.py --quick                # 1 x 2,000
     python benchmarks/per_batch.py --size 1M --batches 3000
     python benchmarks/per_batch.py --shared-batches 0     # without batches kept for other jobs
 
@@ -20,7 +21,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+from _measure import run_scenario, scenario_parser, settle
 from wire import batch_shape, parse_size, proc_table, self_cpu, server_env, tree_cpu
 
 from stoker.client import RemoteLoader
@@ -35,27 +38,19 @@ def is_worker(pid: int) -> bool:
         return False
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", type=parse_size, default=64 << 10, help="batch bytes (64K)")
-    ap.add_argument("--batches", type=int, default=20000, help="timed batches per repeat")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--shared-batches", help="the server's cache.shared_batches (default: its "
-                    "default)")
-    args = ap.parse_args(argv)
+def run(args: argparse.Namespace) -> dict[str, Any]:
     batch_size, sample_bytes = batch_shape(args.size)
     cache = {} if args.shared_batches is None else {"shared_batches": args.shared_batches}
+    res: dict[str, Any] = {"parameters": dict(vars(args)), "batch_size": batch_size,
+                           "sample_bytes": sample_bytes, "repeats": [], "check_problems": []}
     folder = Path(tempfile.mkdtemp(prefix="stoker-per-batch-"))
     config = write_config(folder / "config.yaml", {"cache": cache, "datasets": {"b": {
         "format": "python", "factory": "wire:Constant",
         "options": {"n": batch_size * (args.batches + 1), "sample_bytes": sample_bytes}}}})
-    print(f"{args.size} bytes a batch ({batch_size} x {sample_bytes}), {args.batches} batches "
-          f"timed per repeat, {args.workers} workers; CPU µs per batch:")
-    with ServerProcess(config, workers=args.workers,
-                       env=server_env()).start() as server:
+    server = ServerProcess(config, workers=args.workers, env=server_env()).start()
+    try:
         front = server.proc.pid
-        for repeat in range(args.repeats):
+        for _ in range(args.repeats):
             loader = RemoteLoader(server.address, "b", batch_size=batch_size, shuffle=False,
                                   drop_last=True, output="numpy", shared_memory=False)
             batches = iter(loader)
@@ -67,12 +62,31 @@ def main(argv: list[str] | None = None) -> int:
                 k += 1
             wall, client = time.perf_counter() - t0, self_cpu() - c0
             after = tree_cpu(proc_table(), front)
-            spent = {pid: (after[pid] - before[pid]) / k * 1e6 for pid in (front, *workers)}
-            print(f"  repeat {repeat}: {k / wall:8.0f} batches/s  front end {spent[front]:6.0f}"
-                  f"  workers {' + '.join(f'{spent[p]:.0f}' for p in workers)}"
-                  f"  trainer {client / k * 1e6:5.0f}  ({loader.stats()['transport']})")
+            res["repeats"].append({
+                "batches": k, "batches_per_s": k / wall,
+                "front_us": (after[front] - before[front]) / k * 1e6,
+                "workers_us": [(after[p] - before[p]) / k * 1e6 for p in workers],
+                "trainer_us": client / k * 1e6, "transport": loader.stats()["transport"]})
             loader.close()
-    return 0
+            if res["repeats"][-1]["transport"] != "data_socket":
+                res["check_problems"].append(
+                    f"batches came by {res['repeats'][-1]['transport']}, not the data socket")
+    finally:
+        res["server_exit_code"] = server.stop()
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = scenario_parser(__doc__ or "")
+    ap.add_argument("--size", type=parse_size, default=64 << 10, help="batch bytes (64K)")
+    ap.add_argument("--batches", type=int, help="timed batches per repeat (20000; quick 2000)")
+    ap.add_argument("--repeats", type=int, help="repeats (2; quick 1)")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--shared-batches", help="the server's cache.shared_batches (default: its "
+                    "default)")
+    args = ap.parse_args(argv)
+    settle(args, {"batches": 2000, "repeats": 1}, {"batches": 20000, "repeats": 2})
+    return run_scenario(args, run)
 
 
 if __name__ == "__main__":

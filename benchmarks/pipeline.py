@@ -42,9 +42,8 @@ import numpy as np
 import PIL
 import simplejpeg
 import torch
-from _data import MEAN, STD, TRANSFORMS, TRANSPORTS, make_image_folder
+from _data import MEAN, STD, TRANSFORMS, TRANSPORTS, make_image_folder, transport_ran
 from _measure import (
-    TRANSPORT_LABELS,
     machine_info,
     run_scenario,
     scenario_parser,
@@ -72,12 +71,6 @@ LABELS = {"dataloader": "torch DataLoader", "stateful": "torchdata StatefulDataL
 
 def spdl_name(threads: int) -> str:
     return f"spdl_t{threads}"
-
-
-def systems_in(block: dict[str, Any]) -> list[str]:
-    """The systems one W block of the sweep measured, SPDL's thread counts last."""
-    return ([n for n in SYSTEMS if n in block]
-            + list(block.get("spdl", {}).get("ratio_images_per_s", {})))
 
 
 def _label(name: str) -> str:
@@ -224,12 +217,15 @@ def measure_w(args: argparse.Namespace, data_dir: Path, cfg_dir: Path, w: int,
     finally:
         loaders.pop("dataloader")
         loaders.pop("stateful")
+        ran = transport_ran(args.transport, {n: loaders[n] for n in ("stoker", "stoker_uint8")},
+                            problems)
         for name in ("stoker", "stoker_uint8"):
             loaders.pop(name).close()
         code = server.stop()
     if code != 0:
         problems.append(f"W={w}: server exit code {code}: {server.stderr[-2000:]}")
-    out: dict[str, Any] = {"workers": w, "server_start_s": start_s, "problems": problems}
+    out: dict[str, Any] = {"workers": w, "server_start_s": start_s, "problems": problems,
+                           "transport_ran": ran}
     for name in systems:
         out[name] = _summary(runs[name])
     # The training node's CPU: DataLoader's main process and workers, against what stoker's
@@ -300,58 +296,6 @@ def _spdl_best(res: dict[str, Any]) -> None:
         n: block[n]["images_per_s"]["median"] / rate for n in SYSTEMS if n in block})
 
 
-def spdl_summary(res: dict[str, Any]) -> str:
-    """One sentence: SPDL's best thread count against the other systems at its W."""
-    plan = res["spdl"]
-    if "skipped" in plan:
-        return f"SPDL not measured: {plan['skipped']}."
-    others = ", ".join(f"{_label(n)} {x:.2f}x" for n, x in plan["others_over_best"].items())
-    return (f"SPDL {plan['version']} best of {'/'.join(map(str, plan['threads']))} threads: "
-            f"{_label(plan['best'])}, {plan['images_per_s']:.1f} images/s at "
-            f"W={plan['at_workers']}; the others' images/s over it: {others}.")
-
-
-def report(res: dict[str, Any]) -> str:
-    p, m = res["parameters"], res["machine"]
-    lines = ["", "image pipeline: stoker server vs torch DataLoader, same machine, same run",
-             f"machine   {m['cpus_usable']} usable CPUs, {m['platform']}, torch {m['torch']}, "
-             f"pillow {m['pillow']}, simplejpeg {m['simplejpeg']}",
-             f"data      {res['data']['images']} JPEGs ~375x500 (mean "
-             f"{res['data']['mean_jpeg_bytes'] / 1024:.0f} KiB) -> random resized crop 224 -> "
-             "flip -> normalize -> float32 CHW",
-             f"loaders   batch {p['batch_size']}, {p['repeats']} repeats per system, medians; "
-             f"stoker batches via {TRANSPORT_LABELS[p['transport']]}",
-             "", f"{'W':>3}  {'system':<34}{'images/s':>10}{'[min, max]':>18}"
-             f"{'vs DataLoader':>15}{'CPU ms/batch':>14}"]
-    for s in res["sweep"]:
-        ratios = {**s["ratio_images_per_s"], **s.get("spdl", {}).get("ratio_images_per_s", {})}
-        for name in systems_in(s):
-            i = s[name]["images_per_s"]
-            ratio = f"{ratios[name]:.2f}x" if name != "dataloader" else ""
-            spread = f"[{i['min']:.0f}, {i['max']:.0f}]"
-            lines.append(f"{s['workers']:>3}  {_label(name):<34}{i['median']:>10.1f}"
-                         f"{spread:>18}{ratio:>15}"
-                         f"{s[name]['cpu_ms_per_batch']['median']:>14.1f}")
-    lines += ["", spdl_summary(res)]
-    lines += ["", "training-node CPU: stoker's client process / DataLoader's main process + "
-                  "workers, CPU ms per batch:"]
-    for s in res["sweep"]:
-        if not s["trainer_cpu_vs_dataloader_node"]:
-            continue
-        lines.append(f"  W={s['workers']}  " + ", ".join(
-            f"{LABELS[n]} {share:.1%}" for n, share in
-            s["trainer_cpu_vs_dataloader_node"].items()))
-    lines += ["", "CPU ms/batch by role (medians):"]
-    for s in res["sweep"]:
-        for name in systems_in(s):
-            roles = s[name]["cpu_ms_per_batch_by_role"]
-            lines.append(f"  W={s['workers']} {_label(name):<34}" + ", ".join(
-                f"{r} {roles[r]:.1f}" for r in ROLES if roles[r] >= 0.05))
-    if res["check_problems"]:
-        lines += ["", "CHECK FAILED:"] + [f"  - {x}" for x in res["check_problems"]]
-    return "\n".join(lines)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cores = len(os.sched_getaffinity(0))
     ap = scenario_parser(__doc__)
@@ -363,10 +307,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "loading in the training process)")
     ap.add_argument("--prefetch", type=int, default=8, help="RemoteLoader batches in flight")
     ap.add_argument("--transport", choices=sorted(TRANSPORTS), default="shm",
-                    help="how stoker batches reach this process: shm (same-host shared memory, "
-                         "the default on one host), grpc (frames, as between machines without "
-                         "the data socket), socket (shared_memory=False: the default path "
-                         "between machines, the data connection)")
+                    help="how stoker batches reach this process, each label turning the other "
+                         "paths off (_data.TRANSPORTS): shm (shared memory, data_socket=False), "
+                         "grpc (gRPC frames), socket (the data connection, the default path "
+                         "between machines and on one host)")
     ap.add_argument("--spdl-threads", type=int, nargs="+", default=[1, 2, 4, 8],
                     help="SPDL's thread counts, each measured beside the largest W (0: leave "
                          "SPDL out)")
@@ -385,7 +329,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_scenario(parse_args(argv), run, report)
+    return run_scenario(parse_args(argv), run)
 
 
 if __name__ == "__main__":

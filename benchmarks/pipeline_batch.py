@@ -110,21 +110,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def report(res: dict[str, Any]) -> str:
-    p = res["parameters"]
-    lines = ["", f"image pipeline (uint8), {res['data']['images']} JPEGs, one server of "
-                 f"{p['workers']} workers, {p['repeats']} repeats, medians", ""]
-    for s in res["systems"].values():
-        lines.append(f"  batch {s['batch_size']:>4}  {s['images_per_s']['median']:8.1f} images/s "
-                     f"[{s['images_per_s']['min']:.1f}, {s['images_per_s']['max']:.1f}]  "
-                     f"first batch {s['first_batch_s']['median']:.2f} s")
-    lines.append(f"  batch {p['big']} / batch {p['small']}: {res['ratio_big_over_small']:.2f} "
-                 f"(goal >= {res['goal']})")
-    if res["check_problems"]:
-        lines += ["", "CHECK FAILED:"] + [f"  - {x}" for x in res["check_problems"]]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = scenario_parser(__doc__)
     ap.add_argument("--images", type=int)
@@ -137,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     settle(args, QUICK, FULL)
     if args.images // args.big < 2:
         ap.error("need at least 2 big batches an epoch")
-    return run_scenario(args, run, report)
+    return run_scenario(args, run)
 
 
 if __name__ == "__main__":

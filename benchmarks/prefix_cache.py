@@ -104,20 +104,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def report(res: dict[str, Any]) -> str:
-    s, p = res["summary"], res["parameters"]
-    lines = ["", f"prefix cache: {p['images']} JPEGs ~375x500 -> rrc 224 -> flip -> normalize, "
-                 f"W={p['workers']}, batch {p['batch_size']}, {p['repeats']} repeats, "
-                 "samples/s medians [min, max]", ""]
-    for key, label in (("no_cache", "no cache, epoch 0"), ("cold", "cache, epoch 0 (cold)"),
-                       ("warm", "cache, epoch 1 (warm)")):
-        lines.append(f"  {label:<24}{s[key]['median']:9.0f}  [{s[key]['min']:.0f}, "
-                     f"{s[key]['max']:.0f}]")
-    lines.append(f"  warm / cold: {s['ratio']['median']:.2f}x (target >= {TARGET}x: "
-                 f"{'met' if res['meets_target'] else 'NOT met'})")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = scenario_parser(__doc__)
     ap.add_argument("--images", type=int)
@@ -127,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decoded-bytes", default="4GiB", help="cache.decoded_bytes")
     args = ap.parse_args(argv)
     settle(args, QUICK, FULL)
-    return run_scenario(args, run, report)
+    return run_scenario(args, run)
 
 
 if __name__ == "__main__":

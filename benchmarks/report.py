@@ -7,6 +7,7 @@ scenario without its JSON gets a line saying so. Plots are PNG files next to the
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -18,9 +19,8 @@ from _page import plt
 from _page import save as _save
 from _page import spread as _spread
 from _page import table as _table
-from report_fleet import fastest_tcp, fleet, gpu, pipeline_batch
-from report_orders import orders
-from report_tfdata import tfdata
+from report_fleet import fastest_tcp
+from scenarios import SCENARIOS, Scenario
 
 Section = Callable[[dict[str, Any], Path], list[str]]
 
@@ -65,10 +65,19 @@ def pipeline(r: dict[str, Any], plots: Path) -> list[str]:
     p = r["parameters"]
     return [f"{r['data']['images']} JPEGs ~375x500 → random resized crop 224 → flip → normalize "
             f"→ float32 CHW, batch {p['batch_size']}, {p['repeats']} repeats per system; "
-            f"stoker batches via {TRANSPORT_LABELS[transport_of(p)]}.",
+            f"stoker batches via {TRANSPORT_LABELS[transport_of(p)]}{_ran(r['sweep'])}.",
             "", *_table(["W", "system", "images/s median [min, max]", "vs DataLoader",
                          "CPU ms/batch, all processes"], rows),
             _spdl_note(r), "", _save(fig, plots, _plot_name("pipeline", p)), ""]
+
+
+def _ran(blocks: list[dict[str, Any]]) -> str:
+    """What the loaders' stats() said carried their batches, where the run recorded it."""
+    ran = sorted({t for b in blocks for t in b.get("transport_ran", {}).values()})
+    if not ran:
+        return (" (the path that ran was not recorded: on one host a run from before "
+                "`--transport shm` turned the data connection off may have used it)")
+    return f" (`stats()[\"transport\"]`: {', '.join(ran)})"
 
 
 def _spdl_label(name: str, best: str) -> str:
@@ -578,36 +587,67 @@ def _lockstep_goal(systems: dict[str, Any], machine: dict[str, Any]) -> str:
               "servers' front ends and their workers all share).")
 
 
-# (results file, title, renderer): a file may feed several sections.
-SECTIONS: list[tuple[str, str, Section]] = [
-    ("pipeline", "Image pipeline: stoker vs DataLoader", pipeline),
-    ("pipeline", "Training-node CPU", trainer_cpu),
-    ("pipeline_socket", "Image pipeline through the data socket", pipeline),
-    ("pipeline_socket", "Training-node CPU through the data socket", trainer_cpu),
-    ("wire", "Wire: bytes/s into client memory", wire),
-    ("stall", "Stall: simulated training", stall),
-    ("startup", "Start-up", startup),
-    ("memory", "Memory over a long run", memory),
-    ("memory_prefix_cache", "Memory over a long run, prefix cache filled", memory),
-    ("prefix_cache", "Prefix cache: epoch 0 against epoch 1", prefix_cache),
-    ("scale", "Scale", scale),
-    ("s3", "S3: local disk vs object store", s3),
-    ("packing", "Sequence packing", packing),
-    ("chat", "Conversations: rendered, masked and packed", chat),
-    ("mixture", "Mixtures", mixture),
-    ("token_budgets", "Token budgets", token_budgets),
-    ("elastic", "Elastic: servers join and leave a running trainer", elastic),
+def seek(r: dict[str, Any], plots: Path) -> list[str]:
+    p = r["params"]
+    rows = [[f"tokens, budget {s['batch_tokens']}" if name == "tokens"
+             else f"fixed, {s['batch_size']} a batch", f"{s['first_far_s']:.2f}",
+             f"{s['near_s'] * 1e3:.2f}", f"{s['far_s'] * 1e3:.2f}", f"{s['far_over_near']:.2f}",
+             f"{s['first_elastic_s']:.2f}", f"{s['elastic_far_s'] * 1e3:.2f}",
+             s["epoch_of_far"]] for name, s in r["systems"].items()]
+    return [f"`RemoteLoader.seek` to step {p['far']:,} against a step near the start, "
+            f"{p['samples']:,} documents, medians of {p['repeats']}; elastic: a run saved at "
+            "one world size resumed at the next. The first far seek on a fresh server makes "
+            "what it needs (token budgets: the plans of the epochs before it); later ones are "
+            "one request, not a replay.", "",
+            *_table(["batches", "first far seek s", "near ms", "far ms", "far / near",
+                     "first elastic s", "elastic ms", "epoch of the far step"], rows)]
 
 
-    ("sweep", "Sweep: jobs sharing batches", sweep),
-    ("fleet", "Fleet: one rank against many server workers", fleet),
-    ("pipeline_batch", "Image pipeline: batch 256 against batch 32", pipeline_batch),
-    ("gpu", "GPU: ResNet-50 and GPT-2 small, and the client's cost to a busy trainer", gpu),
-    ("orders", "Orders: the first batch of an epoch against the dataset's size", orders),
-    ("tfdata", "tf.data service and tf.data: the same pipeline from TFRecord", tfdata),
-    ("lockstep", "Lockstep: ranks that step together", lockstep),
-    ("video", "Video clips: format: video against a PyAV Dataset", video),
-]
+def per_batch(r: dict[str, Any], plots: Path) -> list[str]:
+    p = r["parameters"]
+    rows = [[i, f"{x['batches_per_s']:.0f}", f"{x['front_us']:.0f}",
+             " + ".join(f"{w:.0f}" for w in x["workers_us"]), f"{x['trainer_us']:.0f}",
+             x["transport"]] for i, x in enumerate(r["repeats"])]
+    return [f"Batches of {r['batch_size']} x {r['sample_bytes']:,} bytes "
+            f"({p['size']:,} bytes) whose samples cost nothing to make, from one server of "
+            f"{p['workers']} workers to one RemoteLoader told it is on another machine: CPU "
+            "microseconds per batch of the front end (every thread), of each worker and of "
+            "the trainer's process. No peer: a breakdown of the fixed cost per batch "
+            "(the wire section is the comparison).", "",
+            *_table(["repeat", "batches/s", "front end µs", "workers µs", "trainer µs",
+                     "transport"], rows)]
+
+
+def renderer(ref: str) -> Section:
+    """A section's renderer from its "module:function" in benchmarks/scenarios.py."""
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def provenance_lines(r: dict[str, Any]) -> list[str]:
+    """Where a section's figures come from: the commit, the command, the machine, the peers."""
+    p = r.get("provenance")
+    if not p or not p.get("commit"):
+        when = r.get("started") or (p or {}).get("started") or "at an unrecorded time"
+        return [f"Commit: not recorded (run started {when}, before results recorded their "
+                "commit): older code, whatever `python -m benchmarks --stale` says of it.", ""]
+    m = p["machine"]
+    load = "/".join(f"{x:.2f}" for x in m["load_before"])
+    dirty = (f", with {len(p['uncommitted'])} file(s) changed but not committed"
+             if p.get("uncommitted") else "")
+    peers = ", ".join(f"{k} {v}" for k, v in p.get("peers", {}).items())
+    return [f"Commit `{p['commit'][:10]}` ({p['commit_date'][:10]}){dirty}; `{p['command']}` "
+            f"(started {p['started']}); {m['cores']} cores ({m['cores_usable']} usable), "
+            f"{m['cpu']}, load {load} before the run (1, 5, 15 min); Python {m['python']}"
+            + (f"; {peers}" if peers else "") + ".", ""]
+
+
+def render(scenario: Scenario, r: dict[str, Any], plots: Path) -> list[str]:
+    """The scenario's sections of the page from its results `r`, each with its provenance."""
+    lines: list[str] = []
+    for title, ref in scenario.sections:
+        lines += [f"## {title}", "", *provenance_lines(r), *renderer(ref)(r, plots)]
+    return lines
 
 
 def write_report(results: Path, page: Path) -> Path:
@@ -615,31 +655,27 @@ def write_report(results: Path, page: Path) -> Path:
     found = {p.stem: json.loads(p.read_text()) for p in sorted(results.glob("*.json"))}
     if "prefix_cache" in found and "pipeline" in found:  # compared with SPDL's best there
         found["prefix_cache"]["_spdl"] = found["pipeline"].get("spdl")
-    machine = next((r["machine"] for r in found.values() if "machine" in r), {})
     lines = ["# Benchmarks", "",
              "Generated by `python -m benchmarks` from the JSON in `docs/benchmarks/results/` "
-             "(benchmarks/report.py): every figure below was measured, side by side in one run "
-             "per scenario, on the machine described here. Machines differ and are noisy: "
-             "compare ratios, not absolute rates, across machines.", "",
+             "(the scenarios are declared in benchmarks/scenarios.py): every figure below was "
+             "measured, side by side in one run per scenario, on the machine named under its "
+             "section, at the commit named there. Machines differ and are noisy: compare "
+             "ratios, not absolute rates, across machines. `python -m benchmarks --stale` "
+             "lists the sections measured before the last change to the code they exercise.",
+             "",
              "Peers: torch `DataLoader` and torchdata's `StatefulDataLoader` run the same "
-             "pipelines; in the image pipeline, so does Meta's SPDL 0.8 (its thread pipeline "
+             "pipelines; in the image pipeline, so does Meta's SPDL (its thread pipeline "
              "around `spdl.io`'s FFmpeg decoder and filter graphs, swept over its thread "
              "count). torchdata's nodes API is a composition layer over the same workers and "
-             "is left out as a duplicate.", "",
-             f"Machine: {machine.get('cpus_usable', '?')} usable CPUs, "
-             f"{machine.get('platform', '?')}, Python {machine.get('python', '?')}.", ""]
-    for key, title, section in SECTIONS:
-        lines += [f"## {title}", ""]
-        r = found.get(key)
+             "is left out as a duplicate. Each section names the versions it ran.", ""]
+    for scenario in SCENARIOS:
+        r = found.get(scenario.name)
         if r is None:
-            lines += [f"Not measured in this run (no {key}.json in {results.name}/).", ""]
+            for title, _ in scenario.sections:
+                lines += [f"## {title}", "", f"Not measured in this run (no {scenario.name}"
+                          f".json in {results.name}/): `{scenario.command(False)}`.", ""]
             continue
-        params = r.get("parameters", r.get("params", {}))
-        small = bool(params.get("quick"))
-        lines += [f"`python -m benchmarks --only {key}" + (" --quick" if small else "") + "`"
-                  + (" (quick mode: small settings, indicative only)" if small else "")
-                  + (f"; run started {r['started']}." if "started" in r else "."), ""]
-        lines += section(r, plots)
+        lines += render(scenario, r, plots)
     page.parent.mkdir(parents=True, exist_ok=True)
     page.write_text("\n".join(lines).rstrip() + "\n")
     return page

@@ -85,19 +85,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def report(res: dict[str, Any]) -> str:
-    lines = ["", "scale: image pipeline (uint8), images/s medians; efficiency = rate / "
-                 "(one worker's rate x processes)", ""]
-    for row in res["workers"]:
-        lines.append(f"  1 server x {row['workers']} workers   {row['images_per_s']['median']:8.0f}"
-                     f"   efficiency {row['efficiency']:.2f}")
-    for row in res["servers"]:
-        lines.append(f"  {row['servers']} servers x 1 worker   {row['images_per_s']['median']:8.0f}"
-                     f"   efficiency {row['efficiency']:.2f}")
-    lines.append(f"  per worker process: {res['per_worker_images_per_s']:.0f} images/s")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = scenario_parser(__doc__)
     ap.add_argument("--images", type=int)
@@ -105,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int)
     args = ap.parse_args(argv)
     settle(args, quick={"images": 128, "repeats": 1}, full={"images": 1024, "repeats": 3})
-    return run_scenario(args, run, report)
+    return run_scenario(args, run)
 
 
 if __name__ == "__main__":

@@ -92,30 +92,11 @@ def run(args: Any) -> dict[str, Any]:
     return res
 
 
-def report(res: dict[str, Any]) -> str:
-    p = res["params"]
-    lines = [f"seek: step {p['far']} vs {NEAR}, {p['samples']} samples, world_size {WORLD} "
-             f"(elastic: {WORLD} then {WORLD + 1} ranks), medians of {p['repeats']}", ""]
-    head = (f"{'system':<18} {'first far':>10} {'near ms':>8} {'far ms':>8} {'far/near':>8} "
-            f"{'first elastic':>13} {'elastic ms':>10} {'epoch':>6}")
-    lines += [head, "-" * len(head)]
-    for name, s in res["systems"].items():
-        label = (f"tokens B={s['batch_tokens']}" if name == "tokens"
-                 else f"fixed n={s['batch_size']}")
-        lines.append(f"{label:<18} {s['first_far_s']:>9.2f}s {s['near_s'] * 1e3:>8.2f} "
-                     f"{s['far_s'] * 1e3:>8.2f} {s['far_over_near']:>8.2f} "
-                     f"{s['first_elastic_s']:>12.2f}s "
-                     f"{s['elastic_far_s'] * 1e3:>10.2f} {s['epoch_of_far']:>6}")
-    lines += ["", "CHECK PROBLEMS:", *(f"  - {x}" for x in res["check_problems"])
-              ] if res["check_problems"] else []
-    return "\n".join(lines)
-
-
 def main() -> int:
     ap = scenario_parser(__doc__ or "")
     for key in FULL:
         ap.add_argument(f"--{key}", type=int, default=None)
-    return run_scenario(ap.parse_args(), run, report)
+    return run_scenario(ap.parse_args(), run)
 
 
 if __name__ == "__main__":

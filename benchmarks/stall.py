@@ -114,24 +114,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def report(res: dict[str, Any]) -> str:
-    p = res["parameters"]
-    lines = ["", f"simulated training: compute {p['compute_ms']} ms per step (a sleep), data "
-                 f"cost per batch of {p['batch_size']} below (CPU), W={p['workers']}, "
-                 f"{p['steps']} timed steps, {p['repeats']} repeats, medians",
-             f"machine: {res['machine']['cpus_usable']} CPUs, {res['machine']['platform']}", "",
-             f"{'data ms':>8}  " + "".join(f"{LABELS[n]:>30}" for n in SYSTEMS),
-             f"{'':>8}  " + "".join(f"{'step ms (x compute), wait ms':>30}" for _ in SYSTEMS)]
-    for row in res["costs"]:
-        cells = "".join(
-            f"{row[n]['step_ms']['median']:>13.2f} ({row[n]['step_over_compute']:.3f}x)"
-            f"{row[n]['wait_ms']['median']:>8.2f}" for n in SYSTEMS)
-        lines.append(f"{row['data_ms_per_batch']:>8.1f}  {cells}")
-    if res["check_problems"]:
-        lines += ["", "CHECK FAILED:"] + [f"  - {x}" for x in res["check_problems"]]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = scenario_parser(__doc__)
     ap.add_argument("--compute-ms", type=float, default=30.0)
@@ -144,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     settle(args, quick={"costs": [10.0, 40.0], "steps": 30, "repeats": 1},
            full={"costs": [5.0, 10.0, 20.0, 40.0], "steps": 100, "repeats": 3})
-    return run_scenario(args, run, report)
+    return run_scenario(args, run)
 
 
 if __name__ == "__main__":

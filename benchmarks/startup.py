@@ -84,16 +84,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def report(res: dict[str, Any]) -> str:
-    p = res["parameters"]
-    lines = ["", f"start-up: loader created -> first batch in hand, W={p['workers']}, batch "
-                 f"{p['batch_size']}, {p['repeats']} repeats, medians [min, max]", ""]
-    for name, s in res["summary"].items():
-        lines.append(f"  {name:<22}{s['median']:8.3f} s  [{s['min']:.3f}, {s['max']:.3f}]")
-    lines.append(f"  (stoker server start, once, not included: {res['server_start_s']:.2f} s)")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = scenario_parser(__doc__)
     ap.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
@@ -102,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int)
     args = ap.parse_args(argv)
     settle(args, quick={"repeats": 1}, full={"repeats": 5})
-    return run_scenario(args, run, report)
+    return run_scenario(args, run)
 
 
 if __name__ == "__main__":

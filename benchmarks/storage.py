@@ -225,34 +225,6 @@ def summarise_format(fmt: str, runs: dict[str, list[dict[str, Any]]], stored: in
     return out
 
 
-def report(res: dict[str, Any]) -> str:
-    m = res["machine"]
-    lines = [f"storage: local disk vs loopback S3 (moto), {res['workers']} server workers, "
-             f"{res['params']['repeats']} repeats, medians [min, max]",
-             f"machine: {m['cpus_usable']} cores, {m['platform']}, python {m['python']}", ""]
-    head = f"{'format':<13} {'run':<8} {'start s':>8} {'1st batch s':>11} " \
-           f"{'samples/s':>18} {'MB/s':>8} {'/ local':>8}"
-    lines += [head, "-" * len(head)]
-    for fmt, f in res["formats"].items():
-        for r in RUNS:
-            x = f["runs"][r]
-            sps = x["samples_per_s"]
-            lines.append(
-                f"{fmt:<13} {r:<8} {x['start_s']['median']:>8.2f} "
-                f"{x['first_batch_s']['median']:>11.3f} "
-                f"{sps['median']:>8.0f} [{sps['min']:.0f}, {sps['max']:.0f}]".ljust(55)
-                + f" {x['bytes_per_s']['median'] / 1e6:>8.1f} {f['ratio_over_local'][r]:>8.3f}")
-    lines.append("")
-    for fmt, f in res["formats"].items():
-        lim = f["endpoint_get_limit"]
-        lines.append(f"{fmt}: plain boto3 GETs of all {lim['objects']} objects, "
-                     f"{lim['threads']} threads: {lim['objects_per_s']:.0f} objects/s, "
-                     f"{lim['bytes_per_s'] / 1e6:.1f} MB/s (the endpoint's limit here)")
-    if res["check_problems"]:
-        lines += ["", "CHECK PROBLEMS:", *[f"  - {p}" for p in res["check_problems"]]]
-    return "\n".join(lines)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = scenario_parser(__doc__)
     ap.add_argument("--repeats", type=int, default=0)
@@ -262,7 +234,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_scenario(parse_args(argv), run, report)
+    return run_scenario(parse_args(argv), run)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _data import TRANSFORMS, TRANSPORTS, make_image_folder
+from _data import RAN_AS, TRANSFORMS, TRANSPORTS, make_image_folder
 from _measure import machine_info, run_scenario, scenario_parser, settle, summarise
 from wire import proc_table, tree_cpu
 
@@ -67,7 +67,9 @@ def job(address: str, epoch: int, batch_size: int, transport: str,
                 digest.update(memoryview(a).cast("B"))
             images += len(batch["sample_index"])
         seconds = time.perf_counter() - t0
-    return {"digest": digest.hexdigest(), "images": images, "seconds": seconds}
+        ran = loader.stats()["transport"]
+    return {"digest": digest.hexdigest(), "images": images, "seconds": seconds,
+            "transport": ran}
 
 
 def _job(args: tuple) -> dict[str, Any]:
@@ -149,6 +151,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             for name, server in servers.items():
                 codes[name] = server.stop()
+    res["transport_ran"] = sorted({j["transport"] for rep in res["repeats"]
+                                   for name in ("lone", "sweep") for j in rep[name]["jobs"]})
+    problems += [f"--transport {args.transport} asked, batches came by {got}"
+                 for got in res["transport_ran"] if got != RAN_AS[args.transport]]
     ratios = [rep["cpu_ratio"] for rep in res["repeats"]]
     res["cpu_ratio"] = summarise(ratios)
     res["goal"] = GOAL
@@ -157,32 +163,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res["check_problems"] = problems
     res["server_exit_code"] = next((c for c in codes.values() if c != 0), 0)
     return res
-
-
-def report(res: dict[str, Any]) -> str:
-    p = res["parameters"]
-    lone = [rep["lone"] for rep in res["repeats"]]
-    sweep = [rep["sweep"] for rep in res["repeats"]]
-
-    def med(rows: list[dict[str, Any]], key: str) -> float:
-        return float(np.median([x[key] for x in rows]))
-
-    o = sweep[-1]["outcomes"]
-    lines = ["", f"sweep: the image pipeline (float32 out), {p['images']} images, batches of "
-                 f"{p['batch_size']}, {p['workers']} workers, by {p['transport']}; medians "
-                 f"over {len(res['repeats'])} repeats", "",
-             f"  1 job:   server CPU {med(lone, 'server_cpu_s'):7.2f} s   "
-             f"{med(lone, 'images_per_s_per_job'):7.0f} images/s",
-             f"  {p['jobs']} jobs:  server CPU {med(sweep, 'server_cpu_s'):7.2f} s   "
-             f"{med(sweep, 'images_per_s_per_job'):7.0f} images/s per job",
-             f"  ratio {p['jobs']} jobs / 1 job, server CPU: {res['cpu_ratio']['median']:.2f} "
-             f"[{res['cpu_ratio']['min']:.2f}, {res['cpu_ratio']['max']:.2f}] (goal <= "
-             f"{res['goal']}: {'met' if res['meets_goal'] else 'NOT met'})",
-             f"  last repeat's {p['jobs']} jobs: {res['batches_per_epoch']} batches an epoch; "
-             f"built {o['built']:.0f}, joined {o['joined']:.0f}, cached {o['cached']:.0f}",
-             "  every job's batches identical to the lone job's: "
-             + ("yes" if not res["check_problems"] else "; ".join(res["check_problems"]))]
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="how batches reach the jobs (default shm: same host)")
     args = ap.parse_args(argv)
     settle(args, quick=QUICK, full=FULL)
-    return run_scenario(args, run, report)
+    return run_scenario(args, run)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,6 @@
 """The fastest raw TCP receiver a Python process can be on this machine: the wire scenario's
-limit (issue 31).
-
-    python benchmarks/tcp_limit.py              # every way below, 512 MiB each, 3 repeats
-    python benchmarks/tcp_limit.py --quick
+limit (issue 31). A part of the wire scenario (wire.py runs `fastest` before its server
+starts, and its section of the page shows every way's figures), not a script of its own.
 
 A sender process sendall()s chunks (memoryviews of one preallocated buffer) on a loopback
 connection; this process receives them into one preallocated bytearray until EOF, in each of
@@ -18,7 +16,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import socket
-import sys
 import time
 from itertools import product
 from typing import Any
@@ -107,16 +104,3 @@ def fastest_again(limit: dict[str, Any], ctx: Any, plan: dict[str, int]) -> floa
 def label(row: dict[str, Any]) -> str:
     buf = f"SO_RCVBUF {row['rcvbuf'] >> 20} MiB" if row["rcvbuf"] else "default SO_RCVBUF"
     return f"{row['method']}, {row['chunk'] >> 10} KiB a call, {buf}"
-
-
-def main() -> int:
-    quick = "--quick" in sys.argv
-    res = fastest((64 if quick else 512) << 20, 1 if quick else 3)
-    for row in sorted(res["ways"], key=lambda r: -r["gb_per_s"]):
-        print(f"  {label(row):<50} {row['gb_per_s']:6.2f} GB/s")
-    print(f"fastest: {res['label']}, {res['best']['gb_per_s']:.2f} GB/s")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -39,9 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _data import TRANSPORTS, make_image_folder
+from _data import TRANSPORTS, make_image_folder, transport_ran
 from _measure import (
-    TRANSPORT_LABELS,
     machine_busy_seconds,
     machine_info,
     run_scenario,
@@ -250,7 +249,8 @@ def measure_w(args: argparse.Namespace, records: Path, tmp: Path, w: int) -> dic
                           f"images/s  server {m['server_cpu_ms_per_image']:5.1f}  trainer "
                           f"{m['trainer_cpu_ms_per_image']:5.1f} CPU ms/image, idle peers "
                           f"{m['bystanders_cores_busy']:.2f} cores", flush=True)
-    out: dict[str, Any] = {"workers": w, "problems": problems}
+        ran = transport_ran(args.transport, {"stoker": loader}, problems)
+    out: dict[str, Any] = {"workers": w, "problems": problems, "transport_ran": ran}
     for name, rs in runs.items():
         out[name] = {"repeats": rs, **{k: summarise([m[k] for m in rs]) for k in (
             "images_per_s", "server_cpu_ms_per_image", "trainer_cpu_ms_per_image",
@@ -293,34 +293,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def report(res: dict[str, Any]) -> str:
-    p = res["parameters"]
-    lines = ["", "image pipeline from TFRecord: stoker vs tf.data service vs tf.data, same run",
-             f"machine   {res['machine']['cpus_usable']} usable CPUs, TensorFlow "
-             f"{res['machine']['tensorflow']}",
-             f"data      {res['data']['images']} JPEGs ~375x500 in {res['data']['files']} "
-             "TFRecord files -> random resized crop 224 -> flip -> uint8 HWC",
-             f"batches   {p['batch_size']}, {p['repeats']} repeats, medians; stoker via "
-             f"{TRANSPORT_LABELS[p['transport']]}", "",
-             f"{'W':>3}  {'system':<46}{'images/s':>10}{'server ms/img':>15}"
-             f"{'trainer ms/img':>16}{'stoker over':>13}"]
-    for s in res["sweep"]:
-        for name in SYSTEMS:
-            if name not in s:
-                continue
-            ratio = s["stoker_over"].get(name)
-            lines.append(f"{s['workers']:>3}  {LABELS[name]:<46}"
-                         f"{s[name]['images_per_s']['median']:>10.1f}"
-                         f"{s[name]['server_cpu_ms_per_image']['median']:>15.2f}"
-                         f"{s[name]['trainer_cpu_ms_per_image']['median']:>16.2f}"
-                         f"{f'{ratio:.2f}x' if ratio else '':>13}")
-    if "skipped_peers" in res:
-        lines += ["", res["skipped_peers"]]
-    if res["check_problems"]:
-        lines += ["", "CHECK FAILED:"] + [f"  - {x}" for x in res["check_problems"]]
-    return "\n".join(lines)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cores = len(os.sched_getaffinity(0))
     ap = scenario_parser(__doc__)
@@ -342,7 +314,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_scenario(parse_args(argv), run, report)
+    return run_scenario(parse_args(argv), run)
 
 
 if __name__ == "__main__":

@@ -118,36 +118,12 @@ def run(args: Any) -> dict[str, Any]:
     return res
 
 
-def report(res: dict[str, Any]) -> str:
-    p, d = res["params"], res["data"]
-    lines = [f"token budgets: batch_tokens={p['budget']} vs fixed batch_size on the same data, "
-             f"world_size {p['world']}, {p['workers']} server workers, {p['repeats']} repeats",
-             f"data: {d['samples']} samples, {d['tokens']} tokens, median length "
-             f"{d['median_length']:.0f}, mean {d['mean_length']:.0f}, max {d['max_length']}", ""]
-    head = (f"{'system':<16} {'waste':>6} {'imbal med':>9} {'p95':>6} {'max':>6} "
-            f"{'max slots':>9} {'batches/s':>9} {'M real tok/s':>12}")
-    lines += [head, "-" * len(head)]
-    row = "{:<16} {:>6.1%} {:>9.1%} {:>6.1%} {:>6.1%} {:>9} {:>9.1f} {:>12.3f}"
-    lines += [row.format(f"tokens B={s['batch_tokens']}" if name == "tokens"
-                         else f"fixed n={s['batch_size']}",
-                         *(s[k] for k in ("padding_waste", "imbalance_median", "imbalance_p95",
-                                          "imbalance_max", "largest_padded_batch")),
-                         s["batches_per_s"]["median"], s["real_tokens_per_s"]["median"] / 1e6)
-              for name, s in res["systems"].items()]
-    r = res["ratio_tokens_over_fixed"]
-    lines += ["", f"ratio tokens / fixed: real tokens/s {r['real_tokens_per_s']:.2f}, padding "
-                  f"waste {r['padding_waste']:.2f}"]
-    lines += ["", "CHECK PROBLEMS:", *(f"  - {x}" for x in res["check_problems"])
-              ] if res["check_problems"] else []
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = scenario_parser(__doc__)
     for name in FULL:
         ap.add_argument(f"--{name}", type=int, default=None)
     ap.add_argument("--workers", type=int, default=2)
-    return run_scenario(ap.parse_args(argv), run, report)
+    return run_scenario(ap.parse_args(argv), run)
 
 
 if __name__ == "__main__":

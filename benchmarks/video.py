@@ -235,23 +235,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def report(res: dict[str, Any]) -> str:
-    p = res["parameters"]
-    lines = ["", f"video: {p['videos']} H.264 videos 480x360 30 fps 6 s (B-frames, GOP 48); "
-                 f"clip of {FRAMES} frames every {STRIDE}nd -> {SIZE}x{SIZE}, batch {BATCH}; "
-                 f"{p['repeats']} repeats x {p['epochs']} epochs; clips/s medians, CPU ms/clip",
-             ""]
-    for w, s in res["summary"].items():
-        lines.append(f"  W={w}: peer (PyAV Dataset, DataLoader) {s['peer']['median']:6.1f}/s "
-                     f"{1000 * s['peer_cpu']['median']:5.0f} ms | stoker format: video "
-                     f"{s['stoker']['median']:6.1f}/s {1000 * s['stoker_cpu']['median']:5.0f} "
-                     f"ms | format: python {s['python']['median']:6.1f}/s "
-                     f"{1000 * s['python_cpu']['median']:5.0f} ms | stoker / peer "
-                     f"{s['ratio']['median']:.2f}x")
-    lines.append(f"  target >= {TARGET}x at every W: {'met' if res['meets_target'] else 'NOT met'}")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = scenario_parser(__doc__)
     ap.add_argument("--videos", type=int)
@@ -260,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     args = ap.parse_args(argv)
     settle(args, QUICK, FULL)
-    return run_scenario(args, run, report)
+    return run_scenario(args, run)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ Three ways to move the same bytes, batch by batch, on this machine:
   False, every other argument its default): each batch one record (header, payload) on a TCP
   connection beside gRPC, sent from the workers' shared memory, received into the reused
   buffer. The default path; its ratio to raw TCP is the `sock/TCP` column.
-- stoker shm: the same loader with its default same-host delivery: payloads read from the
-  workers' shared memory, gRPC for control only (docs/protocol.md#same-host-delivery).
+- stoker shm: the same loader with shared memory and no data connection (which on one host
+  would win over it): payloads read from the workers' shared memory, gRPC for control only
+  (docs/protocol.md#same-host-delivery).
 - stoker TLS: the default path to a second server with `server.tls` (a self-signed
   certificate made for this run): the data connection is TLS, as between machines.
 - raw TCP: a sender process sock.sendall()s the same number of bytes per batch from a
@@ -66,6 +67,9 @@ LABELS = {"tcp": "raw TCP", "tls": "raw TLS", "stoker": "stoker frames",
           "stoker_sock": "stoker default", "stoker_tls": "stoker TLS",
           "stoker_shm": "stoker shm", "memcpy": "memcpy"}
 STOKERS = ("stoker", "stoker_sock", "stoker_tls", "stoker_shm")
+# The path each stoker system must have taken (RemoteLoader.stats()["transport"]).
+RAN_AS = {"stoker": "frames", "stoker_sock": "data_socket", "stoker_tls": "data_socket",
+          "stoker_shm": "shm"}
 GB = 1e9  # GB/s means 10^9 bytes per second throughout
 SIZES = "64K,1M,4M,16M,64M"
 # Cores kept busy by processes outside this run above which the output warns of noise.
@@ -485,7 +489,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     drop_last=True, output="numpy", prefetch=args.prefetch,
                     # epochs interleaved with the other paths': none built ahead meanwhile
                     prefetch_next_epoch=False, shared_memory=name == "stoker_shm",
-                    **({"data_socket": False} if name == "stoker" else {}),
+                    # shm: no data connection, which on one host would win over it
+                    data_socket=name not in ("stoker", "stoker_shm"),
                     **({"tls": {"ca": str(cert)}} if name == "stoker_tls" else {}))
                     for name in STOKERS}
                 repeats: dict[str, list[dict[str, Any]]] = {name: [] for name in SYSTEMS}
@@ -525,9 +530,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         # the systems it is the limit of, the same bytes.
                         fastest_runs.append(fastest_again(results["tcp_limit"], ctx, p))
                 finally:
+                    ran = {name: ld.stats()["transport"] for name, ld in loaders.items()}
                     for ld in loaders.values():
                         ld.close()
-                results["sizes"].append({**p, **summarise_size(repeats),
+                results["sizes"].append({**p, **summarise_size(repeats), "transport_ran": ran,
                                          "fastest_tcp_gb_per_s": summarise(fastest_runs),
                                          "other_cores_busy": LoadMeter.other_cores(
                                              load0, LoadMeter.mark())})
@@ -541,6 +547,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results["check_problems"] = [f"{human(s['size'])} {name} repeat {m['repeat']}: {x}"
                                  for s in results["sizes"] for name in SYSTEMS
                                  for m in s["systems"][name]["repeats"] for x in m["problems"]]
+    results["check_problems"] += [f"{human(s['size'])} {name}: batches came by {got}, not {want}"
+                                  for s in results["sizes"] for name, want in RAN_AS.items()
+                                  if (got := s["transport_ran"][name]) != want]
     results["load_avg_at_end"] = list(os.getloadavg())
     results["notes"] = NOTES
     return results
@@ -598,111 +607,6 @@ NOTES = [
 
 
 # -- output ----------------------------------------------------------------------------------
-def report(res: dict[str, Any]) -> str:
-    p, m = res["parameters"], res["machine"]
-    frame = p["frame_bytes"] if p["frame_bytes"] is not None else "server default"
-    lines = [
-        "",
-        "wire: ready batches into client memory, stoker vs raw loopback TCP vs memcpy",
-        f"machine   {m['cpus_usable']} usable CPUs (cpu_count {m['cpu_count']}), "
-        f"{m['platform']}, Python {m['python']}, grpcio {m['grpcio']}",
-        f"stoker    one server on 127.0.0.1, --workers {p['workers']}, RemoteLoader "
-        f"output=numpy prefetch={p['prefetch'] or 'default'}, frame_bytes {frame}",
-        f"          server ({p['workers']} workers + front end), client and TCP peers share "
-        f"these {m['cpus_usable']} cores",
-        f"repeats   {p['repeats']} per size; each moves >= {human(p['min_bytes'])} and >= "
-        f"{p['min_batches']} batches (+1 warm-up)",
-        "",
-        f"{'batch':>9}{'samples':>14}{'batches':>9}{'raw TCP':>10}{'stoker':>10}"
-        f"{'stoker/':>9}{'socket':>9}{'sock/':>7}{'shm':>9}{'shm/':>7}{'memcpy':>10}"
-        f"   {'CPU s/GB, stoker':>18}   {'CPU s/GB, TCP':>15}",
-        f"{'':>9}{'x bytes':>14}{'timed':>9}{'GB/s':>10}{'GB/s':>10}{'TCP':>9}{'GB/s':>9}"
-        f"{'TCP':>7}{'GB/s':>9}{'TCP':>7}{'GB/s':>10}   {'client':>8}{'server':>10}"
-        f"   {'recv':>7}{'send':>8}",
-    ]
-    for s in res["sizes"]:
-        sy = s["systems"]
-        st, tc = sy["stoker"], sy["tcp"]
-        lines.append(
-            f"{human(s['size']):>9}{s['batch_size']:>5} x {human(s['sample_bytes']):>8}"
-            f"{s['timed_batches']:>9}{tc['gb_per_s']['median']:>10.3f}"
-            f"{st['gb_per_s']['median']:>10.3f}{s['ratio_stoker_over_tcp']:>9.3f}"
-            f"{sy['stoker_sock']['gb_per_s']['median']:>9.3f}"
-            f"{s['ratio_stoker_sock_over_tcp']:>7.2f}"
-            f"{sy['stoker_shm']['gb_per_s']['median']:>9.3f}"
-            f"{s['ratio_stoker_shm_over_tcp']:>7.2f}"
-            f"{sy['memcpy']['gb_per_s']['median']:>10.2f}"
-            f"   {st['client_cpu_s_per_gb']['median']:>8.3f}"
-            f"{st['peer_cpu_s_per_gb']['median']:>10.3f}"
-            f"   {tc['client_cpu_s_per_gb']['median']:>7.3f}"
-            f"{tc['peer_cpu_s_per_gb']['median']:>8.3f}")
-    lines += ["", "TLS, and the trainer's CPU (this process) per GB received, medians:",
-              f"{'batch':>9}{'raw TLS':>10}{'stoker':>9}{'stoker TLS/':>13}"
-              f"   {'trainer CPU s/GB:':<17}{'raw TCP':>9}{'raw TLS':>9}{'default':>9}"
-              f"{'def/TCP':>9}{'TLS':>8}{'TLS/TLS':>9}",
-              f"{'':>9}{'GB/s':>10}{'TLS GB/s':>9}{'raw TLS':>13}"]
-    for s in res["sizes"]:
-        sy = s["systems"]
-        c = {n: sy[n]["client_cpu_s_per_gb"]["median"] for n in SYSTEMS}
-        lines.append(
-            f"{human(s['size']):>9}{sy['tls']['gb_per_s']['median']:>10.3f}"
-            f"{sy['stoker_tls']['gb_per_s']['median']:>9.3f}"
-            f"{s['ratio_stoker_tls_over_tls']:>13.2f}   {'':<17}{c['tcp']:>9.3f}"
-            f"{c['tls']:>9.3f}{c['stoker_sock']:>9.3f}"
-            f"{s['ratio_client_cpu_sock_over_tcp']:>9.2f}{c['stoker_tls']:>8.3f}"
-            f"{s['ratio_client_cpu_tls_over_tls']:>9.2f}")
-    limit = res["tcp_limit"]
-    lines += ["", f"against the fastest raw TCP receiver ({limit['label']}: "
-                  f"{limit['best']['gb_per_s']:.2f} GB/s in the search, tcp_limit.py; "
-                  "measured again beside each size):"]
-    for s in res["sizes"]:
-        lines.append(f"  {human(s['size']):>8}  {s['fastest_tcp_gb_per_s']['median']:.2f} GB/s  "
-                     + "  ".join(
-            f"{LABELS[n]} {x:.2f}" for n, x in s["ratio_over_fastest_tcp"].items()))
-    lines += ["", "spread over repeats, GB/s [min, max]:"]
-    for s in res["sizes"]:
-        lines.append(f"  {human(s['size']):>8}  " + "  ".join(
-            f"{LABELS[n]} [{s['systems'][n]['gb_per_s']['min']:.3f}, "
-            f"{s['systems'][n]['gb_per_s']['max']:.3f}]" for n in SYSTEMS))
-    lines += ["", "stoker per size and path (medians): batches/s, first batch of an epoch, server "
-                  "CPU s/GB split into front end and workers, wire bytes per payload byte:"]
-    for s in res["sizes"]:
-        for name in STOKERS:
-            st = s["systems"][name]
-            front = st["peer_root_cpu_s_per_gb"]["median"]
-            lines.append(f"  {human(s['size']):>8} {LABELS[name]:<15}"
-                         f"{st['batches_per_s']['median']:9.1f} batches/s"
-                         f"  first batch {1000 * st['first_batch_s']['median']:6.1f} ms"
-                         f"  server: front end {front:6.3f}, workers "
-                         f"{st['peer_cpu_s_per_gb']['median'] - front:6.3f}"
-                         f"  wire/payload {st['wire_bytes_per_payload_byte']:.5f}")
-    lines += ["", "GB/s, median; bars scaled to the fastest raw TCP figure:"]
-    best = max(s["systems"]["tcp"]["gb_per_s"]["median"] for s in res["sizes"])
-    for s in res["sizes"]:
-        for name in ("tcp", "tls", "stoker", "stoker_sock", "stoker_tls", "stoker_shm"):
-            v = s["systems"][name]["gb_per_s"]["median"]
-            label = human(s["size"]) if name == "tcp" else ""
-            bar = "#" * min(60, max(1, round(40 * v / best)))
-            lines.append(f"  {label:>8} {LABELS[name]:<18} {bar:<40} {v:.3f}")
-    lines += ["", "notes:"] + [f"  - {n}" for n in res["notes"]]
-    lines.append("  - other load (cores kept busy by processes outside this run, per size): "
-                 + ", ".join(f"{human(s['size'])} {s['other_cores_busy']:.2f}"
-                             for s in res["sizes"]))
-    other = max(s["other_cores_busy"] for s in res["sizes"])
-    if other > OTHER_LOAD_WARN:
-        lines.append(f"  - WARNING: other processes kept up to {other:.2f} of "
-                     f"{m['cpus_usable']} cores busy while sizes were measured: figures are "
-                     "noisy; use more --repeats.")
-    if res["server_stderr"].strip():
-        lines += ["", "server stderr (last 4000 characters):", res["server_stderr"].rstrip()]
-    if res["check_problems"]:
-        lines += ["", "CHECK FAILED:"] + [f"  - {x}" for x in res["check_problems"]]
-    else:
-        lines.append("  - check: every batch had the expected shape, bytes and sample indices; "
-                     "the last batch of each repeat equals what was sent, byte for byte.")
-    return "\n".join(lines)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", help=f"batch sizes in bytes, K/M/G suffixes ({FULL['sizes']}; "
@@ -741,9 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     res = run(args)
     res["total_s"] = time.perf_counter() - t0
-    text = (report(res) + f"\n\ntotal wall time {res['total_s']:.1f} s "
-            f"(server start {res['server_start_s']:.1f} s)")
-    return write_results(res, text, args.json, args.json_only)
+    return write_results(res, args.json, args.json_only)
 
 
 if __name__ == "__main__":

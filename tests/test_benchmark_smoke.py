@@ -58,7 +58,11 @@ def test_quick_wire_benchmark_measures_every_system(tmp_path: Path) -> None:
         # Through gRPC every payload byte crosses the socket; through shared memory none do
         # (the stats count payload bytes either way, plus the small frames).
         assert stoker["wire_bytes_per_payload_byte"] >= 1.0
-    assert "stoker/" in result.stdout and "raw TCP" in result.stdout
+    assert "## Wire: bytes/s into client memory" in result.stdout and "raw TCP" in result.stdout
+    # Each stoker system took the path its name says (shared memory: no data connection).
+    for size in res["sizes"]:
+        assert size["transport_ran"] == {"stoker": "frames", "stoker_sock": "data_socket",
+                                         "stoker_tls": "data_socket", "stoker_shm": "shm"}
     # Every ratio is also taken against the fastest raw receiver the search found.
     limit = res["tcp_limit"]
     assert limit["best"]["gb_per_s"] == max(w["gb_per_s"] for w in limit["ways"]) > 0
@@ -66,7 +70,7 @@ def test_quick_wire_benchmark_measures_every_system(tmp_path: Path) -> None:
     for size in res["sizes"]:
         assert set(size["ratio_over_fastest_tcp"]) == {"tcp", "stoker", "stoker_sock",
                                                        "stoker_tls", "stoker_shm"}
-    assert "against the fastest raw TCP receiver" in result.stdout
+    assert "Against the fastest raw TCP receiver" in result.stdout
 
 
 @pytest.mark.timeout(180)
@@ -109,7 +113,7 @@ def test_quick_packing_benchmark_delivers_every_token(tmp_path: Path) -> None:
         assert len(system["repeats"]) == 1
         assert system["real_tokens_per_s"]["median"] > 0
     assert res["ratio_text_over_tokens"]["rows_per_s"] > 0
-    assert "ratio text / tokens" in result.stdout
+    assert "## Sequence packing" in result.stdout
 
 
 @pytest.mark.timeout(240)
@@ -171,13 +175,17 @@ def test_quick_sweep_benchmark_checks_every_jobs_bytes(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_per_batch_breakdown_runs_on_the_data_connection(tmp_path: Path) -> None:
+    out = tmp_path / "per_batch.json"
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "per_batch.py"), "--batches", "200",
-         "--repeats", "1"], capture_output=True, text=True, timeout=110, cwd=tmp_path)
+         "--repeats", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=110, cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    line = result.stdout.splitlines()[-1]
+    (repeat,) = json.loads(out.read_text())["repeats"]
     # Two workers' figures, and the path a client told it is on another machine takes.
-    assert "front end" in line and line.count(" + ") == 1 and "(data_socket)" in line, line
+    assert repeat["front_us"] > 0 and len(repeat["workers_us"]) == 2
+    assert repeat["transport"] == "data_socket"
+    assert "## Per batch: CPU by process on the data connection" in result.stdout
 
 
 def _suite(tmp_path: Path, name: str, timeout: float) -> tuple[dict, str, str]:
