@@ -149,9 +149,12 @@ def test_tokens_may_name_one_file(tmp_path: Path) -> None:
     assert "must not name a file" not in (REPO / "docs" / "configuration.md").read_text()
 
 
-def test_tuning_says_shared_memory_bypasses_compression_and_the_data_socket() -> None:
+def test_tuning_says_the_data_connection_wins_over_shared_memory_on_one_host() -> None:
+    """The rule changed (issue 41): on one host the data connection wins; shared memory is
+    the fallback and the path under TLS (the table itself: tests/test_transport_rule.py)."""
     text = (REPO / "docs" / "tuning.md").read_text()
-    assert re.search(r"`compression` and `data_socket` are\s+ignored", text)
+    assert not re.search(r"`compression` and `data_socket` are\s+ignored", text)
+    assert re.search(r"data connection too, and it wins over shared\s+memory", text)
 
 
 def test_deployment_steps_build_the_image_and_create_what_the_manifests_need() -> None:

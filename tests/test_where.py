@@ -1,6 +1,6 @@
 """The map of the code holds: no import circle at run time, every module imports only what its
 layer may (tools/where.py's LAYERS), no private module of the other package, modules and
-classes of a size one can read, and docs/design.md's "Where things live" made from the code."""
+classes of a size one can read, and docs/modules.md (the module map) made from the code."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_modules_and_classes_stay_readable() -> None:
     assert too_big == []
 
 
-def test_design_page_is_made_from_the_code() -> None:
+def test_the_module_page_is_made_from_the_code() -> None:
     assert where.current_page()[1] == where.section(where.read()), \
         "run: python tools/where.py --write"
 

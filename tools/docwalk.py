@@ -2,6 +2,7 @@
 and with --run executed in order per page, in a scratch copy of the checkout.
 
     python tools/docwalk.py [--run] [--fast] [--install] [--keep] [PAGES...]
+    python tools/docwalk.py --paths [PAGES...]   # only: every code path they name exists
 
 Blocks are fenced (```lang) or indented by four spaces. What a block is:
 
@@ -565,6 +566,100 @@ def pages() -> list[Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
+# A path of this repository a page names: it starts with one of its top folders and names a
+# file by its extension (`server/front/handshake.py`, `docs/tuning.md`).
+TOP = ("server", "client", "protos", "integrations", "benchmarks", "tests", "tools", "examples",
+       "deploy", "docker", "docs", ".ci")
+CODE_PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(re.escape(t) for t in TOP) + r")/"
+                       r"[\w./-]*\.(?:py|md|ya?ml|json|proto|sh|toml|txt|png))(?![\w/])")
+# A path within the server's or the client's package (`front/limits.py`, `fleet/hold.py`).
+SUBFOLDERS = ("front", "pool", "order", "formats", "sources", "fleet", "transport", "position",
+              "contact", "delivery")
+PACKAGE_PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(SUBFOLDERS) + r")/[\w/]*\w\.py)\b")
+# Pages that name code: the walked pages, and the READMEs beside code.
+PATH_PAGES = (ROOT / "benchmarks" / "README.md", ROOT / "docker" / "README.md")
+# A dotted name of ours: stoker.server.front.handshake, stoker.client.RemoteLoader.
+DOTTED = re.compile(r"\bstoker\.(?:server|client|v1|integrations)(?:\.\w+)+")
+PACKAGE_DIRS = {"stoker.server": "server", "stoker.client": "client",
+                "stoker.v1": "protos/stoker/v1", "stoker.integrations": "integrations"}
+
+
+def _module_file(dotted: str) -> Path | None:
+    """The file or package a dotted module name of ours is, or None."""
+    package = next((p for p in PACKAGE_DIRS if dotted == p or dotted.startswith(p + ".")),
+                   None)
+    if package is None:
+        return None
+    rest = dotted[len(package):].lstrip(".").split(".") if dotted != package else []
+    base = ROOT / PACKAGE_DIRS[package] / Path(*rest) if rest else ROOT / PACKAGE_DIRS[package]
+    if base.with_suffix(".py").is_file():
+        return base.with_suffix(".py")
+    return base / "__init__.py" if (base / "__init__.py").is_file() else None
+
+
+def _names_in(module: Path) -> set[str]:
+    """What `module` defines or imports at its top level (what a dotted name may reach)."""
+    tree = ast.parse(module.read_text())
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+            if "__all__" in names and node.value is not None:  # names a package loads lazily
+                names |= {e.value for e in ast.walk(node.value)
+                          if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def dotted_exists(dotted: str) -> bool:
+    """Whether `stoker.x.y.z` is a module of ours, or a module and a name defined in it (one
+    level: a class, a function, a constant; its attributes are not followed), or (stoker.v1)
+    a service or message of the protocol's .proto files."""
+    if _module_file(dotted) is not None:
+        return True
+    if dotted.startswith("stoker.v1.") and dotted.count(".") >= 2:
+        name = dotted.split(".")[2]
+        protos = (ROOT / PACKAGE_DIRS["stoker.v1"]).glob("*.proto")
+        if any(re.search(rf"^\s*(?:service|message|enum)\s+{name}\b", f.read_text(), re.M)
+               for f in protos):
+            return True
+    module, _, name = dotted.rpartition(".")
+    found = _module_file(module)
+    if found is None:
+        head, _, _ = module.rpartition(".")  # module.Class.attribute: the class must be there
+        found, name = _module_file(head), module.rpartition(".")[2]
+    return found is not None and name in _names_in(found)
+
+
+def missing_paths(page: Path) -> list[str]:
+    """Every code path and dotted name `page` names that does not exist in this checkout:
+    `page:line: what`. Names with placeholders (`<`, `*`, `NAME`) are not paths."""
+    out, generated = [], False
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        # The module map (tools/where.py's block) names paths within each package, and is
+        # made from the code: tests/test_where.py keeps it current.
+        generated = (generated or line.startswith("<!-- where.py: begin")) and \
+            not line.startswith("<!-- where.py: end")
+        if generated:
+            continue
+        for path in CODE_PATH.findall(line):
+            if not any(c in path for c in "*<>{}") and not re.search(r"\b[A-Z]{2,}\b", path) \
+                    and not (ROOT / path).exists() \
+                    and not (page.parent / path).exists():
+                out.append(f"{_rel(page)}:{number}: {path}")
+        for path in PACKAGE_PATH.findall(line):
+            if not any((ROOT / top / path).exists() for top in ("server", "client")):
+                out.append(f"{_rel(page)}:{number}: {path}")
+        for dotted in DOTTED.findall(line):
+            if not dotted_exists(dotted.rstrip(".")):
+                out.append(f"{_rel(page)}:{number}: {dotted}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="docwalk", description=__doc__.split("\n\n")[0])
     parser.add_argument("pages", nargs="*", type=Path, help="default: README.md, docs/*.md")
@@ -574,7 +669,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="run install steps too (a fresh venv; needs the package index)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folders")
     parser.add_argument("-v", "--verbose", action="store_true", help="details of ok blocks too")
+    parser.add_argument("--paths", action="store_true",
+                        help="only check that every code path and stoker.* name the pages "
+                        "name exists (exit 1 naming those that do not)")
     args = parser.parse_args(argv)
+    if args.paths:
+        missing = [m for path in args.pages or [*pages(), *PATH_PAGES]
+                   for m in missing_paths(path.resolve())]
+        print("\n".join(missing) or "every code path the pages name exists")
+        return 1 if missing else 0
     failed = 0
     for path in args.pages or pages():
         results = walk(path.resolve(), args.run, args.fast, args.install, args.keep)

@@ -1,7 +1,8 @@
-"""The map of the code: docs/design.md's "Where things live", made from the code itself.
+"""The map of the code: docs/modules.md (design.md's "Where things live" in full), made from the
+code itself.
 
     python tools/where.py            # print the section
-    python tools/where.py --write    # rewrite it in docs/design.md
+    python tools/where.py --write    # rewrite it in docs/modules.md
     python tools/where.py --check    # exit 1, saying what differs, when the page is stale
 
 Each module's row is its docstring's first sentence and the modules of ours it imports at run
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGE = ROOT / "docs" / "design.md"
+PAGE = ROOT / "docs" / "modules.md"
 BEGIN = "<!-- where.py: begin (made by `python tools/where.py --write`; edit LAYERS there) -->"
 END = "<!-- where.py: end -->"
 # Import name -> folder, as pyproject's package-dir maps them.
@@ -339,7 +340,7 @@ def section(modules: dict[str, Module]) -> str:
 
 
 def current_page() -> tuple[str, str, str]:
-    """docs/design.md cut into what comes before the section, the section, and after."""
+    """docs/modules.md cut into what comes before the section, the section, and after."""
     text = PAGE.read_text()
     start, end = text.index(BEGIN), text.index(END) + len(END)
     return text[:start], text[start:end], text[end:]
@@ -347,7 +348,7 @@ def current_page() -> tuple[str, str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--write", action="store_true", help="rewrite docs/design.md's section")
+    parser.add_argument("--write", action="store_true", help="rewrite docs/modules.md's section")
     parser.add_argument("--check", action="store_true", help="fail when the page is stale")
     args = parser.parse_args(argv)
     modules = read()
@@ -357,8 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         PAGE.write_text(before + made + after)
     elif args.check:
         if current_page()[1] != made:
-            print("docs/design.md's 'Where things live' is stale: run python tools/where.py "
-                  "--write", file=sys.stderr)
+            print("docs/modules.md is stale: run python tools/where.py --write",
+                  file=sys.stderr)
             return 1
     else:
         print(made)

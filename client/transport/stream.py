@@ -72,7 +72,7 @@ class StreamSpec:
     finish: Callable[[Assembled], Any]  # an assembled batch -> what the loop is given
     shm_probe: pb.SharedMemoryProbe | None = None  # None: no shared memory
     compression: str = ""  # "" or "zstd"
-    data_socket: bool = True  # ask for a data connection (used where shared memory is not)
+    data_socket: bool = True  # ask for a data connection: on one host too it wins over shm
     link: DataLink = field(default_factory=DataLink)  # how to connect and claim one
     transports: Transports | None = None  # where each stream notes the path it got
     # (epoch, batch index) -> the batch of 0 rows a server answers OUT_OF_RANGE for (all its
