@@ -65,18 +65,20 @@ def pipeline(r: dict[str, Any], plots: Path) -> list[str]:
     p = r["parameters"]
     return [f"{r['data']['images']} JPEGs ~375x500 → random resized crop 224 → flip → normalize "
             f"→ float32 CHW, batch {p['batch_size']}, {p['repeats']} repeats per system; "
-            f"stoker batches via {TRANSPORT_LABELS[transport_of(p)]}{_ran(r['sweep'])}.",
+            f"stoker batches via {TRANSPORT_LABELS[transport_of(p)]}"
+            f"{_ran(r['sweep'], transport_of(p))}.",
             "", *_table(["W", "system", "images/s median [min, max]", "vs DataLoader",
                          "CPU ms/batch, all processes"], rows),
             _spdl_note(r), "", _save(fig, plots, _plot_name("pipeline", p)), ""]
 
 
-def _ran(blocks: list[dict[str, Any]]) -> str:
+def _ran(blocks: list[dict[str, Any]], transport: str) -> str:
     """What the loaders' stats() said carried their batches, where the run recorded it."""
     ran = sorted({t for b in blocks for t in b.get("transport_ran", {}).values()})
     if not ran:
         return (" (the path that ran was not recorded: on one host a run from before "
-                "`--transport shm` turned the data connection off may have used it)")
+                "`--transport shm` turned the data connection off may have used it)"
+                if transport == "shm" else "")
     return f" (`stats()[\"transport\"]`: {', '.join(ran)})"
 
 
@@ -624,29 +626,34 @@ def renderer(ref: str) -> Section:
     return getattr(importlib.import_module(module), name)
 
 
-def provenance_lines(r: dict[str, Any]) -> list[str]:
-    """Where a section's figures come from: the commit, the command, the machine, the peers."""
-    p = r.get("provenance")
-    if not p or not p.get("commit"):
-        when = r.get("started") or (p or {}).get("started") or "at an unrecorded time"
-        return [f"Commit: not recorded (run started {when}, before results recorded their "
-                "commit): older code, whatever `python -m benchmarks --stale` says of it.", ""]
+def provenance_lines(scenario: Scenario, r: dict[str, Any]) -> list[str]:
+    """Where a section's figures come from: the command, the commit, the machine, the peers."""
+    params = r.get("parameters", r.get("params", {}))
+    quick = bool(params.get("quick"))
+    p = r.get("provenance") or {}
+    command = p.get("command") or scenario.command(quick)
+    small = " (quick mode: small settings, indicative only)" if quick else ""
+    if not p.get("commit"):
+        when = r.get("started") or p.get("started") or "at an unrecorded time"
+        return [f"`{command}`{small}; run started {when}. Commit: not recorded (measured "
+                "before results recorded their commit): older code, whatever `python -m "
+                "benchmarks --stale` says of it.", ""]
     m = p["machine"]
     load = "/".join(f"{x:.2f}" for x in m["load_before"])
     dirty = (f", with {len(p['uncommitted'])} file(s) changed but not committed"
              if p.get("uncommitted") else "")
     peers = ", ".join(f"{k} {v}" for k, v in p.get("peers", {}).items())
-    return [f"Commit `{p['commit'][:10]}` ({p['commit_date'][:10]}){dirty}; `{p['command']}` "
-            f"(started {p['started']}); {m['cores']} cores ({m['cores_usable']} usable), "
-            f"{m['cpu']}, load {load} before the run (1, 5, 15 min); Python {m['python']}"
-            + (f"; {peers}" if peers else "") + ".", ""]
+    return [f"`{command}`{small}; run started {p['started']}. Commit `{p['commit'][:10]}` "
+            f"({(p.get('commit_date') or '')[:10]}){dirty}; {m['cores']} cores "
+            f"({m['cores_usable']} usable), {m['cpu']}, load {load} before the run (1, 5, "
+            f"15 min); Python {m['python']}" + (f"; {peers}" if peers else "") + ".", ""]
 
 
 def render(scenario: Scenario, r: dict[str, Any], plots: Path) -> list[str]:
     """The scenario's sections of the page from its results `r`, each with its provenance."""
     lines: list[str] = []
     for title, ref in scenario.sections:
-        lines += [f"## {title}", "", *provenance_lines(r), *renderer(ref)(r, plots)]
+        lines += [f"## {title}", "", *provenance_lines(scenario, r), *renderer(ref)(r, plots)]
     return lines
 
 

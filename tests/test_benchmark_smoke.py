@@ -149,8 +149,17 @@ def test_the_suite_runs_scenarios_and_generates_the_page(tmp_path: Path) -> None
     for row in stall["costs"]:  # each system's steps took at least the compute time
         for name in ("sync", "dataloader", "stoker"):
             assert row[name]["step_over_compute"] >= 0.99
+    # Provenance, stamped by the one writer (benchmarks/_measure.py) and printed per section.
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    prov = stall["provenance"]
+    assert prov["commit"] == head and prov["commit_date"]
+    assert prov["command"] == "python -m benchmarks --only stall --quick"
+    assert prov["machine"]["cores"] >= 1 and len(prov["machine"]["load_before"]) == 3
+    assert prov["machine"]["cpu"] and prov["peers"]["torch"] != "not installed"
     text = page.read_text()
     assert "## Stall: simulated training" in text and "## Start-up" in text
+    assert text.count(f"Commit `{head[:10]}`") == 2
     assert "Not measured in this run (no wire.json in results/)" in text
     assert (page.parent / "benchmarks" / "stall.png").stat().st_size > 1000
 
