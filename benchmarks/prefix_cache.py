@@ -7,8 +7,9 @@ same cores.
     python benchmarks/prefix_cache.py --json out.json
 
 Pipeline (benchmarks/pipeline.py's): JPEG ~375x500 -> random resized crop 224 -> flip ->
-normalize, float32 CHW, batches of 32, read with RemoteLoader over shared memory. The prefix
-is the decode (the first step is random): the cache holds each image's full RGB pixels.
+normalize, float32 CHW, batches of 32, read with a default RemoteLoader (on one host: the
+data connection). The prefix is the decode (the first step is random): the cache holds each
+image's full RGB pixels.
 Each repeat starts a fresh server (an empty cache), reads epoch 0, then epoch 1; the figure
 is samples/s of each and their ratio (issue 17's target: >= 2.5x). An epoch of a server
 without the cache is measured too, so that the cut of the pipeline is seen to cost epoch 0

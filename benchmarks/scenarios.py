@@ -88,7 +88,7 @@ def _siblings(path: Path) -> set[str]:
             and n not in ("__main__.py", "scenarios.py")}
 
 
-IMAGES = ("numpy", "Pillow", "simplejpeg")  # the server's image decode
+IMAGES = ("numpy", "Pillow", "simplejpeg", "opencv-python-headless")  # the server's decode, resize
 TORCH = ("torch",)
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("pipeline", "pipeline.py",

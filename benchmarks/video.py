@@ -13,7 +13,7 @@ GOP, in MP4, made here with PyAV's libx264. A sample is one random clip per vide
   the keyframe before a seeded start, decode, keep every 2nd frame from the start, convert
   each kept one to 112x112 RGB with FFmpeg's scaler; torch DataLoader, W workers.
 - stoker: `format: video`, `clip: {frames: 16, stride: 2}`, `size: 112`, W workers, read with
-  RemoteLoader over shared memory.
+  a default RemoteLoader (on one host: the data connection).
 - python: the peer's Dataset as a `format: python` factory, W workers.
 
 Figures: clips/s over whole epochs (median over repeats), the ratio stoker / peer (issue
