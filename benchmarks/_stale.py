@@ -49,6 +49,8 @@ def why_stale(scenario: Scenario, results: Path) -> str | None:
     if dirty:
         return (f"measured at {commit[:10]} with uncommitted changes to what it exercises: "
                 + ", ".join(dirty[:5]))
+    if scenario.needs_cuda and r.get("skipped"):  # current, but its main part did not run
+        return f"measured at {commit[:10]} without its GPU part ({r['skipped']})"
     return None
 
 

@@ -107,6 +107,13 @@ def test_a_scenario_that_needs_cuda_is_marked_where_there_is_none(tmp_path: Path
     assert [s.name for s in scenarios.SCENARIOS if s.needs_cuda] == ["gpu"]
     (gpu,) = [line for line in stale_lines(tmp_path) if line.startswith("gpu ")]
     assert gpu.endswith("[needs a CUDA device, which this machine does not have]")
+    # Measured on today's code without CUDA: the CPU stand-in is current, the GPU part is not.
+    (tmp_path / "gpu.json").write_text(json.dumps(
+        {"skipped": "no CUDA device", "provenance": {"commit": _git("rev-parse", "HEAD"),
+                                                     "commit_date": "", "uncommitted": []}}))
+    (gpu,) = [line for line in stale_lines(tmp_path) if line.startswith("gpu ")]
+    assert "without its GPU part (no CUDA device)" in gpu and gpu.endswith(
+        "[needs a CUDA device, which this machine does not have]")
 
 
 @pytest.mark.parametrize("label", sorted(TRANSPORTS))
