@@ -6,7 +6,7 @@ DataLoader, same videos, same number of workers, H.264 and VP9 apart.
     python benchmarks/video.py --workers 1 2 --videos-dir /tmp/v --json out.json
 
 Videos (issue 49's): 480x360, 30 fps, 6 s, a 48-frame GOP; half H.264 with B-frames
-(3, pyramid) in MP4, half VP9 in WebM (libvpx's good deadline, alt-ref frames on), made here
+(3, pyramid) in MP4, half VP9 in WebM (libvpx's good deadline, constant quality), made here
 with PyAV's encoders (`--videos-dir` keeps them for the next run). A sample is one random clip
 per video per epoch: 16 frames, every 2nd, 112x112 RGB, uint8 TCHW, batches of 8.
 
@@ -58,8 +58,8 @@ QUICK = {"videos": 12, "repeats": 1, "epochs": 2}
 TARGETS = {"h264": 1.5, "vp9": 1.15}  # stoker's clips per CPU second over the peer's
 FRAMES, STRIDE, SIZE, BATCH = 16, 2, 112, 8
 HERE = Path(__file__).resolve().parent
-# codec -> (encoder, suffix, options): a 48-frame GOP; H.264 with a B-pyramid, VP9 as libvpx
-# makes it for the web (two-pass-like "good" deadline, hidden alt-ref frames).
+# codec -> (encoder, suffix, options): a 48-frame GOP; H.264 with a B-pyramid, VP9 from
+# libvpx's "good" deadline at constant quality (about H.264's bitrate here).
 ENCODERS = {
     "h264": ("libx264", ".mp4", {"preset": "veryfast", "x264-params":
              "bframes=3:b-pyramid=normal:keyint=48:min-keyint=48:scenecut=0"}),
