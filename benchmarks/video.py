@@ -1,7 +1,7 @@
 """Video clips, per core: `format: video` against a careful PyAV clip Dataset in torch
 DataLoader, same videos, same number of workers, H.264 and VP9 apart.
 
-    python benchmarks/video.py                 # 48 videos, W = 2, 3 repeats
+    python benchmarks/video.py                 # 48 videos, W = 2, 5 repeats
     python benchmarks/video.py --quick         # 12 videos, W = 2, 1 repeat
     python benchmarks/video.py --workers 1 2 --videos-dir /tmp/v --json out.json
 
@@ -53,7 +53,7 @@ from _measure import (
 from stoker.client import RemoteLoader
 from stoker.server import ServerProcess, write_config
 
-FULL = {"videos": 48, "repeats": 3, "epochs": 3}
+FULL = {"videos": 48, "repeats": 5, "epochs": 3}
 QUICK = {"videos": 12, "repeats": 1, "epochs": 2}
 TARGETS = {"h264": 1.5, "vp9": 1.15}  # stoker's clips per CPU second over the peer's
 FRAMES, STRIDE, SIZE, BATCH = 16, 2, 112, 8
