@@ -367,7 +367,7 @@ def video(r: dict[str, Any], plots: Path) -> list[str]:
             "trainer and the server's whole tree), stoker's over the peer's. Targets: "
             f"{'met' if r['meets_target'] else 'NOT met'}.", "",
             *_table(["codec", "W", "peer CPU ms/clip", "stoker CPU ms/clip", "per core",
-                     "peer clips/s", "stoker clips/s"], rows), "",
+                     "peer clips/s", "stoker clips/s"], rows), *_video_load(r),
             "Where it comes from: stoker decodes from the keyframe before the clip to its last "
             "frame and no further, and skips what no kept frame refers to (FFmpeg's "
             "`skip_frame = NONREF` on frames it does not keep: H.264, HEVC); it opens a file "
@@ -376,6 +376,18 @@ def video(r: dict[str, Any], plots: Path) -> list[str]:
             "kept from frame to frame, resizing and converting to RGB in one pass; "
             "threads only where cores are spare (fewer workers than cores: a worker decodes a "
             "batch's clips on threads). " + _video_bound(share), ""]
+
+
+def _video_load(r: dict[str, Any]) -> list[str]:
+    """A note where the host was busy when the run started: clips/s then says which system's
+    threads won more of the shared cores, not how fast either is; CPU per clip still holds."""
+    machine = r.get("machine", {})
+    load, cpus = machine.get("load_avg_at_start", [0])[0], machine.get("cpus_usable", 1)
+    if load < cpus:
+        return []
+    return [f"The host was busy (load average {load:.1f} on {cpus} usable CPUs at the start): "
+            "clips/s measures the share of the cores each system's threads won, not its speed; "
+            "read CPU per clip.", ""]
 
 
 def _video_bound(share: dict[str, float]) -> str:

@@ -83,10 +83,11 @@ class FrameTable:
 # Opening a file, FFmpeg's probe (avformat_find_stream_info) opens a decoder of its own and
 # decodes the first frames to learn what the header leaves out: the pixel format, H.264's
 # reordering delay. Nothing here needs them before decoding (the decoder finds them in the
-# bitstream; frames are matched by pts, not by output order), and it cost a third of a clip's
-# decoding in VP9: 2.8 ms per open against 0.15 ms (480x360, the first frame decoded twice),
+# bitstream; frames are matched by pts, not by output order), and it cost a ninth of a VP9
+# clip's CPU: 2.8 ms per open against 0.15 ms (480x360 WebM: its first frame decoded twice),
 # 0.85 against 0.25 ms in MP4/H.264. Allowing the demuxer no decoder skips it; the decoder
-# PyAV opens is its own and takes no container option. The same bytes come out (tests).
+# PyAV opens is its own and takes no container option. The same bytes come out
+# (tests/test_video.py, tests/test_video_decode.py).
 _NO_PROBE_DECODER = {"codec_whitelist": "none"}
 
 
@@ -112,8 +113,8 @@ def open_video(source: str | bytes) -> tuple[Any, Any]:
     except VideoError:
         container = None  # its own error, if any, comes from the plain open below
     if container is None or not _sized(container):
-        # A container whose header does not give the picture's size (raw streams, some
-        # MPEG-TS): opened again with FFmpeg's probe decoding a few frames to find it.
+        # Neither the header nor the demuxer's parser gave the picture's size: opened again
+        # the usual way, FFmpeg's probe decoding the first frames to find it.
         if container is not None:
             container.close()
         container = _open(source, None)
