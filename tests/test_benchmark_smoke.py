@@ -312,7 +312,8 @@ def test_lockstep_reports_the_repeat_with_the_median_ratio_to_its_own_bound(
 
 
 @pytest.mark.timeout(200)
-def test_video_benchmark_measures_stoker_the_peer_and_format_python(tmp_path: Path) -> None:
+def test_video_benchmark_measures_stoker_and_the_peer_per_core_on_each_codec(
+        tmp_path: Path) -> None:
     pytest.importorskip("av")
     out = tmp_path / "video.json"
     done = subprocess.run(
@@ -321,6 +322,11 @@ def test_video_benchmark_measures_stoker_the_peer_and_format_python(tmp_path: Pa
         capture_output=True, text=True, timeout=170, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     res = json.loads(out.read_text())
-    (row,) = res["rows"]
-    assert all(row[k] > 0 for k in ("peer", "stoker", "python", "stoker_cpu"))
-    assert row["ratio"] == pytest.approx(row["stoker"] / row["peer"])
+    assert [row["codec"] for row in res["rows"]] == ["h264", "vp9"]
+    for row in res["rows"]:
+        for system in ("peer", "stoker"):
+            assert row[system]["clips_per_s"] > 0 and row[system]["cpu_per_clip"] > 0
+        assert 0 < row["stoker"]["server_cpu_per_clip"] < row["stoker"]["cpu_per_clip"]
+        assert row["per_core"] == pytest.approx(
+            row["peer"]["cpu_per_clip"] / row["stoker"]["cpu_per_clip"])
+    assert res["reference_share"]["vp9"] == 1.0 and 0 < res["reference_share"]["h264"] < 1

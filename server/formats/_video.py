@@ -15,7 +15,9 @@ sent with the decoder's `skip_frame = NONREF`, so that a frame no other frame re
 B-frames) is dropped unparsed, while reference frames are still decoded. Only for the codecs
 in `SKIPS_NONREF`, whose decoders read the setting per picture: dav1d (AV1) reads it once at
 open and then drops frames that are wanted (measured: half the clips fell back to a full
-decode), and VP9 measured no faster.
+decode), and VP9 gains nothing: every frame libvpx makes refreshes a reference slot (all of
+the benchmark's VP9 frames are references, against 52% of its H.264 ones), so a VP9 clip
+costs every frame from the keyframe before it to its last.
 
 Workers are processes, one per core: decoders run on one thread each (no frame threads, whose
 delay would also hold frames back). Not thread-safe: one container per call.
@@ -78,13 +80,44 @@ class FrameTable:
         return np.maximum(np.searchsorted(self.pts, ticks.astype(np.int64), "right") - 1, 0)
 
 
+# Opening a file, FFmpeg's probe (avformat_find_stream_info) opens a decoder of its own and
+# decodes the first frames to learn what the header leaves out: the pixel format, H.264's
+# reordering delay. Nothing here needs them before decoding (the decoder finds them in the
+# bitstream; frames are matched by pts, not by output order), and it cost a ninth of a VP9
+# clip's CPU: 2.8 ms per open against 0.15 ms (480x360 WebM: its first frame decoded twice),
+# 0.85 against 0.25 ms in MP4/H.264. Allowing the demuxer no decoder skips it; the decoder
+# PyAV opens is its own and takes no container option. The same bytes come out
+# (tests/test_video.py, tests/test_video_decode.py).
+_NO_PROBE_DECODER = {"codec_whitelist": "none"}
+
+
+def _open(source: str | bytes, options: dict[str, str] | None) -> Any:
+    try:
+        return av.open(io.BytesIO(source) if isinstance(source, bytes) else source, "r",
+                       container_options=options)
+    except av.FFmpegError as e:
+        raise VideoError(f"FFmpeg cannot open it: {e.strerror or e}") from None
+
+
+def _sized(container: Any) -> bool:
+    """Whether its first video stream's picture size is known (from the header alone)."""
+    ctx = container.streams.video[0].codec_context if container.streams.video else None
+    return bool(ctx is not None and ctx.width)
+
+
 def open_video(source: str | bytes) -> tuple[Any, Any]:
     """(container, its first video stream) of a file's path or of a file's bytes (a tar
     member, a parquet cell), or VideoError naming what FFmpeg said."""
     try:
-        container = av.open(io.BytesIO(source) if isinstance(source, bytes) else source, "r")
-    except av.FFmpegError as e:
-        raise VideoError(f"FFmpeg cannot open it: {e.strerror or e}") from None
+        container = _open(source, _NO_PROBE_DECODER)
+    except VideoError:
+        container = None  # its own error, if any, comes from the plain open below
+    if container is None or not _sized(container):
+        # Neither the header nor the demuxer's parser gave the picture's size: opened again
+        # the usual way, FFmpeg's probe decoding the first frames to find it.
+        if container is not None:
+            container.close()
+        container = _open(source, None)
     if not container.streams.video:
         container.close()
         raise VideoError("no video stream")
@@ -144,17 +177,22 @@ class FrameTables:
         return table
 
 
-# One FFmpeg scaler per thread, kept from frame to frame. `VideoFrame.to_ndarray(...)` makes
-# a new one for every frame, and setting up its filters cost more than the scaling itself:
-# 0.84 ms a frame against 0.25 ms kept, 480x360 to 112x112 (the same bytes out).
+# One FFmpeg scaler per thread, kept from frame to frame. `VideoFrame.to_ndarray(...)` made
+# a new one for every frame before PyAV 17, and setting up its filters cost more than the
+# scaling itself: 0.84 ms a frame against 0.25 ms kept, 480x360 to 112x112 (the same bytes).
 _scalers = threading.local()
+# On one thread: workers are processes, one per core, and since PyAV 17 the scaler splits
+# each frame over threads on every core by default, which cost 20% more CPU a frame here
+# (0.18 against 0.15 ms, 480x360 to 112x112 RGB; the same bytes).
+_ONE_THREAD: dict[str, Any] = ({"threads": 1} if int(av.__version__.split(".")[0]) >= 17
+                               else {})
 
 
 def _reformat(frame: Any, **how: Any) -> Any:
     scaler = getattr(_scalers, "scaler", None)
     if scaler is None:
         scaler = _scalers.scaler = VideoReformatter()
-    return scaler.reformat(frame, **how)
+    return scaler.reformat(frame, **how, **_ONE_THREAD)
 
 
 def _rgb(frame: Any, width: int | None = None, height: int | None = None) -> np.ndarray:
