@@ -33,7 +33,7 @@ from stoker.server.pool.assign import Assignment, BatchFailed
 from stoker.server.pool.batch import planned_layout
 from stoker.server.pool.handle import WorkerHandle
 from stoker.server.pool.messages import FailureKind, Part, PartBuilt, Task
-from stoker.server.pool.parts import MISFIT, RESENDS, Plan, parts_for
+from stoker.server.pool.parts import MISFIT, RESENDS, Plan, parts_for, workers_for
 
 from conftest import StartServer, server_env
 
@@ -349,3 +349,17 @@ def test_a_part_whose_worker_hung_is_not_sent_again() -> None:
 def test_parts_are_a_few_ms_of_work_each(n: int, per_sample: float | None, workers: int,
                                          parts: int) -> None:
     assert parts_for(n, per_sample, workers) == parts
+
+
+@pytest.mark.parametrize(("n", "per_sample", "idle", "parts"), [
+    (256, 0.002, 0, 5),  # 0.5 s of work on a busy pool: parts of 0.1 s (issue 49)
+    (256, 0.002, 16, 16),  # ... and over every idle worker
+    (32, 0.002, 0, 1),  # 64 ms (lockstep's batches): whole while no worker idles
+    (32, 0.002, 3, 3),  # ... and over the idle ones
+    (256, 0.002, -4, 5),  # more jobs queued than workers idle
+    (256, None, 0, 1),  # not measured yet: over the idle workers only
+    (1024, 0.002, 0, 16),  # 2 s of work: at most one part a ready worker
+])
+def test_a_busy_pool_cuts_only_batches_long_enough_for_parts_of_a_tenth_of_a_second(
+        n: int, per_sample: float | None, idle: int, parts: int) -> None:
+    assert parts_for(n, per_sample, workers_for(n, per_sample, idle, 16)) == parts

@@ -41,6 +41,18 @@ MIN_ROWS = 8
 # Work per part aimed at: a few ms, so that a batch's latency is a few parts' time at most,
 # and parts spread over every worker while the messages stay a small share of it.
 PART_SECONDS = 0.005
+# A batch is cut over the workers that would otherwise idle (parts of PART_SECONDS); beyond
+# those, into parts of at least this much work. Built whole by one worker, a batch costs its
+# stream batch_size samples' time of latency, and a rank's rate is its window over that
+# latency (docs/design.md, Little's law): one rank's default window (12 batches against 2
+# servers x 8 workers) kept at most that many workers busy on batches of 256 x 2 ms (0.5 s
+# whole): 0.73 of their capacity, and the batch the loop awaited outlived the client's
+# hedging patience (0.5 s) and was built twice (issue 49). Parts of 0.1 s let one batch in
+# flight keep 5 workers busy, and leave lockstep's quick batches (32 x 2 ms) whole unless
+# workers idle, even measured 3 times slower: a part costs the front end and a worker
+# messages, wake-ups and a mapping (4 parts doubled both sides' CPU a 1 MiB batch), which
+# buy a busy pool nothing where the window hides a whole batch.
+BUSY_PART_SECONDS = 0.1
 # A batch measured cheaper than this, whole, is one part (a plain Task, as before splitting):
 # 64 KiB batches of 16 samples cost mostly their messages.
 CHEAP_SECONDS = 0.002
@@ -83,6 +95,16 @@ def parts_for(n: int, per_sample: float | None, workers: int) -> int:
     return max(1, min(most, round(whole / PART_SECONDS)))
 
 
+def workers_for(n: int, per_sample: float | None, idle: int, ready: int) -> int:
+    """The workers a batch of `n` samples may be cut over: the `idle` ones (those that would
+    otherwise have nothing to build), or, if more, as many of the `ready` ones as its whole
+    build (`per_sample`: measured seconds per sample; None: not yet) has parts of
+    BUSY_PART_SECONDS or more."""
+    if per_sample is None:
+        return idle
+    return max(idle, min(ready, int(n * per_sample / BUSY_PART_SECONDS)))
+
+
 class Splitter:
     """Which batches are cut into parts, and into how many (guarded by the pool's lock)."""
 
@@ -97,15 +119,17 @@ class Splitter:
         self._misfits: dict[str, int] = {}
         self.per_sample = 0.0  # over every dataset: what capacity() reports (0: none yet)
 
-    def plan_locked(self, dataset: str, n: int, workers: Callable[[], int]) -> Plan | None:
-        """How to cut a batch of `n` samples of `dataset` over `workers()` workers at most;
-        None: built whole by one worker. Per batch submitted, on the front end's thread: the
-        usual answers for small batches come first, cheaply."""
+    def plan_locked(self, dataset: str, n: int, workers: Callable[[], tuple[int, int]]
+                    ) -> Plan | None:
+        """How to cut a batch of `n` samples of `dataset`, `workers()` being (the workers
+        that would otherwise idle, the workers ready); None: built whole by one worker. Per
+        batch submitted, on the front end's thread: the usual answers for small batches come
+        first, cheaply."""
         per_sample = self._per_sample.get(dataset)
         if (n < 2 * MIN_ROWS or dataset not in self._fields
                 or (per_sample is not None and n * per_sample < CHEAP_SECONDS)):
             return None
-        parts = parts_for(n, per_sample, workers())
+        parts = parts_for(n, per_sample, workers_for(n, per_sample, *workers()))
         if parts <= 1 or self._misfits.get(dataset, 0) * 4 > max(
                 self._split.get(dataset, 0), MISFITS_MIN * 4 - 1):
             return None

@@ -134,7 +134,7 @@ class WorkerPool:
         with self._lock:
             self._check_locked()
             plan = None if sources else self._jobs.splitter.plan_locked(
-                dataset, len(indices), self._idle_locked)
+                dataset, len(indices), self._workers_locked)
             if plan is None:
                 fut = self._jobs.add_locked(dataset, indices, ahead, key, sources, stream)
                 inline, wake = self._hand_out_locked()
@@ -170,15 +170,12 @@ class WorkerPool:
                                                     segment, stream))
             return (fut, *self._hand_out_locked())
 
-    def _idle_locked(self) -> int:
-        """Workers that would otherwise have nothing to build: those idle, less the jobs
-        queued. A batch is cut over these only: a part costs the front end and a worker
-        pipe messages, wake-ups and a mapping of the pool's segment (on this project's VMs,
-        4 parts a 1 MiB batch doubled both sides' CPU a batch), which buy latency only
-        where workers would otherwise wait; on a busy pool the window hides a whole
-        batch's latency."""
-        idle = sum(w.ready and not w.jobs for w in self._workers.workers)
-        return idle - len(self._jobs.queue)
+    def _workers_locked(self) -> tuple[int, int]:
+        """(Workers that would otherwise have nothing to build: those idle, less the jobs
+        queued; workers ready), which a batch is cut over (parts.workers_for)."""
+        workers = self._workers.workers
+        idle = sum(w.ready and not w.jobs for w in workers)
+        return idle - len(self._jobs.queue), sum(w.ready for w in workers)
 
     def _hand_out_locked(self) -> tuple[bool, bool]:
         """After a submit: (whether this thread hands out, on the loop; whether it wakes the
