@@ -121,19 +121,19 @@ class Files(Sampled):
         # Physical row (across the files, in order) of each sample; None: no row deleted.
         self._kept: np.ndarray | None = None
         if deleted and any(len(v) for v in deleted.values()):
-            starts = dict(zip(keys, np.concatenate(
+            first = dict(zip(keys, np.concatenate(
                 [[0], np.cumsum(self._file_rows(keys))])[:-1].tolist(), strict=True))
-            gone = np.concatenate([np.asarray(p, np.int64) + starts[k]
-                                   for k, p in deleted.items() if k in starts] or [[]])
+            gone = np.concatenate([np.asarray(p, np.int64) + first[k]
+                                   for k, p in deleted.items() if k in first] or [[]])
             self._kept = np.setdiff1d(np.arange(self._rows.length, dtype=np.int64),
                                       gone.astype(np.int64), assume_unique=False)
         self.length = self._rows.length if self._kept is None else len(self._kept)
         if self.length == 0:
             raise LakeError(f"{what}: no rows", "FAILED_PRECONDITION")
-        starts = self._rows.shard_starts
-        self.shard_starts = (starts if self._kept is None else
-                             np.unique(np.searchsorted(self._kept, starts)).astype(np.int64))
-        self.shard_starts = self.shard_starts[self.shard_starts < self.length]
+        groups = self._rows.shard_starts
+        shards = (groups if self._kept is None else
+                  np.unique(np.searchsorted(self._kept, groups)).astype(np.int64))
+        self.shard_starts = shards[shards < self.length]
         self.sample_lengths = None if cfg.length_column is None else self._lengths
 
     def _file_rows(self, keys: list[str]) -> list[int]:

@@ -337,6 +337,7 @@ class Columns:
                     raise ValueError(f"field {field.name!r}: time_column {field.time_col!r} "
                                      "holds a null")
                 path = column.values[row].as_py()
+                assert self.storage is not None, "decode: video_frames reads a storage's videos"
                 field.frames.write(out, field.name, self.storage, path,
                                    float(times.values[row]), rng)
             elif field.decode == "utf8":
