@@ -68,6 +68,18 @@ def library(cfg: Any, module: str) -> Any:
                         "`lake` extra (pip install 'stoker[lake]')") from None
 
 
+def pinned_gone(latest: Callable[[], Any], pinned: bool) -> bool:
+    """Whether a pinned version that did not open is gone (or never was): the table's latest
+    version opens. Else the store itself did not answer (or the table is not there)."""
+    if not pinned:
+        return False
+    try:
+        latest()
+    except Exception:
+        return False
+    return True
+
+
 def object_store_options(s3: Any, upper: bool) -> dict[str, str]:
     """The dataset's S3 endpoint and region as delta-rs and Lance (Rust object_store) take
     them; credentials come from the environment's standard chain, as boto3's do."""

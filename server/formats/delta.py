@@ -12,7 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._lake import Access, Files, LakeError, check_columns, library, object_store_options
+from ._lake import (
+    Access,
+    Files,
+    LakeError,
+    check_columns,
+    library,
+    object_store_options,
+    pinned_gone,
+)
 
 # Reader features whose tables read right without anything of stoker's own.
 PLAIN = {"timestampNtz", "vacuumProtocolCheck", "v2Checkpoint", "typeWidening",
@@ -29,9 +37,12 @@ def _open(cfg: Any, s3: Any) -> Any:
         if cfg.as_of is not None:
             table.load_as_version(cfg.as_of)
     except Exception as e:
-        missing = "not found" in str(e).lower() or "invalid" in str(e).lower()
-        raise LakeError(f"delta table {cfg.source} {pin}: cannot open: {type(e).__name__}: "
-                        f"{e}", "NOT_FOUND" if missing else "UNAVAILABLE") from None
+        gone = pinned_gone(lambda: deltalake.DeltaTable(cfg.source, storage_options=opts),
+                           cfg.version is not None or cfg.as_of is not None)
+        raise LakeError(f"delta table {cfg.source} {pin}: cannot open"
+                        f"{' (removed by vacuum, or never made)' if gone else ''}: "
+                        f"{type(e).__name__}: {e}", "NOT_FOUND" if gone else "UNAVAILABLE"
+                        ) from None
     return table
 
 

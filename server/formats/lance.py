@@ -13,7 +13,7 @@ import numpy as np
 
 from ..order.sampling import EpochKey
 from ._contract import Sampled
-from ._lake import Access, LakeError, check_columns, library, object_store_options
+from ._lake import Access, LakeError, check_columns, library, object_store_options, pinned_gone
 from .parquet import Columns
 
 
@@ -26,11 +26,12 @@ def _open(cfg: Any, s3: Any) -> Any:
     try:
         return lance.dataset(cfg.source, version=pin, storage_options=opts)
     except Exception as e:
-        text = str(e).lower()
-        missing = "not found" in text or "not exist" in text or "no such" in text
-        raise LakeError(f"lance dataset {cfg.source} {what}: cannot open (removed by "
-                        f"cleanup_old_versions?): {type(e).__name__}: {e}",
-                        "NOT_FOUND" if missing else "UNAVAILABLE") from None
+        gone = pinned_gone(lambda: lance.dataset(cfg.source, storage_options=opts),
+                           pin is not None)
+        raise LakeError(f"lance dataset {cfg.source} {what}: cannot open"
+                        f"{' (removed by cleanup_old_versions, or never made)' if gone else ''}"
+                        f": {type(e).__name__}: {e}", "NOT_FOUND" if gone else "UNAVAILABLE"
+                        ) from None
 
 
 def current(cfg: Any, s3: Any) -> str:
