@@ -66,6 +66,9 @@ SCENARIOS: dict[str, tuple[str, list[str], list[str]]] = {
     "lockstep": ("lockstep.py", [], ["--quick"]),
     # Video clips: format: video against a PyAV clip Dataset in DataLoader (issue 40).
     "video": ("video.py", [], ["--quick"]),
+    # The same rows as loose parquet, Iceberg, Delta and Lance: global shuffle against
+    # shuffle: block, local disk and S3 (issue 52).
+    "tables": ("tables.py", [], ["--quick"]),
 }
 
 

@@ -21,6 +21,7 @@ from _page import table as _table
 from report_fleet import fastest_tcp, fleet, gpu, pipeline_batch
 from report_orders import orders
 from report_tfdata import tfdata
+from tables import section as tables_section
 
 Section = Callable[[dict[str, Any], Path], list[str]]
 
@@ -607,6 +608,8 @@ SECTIONS: list[tuple[str, str, Section]] = [
     ("tfdata", "tf.data service and tf.data: the same pipeline from TFRecord", tfdata),
     ("lockstep", "Lockstep: ranks that step together", lockstep),
     ("video", "Video clips: format: video against a PyAV Dataset", video),
+    ("tables", "Tables in lakes: parquet, Iceberg, Delta and Lance, global and block shuffle",
+     tables_section),
 ]
 
 

@@ -14,6 +14,7 @@ Light: pydantic only, as every config module.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, Field, model_validator
@@ -44,8 +45,9 @@ class LakeDataset(DatasetBase):
     # table is, not what it holds: neither is in the fingerprint's config content.
     pins: ClassVar[tuple[str, ...]] = ()
     not_content: ClassVar[frozenset[str]] = frozenset({"s3"})
-    # The library a dataset of this format needs, and the extra that installs it.
+    # The library a dataset of this format needs (its distribution and import names).
     library: ClassVar[str] = ""
+    module: ClassVar[str] = ""
 
     columns: list[str] | None = Field(None, min_length=1)
     # column -> a decode (`image`, `utf8`, ...), or a mapping of parquet's field options
@@ -88,6 +90,10 @@ class LakeDataset(DatasetBase):
     def _one_pin(self) -> LakeDataset:
         if self.fields is None:
             raise ValueError("columns (a list of the table's columns) or fields is required")
+        if self.module and importlib.util.find_spec(self.module) is None:
+            raise ValueError(f"format: {self.format} needs {self.library}, which is not "
+                             "installed: install stoker's `lake` extra "
+                             "(pip install 'stoker[lake]')")
         given = [p for p in self.pins if getattr(self, p) is not None]
         if len(given) > 1:
             raise ValueError(f"{' and '.join(given)}: give at most one (none: the current "

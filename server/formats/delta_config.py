@@ -23,6 +23,7 @@ class DeltaDataset(LakeDataset):
     pins: ClassVar[tuple[str, ...]] = ("version", "as_of")
     not_content: ClassVar[frozenset[str]] = frozenset({"s3", "source"})
     library: ClassVar[str] = "deltalake"
+    module: ClassVar[str] = "deltalake"
 
     def at_snapshot(self, snapshot: str) -> DeltaDataset:
         return self.model_copy(update={"version": int(snapshot), "as_of": None})

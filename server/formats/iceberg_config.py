@@ -53,6 +53,7 @@ class IcebergDataset(LakeDataset):
     pins: ClassVar[tuple[str, ...]] = ("snapshot_id", "ref", "as_of")
     not_content: ClassVar[frozenset[str]] = frozenset({"s3", "catalog"})
     library: ClassVar[str] = "pyiceberg"
+    module: ClassVar[str] = "pyiceberg"
 
     def at_snapshot(self, snapshot: str) -> IcebergDataset:
         return self.model_copy(update={"snapshot_id": int(snapshot), "ref": None,

@@ -23,6 +23,7 @@ class LanceDataset(LakeDataset):
     pins: ClassVar[tuple[str, ...]] = ("version", "tag")
     not_content: ClassVar[frozenset[str]] = frozenset({"s3", "source"})
     library: ClassVar[str] = "pylance"
+    module: ClassVar[str] = "lance"
 
     def at_snapshot(self, snapshot: str) -> LanceDataset:
         return self.model_copy(update={"version": int(snapshot), "tag": None})
