@@ -22,7 +22,6 @@ import numpy as np
 from ..order.sampling import EpochKey
 from ..sources import Storage
 from ._contract import Sampled
-from .parquet import Parquet
 
 # A dataset's name at one snapshot, as the server's pool and workers know it: "events@123".
 VARIANT = "@"
@@ -124,6 +123,8 @@ class Files(Sampled):
     def __init__(self, cfg: Any, storage: Storage, keys: list[str], what: str,
                  snapshot: str, deleted: dict[str, np.ndarray] | None = None,
                  field_ids: dict[str, int] | None = None) -> None:
+        from .parquet import Parquet  # pyarrow: not in the front end until a table opens
+
         self.what, self.snapshot = what, snapshot
         self.storage = storage
         try:

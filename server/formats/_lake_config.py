@@ -36,6 +36,14 @@ AsOf = Annotated[datetime.datetime | None, AfterValidator(_zoned),
                  Field(description="the snapshot current at this time")]
 
 
+def _installed(module: str) -> bool:
+    """Whether `module` can be imported (looked up, not imported: config models stay light)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a finder that refuses it
+        return False
+
+
 class LakeDataset(DatasetBase):
     """`columns:` (each a field of the same name) with `decode:` per column, or parquet's
     `fields:` (output name -> a column and its options); `length_column`, `shuffle`,
@@ -90,7 +98,7 @@ class LakeDataset(DatasetBase):
     def _one_pin(self) -> LakeDataset:
         if self.fields is None:
             raise ValueError("columns (a list of the table's columns) or fields is required")
-        if self.module and importlib.util.find_spec(self.module) is None:
+        if self.module and not _installed(self.module):
             raise ValueError(f"format: {self.format} needs {self.library}, which is not "
                              "installed: install stoker's `lake` extra "
                              "(pip install 'stoker[lake]')")
