@@ -20,7 +20,7 @@ from stoker.client import RemoteLoader
 from stoker.client._errors import RemoteError
 from stoker.server import ServerProcess, write_config
 
-from conftest import StartServer, server_env
+from conftest import TOY_DATASETS, StartServer, server_env
 
 pytest.importorskip("pyiceberg")
 pytest.importorskip("deltalake")
@@ -230,3 +230,17 @@ def test_bad_input_is_named_and_the_server_serves_the_rest(
             assert e.value.code.name == code, (name, e.value)
     with loader([server.address]) as good:
         assert sorted(i for b in good for i in b["id"].tolist()) == list(range(N))
+    # A data file corrupt: the table, its version and the file are named; the rest served.
+    from deltalake import DeltaTable
+
+    part = DeltaTable(str(tmp_path / "t")).file_uris()[0]
+    Path(part).write_bytes(b"not parquet")
+    fresh = start_server({"t": table.config, "toy": TOY_DATASETS["toy"]})
+    with pytest.raises(RemoteError) as e, RemoteLoader(fresh.address, "t", batch_size=4,
+                                                       timeout=20, output="numpy") as bad:
+        bad.describe()
+    assert e.value.code.name == "FAILED_PRECONDITION", e.value
+    assert all(w in str(e.value) for w in (str(tmp_path / "t"), "version 0",
+                                           Path(part).name)), e.value
+    with RemoteLoader(fresh.address, "toy", batch_size=4, timeout=20, output="numpy") as toy:
+        assert len(next(iter(toy))["sample_index"]) == 4

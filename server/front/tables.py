@@ -35,7 +35,11 @@ log = logging.getLogger("stoker.server")
 
 
 def _abort(e: LakeError) -> Abort:
-    return Abort(getattr(grpc.StatusCode, e.code, grpc.StatusCode.FAILED_PRECONDITION), str(e))
+    """A snapshot that does not open, as its Describe or stream is answered: a data file
+    missing or corrupt is FAILED_PRECONDITION here (every server would say the same; the
+    client must not retry), DATA_LOSS only for a batch's samples."""
+    code = "FAILED_PRECONDITION" if e.code == "DATA_LOSS" else e.code
+    return Abort(getattr(grpc.StatusCode, code, grpc.StatusCode.FAILED_PRECONDITION), str(e))
 
 
 class Tables:
