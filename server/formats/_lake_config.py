@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, Field, model_validator
@@ -107,6 +108,13 @@ class LakeDataset(DatasetBase):
             raise ValueError(f"{' and '.join(given)}: give at most one (none: the current "
                              "snapshot when a job first makes contact)")
         return self
+
+    def check_among(self, name: str, datasets: Mapping[str, DatasetBase]) -> None:
+        drawn = sorted(n for n, c in datasets.items() if name in c.draws_from)
+        if drawn:
+            raise ValueError(f"datasets.{drawn[0]}: draws from {name!r}, a lake table: a "
+                             "mixture of lake tables is not served (each job reads its own "
+                             "snapshot of a table)")
 
     @property
     def pinned(self) -> bool:
