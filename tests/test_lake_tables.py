@@ -109,3 +109,64 @@ def test_each_format_serves_the_librarys_own_scan_row_for_row(
         assert min(got["id"]) == 3 and len(got["id"]) == scan.num_rows, name  # 0..2 deleted
     # Iceberg: the renamed column was read from files that wrote it as `label`.
     assert sorted(scans["events"].column("id").to_pylist()) == list(range(3, 22))
+
+
+def _open(config: dict[str, Any], tmp: Path) -> Any:
+    """The dataset `t` of `config`, opened in this process (as a worker opens it)."""
+    from stoker.server import load_config, write_config
+    from stoker.server.formats import DatasetParts, open_dataset
+
+    cfg = load_config(write_config(tmp / "c.yaml", {"datasets": {"t": config}}))
+    return DatasetParts.of(open_dataset("t", cfg))
+
+
+def test_every_pin_resolves_to_its_snapshot(tmp_path: Path) -> None:
+    import datetime
+    import time
+
+    import lance
+    from deltalake import DeltaTable
+
+    cat = iceberg_catalog(tmp_path, f"file://{tmp_path}/wh")
+    table = iceberg_table(cat)
+    snaps = [s.snapshot_id for s in table.snapshots()]
+    table.manage_snapshots().create_tag(snaps[1], "two").commit()
+    ice = {"format": "iceberg", "catalog": cat, "table": "ns.events", "columns": ["id"]}
+    second = datetime.datetime.fromtimestamp(table.snapshot_by_id(snaps[1]).timestamp_ms / 1000
+                                             + 0.0005, datetime.UTC)
+    for pin, want in (({"snapshot_id": snaps[0]}, snaps[0]), ({"ref": "two"}, snaps[1]),
+                      ({"ref": "main"}, snaps[-1]), ({"as_of": second.isoformat()}, snaps[1]),
+                      ({}, snaps[-1])):
+        ds = _open({**ice, **pin}, tmp_path)
+        assert ds.snapshot == str(want), pin
+        assert len(ds.dataset) == iceberg_scan(table, want).num_rows, pin
+    dt = delta_table(str(tmp_path / "d"))
+    time.sleep(0.01)
+    for pin, want in (({"version": 0}, 0), ({}, dt.version())):
+        ds = _open({"format": "delta", "source": str(tmp_path / "d"), "columns": ["id"], **pin},
+                   tmp_path)
+        assert ds.snapshot == str(want) and len(ds.dataset) == len(
+            DeltaTable(str(tmp_path / "d"), version=want).to_pyarrow_table()), pin
+    ln = lance_dataset(str(tmp_path / "l.lance"))
+    ln.tags.create("first", 1)
+    for pin, want in (({"version": 2}, 2), ({"tag": "first"}, 1), ({}, ln.version)):
+        ds = _open({"format": "lance", "source": str(tmp_path / "l.lance"), "columns": ["id"],
+                    **pin}, tmp_path)
+        assert ds.snapshot == str(want), pin
+        assert len(ds.dataset) == lance.dataset(str(tmp_path / "l.lance"),
+                                                version=want).count_rows(), pin
+
+
+def test_a_column_the_snapshot_lacks_and_two_pins_are_refused(tmp_path: Path) -> None:
+    from stoker.server import ConfigError, load_config, write_config
+
+    cat = iceberg_catalog(tmp_path, f"file://{tmp_path}/wh")
+    table = iceberg_table(cat)
+    first = table.snapshots()[0].snapshot_id
+    ice = {"format": "iceberg", "catalog": cat, "table": "ns.events"}
+    # `lab` is the rename's: the first snapshot's schema has `label`.
+    with pytest.raises(ValueError, match=rf"ns.events snapshot {first}: column\(s\) \['lab'\]"):
+        _open({**ice, "snapshot_id": first, "columns": ["id", "lab"]}, tmp_path)
+    with pytest.raises(ConfigError, match="snapshot_id and ref: give at most one"):
+        load_config(write_config(tmp_path / "two.yaml", {"datasets": {"t": {
+            **ice, "columns": ["id"], "snapshot_id": first, "ref": "main"}}}))
