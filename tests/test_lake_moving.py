@@ -218,7 +218,14 @@ def test_bad_input_is_named_and_the_server_serves_the_rest(
         "notable": {"format": "iceberg", "catalog": iceberg_catalog(tmp_path / "x",
                                                                     f"file://{tmp_path}/x"),
                     "table": "ns.none", "columns": ["id"]},
+        "nocatalog": {"format": "iceberg", "catalog": {"type": "rest", "uri": "http://127.0.0.1:9"},
+                      "table": "ns.t", "columns": ["id"]},
     })
+    with pytest.raises(RemoteError) as e, RemoteLoader(
+            server.address, "nocatalog", batch_size=4, timeout=3, output="numpy") as bad:
+        bad.describe()  # UNAVAILABLE: asked again until the timeout (the catalog may come up)
+    assert e.value.code.name == "UNAVAILABLE", e.value
+    assert "iceberg table ns.t: catalog http://127.0.0.1:9 did not answer" in str(e.value)
     for name, code, words in [("nocolumn", "FAILED_PRECONDITION", ["'nope'", "version 0"]),
                               ("noversion", "NOT_FOUND", ["version 99"]),
                               ("notable", None, ["ns.none"])]:

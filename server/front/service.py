@@ -54,6 +54,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("stoker.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DataService"].full_name
+# Seconds ListDatasets waits for a lake table's current snapshot to open (server/front/tables.py)
+LIST_WAIT = 10.0
 
 
 def client_of(peer: str) -> str:
@@ -186,8 +188,10 @@ class DataService:
         grant = CALLER.get()
         for name in sorted(self.tables.names):  # a lake table: at its current snapshot
             if grant.allows(name):
-                with contextlib.suppress(Abort):
-                    await self.tables.prepare(name, "")
+                # A catalog that does not answer keeps its table out of the list, not the
+                # list from the caller.
+                with contextlib.suppress(Abort, TimeoutError):
+                    await asyncio.wait_for(self.tables.prepare(name, ""), LIST_WAIT)
         return pb.ListDatasetsResponse(datasets=[
             pb.DatasetInfo(name=name, format=self._config.datasets[name].format,
                            num_samples=m.num_samples, fingerprint=fingerprint_pb(m.fingerprint))
