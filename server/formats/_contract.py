@@ -97,6 +97,11 @@ class DatasetParts:
     # Given once, after the fingerprint is known (server/sources/prefix_cache.py).
     use_prefix_cache: Callable[[Callable[[str, str], Any]], None] | None = None
 
+    # read_ahead(indices): the samples the worker reads next (a batch's, or a part's): a
+    # dataset that reads many rows at once faster than one at a time (Lance's `take`) reads
+    # them now, and serves `sample` from what it read. A hint: it may raise (the samples then
+    # read one at a time, and fail alone).
+    read_ahead: Callable[[np.ndarray], None] | None = None
     # snapshot: a lake table's snapshot (its exact id, as a string) the dataset was opened
     # at: a coordinate of the job (server/front/tables.py), in its fingerprint.
     snapshot: str | None = None

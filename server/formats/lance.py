@@ -1,8 +1,9 @@
 """`format: lance`: a Lance dataset at one version, through pylance (the `lake` extra).
 
-Rows are read by random access: sample i is `take([i])` of the version's live rows (deleted
-rows left out), its columns only, decoded as format parquet decodes them. A global shuffle
-so costs one row per sample, not a row group; `shuffle: block` permutes fragments.
+Rows are read by random access: sample i is row i of the version's live rows (deleted rows
+left out), its columns only, decoded as format parquet decodes them; a batch's rows are read
+in one `take` (`read_ahead`), a lone sample's alone. A global shuffle so costs one row per
+sample, not a row group; `shuffle: block` permutes fragments.
 """
 
 from __future__ import annotations
@@ -67,10 +68,27 @@ class Lance(Sampled):
         self.length_column = cfg.length_column
         self.sample_lengths = None if cfg.length_column is None else self._lengths
         self._own = f"lance {ds.uri.rsplit('/', 1)[-1]} version {ds.version} rows {self.length}"
+        # The rows read ahead (sorted sample indices, their decoded columns), replaced whole.
+        self._ahead: tuple[np.ndarray, Any] = (np.zeros(0, np.int64), {})
+
+    def read_ahead(self, indices: np.ndarray) -> None:
+        """A batch's rows in one `take` (one read per row: no row group, and one call, not
+        one per sample)."""
+        rows = np.unique(np.asarray(indices, np.int64))
+        rows = rows[(rows >= 0) & (rows < self.length)]
+        if len(rows) < 2:
+            return
+        decoded = self.cols.decode(self._ds.take(rows.tolist(), columns=self.cols.names))
+        if not isinstance(decoded, str):  # else each sample reads alone and says why
+            self._ahead = (rows, decoded)
 
     def sample(self, index: int, key: EpochKey) -> dict[str, Any]:
         if not 0 <= index < self.length:
             raise IndexError(f"sample {index} not in [0, {self.length})")
+        rows, ahead = self._ahead
+        at = int(np.searchsorted(rows, index))
+        if at < len(rows) and rows[at] == index:
+            return self.cols.row(ahead, at, index, key)
         try:
             table = self._ds.take([index], columns=self.cols.names)
         except Exception as e:

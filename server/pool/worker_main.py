@@ -251,6 +251,11 @@ class _Builder:
         # first-byte latency is paid ahead of time, not once per sample in turn.
         _prefetch(ds, task.indices)
         _prefetch(ds, task.ahead)
+        if ds.read_ahead is not None:
+            try:
+                ds.read_ahead(task.indices)
+            except Exception as e:  # each sample reads alone, and says why it cannot
+                log.debug("read_ahead failed: %s", e)
         return on_sample, _changed(ds, task.indices)
 
     def build(self, task: msg.Task) -> msg.Built | msg.BuildFailed:
