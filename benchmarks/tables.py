@@ -22,7 +22,8 @@ each other, not with local disk.
 
 What a random row costs: parquet, Iceberg and Delta files are read a row group at a time (a
 worker keeps one decoded), so a global shuffle decodes a row group per sample; `shuffle:
-block` reads each row group once per window. Lance reads one row (`take`) per sample.
+block` reads each row group once per window. Lance reads the rows themselves, a batch's in
+one `take`.
 """
 
 from __future__ import annotations
@@ -219,7 +220,7 @@ def section(r: dict[str, Any], plots: Any = None) -> list[str]:
              "the server tree and the client. A random row costs a row group's read and "
              "decode for parquet, Iceberg and Delta under `shuffle: global` (a worker keeps "
              "one row group decoded), once per row group under `shuffle: block`; Lance reads "
-             "the one row (`take`).", ""]
+             "the rows themselves, a batch's in one `take`.", ""]
     for where, by_format in r["results"].items():
         lines += [f"**{where}**", "",
                   "| format | rows | global samples/s | block samples/s | global CPU ms | "
