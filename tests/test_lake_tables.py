@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from lake_tables import (
@@ -22,6 +23,7 @@ from lake_tables import (
     iceberg_table,
     lance_dataset,
     lance_scan,
+    rows,
 )
 
 from stoker.client import RemoteLoader
@@ -170,3 +172,28 @@ def test_a_column_the_snapshot_lacks_and_two_pins_are_refused(tmp_path: Path) ->
     with pytest.raises(ConfigError, match="snapshot_id and ref: give at most one"):
         load_config(write_config(tmp_path / "two.yaml", {"datasets": {"t": {
             **ice, "columns": ["id"], "snapshot_id": first, "ref": "main"}}}))
+
+
+def test_positional_deletes_leave_their_rows_out_and_blocks_follow(tmp_path: Path) -> None:
+    """What iceberg.py makes of a scan task's positional deletes (pyiceberg 0.12 writes none
+    itself: its deletes rewrite files): rows left out by position in each data file, sample i
+    the i-th row left, and block shuffle's shards the row groups that keep a row."""
+    import pyarrow.parquet as pq
+
+    from stoker.server import load_config, write_config
+    from stoker.server.formats._lake import Files
+    from stoker.server.sources import open_storage
+
+    for i, start in enumerate((0, 10)):
+        pq.write_table(rows(10, start), tmp_path / f"{i}.parquet", row_group_size=4)
+    cfg = load_config(write_config(tmp_path / "c.yaml", {"datasets": {"t": {
+        "format": "delta", "source": str(tmp_path), "columns": ["id"]}}})).datasets["t"]
+    gone = {"0.parquet": np.array([0, 1, 2, 3]), "1.parquet": np.array([1, 9])}
+    files = Files(cfg, open_storage(str(tmp_path)), ["0.parquet", "1.parquet"], "table t",
+                  "7", gone)
+    kept = [4, 5, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17, 18]
+    assert [int(files[i]["id"]) for i in range(len(files))] == kept
+    # row groups: [0-3] all gone, [4-7], [8-9], [10-13], [14-17], [18-19]
+    assert files.shard_starts.tolist() == [0, 4, 6, 9, 13]
+    assert "table t: " in files.source_of(6) and "1.parquet row group 0 row 0" in \
+        files.source_of(6)
