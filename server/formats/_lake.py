@@ -12,6 +12,7 @@ served by another opening of the dataset (server/front/tables.py).
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -79,16 +80,28 @@ def pinned_gone(latest: Callable[[], Any], pinned: bool) -> bool:
     return True
 
 
+def endpoint_and_region(s3: Any) -> tuple[str | None, str | None]:
+    """The S3 endpoint and region the dataset's storage uses (its `s3:` settings, else what
+    boto3 reads from the environment), for the lake libraries, which read S3 themselves."""
+    env = os.environ
+    endpoint = (getattr(s3, "endpoint_url", None) or env.get("AWS_ENDPOINT_URL_S3")
+                or env.get("AWS_ENDPOINT_URL"))
+    region = getattr(s3, "region", None) or env.get("AWS_REGION") or env.get(
+        "AWS_DEFAULT_REGION")
+    return endpoint, region
+
+
 def object_store_options(s3: Any, upper: bool) -> dict[str, str]:
     """The dataset's S3 endpoint and region as delta-rs and Lance (Rust object_store) take
     them; credentials come from the environment's standard chain, as boto3's do."""
+    endpoint, region = endpoint_and_region(s3)
     opts = {}
-    if s3 is not None and s3.endpoint_url:
-        opts["aws_endpoint"] = s3.endpoint_url
-        if s3.endpoint_url.startswith("http://"):
+    if endpoint:
+        opts["aws_endpoint"] = endpoint
+        if endpoint.startswith("http://"):
             opts["aws_allow_http"] = "true"
-    if s3 is not None and s3.region:
-        opts["aws_region"] = s3.region
+    if region:
+        opts["aws_region"] = region
     return {k.upper(): v for k, v in opts.items()} if upper else opts
 
 

@@ -16,7 +16,15 @@ from typing import Any
 
 import numpy as np
 
-from ._lake import Access, Files, LakeError, check_columns, library, relative_key
+from ._lake import (
+    Access,
+    Files,
+    LakeError,
+    check_columns,
+    endpoint_and_region,
+    library,
+    relative_key,
+)
 
 
 def _catalog(cfg: Any, s3: Any) -> Any:
@@ -26,10 +34,11 @@ def _catalog(cfg: Any, s3: Any) -> Any:
     props: dict[str, str] = {"type": cfg.catalog.type, "uri": cfg.catalog.uri}
     if cfg.catalog.warehouse:
         props["warehouse"] = cfg.catalog.warehouse
-    if s3 is not None and s3.endpoint_url:
-        props["s3.endpoint"] = s3.endpoint_url
-    if s3 is not None and s3.region:
-        props["s3.region"] = s3.region
+    endpoint, region = endpoint_and_region(s3)
+    if endpoint:
+        props["s3.endpoint"] = endpoint
+    if region:
+        props["s3.region"] = region
     props.update(cfg.catalog.properties)
     try:
         return load_catalog(cfg.catalog.name, **props)
