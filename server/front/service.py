@@ -111,7 +111,7 @@ class DataService:
         self.mappings = shm.ReadMappings()  # of the workers' segments, kept between batches
         self._meta = meta
         # Lake tables: each snapshot a job reads, opened on its first Describe (tables.py).
-        self.tables = Tables(config)
+        self.tables = Tables(config, pool.opened)
         self.settings = config.server
         self.draining = False
         if data_sockets is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -46,8 +47,11 @@ class Tables:
     """The config's lake datasets: each one's snapshots opened here (name -> snapshot ->
     DatasetMeta), the snapshot a new job gets (`current`), and the openings under way."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any,
+                 on_open: Callable[[str, DatasetMeta], None] = lambda name, meta: None
+                 ) -> None:
         self._config = config
+        self._on_open = on_open  # told of each snapshot opened, by its pool name
         self.names = {n for n, c in config.datasets.items() if isinstance(c, LakeDataset)}
         self._opened: dict[str, dict[str, DatasetMeta]] = {n: {} for n in self.names}
         self.current: dict[str, str] = {}
@@ -152,6 +156,7 @@ class Tables:
         error = future.exception()
         if error is None:
             self._opened[key[0]][key[1]] = future.result()
+            self._on_open(variant(*key), future.result())
             log.info("dataset %r: opened %s snapshot %s", key[0], self._what(key[0]), key[1])
         elif isinstance(error, LakeError):
             if error.code != "UNAVAILABLE":  # a later ask may find the catalog up again
