@@ -222,7 +222,7 @@ def test_bad_input_is_named_and_the_server_serves_the_rest(
                       "table": "ns.t", "columns": ["id"]},
     })
     with pytest.raises(RemoteError) as e, RemoteLoader(
-            server.address, "nocatalog", batch_size=4, timeout=3, output="numpy") as bad:
+            server.address, "nocatalog", batch_size=4, timeout=8, output="numpy") as bad:
         bad.describe()  # UNAVAILABLE: asked again until the timeout (the catalog may come up)
     assert e.value.code.name == "UNAVAILABLE", e.value
     assert "iceberg table ns.t: catalog http://127.0.0.1:9 did not answer" in str(e.value)

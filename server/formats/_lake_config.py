@@ -53,6 +53,7 @@ class LakeDataset(DatasetBase):
     # Config keys that pin the snapshot (each format's own), and those that say where the
     # table is, not what it holds: neither is in the fingerprint's config content.
     pins: ClassVar[tuple[str, ...]] = ()
+    moving: ClassVar[tuple[str, ...]] = ()  # pins that name a snapshot that moves on
     not_content: ClassVar[frozenset[str]] = frozenset({"s3"})
     # The library a dataset of this format needs (its distribution and import names).
     library: ClassVar[str] = ""
@@ -118,8 +119,10 @@ class LakeDataset(DatasetBase):
 
     @property
     def pinned(self) -> bool:
-        """Whether the config pins the snapshot (else each new job takes the current one)."""
-        return any(getattr(self, p) is not None for p in self.pins)
+        """Whether the config pins one snapshot, which alone this server serves (a snapshot
+        id, a version, a tag, a time). A branch (`ref`) moves: like no pin, it is what a new
+        job gets, and a running job's snapshot is served by time travel."""
+        return any(getattr(self, p) is not None for p in self.pins if p not in self.moving)
 
     def at_snapshot(self, snapshot: str) -> LakeDataset:
         """This config pinned to `snapshot` (a SnapshotRef's `id`) by its exact id."""

@@ -51,6 +51,7 @@ class IcebergDataset(LakeDataset):
     as_of: AsOf = None
 
     pins: ClassVar[tuple[str, ...]] = ("snapshot_id", "ref", "as_of")
+    moving: ClassVar[tuple[str, ...]] = ("ref",)  # a branch moves on (and a tag may be moved)
     not_content: ClassVar[frozenset[str]] = frozenset({"s3", "catalog"})
     library: ClassVar[str] = "pyiceberg"
     module: ClassVar[str] = "pyiceberg"

@@ -34,6 +34,10 @@ from .refusal import Abort
 
 log = logging.getLogger("stoker.server")
 
+# Seconds a Describe waits for its snapshot to open before it is answered UNAVAILABLE (the
+# opening goes on): well under a client's per-call deadline (10 s).
+OPEN_WAIT = 4.0
+
 
 def _abort(e: LakeError) -> Abort:
     """A snapshot that does not open, as its Describe or stream is answered: a data file
@@ -57,7 +61,7 @@ class Tables:
         self.current: dict[str, str] = {}
         self._opening: dict[tuple[str, str], asyncio.Future[DatasetMeta]] = {}
         self._failed: dict[tuple[str, str], LakeError] = {}
-        self._settling: set[asyncio.Future[None]] = set()  # pins being resolved
+        self._settling: set[asyncio.Future[None]] = set()  # resolutions under way
         self._cache: Any = None
 
     # -- what the service asks ----------------------------------------------------------------
@@ -72,9 +76,20 @@ class Tables:
 
     async def prepare(self, name: str, wanted: str) -> None:
         """Before a Describe of `name` at snapshot `wanted` ("": a new job's): resolve it and
-        open it (or raise Abort saying why not)."""
+        open it (or raise Abort saying why not). An opening that takes longer than OPEN_WAIT
+        (a library's first import, a slow catalog) goes on, and the caller is answered
+        UNAVAILABLE: a client asks again, under its `timeout`, not its `connect_timeout`."""
         if name not in self.names:
             return
+        task = self._keep(self._prepare(name, wanted))
+        try:
+            await asyncio.wait_for(asyncio.shield(task), OPEN_WAIT)
+        except TimeoutError:
+            raise Abort(grpc.StatusCode.UNAVAILABLE,
+                        f"dataset {name!r}: opening {self._what(name)} snapshot "
+                        f"{wanted or '(current)'}; ask again") from None
+
+    async def _prepare(self, name: str, wanted: str) -> None:
         cfg = self._config.datasets[name]
         if not wanted or cfg.pinned:
             resolved = await self._resolve(name)
@@ -94,9 +109,7 @@ class Tables:
                 raise Abort(grpc.StatusCode.UNAVAILABLE,
                             f"dataset {name!r}: no snapshot resolved yet: Describe it first")
         elif cfg.pinned and name not in self.current:  # what the pin means: asked first
-            task = asyncio.ensure_future(self._settle_pin(name))
-            self._settling.add(task)
-            task.add_done_callback(self._settling.discard)
+            self._keep(self._settle_pin(name))
             raise Abort(grpc.StatusCode.UNAVAILABLE,
                         f"dataset {name!r}: resolving the snapshot its config pins; ask again")
         elif cfg.pinned and wanted != self.current[name]:
@@ -135,6 +148,14 @@ class Tables:
             return str(await asyncio.to_thread(current, cfg, self._config.s3_for(name)))
         except LakeError as e:
             raise _abort(e) from None
+
+    def _keep(self, work: Any) -> asyncio.Future[None]:
+        """`work` run as a task held until it ends (its outcome read: nobody may wait)."""
+        task = asyncio.ensure_future(work)
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return task
 
     async def _settle_pin(self, name: str) -> None:
         with contextlib.suppress(Abort):
