@@ -1,7 +1,7 @@
 """Tables in lakes: the same rows as loose parquet, an Iceberg table, a Delta table and a Lance
 dataset, served under a global shuffle and under `shuffle: block`, from local disk and from S3.
 
-    python benchmarks/tables.py                 # full sizes, 3 repeats
+    python benchmarks/tables.py                 # full sizes, 3 repeats (about 10 min here)
     python benchmarks/tables.py --quick         # small sizes, 1 repeat (a couple of minutes)
     python -m benchmarks --only tables          # the same, into docs/benchmarks.md
 
@@ -39,7 +39,7 @@ from typing import Any
 
 from _measure import machine_info, run_scenario, scenario_parser, settle
 
-FULL = {"images": 2048, "tokens": 8192, "seq": 256, "repeats": 3, "row_group": 128}
+FULL = {"images": 1024, "tokens": 4096, "seq": 256, "repeats": 3, "row_group": 128}
 QUICK = {"images": 512, "tokens": 2048, "seq": 128, "repeats": 1, "row_group": 64}
 FORMATS = ("parquet", "iceberg", "delta", "lance")
 SETS = ("images", "tokens")
