@@ -197,6 +197,11 @@ SCENARIOS: tuple[Scenario, ...] = (
              "video clips (`format: video`) against a PyAV clip Dataset in DataLoader",
              (("Video clips: format: video against a PyAV Dataset", "report:video"),),
              peers=(*TORCH, "av")),
+    Scenario("tables", "tables.py",
+             "the same rows as loose parquet, Iceberg, Delta and Lance: global shuffle against "
+             "`shuffle: block`, local disk and S3 (moto)",
+             (("Tables in lakes: parquet, Iceberg, Delta and Lance", "tables:section"),),
+             peers=("pyarrow", "pyiceberg", "deltalake", "pylance")),
 )
 BY_NAME = {s.name: s for s in SCENARIOS}
 

@@ -127,6 +127,11 @@ class RemoteLoader:
                                 timeout=o.timeout, tls=o.channels.tls, refuse=self._refuse)
         described = contact.described
         self._agreement.first(contact)
+        agreed = self._agreement.fingerprint
+        if agreed is not None and agreed.snapshot and agreed.snapshot != self._coords.snapshot:
+            # A lake table: the snapshot first contact resolved is this job's from now on,
+            # whichever server serves it, and what state_dict records.
+            self._coords = dataclasses.replace(self._coords, snapshot=agreed.snapshot)
         self._described[self._on_demand._key(epoch, start)] = described
         self._window.cap_credits(described.max_credits, contact.server.address)
         if described.HasField("capacity"):
@@ -180,6 +185,9 @@ class RemoteLoader:
         if saved.order != self._coords.order:  # the run goes on in the order it began in
             self._coords = dataclasses.replace(self._coords, order=saved.order)
             self._agreement.order = saved.order
+            self._described.clear()
+        if saved.snapshot != self._coords.snapshot:  # and on the table's snapshot it read
+            self._coords = dataclasses.replace(self._coords, snapshot=saved.snapshot)
             self._described.clear()
         self.exclude(saved.excluded.indices if saved.excluded else ())
         if saved.digest and not allow_changed_data:

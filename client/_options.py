@@ -81,6 +81,9 @@ class LoaderOptions:
     shuffle: bool = True
     drop_last: bool = True
     order: str = "index"  # a shuffled epoch's order version: ORDER_VERSIONS (docs/client.md)
+    # A lake table's snapshot to read (docs/configuration.md, "Tables in lakes"); None: the
+    # server's config pin, else the table's current snapshot at first contact.
+    snapshot: str | int | None = None
     # rank, world_size, prefetch and prefetch_bytes: None is "not given", resolved on
     # construction (default_rank_world, prefetching): ints from then on.
     rank: int = None  # type: ignore[assignment]
@@ -173,7 +176,8 @@ class LoaderOptions:
         assert self.rank is not None and self.world_size is not None  # resolved
         return Coordinates(self.dataset, self.seed, self.shuffle, self.rank, self.world_size,
                            self.batch_size or 0, self.drop_last, self.batch_tokens,
-                           self.token_cost, order=ORDER_VERSIONS[self.order])
+                           self.token_cost, order=ORDER_VERSIONS[self.order],
+                           snapshot="" if self.snapshot is None else str(self.snapshot))
 
     @property
     def on_device(self) -> bool:

@@ -344,12 +344,18 @@ def test_entrypoint_is_a_declared_console_script() -> None:
     assert cmd[:2] == ["--config", "/etc/stoker/config.yaml"]
 
 
-def test_server_image_installs_the_server_and_video_extras_and_not_torch() -> None:
+def test_server_image_installs_the_server_video_and_lake_extras_and_not_torch() -> None:
     runs = " ".join(i.args for i in instructions(SERVER_DOCKERFILE, "RUN"))
-    assert re.search(r"pip install [^&]*\.\[server,video\]", runs), "the project, [server,video]"
+    assert re.search(r"pip install [^&]*\.\[server,video,lake\]", runs), \
+        "the project, [server,video,lake]"
     assert "['optional-dependencies']['server']" in runs, "the dependency layer reads [server]"
     assert "['optional-dependencies']['video']" in runs, "the dependency layer reads [video] (PyAV)"
-    assert not any("torch" in d for d in pyproject()["project"]["optional-dependencies"]["video"])
+    assert "['optional-dependencies']['lake']" in runs, "the dependency layer reads [lake]"
+    extras = pyproject()["project"]["optional-dependencies"]
+    lake = " ".join(extras["lake"])
+    assert all(lib in lake for lib in ("pyiceberg", "deltalake", "pylance")), lake
+    assert "lake" in " ".join(extras["dev"]), "make test installs the lake extra (dev pulls it)"
+    assert not any("torch" in d for d in extras["video"] + extras["lake"])
     assert "torch" not in runs.lower()
     assert not any("torch" in d for d in pyproject()["project"]["optional-dependencies"]["server"])
     assert not any("torch" in d for d in pyproject()["project"]["dependencies"])

@@ -65,3 +65,31 @@ def test_client_with_torch_output_needs_no_server_side_packages() -> None:
         assert not heavy, heavy
     """, blocked_env("boto3", "PIL", "fastapi", "uvicorn"))
     assert result.returncode == 0, result.stderr
+
+
+def test_the_server_serves_without_the_lake_libraries_and_a_lake_dataset_names_the_extra(
+        tmp_path: Path) -> None:
+    """The lake libraries are imported only where a lake table opens: a server without them
+    serves its other datasets, and a config with a lake table names the `lake` extra."""
+    lake = ("pyiceberg", "deltalake", "lance")
+    config = write_config(tmp_path / "c.yaml", {"datasets": {"toy": TOY_DATASETS["toy"]}})
+    with ServerProcess(config, workers=1, env=blocked_env(*lake)) as server:
+        result = run_python(f"""
+            from stoker.client import RemoteLoader
+            with RemoteLoader({server.address!r}, "toy", batch_size=2, output="numpy",
+                              timeout=60) as loader:
+                print(sorted(next(iter(loader))))
+        """, blocked_env(*lake))
+        assert result.returncode == 0, result.stderr
+    assert "blocked" not in server.stderr
+    (tmp_path / "t").mkdir()
+    for fmt, source in (("delta", {"source": str(tmp_path / "t")}),
+                        ("lance", {"source": str(tmp_path / "t")}),
+                        ("iceberg", {"catalog": {"uri": "sqlite:///c.db"}, "table": "ns.t"})):
+        bad = write_config(tmp_path / f"{fmt}.yaml", {"datasets": {
+            "t": {"format": fmt, **source, "columns": ["id"]}}})
+        result = subprocess.run([sys.executable, "-m", "stoker.server", "check", str(bad)],
+                                capture_output=True, text=True, timeout=90,
+                                env={**os.environ, **blocked_env(*lake)})
+        assert result.returncode != 0, (fmt, result.stdout)
+        assert "stoker[lake]" in result.stderr and "datasets.t" in result.stderr, result.stderr

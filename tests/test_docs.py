@@ -12,12 +12,16 @@ from pydantic import BaseModel
 
 from stoker.server import _config as c
 from stoker.server.formats import FORMATS
+from stoker.server.formats._lake_config import LakeDataset
 from stoker.server.formats.audio_config import AudioDataset
 from stoker.server.formats.chat_config import ChatDataset, ChatImages
 from stoker.server.formats.config_base import Sourced
+from stoker.server.formats.delta_config import DeltaDataset
+from stoker.server.formats.iceberg_config import IcebergDataset
 from stoker.server.formats.image_config import TRANSFORMS
 from stoker.server.formats.image_folder_config import ImageFolderDataset
 from stoker.server.formats.jsonl_config import JsonField, JsonlDataset
+from stoker.server.formats.lance_config import LanceDataset
 from stoker.server.formats.litdata_config import LitdataDataset
 from stoker.server.formats.mds_config import ColumnField, MdsDataset
 from stoker.server.formats.memmap_config import MemmapDataset
@@ -62,6 +66,10 @@ SECTIONS: dict[type[BaseModel], str] = {
     VideoDataset: "#### `format: video`",
     ClipAudio: "#### `format: audio`",
     AudioDataset: "#### `format: audio`",
+    LakeDataset: "#### Tables in lakes: Iceberg, Delta, Lance",
+    IcebergDataset: "#### `format: iceberg`",
+    DeltaDataset: "#### `format: delta`",
+    LanceDataset: "#### `format: lance`",
 }
 
 
@@ -83,6 +91,8 @@ def test_every_key_of_the_model_is_in_its_section(model: type[BaseModel]) -> Non
     own = set(model.model_fields)
     if model is not Sourced:  # keys every dataset shares have the common table
         own -= documented(section(SECTIONS[Sourced])) & set(Sourced.model_fields)
+    if issubclass(model, LakeDataset) and model is not LakeDataset:  # and the lakes theirs
+        own -= documented(section(SECTIONS[LakeDataset])) | set(Sourced.model_fields)
     missing = sorted(own - documented(section(SECTIONS[model])) - {"format"})
     assert missing == [], f"{model.__name__}: not in {SECTIONS[model]!r}: {missing}"
 

@@ -23,14 +23,16 @@ class Fingerprint:
     objects: int
     bytes: int
     address: str
+    snapshot: str = ""  # a lake table's snapshot the digest covers ("": none)
 
     @classmethod
     def of(cls, fp: pb.Fingerprint, address: str) -> Fingerprint:
-        return cls(fp.digest, fp.objects, fp.bytes, address)
+        return cls(fp.digest, fp.objects, fp.bytes, address, fp.snapshot)
 
     def state(self) -> dict[str, Any]:
         """What state_dict() records."""
-        return {"digest": self.digest, "objects": self.objects, "bytes": self.bytes}
+        state = {"digest": self.digest, "objects": self.objects, "bytes": self.bytes}
+        return {**state, "snapshot": self.snapshot} if self.snapshot else state
 
 
 def short(digest: str, objects: int | None = None, nbytes: int | None = None) -> str:

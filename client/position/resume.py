@@ -37,7 +37,7 @@ LAST_EPOCH = 2**63 - 1
 # Keys a state carries into the loader that loads it: the samples the run left out (added to
 # the loader's own), and the order version (a run goes on in the order it began in). An older
 # stoker refuses such a state (its coordinates differ).
-CARRIED = ("excluded", "order")
+CARRIED = ("excluded", "order", "snapshot")
 # A shuffled epoch's order versions by name (Coordinates.order, as on the wire): "index" is a
 # keyed bijection evaluated per position, what new loaders use; "legacy" the whole epoch's
 # numpy permutation of stoker before it, which states saved then (no "order" key) resume.
@@ -62,6 +62,9 @@ class Coordinates:
     token_cost: str = "tokens"
     excluded: Excluded | None = None  # samples the run leaves out (RemoteLoader.exclude)
     order: int = ORDER_VERSIONS["index"]  # the order version (ORDER_VERSIONS)
+    # A lake table's snapshot the job reads ("": not a lake table, or not known yet: the
+    # server's config pin or the table's current snapshot, which first contact then sets).
+    snapshot: str = ""
 
     def fields(self) -> dict[str, Any]:
         """pb.Coordinates' fields, and state_dict()'s "coordinates", in that order;
@@ -74,6 +77,8 @@ class Coordinates:
             del found["batch_tokens"], found["token_cost"]
         if self.order == LEGACY:
             del found["order"]
+        if not self.snapshot:
+            del found["snapshot"]
         return found
 
     def message(self, epoch: int, start: int = 0, fingerprint: str = "") -> pb.Coordinates:
@@ -129,6 +134,7 @@ class Saved:
     fingerprint: Mapping[str, Any] | None
     excluded: Excluded | None = None
     order: int = LEGACY  # the order version it was saved in (none recorded: legacy)
+    snapshot: str = ""  # the lake table's snapshot it read ("": none)
 
     @classmethod
     def read(cls, state: Any, coords: Coordinates) -> Saved:
@@ -159,9 +165,13 @@ class Saved:
             raise ValueError(f"state_dict's 'order' must be one of "
                              f"{sorted(ORDER_VERSIONS.values())} ({', '.join(ORDER_VERSIONS)}), "
                              f"got {order!r}: saved by a newer stoker?")
+        snapshot = saved.get("snapshot", "")
+        if not isinstance(snapshot, str):
+            raise ValueError(f"state_dict's 'snapshot' must be a string (a table's snapshot "
+                             f"id), got {snapshot!r}")
         return cls(Position(found["epoch"], found["start"], found["next_batch"]),
                    found["world_size"], found["batch_size"], state.get("fingerprint") or None,
-                   Excluded.union(None, excluded), order)
+                   Excluded.union(None, excluded), order, snapshot)
 
     @property
     def digest(self) -> str:

@@ -47,6 +47,10 @@ FORMATS: dict[str, tuple[str, str]] = {
     # video and audio (PyAV, the `video` extra): issue 40
     "video": ("video_config:VideoDataset", "video:Video"),
     "audio": ("audio_config:AudioDataset", "audio:Audio"),
+    # tables in lakes, pinned to a snapshot (the `lake` extra): issue 52
+    "iceberg": ("iceberg_config:IcebergDataset", "iceberg:Iceberg"),
+    "delta": ("delta_config:DeltaDataset", "delta:Delta"),
+    "lance": ("lance_config:LanceDataset", "lance:Lance"),
 }
 
 
@@ -75,22 +79,31 @@ def __getattr__(name: str) -> Any:
 
 
 def open_dataset(name: str, config: Any, cache: Any = None,
-                 opened: dict[str, DatasetParts] | None = None) -> Dataset:
+                 opened: dict[str, DatasetParts] | None = None, cfg: Any = None) -> Dataset:
     """Open dataset `name` of a validated Config (in the calling process). `cache` is the
     process's DiskCache (needed for s3:// sources). A dataset drawn from others (a mixture)
-    takes them from `opened` (datasets this process opened already), else opens them here."""
+    takes them from `opened` (datasets this process opened already), else opens them here.
+    `cfg`: the dataset's config to open instead of the config's own (a lake table pinned to
+    one snapshot)."""
     from ..sources import open_storage, split_source
     from ._contract import DatasetParts
+    from ._lake_config import LakeDataset
     from .config_base import Sourced
 
-    cfg = config.datasets[name]
+    cfg = cfg or config.datasets[name]
     reader = _load(FORMATS[cfg.format][1])
-    if cfg.draws_from:
+    if isinstance(cfg, LakeDataset):
+        from ._lake import Access
+
+        s3 = config.s3_for(name)
+        dataset = reader(cfg, Access(s3, lambda root: open_storage(
+            root, s3, cache, int(config.cache.prefetch_bytes))))
+    elif cfg.draws_from:
         opened = opened or {}
         parts = {c: opened.get(c) or DatasetParts.of(open_dataset(c, config, cache))
                  for c in cfg.draws_from}
         return reader(cfg, parts, {c: config.datasets[c] for c in cfg.draws_from})
-    if not isinstance(cfg, Sourced):  # the user's own dataset, from their factory
+    elif not isinstance(cfg, Sourced):  # the user's own dataset, from their factory
         dataset = reader(cfg)
     else:
         root, pattern = split_source(cfg.source)

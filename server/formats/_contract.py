@@ -81,8 +81,8 @@ class DatasetParts:
     objects_of: Callable[[np.ndarray], list[str]] | None = None
     # The Storage the dataset reads through (formats read bytes only through one).
     storage: Storage | None = None
-    # fingerprint() -> str: `format: python` datasets only: a string that changes whenever the
-    # data behind the dataset does (a version, a hash of the files it reads). With the config
+    # fingerprint() -> str: `format: python` datasets and lake tables: a string that changes
+    # whenever the data behind the dataset does (a version, a snapshot). With the config
     # and len(), it makes the dataset's fingerprint (server/order/fingerprint.py), which servers
     # and clients compare: without it, two servers whose python datasets have the same
     # config and length are taken to serve the same data.
@@ -96,6 +96,15 @@ class DatasetParts:
     # scope(stage, spec) -> a _prefix_cache.Scope of one stage's entries (`spec`: its config).
     # Given once, after the fingerprint is known (server/sources/prefix_cache.py).
     use_prefix_cache: Callable[[Callable[[str, str], Any]], None] | None = None
+
+    # read_ahead(indices): the samples the worker reads next (a batch's, or a part's): a
+    # dataset that reads many rows at once faster than one at a time (Lance's `take`) reads
+    # them now, and serves `sample` from what it read. A hint: it may raise (the samples then
+    # read one at a time, and fail alone).
+    read_ahead: Callable[[np.ndarray], None] | None = None
+    # snapshot: a lake table's snapshot (its exact id, as a string) the dataset was opened
+    # at: a coordinate of the job (server/front/tables.py), in its fingerprint.
+    snapshot: str | None = None
 
     @classmethod
     def of(cls, dataset: Dataset) -> DatasetParts:

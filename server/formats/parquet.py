@@ -237,117 +237,61 @@ class _Decoded:
         self.fits = np.ones(len(ok), dtype=bool) if fits is None else fits
 
 
-class Parquet(Sampled):
-    """Thread-safe: the decoded row group is replaced as a whole, never changed in place."""
+def _decode_field(field: _Field, column: pa.Array) -> _Decoded:
+    if field.decode == "image":
+        data = column.field("bytes") if pa.types.is_struct(column.type) else column
+        ok = data.is_valid().to_numpy(zero_copy_only=False)
+        if pa.types.is_struct(column.type):  # a null struct: its bytes read as valid
+            ok &= column.is_valid().to_numpy(zero_copy_only=False)
+        return _Decoded(data, ok)
+    if field.decode in ("video", "video_frames"):
+        return _Decoded(column, column.is_valid().to_numpy(zero_copy_only=False))
+    if field.decode in ("utf8", "tokens"):
+        if field.fill is not None:
+            column = pc.fill_null(column, pa.scalar(field.fill, column.type))
+        ok = column.is_valid().to_numpy(zero_copy_only=False)
+        if field.decode == "utf8":
+            return _Decoded(column, ok)
+        texts = [t if t is not None else "" for t in column.to_pylist()]
+        assert field.tokenizer is not None  # decode: tokens has one
+        ids, lengths = field.tokenizer.encode(texts)
+        return _Decoded(ids, ok, starts=np.concatenate([[0], np.cumsum(lengths)]))
+    values, ok = dense(column, field.fill)
+    fits = np.ones(len(ok), dtype=bool)
+    dtype = field.dtype
+    if dtype is not None and dtype != values.dtype:
+        with np.errstate(all="ignore"):  # checked below instead
+            cast = values.astype(dtype)
+        if dtype.kind in "biu":  # integers must survive the cast exactly
+            same = (cast == values).reshape(len(ok), -1).all(axis=1)
+            fits = same | ~ok
+        values = cast
+    return _Decoded(values, ok, fits)
 
-    def __init__(self, cfg: Any, storage: Storage, pattern: str | None = None) -> None:
+
+class Columns:
+    """A table's configured fields (`fields:` of format parquet and of the lake formats):
+    their checks against a schema, a table's decode, a row's sample. Read-only once made: any
+    thread may use it. `storage`: where decode: video_frames finds its videos."""
+
+    def __init__(self, fields: Any, storage: Storage | None) -> None:
         self.storage = storage
-        self.fields = [_Field(name, f) for name, f in cfg.fields.items()]
+        self.fields = [_Field(name, f) for name, f in fields.items()]
         outputs = [o for f in self.fields for o in f.outputs]
         if len(set(outputs)) != len(outputs):
             raise ValueError(f"output field names collide: {sorted(outputs)}")
-        self.columns = sorted({f.col for f in self.fields}
-                              | {f.time_col for f in self.fields if f.time_col})
-        skip = cfg.on_error == "skip"
-        infos = storage.list(pattern or DEFAULT_PATTERN)
-        if not infos:
-            raise ValueError(f"{storage.url}: no files match {pattern or DEFAULT_PATTERN!r}")
-        types: dict[str, tuple[pa.DataType, str]] = {}  # column -> type, first file with it
-        group_file, group_index, group_rows = [], [], []
-        for f, o in enumerate(infos):
-            where = storage.where(o.key)
-            try:
-                with pq.ParquetFile(storage.local_path(o.key)) as pf:
-                    schema, meta = pf.schema_arrow, pf.metadata
-            except (pa.ArrowException, OSError) as e:
-                raise ValueError(f"{where}: not a readable Parquet file: {e}") from None
-            leaves: dict[str, tuple[str, ...]] = {}
-            for field in self.fields:
-                t = field.check(where, schema)
-                first = types.setdefault(field.col, (t, where))
-                if field.dtype is None and field.decode is None and first[0] != t:
-                    raise ValueError(f"{where}: field {field.name!r}: column {field.col!r} is "
-                                     f"{t}, but {first[0]} in {first[1]}; set the field's "
-                                     "dtype")
-                if field.fill is None and not skip:
-                    leaves[field.name] = field.null_leaves(t)
-            for g in range(meta.num_row_groups):
-                if leaves:
-                    self._refuse_nulls(where, g, _null_counts(meta, g), leaves)
-                group_file.append(f)
-                group_index.append(g)
-                group_rows.append(meta.row_group(g).num_rows)
-        # Fixed-width numpy arrays, not lists of str: nothing for copy-on-write to touch.
-        self.keys = np.array([o.key for o in infos])
-        self.group_file = np.array(group_file, dtype=np.int64)
-        self.group_index = np.array(group_index, dtype=np.int64)
-        self.groups = ShardIndex(group_rows)
-        self.length = self.groups.length
-        if self.length == 0:
-            raise ValueError(f"{storage.url}: no rows in {len(infos)} files")
-        self.shard_starts = self.groups.shard_starts
-        self._files: OpenMaps[pq.ParquetFile] = OpenMaps(
-            storage, lambda key, path: pq.ParquetFile(path), limit=16)
-        self._decoded: tuple[int, dict[str, _Decoded] | str] = (-1, {})
-        self.length_column = cfg.length_column
-        # An optional part (formats/_contract.py): present only with length_column.
-        self.sample_lengths = None if cfg.length_column is None else self._lengths
+        # Every column a field reads (the projection): no other column is ever read.
+        self.names = sorted({f.col for f in self.fields}
+                            | {f.time_col for f in self.fields if f.time_col})
 
-    def _lengths(self) -> np.ndarray:
-        """Each row's token count from `length_column`: a list column's list lengths, or
-        an integer column's values (read once, that column only)."""
-        col, parts = self.length_column, []
-        for key in self.keys.tolist():
-            where = self.storage.where(key)
-            with pq.ParquetFile(self.storage.local_path(key)) as pf:
-                if col not in pf.schema_arrow.names:
-                    raise ValueError(f"{where}: length_column {col!r}: no such column; the file "
-                                     f"has columns {pf.schema_arrow.names}")
-                column = pf.read(columns=[col]).column(0).combine_chunks()
-            if _is_list(column.type):
-                column = pc.list_value_length(column)
-            elif not pa.types.is_integer(column.type):
-                raise ValueError(f"{where}: length_column {col!r}: column is {column.type}, "
-                                 "expected integers (the length) or lists (their length)")
-            if column.null_count:
-                raise ValueError(f"{where}: length_column {col!r}: {column.null_count} null(s)")
-            parts.append(column.to_numpy(zero_copy_only=False).astype(np.int64))
-        out = np.concatenate(parts)
-        if len(out) and out.min() < 0:
-            raise ValueError(f"length_column {col!r}: a negative length ({int(out.min())})")
-        return out
-
-    def _refuse_nulls(self, where: str, g: int, counts: dict[str, int | None],
-                      leaves: dict[str, tuple[str, ...]]) -> None:
-        for field in self.fields:
-            paths = leaves.get(field.name, ())
-            nulls = sum(n or 0 for path, n in counts.items()
-                        if any(path == p or path.startswith(p + ".") for p in paths))
-            if nulls and field.decode == "image":
-                raise ValueError(f"{where}: field {field.name!r}: column {field.col!r} has no "
-                                 f"image bytes in {nulls} row(s) of row group {g} (images "
-                                 "stored as file paths, not embedded: `datasets` embeds them "
-                                 "in push_to_hub, not in to_parquet); set on_error: skip to "
-                                 "replace those samples")
-            if nulls:
-                raise ValueError(f"{where}: field {field.name!r}: column {field.col!r} holds "
-                                 f"{nulls} null(s) in row group {g} (a pandas NaN or None is "
-                                 "stored as a null); set the field's fill (the value a null "
-                                 "becomes), or on_error: skip to replace those samples")
-
-    def _decode(self, g: int) -> dict[str, _Decoded] | str:
-        """Row group g's fields, or why it cannot be decoded."""
-        key = str(self.keys[self.group_file[g]])
-        try:
-            table = self._files.get(key).read_row_group(
-                int(self.group_index[g]), columns=self.columns, use_threads=False)
-        except (pa.ArrowException, OSError) as e:
-            return f"cannot read the row group: {type(e).__name__}: {e}"
+    def decode(self, table: pa.Table) -> dict[str, _Decoded] | str:
+        """The fields of `table`'s rows (it holds the columns `names`), or why they cannot
+        be decoded."""
         decoded = {}
         for field in self.fields:
             column = table.column(field.col).combine_chunks()
             try:
-                decoded[field.name] = self._decode_field(field, column)
+                decoded[field.name] = _decode_field(field, column)
                 if field.time_col is not None:  # the times, a field of their own here
                     times, ok = dense(table.column(field.time_col).combine_chunks(), None)
                     decoded[f"{field.name}\0time"] = _Decoded(times.astype(np.float64), ok)
@@ -358,46 +302,9 @@ class Parquet(Sampled):
                         f"{field.decode or 'numbers'}: {type(e).__name__}: {e}")
         return decoded
 
-    @staticmethod
-    def _decode_field(field: _Field, column: pa.Array) -> _Decoded:
-        if field.decode == "image":
-            data = column.field("bytes") if pa.types.is_struct(column.type) else column
-            ok = data.is_valid().to_numpy(zero_copy_only=False)
-            if pa.types.is_struct(column.type):  # a null struct: its bytes read as valid
-                ok &= column.is_valid().to_numpy(zero_copy_only=False)
-            return _Decoded(data, ok)
-        if field.decode in ("video", "video_frames"):
-            return _Decoded(column, column.is_valid().to_numpy(zero_copy_only=False))
-        if field.decode in ("utf8", "tokens"):
-            if field.fill is not None:
-                column = pc.fill_null(column, pa.scalar(field.fill, column.type))
-            ok = column.is_valid().to_numpy(zero_copy_only=False)
-            if field.decode == "utf8":
-                return _Decoded(column, ok)
-            texts = [t if t is not None else "" for t in column.to_pylist()]
-            assert field.tokenizer is not None  # decode: tokens has one
-            ids, lengths = field.tokenizer.encode(texts)
-            return _Decoded(ids, ok, starts=np.concatenate([[0], np.cumsum(lengths)]))
-        values, ok = dense(column, field.fill)
-        fits = np.ones(len(ok), dtype=bool)
-        dtype = field.dtype
-        if dtype is not None and dtype != values.dtype:
-            with np.errstate(all="ignore"):  # checked below instead
-                cast = values.astype(dtype)
-            if dtype.kind in "biu":  # integers must survive the cast exactly
-                same = (cast == values).reshape(len(ok), -1).all(axis=1)
-                fits = same | ~ok
-            values = cast
-        return _Decoded(values, ok, fits)
-
-    def sample(self, index: int, key: EpochKey) -> dict[str, Any]:
-        g, row = self.groups.locate(index)
-        cached_g, decoded = self._decoded
-        if cached_g != g:
-            decoded = self._decode(g)
-            self._decoded = (g, decoded)  # one row group per process: block shuffle's unit
-        if isinstance(decoded, str):
-            raise ValueError(decoded)
+    def row(self, decoded: dict[str, _Decoded], row: int, index: int, key: EpochKey
+            ) -> dict[str, Any]:
+        """Row `row` of a decoded table, as sample `index` (its generator drawn from `key`)."""
         rng = (key.rng(index) if any(f.pipeline or f.frames or f.clip for f in self.fields)
                else None)
         out: dict[str, Any] = {}
@@ -430,6 +337,7 @@ class Parquet(Sampled):
                     raise ValueError(f"field {field.name!r}: time_column {field.time_col!r} "
                                      "holds a null")
                 path = column.values[row].as_py()
+                assert self.storage is not None, "decode: video_frames reads a storage's videos"
                 field.frames.write(out, field.name, self.storage, path,
                                    float(times.values[row]), rng)
             elif field.decode == "utf8":
@@ -450,6 +358,162 @@ class Parquet(Sampled):
         from ..sources.prefix_cache import use_cache
 
         use_cache(scope, [(f.name, f.pipeline) for f in self.fields])
+
+
+def _renames(schema: pa.Schema, field_ids: dict[str, int]) -> dict[str, str]:
+    """column -> its name in a file of `schema`, where the file wrote its field id under
+    another name (Iceberg: a column renamed since the file was written)."""
+    if not field_ids:
+        return {}
+    in_file = {}
+    for f in schema:
+        fid = (f.metadata or {}).get(b"PARQUET:field_id")
+        if fid is not None:
+            in_file[int(fid)] = f.name
+    return {col: in_file[fid] for col, fid in field_ids.items()
+            if fid in in_file and in_file[fid] != col}
+
+
+def _as_named(schema: pa.Schema, renames: dict[str, str]) -> pa.Schema:
+    """`schema` with its columns under the names the config gives them."""
+    if not renames:
+        return schema
+    back = {v: k for k, v in renames.items()}
+    return pa.schema([f.with_name(back[f.name]) if f.name in back else f for f in schema],
+                     metadata=schema.metadata)
+
+
+class Parquet(Sampled):
+    """Thread-safe: the decoded row group is replaced as a whole, never changed in place.
+
+    `keys`: these files, in this order, instead of what `pattern` lists (a lake table's data
+    files); `field_ids`: column -> Iceberg field id, by which a file that wrote a column under
+    an older name (renamed since) is read (the file's `PARQUET:field_id` metadata)."""
+
+    def __init__(self, cfg: Any, storage: Storage, pattern: str | None = None,
+                 keys: list[str] | None = None, field_ids: dict[str, int] | None = None
+                 ) -> None:
+        self.storage = storage
+        self.cols = Columns(cfg.fields, storage)
+        self.fields = self.cols.fields
+        self.columns = self.cols.names
+        skip = cfg.on_error == "skip"
+        infos = ([storage.info(k) for k in keys] if keys is not None
+                 else storage.list(pattern or DEFAULT_PATTERN))
+        if not infos:
+            raise ValueError(f"{storage.url}: no files match {pattern or DEFAULT_PATTERN!r}")
+        types: dict[str, tuple[pa.DataType, str]] = {}  # column -> type, first file with it
+        group_file, group_index, group_rows = [], [], []
+        # Per file: column -> its name in that file, where the two differ.
+        self._renames: list[dict[str, str]] = []
+        for f, o in enumerate(infos):
+            where = storage.where(o.key)
+            try:
+                with pq.ParquetFile(storage.local_path(o.key)) as pf:
+                    schema, meta = pf.schema_arrow, pf.metadata
+            except (pa.ArrowException, OSError) as e:
+                raise ValueError(f"{where}: not a readable Parquet file: {e}") from None
+            self._renames.append(_renames(schema, field_ids or {}))
+            schema = _as_named(schema, self._renames[-1])
+            leaves: dict[str, tuple[str, ...]] = {}
+            for field in self.fields:
+                t = field.check(where, schema)
+                first = types.setdefault(field.col, (t, where))
+                if field.dtype is None and field.decode is None and first[0] != t:
+                    raise ValueError(f"{where}: field {field.name!r}: column {field.col!r} is "
+                                     f"{t}, but {first[0]} in {first[1]}; set the field's "
+                                     "dtype")
+                if field.fill is None and not skip:
+                    leaves[field.name] = field.null_leaves(t)
+            for g in range(meta.num_row_groups):
+                if leaves:
+                    self._refuse_nulls(where, g, _null_counts(meta, g), leaves)
+                group_file.append(f)
+                group_index.append(g)
+                group_rows.append(meta.row_group(g).num_rows)
+        # Fixed-width numpy arrays, not lists of str: nothing for copy-on-write to touch.
+        self.keys = np.array([o.key for o in infos])
+        self.group_file = np.array(group_file, dtype=np.int64)
+        self.group_index = np.array(group_index, dtype=np.int64)
+        self.groups = ShardIndex(group_rows)
+        self.length = self.groups.length
+        if self.length == 0:
+            raise ValueError(f"{storage.url}: no rows in {len(infos)} files")
+        self.shard_starts = self.groups.shard_starts
+        self._files: OpenMaps[pq.ParquetFile] = OpenMaps(
+            storage, lambda key, path: pq.ParquetFile(path), limit=16)
+        self._decoded: tuple[int, dict[str, _Decoded] | str] = (-1, {})
+        self.length_column = cfg.length_column
+        # An optional part (formats/_contract.py): present only with length_column.
+        self.sample_lengths = None if cfg.length_column is None else self._lengths
+    def _lengths(self) -> np.ndarray:
+        """Each row's token count from `length_column`: a list column's list lengths, or
+        an integer column's values (read once, that column only)."""
+        col, parts = self.length_column, []
+        for f, key in enumerate(self.keys.tolist()):
+            where = self.storage.where(key)
+            with pq.ParquetFile(self.storage.local_path(key)) as pf:
+                names = _as_named(pf.schema_arrow, self._renames[f]).names
+                if col not in names:
+                    raise ValueError(f"{where}: length_column {col!r}: no such column; the file "
+                                     f"has columns {names}")
+                column = pf.read(columns=[self._renames[f].get(col, col)]).column(0)
+                column = column.combine_chunks()
+            if _is_list(column.type):
+                column = pc.list_value_length(column)
+            elif not pa.types.is_integer(column.type):
+                raise ValueError(f"{where}: length_column {col!r}: column is {column.type}, "
+                                 "expected integers (the length) or lists (their length)")
+            if column.null_count:
+                raise ValueError(f"{where}: length_column {col!r}: {column.null_count} null(s)")
+            parts.append(column.to_numpy(zero_copy_only=False).astype(np.int64))
+        out = np.concatenate(parts)
+        if len(out) and out.min() < 0:
+            raise ValueError(f"length_column {col!r}: a negative length ({int(out.min())})")
+        return out
+    def _refuse_nulls(self, where: str, g: int, counts: dict[str, int | None],
+                      leaves: dict[str, tuple[str, ...]]) -> None:
+        for field in self.fields:
+            paths = leaves.get(field.name, ())
+            nulls = sum(n or 0 for path, n in counts.items()
+                        if any(path == p or path.startswith(p + ".") for p in paths))
+            if nulls and field.decode == "image":
+                raise ValueError(f"{where}: field {field.name!r}: column {field.col!r} has no "
+                                 f"image bytes in {nulls} row(s) of row group {g} (images "
+                                 "stored as file paths, not embedded: `datasets` embeds them "
+                                 "in push_to_hub, not in to_parquet); set on_error: skip to "
+                                 "replace those samples")
+            if nulls:
+                raise ValueError(f"{where}: field {field.name!r}: column {field.col!r} holds "
+                                 f"{nulls} null(s) in row group {g} (a pandas NaN or None is "
+                                 "stored as a null); set the field's fill (the value a null "
+                                 "becomes), or on_error: skip to replace those samples")
+    def _decode(self, g: int) -> dict[str, _Decoded] | str:
+        """Row group g's fields, or why it cannot be decoded."""
+        f = int(self.group_file[g])
+        renames = self._renames[f]
+        in_file = [renames.get(c, c) for c in self.columns]
+        try:
+            table = self._files.get(str(self.keys[f])).read_row_group(
+                int(self.group_index[g]), columns=in_file, use_threads=False)
+        except (pa.ArrowException, OSError) as e:
+            return f"cannot read the row group: {type(e).__name__}: {e}"
+        if renames:
+            table = table.select(in_file).rename_columns(self.columns)
+        return self.cols.decode(table)
+
+    def sample(self, index: int, key: EpochKey) -> dict[str, Any]:
+        g, row = self.groups.locate(index)
+        cached_g, decoded = self._decoded
+        if cached_g != g:
+            decoded = self._decode(g)
+            self._decoded = (g, decoded)  # one row group per process: block shuffle's unit
+        if isinstance(decoded, str):
+            raise ValueError(decoded)
+        return self.cols.row(decoded, row, index, key)
+
+    def use_prefix_cache(self, scope: Any) -> None:
+        self.cols.use_prefix_cache(scope)
 
     def source_of(self, index: int) -> str:
         place = self.place_of(index)

@@ -43,6 +43,7 @@ from .refusal import Abort
 from .session import StreamSession
 from .session_context import SessionContext
 from .shared_batches import SharedBatches
+from .tables import Tables
 
 if TYPE_CHECKING:
     import numpy as np
@@ -53,6 +54,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("stoker.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DataService"].full_name
+# Seconds ListDatasets waits for a lake table's current snapshot to open (server/front/tables.py)
+LIST_WAIT = 10.0
 
 
 def client_of(peer: str) -> str:
@@ -69,7 +72,8 @@ def _shorten(name: str, limit: int = 100) -> str:
 
 def fingerprint_pb(fp: Fingerprint | None) -> pb.Fingerprint | None:
     return None if fp is None else pb.Fingerprint(digest=fp.digest, objects=fp.objects,
-                                                   bytes=fp.bytes, orders=ORDERS_KNOWN)
+                                                   bytes=fp.bytes, orders=ORDERS_KNOWN,
+                                                   snapshot=fp.snapshot)
 
 
 def _parse(message: Any, raw: bytes) -> Any:
@@ -106,6 +110,8 @@ class DataService:
         self.pool = pool
         self.mappings = shm.ReadMappings()  # of the workers' segments, kept between batches
         self._meta = meta
+        # Lake tables: each snapshot a job reads, opened on its first Describe (tables.py).
+        self.tables = Tables(config, pool.opened)
         self.settings = config.server
         self.draining = False
         if data_sockets is not None:
@@ -132,12 +138,16 @@ class DataService:
         """A build ended well (once per build, however many streams share it): the worker's
         figures, and a mixture's samples by component."""
         self.metrics.built(coords.dataset, batch.build_seconds, batch.skipped)
-        self.metrics.mixed(coords.dataset, self._meta[coords.dataset].ordering, indices)
+        meta = self._meta.get(coords.dataset) or self.tables.meta_of(coords.dataset)
+        if meta is not None:
+            self.metrics.mixed(coords.dataset, meta.ordering, indices)
 
     # -- read by the HTTP control plane (another thread) ------------------------------------
     @property
     def meta(self) -> dict[str, DatasetMeta]:
-        return self._meta
+        """Every dataset's meta; a lake table's at the snapshot a new job gets (once one
+        job has described it)."""
+        return {**self._meta, **self.tables.metas()}
 
     def format_of(self, dataset: str) -> str:
         return self._config.datasets[dataset].format
@@ -176,14 +186,23 @@ class DataService:
                            context: grpc.aio.ServicerContext) -> pb.ListDatasetsResponse:
         """The datasets the caller's grant may read (every one without grants)."""
         grant = CALLER.get()
+        for name in sorted(self.tables.names):  # a lake table: at its current snapshot
+            if grant.allows(name):
+                # A catalog that does not answer keeps its table out of the list, not the
+                # list from the caller.
+                with contextlib.suppress(Abort, TimeoutError):
+                    await asyncio.wait_for(self.tables.prepare(name, ""), LIST_WAIT)
         return pb.ListDatasetsResponse(datasets=[
             pb.DatasetInfo(name=name, format=self._config.datasets[name].format,
                            num_samples=m.num_samples, fingerprint=fingerprint_pb(m.fingerprint))
-            for name, m in sorted(self._meta.items()) if grant.allows(name)])
+            for name, m in sorted(self.meta.items()) if grant.allows(name)])
 
     async def DescribeDataset(self, request: pb.DescribeDatasetRequest,
                               context: grpc.aio.ServicerContext) -> pb.DescribeDatasetResponse:
         try:
+            if CALLER.get().allows(request.coordinates.dataset):  # a lake table's snapshot
+                await self.tables.prepare(request.coordinates.dataset,
+                                          request.coordinates.snapshot)
             coords, meta = self.coordinates(request.coordinates, CALLER.get(),
                                             present=request.HasField("coordinates"))
         except Abort as e:
@@ -202,7 +221,8 @@ class DataService:
         except CoordinateError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.DescribeDatasetResponse(located=located, consumed=taken,
-            dataset=coords.dataset, format=self._config.datasets[coords.dataset].format,
+            dataset=request.coordinates.dataset,
+            format=self._config.datasets[request.coordinates.dataset].format,
             num_samples=meta.num_samples, samples_per_rank=per_rank,
             batches_per_epoch=batches,
             fields=[pb.FieldSpec(name=n, dtype=d, shape=s) for n, d, s in meta.fields],
@@ -245,8 +265,16 @@ class DataService:
         if not present:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "coordinates: required")
         meta = self._meta.get(c.dataset) if grant.allows(c.dataset) else None
+        dataset = c.dataset  # as the pool names it: a lake table's at its snapshot
+        if meta is None and c.dataset in self.tables.names and grant.allows(c.dataset):
+            dataset, meta = self.tables.lookup(c.dataset, c.snapshot)
+        elif c.snapshot and meta is not None:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"snapshot: dataset {_shorten(c.dataset)} is not a lake table; it has "
+                        "no snapshots")
         if meta is None:
-            served = ", ".join(grant.visible(self._meta)) or "(none)"
+            served = ", ".join(grant.visible({**self._meta, **dict.fromkeys(
+                self.tables.names)})) or "(none)"
             raise Abort(grpc.StatusCode.NOT_FOUND,
                         f"dataset {_shorten(c.dataset)} is not served here; datasets: {served}")
         have = meta.fingerprint
@@ -258,7 +286,7 @@ class DataService:
                         "must not mix the two",
                         ((FINGERPRINT_KEY, have.digest),))
         try:
-            coords = Coordinates(c.dataset, c.seed, c.epoch, c.shuffle, c.rank, c.world_size,
+            coords = Coordinates(dataset, c.seed, c.epoch, c.shuffle, c.rank, c.world_size,
                                  c.batch_size, c.drop_last, c.start,
                                  c.batch_tokens, c.token_cost or "tokens",
                                  Exclusion.of(list(c.excluded), c.excluded_digest,

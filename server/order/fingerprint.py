@@ -9,7 +9,10 @@
   `key, size, version`: local files' version is their mtime (ns) and size, S3 objects' their
   ETag. Copies on two hosts agree only if they keep mtimes (rsync -a, cp -p);
 - `format: python`: the config, len(dataset) and the dataset's own `fingerprint()`, if it has
-  one (see formats/_contract.py).
+  one (see formats/_contract.py);
+- a lake table (`iceberg`, `delta`, `lance`): its config without the snapshot pin and the
+  table's location, and its own `fingerprint()`: the table's id and the snapshot it opened
+  at (with the data files' listing for iceberg and delta). Its `snapshot` is carried beside.
 
 Computed once by every worker when it opens its datasets; the pool compares each worker's with
 the one the server opened with (server/pool/lifecycle.py), and clients compare servers'
@@ -21,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +49,8 @@ class Fingerprint:
     # top-level folder ("cats/") or file -> (objects, digest of its lines): only to say what
     # differs between two fingerprints; not part of equality.
     parts: dict[str, tuple[int, str]] = field(default_factory=dict, compare=False, repr=False)
+    # A lake table's snapshot (its exact id) that the digest covers; "" for other datasets.
+    snapshot: str = ""
 
     def short(self) -> str:
         """`sha256:9c1d2e3f4a5b... (40 objects, 1.2 MB)` for messages."""
@@ -95,18 +100,23 @@ def _size(n: int) -> str:
 
 def config_content(cfg: Any) -> str:
     """The dataset config's fields that change its batches, as canonical JSON."""
-    data = cfg.model_dump(mode="json", exclude=NOT_CONTENT)
+    # A lake table's pin and location are left out: its snapshot counts (the dataset's own).
+    data = cfg.model_dump(mode="json", exclude=NOT_CONTENT | set(getattr(cfg, "not_content", ()))
+                          | set(getattr(cfg, "pins", ())))
     tokenizer = data.get("tokenizer")
     if tokenizer and tokenizer != "byte":  # the file's bytes, wherever it lies
         data["tokenizer"] = "sha256:" + hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()
     return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
 
-def of_listing(cfg: Any, listing: Iterable[ObjectInfo]) -> Fingerprint:
+def of_listing(cfg: Any, listing: Iterable[ObjectInfo], own: str = "") -> Fingerprint:
     """The fingerprint of a dataset read from storage, given what its storage listed, in key
-    order (as `Listing.values()` yields it: not sorted again, a listing may be millions)."""
+    order (as `Listing.values()` yields it: not sorted again, a listing may be millions);
+    `own`: what the dataset says of itself beside (a lake table's snapshot), "" for none."""
     h = hashlib.sha256(f"stoker-fingerprint {FINGERPRINT_VERSION}\n".encode())
     h.update(config_content(cfg).encode() + b"\n")
+    if own:  # else the digest stays what it was before datasets had their own
+        h.update(f"own\0{own}\n".encode())
     objects = total = 0
     parts: dict[str, tuple[int, Any]] | None = {}
     for o in listing:
@@ -136,7 +146,9 @@ def of_python(cfg: Any, length: int, own: str) -> Fingerprint:
 def fingerprint(cfg: Any, parts: DatasetParts) -> Fingerprint:
     """The fingerprint of an opened dataset (call it once it has opened: its listing is what
     its storage has seen by then)."""
+    own = str(parts.fingerprint()) if parts.fingerprint is not None else ""
     if parts.storage is not None and cfg.described_by_listing:
-        return of_listing(cfg, parts.storage.listed.values())
-    own = parts.fingerprint() if parts.fingerprint is not None else ""
-    return of_python(cfg, len(parts.dataset), str(own))
+        fp = of_listing(cfg, parts.storage.listed.values(), own)
+    else:
+        fp = of_python(cfg, len(parts.dataset), own)
+    return replace(fp, snapshot=parts.snapshot or "") if parts.snapshot else fp

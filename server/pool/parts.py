@@ -119,6 +119,11 @@ class Splitter:
         self._misfits: dict[str, int] = {}
         self.per_sample = 0.0  # over every dataset: what capacity() reports (0: none yet)
 
+    def add_locked(self, dataset: str, fields: list[tuple[str, str, tuple[int, ...]]]) -> None:
+        """A dataset opened after start (a lake table's snapshot): cut like the others."""
+        if planned_layout(fields, 1) is not None:
+            self._fields[dataset] = fields
+
     def plan_locked(self, dataset: str, n: int, workers: Callable[[], tuple[int, int]]
                     ) -> Plan | None:
         """How to cut a batch of `n` samples of `dataset`, `workers()` being (the workers

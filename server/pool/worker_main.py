@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..formats._lake import LakeError, split_variant
 from ..formats.samples import SampleError
 from ..order.fingerprint import Fingerprint, fingerprint
 from ..order.sampling import Ordering
@@ -54,9 +55,11 @@ def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int,
     logging.basicConfig(level=log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s[worker]: %(message)s")
     from ..formats import DatasetParts, open_dataset
+    from ..formats._lake_config import LakeDataset
 
     cache = None
-    if any(str(getattr(c, "source", "")).startswith("s3://") for c in config.datasets.values()):
+    if any(str(getattr(c, "source", "")).startswith("s3://") or isinstance(c, LakeDataset)
+           for c in config.datasets.values()):
         from ..sources.cache import DiskCache
 
         cache = DiskCache(config.cache.dir, int(config.cache.max_bytes), counts=cache_counts)
@@ -73,7 +76,7 @@ def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int,
             if prefixes is not None and ds.use_prefix_cache is not None:
                 ds.use_prefix_cache(prefixes.scope(prints[name].digest))
             if probe:
-                meta[name] = _describe(name, ds, config, prints[name], meta)
+                meta[name] = describe(name, ds, config, prints[name], meta)
         except Exception as e:
             # The user's traceback (their factory, their module's import) in the server's
             # log; the server's one-line error names the dataset and the exception.
@@ -83,7 +86,7 @@ def worker_main(config: Any, conn: mpc.Connection, probe: bool, log_level: int,
             return
     in_config_order = {n: meta[n] for n in config.datasets if n in meta}
     conn.send(msg.Opened(in_config_order if probe else None, prints))
-    builder = _Builder(config, datasets, progress)
+    builder = _Builder(config, datasets, progress, cache, prefixes)
     # The datasets opened live as long as this worker (a list of a million file names, say):
     # the cyclic collector leaves them out of its passes from now on.
     gc.freeze()
@@ -129,15 +132,20 @@ def _send_results(conn: mpc.Connection, held: list[Result]) -> None:
 
 
 def opening_order(config: Any) -> list[str]:
-    """The config's datasets, mixtures after the datasets they draw from (which they share)."""
-    names = list(config.datasets)
+    """The config's datasets, mixtures after the datasets they draw from (which they share).
+    Lake tables are not among them: each snapshot a job reads opens when its first batch is
+    asked for (`_Builder.dataset`; server/front/tables.py)."""
+    from ..formats._lake_config import LakeDataset
+
+    names = [n for n, c in config.datasets.items() if not isinstance(c, LakeDataset)]
     return ([n for n in names if not config.datasets[n].draws_from]
             + [n for n in names if config.datasets[n].draws_from])
 
 
-def _describe(name: str, ds: DatasetParts, config: Any, fp: Fingerprint,
-              described: dict[str, msg.DatasetMeta]) -> msg.DatasetMeta:
-    """`described`: the datasets before it in opening_order (a mixture's components)."""
+def describe(name: str, ds: DatasetParts, config: Any, fp: Fingerprint,
+             described: dict[str, msg.DatasetMeta]) -> msg.DatasetMeta:
+    """What a probe learns of dataset `name` (DatasetMeta): `described`, the datasets before
+    it in opening_order (a mixture's components)."""
     cfg = config.datasets[name]
     if cfg.draws_from:  # a mixture
         from ..formats import DrawnFrom
@@ -189,8 +197,9 @@ class _Builder:
     """Builds batches into this worker's segments."""
 
     def __init__(self, config: Any, datasets: dict[str, DatasetParts],
-                 progress: Any = None) -> None:
+                 progress: Any = None, cache: Any = None, prefixes: Any = None) -> None:
         self.config = config
+        self.cache, self.prefixes = cache, prefixes  # for the lake snapshots opened later
         self.progress = progress  # [task id, sample]: two stores per sample, no lock
         self.datasets = datasets
         self.segments = shm.SegmentPool(shm.worker_prefix(os.getppid(), os.getpid()),
@@ -202,6 +211,26 @@ class _Builder:
         # Threads a sample-threaded dataset's batch is fetched with: the cores the workers
         # leave, shared out (one per worker once there are as many workers as cores).
         self.spare = max(1, len(os.sched_getaffinity(0)) // config.server.worker_count)
+
+    def dataset(self, name: str) -> DatasetParts:
+        """The dataset the pool names `name`: one opened at start, or a lake table's snapshot
+        ("events@123"), opened here on its first batch (raises LakeError if it cannot be)."""
+        ds = self.datasets.get(name)
+        if ds is not None:
+            return ds
+        from ..formats import DatasetParts, open_dataset
+
+        base, snapshot = split_variant(name)
+        cfg = self.config.datasets[base].at_snapshot(snapshot)
+        ds = DatasetParts.of(open_dataset(base, self.config, self.cache, cfg=cfg))
+        if self.prefixes is not None and ds.use_prefix_cache is not None:
+            ds.use_prefix_cache(self.prefixes.scope(fingerprint(cfg, ds).digest))
+        self.datasets[name] = ds
+        return ds
+
+    def base(self, name: str) -> Any:
+        """The config of the dataset the pool names `name`."""
+        return self.config.datasets.get(name) or self.config.datasets[split_variant(name)[0]]
 
     def _threads(self, ds: DatasetParts) -> int:
         return self.spare if getattr(ds.dataset, "threaded_samples", False) else 1
@@ -217,16 +246,24 @@ class _Builder:
 
             def on_sample(i: int) -> None:
                 progress[1] = i
-        ds = self.datasets[task.dataset]
+        ds = self.dataset(task.dataset)
         # This batch's objects in parallel, then those of a batch further on: a store's
         # first-byte latency is paid ahead of time, not once per sample in turn.
         _prefetch(ds, task.indices)
         _prefetch(ds, task.ahead)
+        if ds.read_ahead is not None:
+            try:
+                ds.read_ahead(task.indices)
+            except Exception as e:  # each sample reads alone, and says why it cannot
+                log.debug("read_ahead failed: %s", e)
         return on_sample, _changed(ds, task.indices)
 
     def build(self, task: msg.Task) -> msg.Built | msg.BuildFailed:
-        ds = self.datasets[task.dataset]
-        skip = self.config.datasets[task.dataset].on_error == "skip"
+        try:
+            ds = self.dataset(task.dataset)
+        except Exception as e:
+            return self._failure(task, e)
+        skip = self.base(task.dataset).on_error == "skip"
         on_sample, changed = self._start(task)
         if changed:
             return self._failed(task, msg.FailureKind.DATA_LOSS,
@@ -244,8 +281,11 @@ class _Builder:
     def build_part(self, part: msg.Part) -> msg.PartBuilt | msg.BuildFailed | msg.Misfit:
         """Rows of a batch into the pool's segment. Files changed since the listing: a
         Misfit (the batch's one-worker build names the first sample that reads one)."""
-        ds = self.datasets[part.dataset]
-        skip = self.config.datasets[part.dataset].on_error == "skip"
+        try:
+            ds = self.dataset(part.dataset)
+        except Exception as e:
+            return self._failure(part, e)
+        skip = self.base(part.dataset).on_error == "skip"
         on_sample, changed = self._start(part)
         if changed:
             return msg.Misfit(part.task_id)
@@ -264,9 +304,12 @@ class _Builder:
         """A build that raised `error`, as the client is told of it."""
         dataset = f"dataset {task.dataset!r}"
         match error:
-            case StorageUnavailable():  # an outage, not bad data: the client asks elsewhere
+            case LakeError(code="UNAVAILABLE") | StorageUnavailable():
+                # an outage, not bad data: the client asks elsewhere
                 return self._failed(task, msg.FailureKind.UNAVAILABLE,
                                     f"{dataset}: {error}; another server may succeed")
+            case LakeError():  # a snapshot gone, a data file missing: named
+                return self._failed(task, msg.FailureKind.DATA_LOSS, f"{dataset}: {error}")
             case SampleError():  # its cause: the user's exception, where it is theirs
                 return self._failed(task, msg.FailureKind.DATA_LOSS, f"{dataset}: {error}",
                                     error.__cause__)
@@ -290,7 +333,7 @@ class _Builder:
         dataset running the user's code (`format: python`, `transform:`), the traceback of
         `error` from their code on. The front end logs the full text (`detail`) for the
         failures it warns about; an UNAVAILABLE one is logged here, once per message."""
-        cfg = self.config.datasets[task.dataset]
+        cfg = self.base(task.dataset)
         # A mixture runs its components' code.
         own = [self.config.datasets[c] for c in cfg.draws_from] or [cfg]
         users = any(c.runs_user_code for c in own)
@@ -361,7 +404,10 @@ class _Redact:
                 self.rules[name] = [r for c in cfg.draws_from for r in self.rules[c]]
 
     def apply(self, dataset: str, message: str) -> str:
-        for pattern, replacement in self.rules.get(dataset, ()):
+        rules = self.rules.get(dataset)
+        if rules is None:  # a lake table's snapshot: its table's rules
+            rules = self.rules.get(split_variant(dataset)[0], [])
+        for pattern, replacement in rules:
             message = pattern.sub(replacement, message)
         return message
 

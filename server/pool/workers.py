@@ -90,6 +90,13 @@ class WorkerPool:
         self._dispatcher.start()
         return meta
 
+    def opened(self, dataset: str, meta: DatasetMeta) -> None:
+        """A dataset the workers open on its first batch (a lake table's snapshot, which the
+        front end has opened for its meta): its batches may be cut into parts too."""
+        with self._lock:
+            if self._jobs.splitter is not None:
+                self._jobs.splitter.add_locked(dataset, meta.fields)
+
     @property
     def meta(self) -> dict[str, DatasetMeta]:
         """Each dataset as worker 0 opened it (empty before start())."""

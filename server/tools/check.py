@@ -32,7 +32,8 @@ def open_one(name: str, config: Any, cache: Any) -> str:
     parts = DatasetParts.of(open_dataset(name, config, cache))
     digest = fingerprint(config.datasets[name], parts).short()
     fields = probe_fields(parts)  # reads sample 0, as the server's first worker does
-    said = f"{len(parts.dataset)} samples, {digest}; fields: {_fields(fields)}"
+    at = f"snapshot {parts.snapshot}, " if parts.snapshot else ""  # a lake table's, now
+    said = f"{at}{len(parts.dataset)} samples, {digest}; fields: {_fields(fields)}"
     # A format that renders its samples (chat) shows the first ones as the model sees them.
     preview = getattr(parts.dataset, "preview", None)
     return said + "".join(f"\n        {line}" for line in (preview() if preview else []))

@@ -22,9 +22,10 @@ def datasets(args: argparse.Namespace) -> int:
     except (ContactError, ValueError) as e:
         print(e, file=sys.stderr)
         return 1
-    print(f"{'dataset':<24}{'format':<14}{'samples':>12}")
+    lakes = any(d.fingerprint.snapshot for d in reply.datasets)  # a lake table's column
+    print(f"{'dataset':<24}{'format':<14}{'samples':>12}" + ("  snapshot" if lakes else ""))
     for d in reply.datasets:
-        print(f"{d.name:<24}{d.format:<14}{d.num_samples:>12}")
+        print(f"{d.name:<24}{d.format:<14}{d.num_samples:>12}  {d.fingerprint.snapshot}".rstrip())
     return 0
 
 
@@ -144,7 +145,8 @@ def inspect(args: argparse.Namespace) -> int:
         with RemoteLoader(args.address, args.dataset, **size, seed=args.seed,
                           shuffle=not args.no_shuffle, drop_last=args.drop_last,
                           rank=args.rank, world_size=args.world_size, output="numpy",
-                          timeout=args.timeout, tls=sec.tls, token=sec.token) as loader:
+                          timeout=args.timeout, tls=sec.tls, token=sec.token,
+                          snapshot=args.snapshot) as loader:
             info = loader.describe()
             batch: dict[str, Any] = loader.batch_at(args.epoch, args.index)
             sources = loader.provenance(args.epoch, args.index)
@@ -153,7 +155,8 @@ def inspect(args: argparse.Namespace) -> int:
         return 1
     cut = (f"of up to {args.batch_tokens} tokens" if args.batch_tokens
            else f"of {args.batch_size}")
-    print(f"{info.dataset}: format {info.format}, {info.num_samples} samples, "
+    snapshot = f", snapshot {info.fingerprint.snapshot}" if info.fingerprint.snapshot else ""
+    print(f"{info.dataset}: format {info.format}{snapshot}, {info.num_samples} samples, "
           f"{info.batches_per_epoch} batches {cut} per epoch")
     print(f"\n{'field':<20}{'dtype':<10}{'per sample':<16}{'min':>12}{'max':>12}{'mean':>12}")
     for f in info.fields:
@@ -234,6 +237,9 @@ def add_commands(sub: Any) -> None:
     ins.add_argument("--rank", type=int, default=0)
     ins.add_argument("--world-size", type=int, default=1)
     ins.add_argument("--no-shuffle", action="store_true", help="dataset order")
+    ins.add_argument("--snapshot", metavar="ID",
+                     help="a lake table's snapshot id or version (default: the server's pin, "
+                          "else the current one)")
     ins.add_argument("--drop-last", action="store_true",
                      help="as RemoteLoader's default drop_last=True (here off by default: "
                           "every sample of a small dataset shows)")

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Coordinates(_message.Message):
-    __slots__ = ("dataset", "seed", "epoch", "shuffle", "rank", "world_size", "batch_size", "drop_last", "fingerprint", "start", "batch_tokens", "token_cost", "excluded", "excluded_digest", "order")
+    __slots__ = ("dataset", "seed", "epoch", "shuffle", "rank", "world_size", "batch_size", "drop_last", "fingerprint", "start", "batch_tokens", "token_cost", "excluded", "excluded_digest", "order", "snapshot")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class Coordinates(_message.Message):
     EXCLUDED_FIELD_NUMBER: _ClassVar[int]
     EXCLUDED_DIGEST_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     seed: int
     epoch: int
@@ -38,19 +39,22 @@ class Coordinates(_message.Message):
     excluded: _containers.RepeatedScalarFieldContainer[int]
     excluded_digest: str
     order: int
-    def __init__(self, dataset: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., start: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., token_cost: _Optional[str] = ..., excluded: _Optional[_Iterable[int]] = ..., excluded_digest: _Optional[str] = ..., order: _Optional[int] = ...) -> None: ...
+    snapshot: str
+    def __init__(self, dataset: _Optional[str] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shuffle: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., batch_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., start: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., token_cost: _Optional[str] = ..., excluded: _Optional[_Iterable[int]] = ..., excluded_digest: _Optional[str] = ..., order: _Optional[int] = ..., snapshot: _Optional[str] = ...) -> None: ...
 
 class Fingerprint(_message.Message):
-    __slots__ = ("digest", "objects", "bytes", "orders")
+    __slots__ = ("digest", "objects", "bytes", "orders", "snapshot")
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     ORDERS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     digest: str
     objects: int
     bytes: int
     orders: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, digest: _Optional[str] = ..., objects: _Optional[int] = ..., bytes: _Optional[int] = ..., orders: _Optional[_Iterable[int]] = ...) -> None: ...
+    snapshot: str
+    def __init__(self, digest: _Optional[str] = ..., objects: _Optional[int] = ..., bytes: _Optional[int] = ..., orders: _Optional[_Iterable[int]] = ..., snapshot: _Optional[str] = ...) -> None: ...
 
 class ListDatasetsRequest(_message.Message):
     __slots__ = ()
