@@ -88,13 +88,6 @@ def test_type_only_circles_are_found_and_the_client_has_none() -> None:
         modules)
 
 
-def test_client_modules_stay_under_300_lines() -> None:
-    long = [f"{name}: {n}" for name, path in where.all_modules().items()
-            if name.startswith("stoker.client")
-            and (n := len(path.read_text().splitlines())) > 300]
-    assert long == []
-
-
 def test_every_package_folder_is_installed() -> None:
     """A folder with an __init__.py that pyproject's packages leaves out is missing from a
     wheel (an editable install still finds it, so only a fresh install would fail)."""
