@@ -57,6 +57,75 @@ class RemoteLoader:
     Data: the loader pins the dataset's fingerprint from the first server that describes it
     and reads only from servers that have the same (DataMismatch otherwise, naming both); a
     state_dict records it, and resuming against other data is refused unless asked for.
+
+    docs/client.md#signature says more of each argument below.
+
+    Example (a server on port 50051 that serves a dataset `faces`)::
+
+        from stoker.client import RemoteLoader
+
+        with RemoteLoader("localhost:50051", "faces", batch_size=64, output="numpy") as loader:
+            for epoch in range(2):
+                loader.set_epoch(epoch)
+                for batch in loader:
+                    images, labels = batch["image"], batch["label"]
+
+    Args:
+        address: `"host:port"` of one data server, a list of them, or one
+            `"dns:///name:port"` whose records are the servers (re-resolved every
+            `dns_refresh` s).
+        dataset: a dataset name from the servers' config.
+        batch_size: samples per batch; give it or `batch_tokens`, not both.
+        batch_tokens: instead of `batch_size`, batches cut by tokens: at most this many
+            real tokens per rank per batch, balanced across ranks.
+        token_cost: with `batch_tokens`, what ranks are balanced by: `"tokens"` or
+            `"squares"` (the sum of squared lengths).
+        pack: each batch packed into one row with `cu_seqlens` (needs `output="torch"`).
+        seed: the shuffle seed.
+        shuffle: a permutation drawn from (seed, epoch); False: dataset order.
+        drop_last: drop this rank's last short batch.
+        order: the shuffled order's version, `"index"` or `"legacy"` (what older states
+            resume).
+        rank: this trainer's rank (None: torch.distributed, else RANK, else 0).
+        world_size: trainers in the job (None: torch.distributed, else WORLD_SIZE, else 1).
+        device: None or a CPU device: host tensors; a CUDA device: batches copied there
+            through pinned buffers.
+        output: `"torch"` (dicts of tensors) or `"numpy"` (dicts of arrays, no torch).
+        prefetch: batches requested ahead of the loop (None: 8, more for small batches,
+            adapting to the servers and the loop's stall).
+        prefetch_bytes: with small batches, request as many ahead as this many bytes hold
+            (None: 32 MiB when `prefetch` is not given either, else 0).
+        memory_budget: bytes of buffers the batches in flight may fill when the window
+            adapts.
+        prefetch_next_epoch: ask for the next epoch's first batches while an epoch ends.
+        timeout: seconds without progress before giving up (UNAVAILABLE).
+        connect_timeout: seconds to wait for a first answer from any server.
+        normalize: `{field: (mean, std)}`: uint8 image fields become
+            `(x / 255 - mean) / std`, computed on the batch's device.
+        normalize_dtype: the dtype of normalized fields: `"float32"`, `"float16"` or
+            `"bfloat16"` (torch only).
+        shared_memory: read batches from a same-host server's shared memory where no plain
+            data connection is used.
+        progress: show a tqdm bar per iteration.
+        log_every: log the loop's figures at most this often (seconds), or never (None).
+        compression: None or `"zstd"`: ask the servers to compress frames.
+        data_socket: receive batches on a connection of their own beside gRPC.
+        tls: False (plain TCP), True (TLS, the system's roots) or a dict with `ca`,
+            `cert`, `key`, `server_name`.
+        token: the bearer token the servers require (None: `STOKER_TOKEN`, if set).
+        dns_refresh: seconds between resolutions of a `dns:///` address.
+        resolver: a callable `resolver(target) -> ["host:port", ...]` that replaces the
+            system's resolver for a `dns:///` address.
+
+    Raises:
+        ValueError: an argument out of its range, naming it (`batch_size` and
+            `batch_tokens` both or neither, `output="numpy"` with a device, ...).
+        TypeError: an argument the loader does not take, naming it.
+        ImportError: `compression="zstd"` without zstandard installed.
+
+    Attributes:
+        address: the servers it reads from, as one string.
+        dataset: the dataset's name.
     """
 
     def __init__(self, address: str | Sequence[str], dataset: str,
@@ -96,7 +165,12 @@ class RemoteLoader:
 
     # -- positions -------------------------------------------------------------------------
     def coordinates(self) -> pb.Coordinates:
-        """This position's coordinates, with the pinned fingerprint once there is one."""
+        """This position's coordinates, with the pinned fingerprint once there is one.
+
+        Returns:
+            The `Coordinates` message a stream of this position opens with: dataset, seed,
+            shuffle, rank, world_size, batch size, the epoch and its `start`.
+        """
         agreed = self._agreement.fingerprint
         return self._coords.message(self._at.epoch, self._at.start, agreed.digest if agreed else "")
 
@@ -115,7 +189,18 @@ class RemoteLoader:
 
         Any server will do: they are tried in turn, with backoff, for up to `connect_timeout`
         s while none has answered at all (then UNAVAILABLE naming every address and what
-        happened there), for up to `timeout` s once one has."""
+        happened there), for up to `timeout` s once one has.
+
+        Returns:
+            Describe's answer: the fields (name, dtype, shape), `num_samples`,
+            `batches_per_epoch` and, for a mixture, its components.
+
+        Raises:
+            RemoteError: NOT_FOUND for a dataset the servers do not serve (naming those they
+                do), INVALID_ARGUMENT naming a bad coordinate, UNAVAILABLE when no server
+                answered in time.
+            DataMismatch: a server holds other data than the fingerprint pinned.
+        """
         return self._on_demand._sizes(self._at.epoch, self._at.start)
 
     def _ask(self, request: pb.DescribeDatasetRequest, epoch: int, start: int
@@ -151,7 +236,14 @@ class RemoteLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch; a different epoch starts at batch 0, the current one keeps its
-        place (so the usual `set_epoch(epoch)` at the top of an epoch loop resumes)."""
+        place (so the usual `set_epoch(epoch)` at the top of an epoch loop resumes).
+
+        Args:
+            epoch: the epoch, in [0, 2**63 - 1].
+
+        Raises:
+            ValueError: `epoch` out of that range.
+        """
         if not 0 <= epoch <= LAST_EPOCH:
             raise ValueError(f"epoch must be in [0, 2**63 - 1], got {epoch}")
         if epoch != self._at.epoch:
@@ -161,7 +253,18 @@ class RemoteLoader:
         """The position: the epoch and the batch that comes next (a finished epoch's state is
         the start of the next epoch), and the fingerprint of the data it is a position in.
         In an epoch resumed at another world_size or batch_size, `coordinates` also holds
-        `start`, the positions consumed before this loader took over."""
+        `start`, the positions consumed before this loader took over.
+
+        Returns:
+            A dict of plain values (save it with the model's checkpoint): `coordinates`,
+            `epoch`, `next_batch`, and the fingerprint and exclusions where there are any.
+
+        Example::
+
+            state = loader.state_dict()
+            ...  # later, maybe at another world_size
+            loader.load_state_dict(state)
+        """
         at = self._at
         if at.next_batch and at.next_batch >= len(self):
             at = at.following()
@@ -175,7 +278,18 @@ class RemoteLoader:
         dataset, seed, shuffle or drop_last differ from this loader's. If it records a
         fingerprint and the servers now hold other data, the rest of the epoch would not be
         the rest of that order: ValueError, unless `allow_changed_data` (the loader then goes
-        on with the servers' data)."""
+        on with the servers' data).
+
+        Args:
+            state: what `state_dict()` returned (of this loader or of any rank of the job).
+            allow_changed_data: go on where the servers' data is not the data `state` was
+                saved against (its fingerprint differs).
+
+        Raises:
+            ValueError: naming the key where `state`'s dataset, seed, shuffle or drop_last
+                differ from this loader's, a state that is not one, or changed data (unless
+                `allow_changed_data`).
+        """
         saved = Saved.read(state, self._coords)
         if saved.order != self._coords.order:  # the run goes on in the order it began in
             self._coords = dataclasses.replace(self._coords, order=saved.order)
@@ -234,7 +348,7 @@ class RemoteLoader:
 
     @property
     def excluded(self) -> tuple[int, ...]:
-        """The samples this run leaves out (sorted), see exclude."""
+        """The samples this run leaves out (sorted dataset indices), see exclude."""
         return self._on_demand.excluded
 
     batch_at.__doc__, provenance.__doc__ = OnDemand.batch_at.__doc__, OnDemand.provenance.__doc__
@@ -251,7 +365,11 @@ class RemoteLoader:
         than prefetch for small batches); each server's state and figures (its rate too);
         how many host buffers were allocated (pinned ones with a CUDA device): batches reuse
         buffers that nothing refers to any more; for a mixture, `sources`: the samples
-        handed out by component (its index in the mixture's `components:`)."""
+        handed out by component (its index in the mixture's `components:`).
+
+        Returns:
+            A dict of those figures by name (docs/client.md#stats lists them all).
+        """
         at, batches, figure = self._at, self._stats["batches"], self._kept.figure
         now = time.perf_counter()
         elapsed = now - self._started
@@ -275,6 +393,8 @@ class RemoteLoader:
         return stats
 
     def close(self) -> None:
+        """Close the streams and channels and free the buffers; a closed loader is not
+        iterated again. `with RemoteLoader(...) as loader:` closes it on leaving."""
         self._kept.drop()
         self._servers.close()
         self._host.clear()

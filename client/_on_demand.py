@@ -87,7 +87,23 @@ class OnDemand:
         1200 at 3: each stretch's first step, ascending). A step is one batch of every rank
         at the size then; each change is an elastic resume (the positions consumed so far
         start the rest of the epoch, re-cut at the new size), and this loader goes on at its
-        own size from `step`, exactly as `load_state_dict` of a state saved there would."""
+        own size from `step`, exactly as `load_state_dict` of a state saved there would.
+
+        Args:
+            step: the global step the next batch is, >= 0.
+            world_sizes: None (the job always ran at this loader's world_size), an int (it
+                ran at that size), or (from_step, world_size) pairs, ascending from step 0.
+
+        Raises:
+            ValueError: `step` not an int >= 0, or `world_sizes` not as above.
+            RemoteError: INVALID_ARGUMENT naming what the server found wrong (a stretch
+                past `step`, say).
+
+        Example::
+
+            model_step = load_model_checkpoint()  # the steps the model has taken
+            loader.seek(model_step)
+        """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         agreed = self._loader._agreement.fingerprint
@@ -128,7 +144,15 @@ class OnDemand:
         `state_dict()` records it (and `load_state_dict` adds a state's to the loader's), the
         servers apply it on every rank. Call it between loops (after `break`), not inside
         one: RuntimeError. At most 100,000 samples in all: ValueError past that
-        (docs/client.md#finding-and-skipping-the-data-behind-a-loss-spike)."""
+        (docs/client.md#finding-and-skipping-the-data-behind-a-loss-spike).
+
+        Args:
+            sample_indices: dataset indices (ints in [0, num_samples)).
+
+        Raises:
+            RuntimeError: called inside a loop over the loader.
+            ValueError: more than 100,000 samples in all.
+        """
         if self._loader._stall.running:
             raise RuntimeError("exclude() inside a loop over the loader: leave the loop "
                                "(break) first; the next loop goes on without those samples")
@@ -191,7 +215,22 @@ class OnDemand:
         device as iteration gives there, in one request to one server (a stream of its
         own), whatever the loop is doing. In the epoch the loader is in, after an elastic
         resume (`start`), `index` counts batches of that epoch's rest, as iteration does.
-        INVALID_ARGUMENT (RemoteError) for an index past the epoch."""
+        INVALID_ARGUMENT (RemoteError) for an index past the epoch.
+
+        Args:
+            epoch: the epoch.
+            index: the batch's index in it (this rank's batches).
+
+        Returns:
+            The batch, as iteration yields it.
+
+        Raises:
+            RemoteError: INVALID_ARGUMENT for an index past the epoch.
+
+        Example::
+
+            bad = loader.batch_at(epoch=3, index=1207)  # the batch before a loss spike
+        """
         coordinates = self._coordinates_at(epoch, index)
         _, feed = self._aside_buffers()
         loader = self._loader
@@ -208,7 +247,15 @@ class OnDemand:
         it: "file" (path or URL), "offset" and "nbytes" (the bytes read for the sample in
         it: a jsonl record, a tar member, a tokens window), "line" (jsonl), "row_group" and
         "row" (parquet), "member" (tar), "component" and "component_index" (a mixture).
-        One request; no sample is read."""
+        One request; no sample is read.
+
+        Args:
+            epoch: the epoch.
+            index: the batch's index in it (as in batch_at).
+
+        Returns:
+            One dict per sample of the batch, in its row order.
+        """
         request = pb.ProvenanceRequest(coordinates=self._coordinates_at(epoch, index),
                                        batch_index=index)
         answer = ask_sources(self._loader._servers, request, self._loader._options.timeout)
