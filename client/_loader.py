@@ -6,7 +6,6 @@ thread per stream assembles batches, so at most `prefetch` batches wait in host 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -29,7 +28,8 @@ from .fleet.kept import KeptScheduler
 from .fleet.scheduler import FATAL
 from .fleet.servers import ServerSet
 from .fleet.window import Fleet, Window
-from .position.resume import LAST_EPOCH, Position, Saved, state_of
+from .position.place import Place
+from .position.resume import LAST_EPOCH, Saved, state_of
 from .transport import samehost
 from .transport.datalink import Transports
 from .transport.frames import Assembled
@@ -137,8 +137,7 @@ class RemoteLoader:
                                   resolver=o.resolver)
         self.address = self._servers.describe()
         self.dataset = dataset
-        self._coords = o.coordinates
-        self._at = Position(0)
+        self._place = Place(o.coordinates)  # where it is: written there alone
         self._feed = None
         if o.on_device:
             from .delivery.device import DeviceFeed
@@ -151,7 +150,8 @@ class RemoteLoader:
         # Describe's answers by (epoch, start) (epoch 0 stands for every epoch but under
         # batch_tokens, whose plans differ): the whole epoch (start 0), a resumed one's rest.
         self._described: dict[tuple[int, int], pb.DescribeDatasetResponse] = {}
-        self._agreement = FingerprintCheck(dataset, self._servers, o.timeout, self._coords.order)
+        self._agreement = FingerprintCheck(dataset, self._servers, o.timeout,
+                                           self._place.coords.order)
         self._window = Window(o.prefetch, o.adapts, o.memory_budget)
         self._stall = Stall(dataset, o.timeout)
         self._stats = {"batches": 0}
@@ -172,14 +172,15 @@ class RemoteLoader:
             shuffle, rank, world_size, batch size, the epoch and its `start`.
         """
         agreed = self._agreement.fingerprint
-        return self._coords.message(self._at.epoch, self._at.start, agreed.digest if agreed else "")
+        at = self._place.at
+        return self._place.coords.message(at.epoch, at.start, agreed.digest if agreed else "")
 
     def __len__(self) -> int:
         """Batches per epoch for this rank (ValueError if there are none: see describe); in
         an epoch resumed at another world_size or batch_size, the batches of its rest (maybe
         0)."""
         described = self.describe()
-        if not self._at.start:
+        if not self._place.at.start:
             check_epoch(described, self._options)
         return described.batches_per_epoch
 
@@ -201,7 +202,8 @@ class RemoteLoader:
                 answered in time.
             DataMismatch: a server holds other data than the fingerprint pinned.
         """
-        return self._on_demand._sizes(self._at.epoch, self._at.start)
+        at = self._place.at
+        return self._on_demand._sizes(at.epoch, at.start)
 
     def _ask(self, request: pb.DescribeDatasetRequest, epoch: int, start: int
              ) -> pb.DescribeDatasetResponse:
@@ -232,7 +234,7 @@ class RemoteLoader:
     def _mismatched(self, err: DataMismatch) -> DataMismatch:
         """The DataMismatch for a server that refused our fingerprint: naming both."""
         return self._agreement.refused(err.address, err.digest,
-                                     self._coords.message(self._at.epoch))
+                                     self._place.coords.message(self._place.at.epoch))
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch; a different epoch starts at batch 0, the current one keeps its
@@ -246,8 +248,7 @@ class RemoteLoader:
         """
         if not 0 <= epoch <= LAST_EPOCH:
             raise ValueError(f"epoch must be in [0, 2**63 - 1], got {epoch}")
-        if epoch != self._at.epoch:
-            self._at = Position(epoch)
+        self._place.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
         """The position: the epoch and the batch that comes next (a finished epoch's state is
@@ -265,10 +266,10 @@ class RemoteLoader:
             ...  # later, maybe at another world_size
             loader.load_state_dict(state)
         """
-        at = self._at
+        at = self._place.at
         if at.next_batch and at.next_batch >= len(self):
             at = at.following()
-        return state_of(self._coords, at, self._agreement.fingerprint)
+        return state_of(self._place.coords, at, self._agreement.fingerprint)
 
     def load_state_dict(self, state: dict[str, Any], *, allow_changed_data: bool = False
                         ) -> None:
@@ -290,16 +291,16 @@ class RemoteLoader:
                 differ from this loader's, a state that is not one, or changed data (unless
                 `allow_changed_data`).
         """
-        saved = Saved.read(state, self._coords)
-        if saved.order != self._coords.order:  # the run goes on in the order it began in
-            self._coords = dataclasses.replace(self._coords, order=saved.order)
+        saved = Saved.read(state, self._place.coords)
+        if saved.order != self._place.coords.order:  # the run goes on in the order it began in
+            self._place.reorder(saved.order)
             self._agreement.order = saved.order
             self._described.clear()
         self.exclude(saved.excluded.indices if saved.excluded else ())
         if saved.digest and not allow_changed_data:
             self.describe()
             saved.check_data(self.dataset, self._agreement.fingerprint)
-        self._at = saved.position_for(self._coords, self._on_demand._planned)
+        self._place.load_state_dict(saved, self._on_demand._planned)
 
     # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -370,7 +371,7 @@ class RemoteLoader:
         Returns:
             A dict of those figures by name (docs/client.md#stats lists them all).
         """
-        at, batches, figure = self._at, self._stats["batches"], self._kept.figure
+        at, batches, figure = self._place.at, self._stats["batches"], self._kept.figure
         now = time.perf_counter()
         elapsed = now - self._started
         wait, loop = self._stall.wait_seconds, self._stall.loop_seconds(now)
