@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from .fleet.kept import KeptScheduler
     from .fleet.scheduler import Scheduler
     from .fleet.window import Window
-    from .position.resume import Coordinates, Position
+    from .position.place import Place
+    from .position.resume import Position
 
 MASK = "attention_mask"  # what pack=True packs by: the datasets' mask of real tokens
 
@@ -40,8 +41,7 @@ class Loop(Protocol):
 
     dataset: str
     _options: LoaderOptions
-    _coords: Coordinates
-    _at: Position
+    _place: Place
     _stats: dict[str, int]
     _kept: KeptScheduler
     _agreement: FingerprintCheck
@@ -70,7 +70,7 @@ class EpochPass:
         if total is None:
             return
         loader, o = self._loader, self._loader._options
-        at = loader._at
+        at = loader._place.at
         scheduler = loader._kept.start(at, loader.coordinates(), total, loader._window,
                                        o.timeout)
         # The next epoch's first batches are asked for while this one ends (no drain at the
@@ -78,7 +78,7 @@ class EpochPass:
         following = loader._on_demand._following(at.epoch + 1) if o.prefetch_next_epoch else None
         if following is not None:
             agreed = loader._agreement.fingerprint
-            loader._kept.then(loader._coords.message(at.epoch + 1, 0,
+            loader._kept.then(loader._place.coords.message(at.epoch + 1, 0,
                                                      agreed.digest if agreed else ""),
                               following.batches_per_epoch)
         progress = None
@@ -90,7 +90,7 @@ class EpochPass:
         finished = False
         try:
             yield from self._batches(scheduler, total, progress)
-            loader._at = loader._at.following()
+            loader._place.new_epoch()
             finished = True
         finally:
             loader._stall.end()
@@ -107,7 +107,7 @@ class EpochPass:
         loader = self._loader
         total = len(loader)  # ValueError for an epoch without a batch
         if not loader._agreement.checked:
-            loader._agreement.check_servers(loader._coords.message(loader._at.epoch),
+            loader._agreement.check_servers(loader._place.coords.message(loader._place.at.epoch),
                                             loader._window.cap_credits)
         fields = loader.describe().fields
         if loader._normalize is not None and not loader._normalize.axes:
@@ -118,19 +118,19 @@ class EpochPass:
                              f"{sorted(f.name for f in fields)}): give it a "
                              "length_column that is a list (docs/client.md#token-budgets)")
         # finished (saved on an epoch's last batch)
-        if loader._at.next_batch and loader._at.next_batch >= total:
-            loader._at = loader._at.following()
+        if loader._place.at.next_batch and loader._place.at.next_batch >= total:
+            loader._place.new_epoch()
             return len(loader)
         if not total:  # the rest of a resumed epoch has no batch here: it is over
-            loader._at = loader._at.following()
+            loader._place.new_epoch()
             return None
         return total
 
     def _batches(self, scheduler: Scheduler, total: int, progress: Progress | None
                  ) -> Iterator[dict[str, Any]]:
         loader, stall, window = self._loader, self._loader._stall, self._loader._window
-        while loader._at.next_batch < total:
-            at, t0 = loader._at, time.perf_counter()
+        while loader._place.at.next_batch < total:
+            at, t0 = loader._place.at, time.perf_counter()
             try:
                 def on_wait(t0: float = t0, at: Position = at) -> None:
                     stall.waiting(scheduler, t0, at.epoch, at.next_batch)
@@ -145,7 +145,7 @@ class EpochPass:
                 self._resize_window(scheduler)
             batch = loader._on_demand._handed(batch, loader._feed)
             loader._sources.handed_out(at.epoch, at.next_batch)
-            loader._at = at.advanced()
+            loader._place.next_batch()
             loader._stats["batches"] += 1
             if progress is not None:
                 progress.step(at.next_batch, waited, scheduler.received())

@@ -6,7 +6,6 @@ thread per stream assembles batches, so at most `prefetch` batches wait in host 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -29,7 +28,8 @@ from .fleet.kept import KeptScheduler
 from .fleet.scheduler import FATAL
 from .fleet.servers import ServerSet
 from .fleet.window import Fleet, Window
-from .position.resume import LAST_EPOCH, Position, Saved, state_of
+from .position.place import Place
+from .position.resume import LAST_EPOCH, Saved, state_of
 from .transport import samehost
 from .transport.datalink import Transports
 from .transport.frames import Assembled
@@ -57,6 +57,75 @@ class RemoteLoader:
     Data: the loader pins the dataset's fingerprint from the first server that describes it
     and reads only from servers that have the same (DataMismatch otherwise, naming both); a
     state_dict records it, and resuming against other data is refused unless asked for.
+
+    docs/client.md#signature says more of each argument below.
+
+    Example (a server on port 50051 that serves a dataset `faces`)::
+
+        from stoker.client import RemoteLoader
+
+        with RemoteLoader("localhost:50051", "faces", batch_size=64, output="numpy") as loader:
+            for epoch in range(2):
+                loader.set_epoch(epoch)
+                for batch in loader:
+                    images, labels = batch["image"], batch["label"]
+
+    Args:
+        address: `"host:port"` of one data server, a list of them, or one
+            `"dns:///name:port"` whose records are the servers (re-resolved every
+            `dns_refresh` s).
+        dataset: a dataset name from the servers' config.
+        batch_size: samples per batch; give it or `batch_tokens`, not both.
+        batch_tokens: instead of `batch_size`, batches cut by tokens: at most this many
+            real tokens per rank per batch, balanced across ranks.
+        token_cost: with `batch_tokens`, what ranks are balanced by: `"tokens"` or
+            `"squares"` (the sum of squared lengths).
+        pack: each batch packed into one row with `cu_seqlens` (needs `output="torch"`).
+        seed: the shuffle seed.
+        shuffle: a permutation drawn from (seed, epoch); False: dataset order.
+        drop_last: drop this rank's last short batch.
+        order: the shuffled order's version, `"index"` or `"legacy"` (what older states
+            resume).
+        rank: this trainer's rank (None: torch.distributed, else RANK, else 0).
+        world_size: trainers in the job (None: torch.distributed, else WORLD_SIZE, else 1).
+        device: None or a CPU device: host tensors; a CUDA device: batches copied there
+            through pinned buffers.
+        output: `"torch"` (dicts of tensors) or `"numpy"` (dicts of arrays, no torch).
+        prefetch: batches requested ahead of the loop (None: 8, more for small batches,
+            adapting to the servers and the loop's stall).
+        prefetch_bytes: with small batches, request as many ahead as this many bytes hold
+            (None: 32 MiB when `prefetch` is not given either, else 0).
+        memory_budget: bytes of buffers the batches in flight may fill when the window
+            adapts.
+        prefetch_next_epoch: ask for the next epoch's first batches while an epoch ends.
+        timeout: seconds without progress before giving up (UNAVAILABLE).
+        connect_timeout: seconds to wait for a first answer from any server.
+        normalize: `{field: (mean, std)}`: uint8 image fields become
+            `(x / 255 - mean) / std`, computed on the batch's device.
+        normalize_dtype: the dtype of normalized fields: `"float32"`, `"float16"` or
+            `"bfloat16"` (torch only).
+        shared_memory: read batches from a same-host server's shared memory where no plain
+            data connection is used.
+        progress: show a tqdm bar per iteration.
+        log_every: log the loop's figures at most this often (seconds), or never (None).
+        compression: None or `"zstd"`: ask the servers to compress frames.
+        data_socket: receive batches on a connection of their own beside gRPC.
+        tls: False (plain TCP), True (TLS, the system's roots) or a dict with `ca`,
+            `cert`, `key`, `server_name`.
+        token: the bearer token the servers require (None: `STOKER_TOKEN`, if set).
+        dns_refresh: seconds between resolutions of a `dns:///` address.
+        resolver: a callable `resolver(target) -> ["host:port", ...]` that replaces the
+            system's resolver for a `dns:///` address.
+
+    Raises:
+        ValueError: an argument out of its range, naming it (`batch_size` and
+            `batch_tokens` both or neither, `output="numpy"` with a device, ...).
+        TypeError: an argument the loader does not take, naming it.
+        ImportError: `compression="zstd"` without zstandard installed.
+
+    Attributes:
+        address: the servers it reads from, as one string.
+        dataset: the dataset's name.
     """
 
     def __init__(self, address: str | Sequence[str], dataset: str,
@@ -68,8 +137,7 @@ class RemoteLoader:
                                   resolver=o.resolver)
         self.address = self._servers.describe()
         self.dataset = dataset
-        self._coords = o.coordinates
-        self._at = Position(0)
+        self._place = Place(o.coordinates)  # where it is: written there alone
         self._feed = None
         if o.on_device:
             from .delivery.device import DeviceFeed
@@ -82,7 +150,8 @@ class RemoteLoader:
         # Describe's answers by (epoch, start) (epoch 0 stands for every epoch but under
         # batch_tokens, whose plans differ): the whole epoch (start 0), a resumed one's rest.
         self._described: dict[tuple[int, int], pb.DescribeDatasetResponse] = {}
-        self._agreement = FingerprintCheck(dataset, self._servers, o.timeout, self._coords.order)
+        self._agreement = FingerprintCheck(dataset, self._servers, o.timeout,
+                                           self._place.coords.order)
         self._window = Window(o.prefetch, o.adapts, o.memory_budget)
         self._stall = Stall(dataset, o.timeout)
         self._stats = {"batches": 0}
@@ -96,16 +165,22 @@ class RemoteLoader:
 
     # -- positions -------------------------------------------------------------------------
     def coordinates(self) -> pb.Coordinates:
-        """This position's coordinates, with the pinned fingerprint once there is one."""
+        """This position's coordinates, with the pinned fingerprint once there is one.
+
+        Returns:
+            The `Coordinates` message a stream of this position opens with: dataset, seed,
+            shuffle, rank, world_size, batch size, the epoch and its `start`.
+        """
         agreed = self._agreement.fingerprint
-        return self._coords.message(self._at.epoch, self._at.start, agreed.digest if agreed else "")
+        at = self._place.at
+        return self._place.coords.message(at.epoch, at.start, agreed.digest if agreed else "")
 
     def __len__(self) -> int:
         """Batches per epoch for this rank (ValueError if there are none: see describe); in
         an epoch resumed at another world_size or batch_size, the batches of its rest (maybe
         0)."""
         described = self.describe()
-        if not self._at.start:
+        if not self._place.at.start:
             check_epoch(described, self._options)
         return described.batches_per_epoch
 
@@ -115,8 +190,20 @@ class RemoteLoader:
 
         Any server will do: they are tried in turn, with backoff, for up to `connect_timeout`
         s while none has answered at all (then UNAVAILABLE naming every address and what
-        happened there), for up to `timeout` s once one has."""
-        return self._on_demand._sizes(self._at.epoch, self._at.start)
+        happened there), for up to `timeout` s once one has.
+
+        Returns:
+            Describe's answer: the fields (name, dtype, shape), `num_samples`,
+            `batches_per_epoch` and, for a mixture, its components.
+
+        Raises:
+            RemoteError: NOT_FOUND for a dataset the servers do not serve (naming those they
+                do), INVALID_ARGUMENT naming a bad coordinate, UNAVAILABLE when no server
+                answered in time.
+            DataMismatch: a server holds other data than the fingerprint pinned.
+        """
+        at = self._place.at
+        return self._on_demand._sizes(at.epoch, at.start)
 
     def _ask(self, request: pb.DescribeDatasetRequest, epoch: int, start: int
              ) -> pb.DescribeDatasetResponse:
@@ -152,25 +239,42 @@ class RemoteLoader:
     def _mismatched(self, err: DataMismatch) -> DataMismatch:
         """The DataMismatch for a server that refused our fingerprint: naming both."""
         return self._agreement.refused(err.address, err.digest,
-                                     self._coords.message(self._at.epoch))
+                                     self._place.coords.message(self._place.at.epoch))
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch; a different epoch starts at batch 0, the current one keeps its
-        place (so the usual `set_epoch(epoch)` at the top of an epoch loop resumes)."""
+        place (so the usual `set_epoch(epoch)` at the top of an epoch loop resumes).
+
+        Args:
+            epoch: the epoch, in [0, 2**63 - 1].
+
+        Raises:
+            ValueError: `epoch` out of that range.
+        """
         if not 0 <= epoch <= LAST_EPOCH:
             raise ValueError(f"epoch must be in [0, 2**63 - 1], got {epoch}")
-        if epoch != self._at.epoch:
-            self._at = Position(epoch)
+        self._place.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
         """The position: the epoch and the batch that comes next (a finished epoch's state is
         the start of the next epoch), and the fingerprint of the data it is a position in.
         In an epoch resumed at another world_size or batch_size, `coordinates` also holds
-        `start`, the positions consumed before this loader took over."""
-        at = self._at
+        `start`, the positions consumed before this loader took over.
+
+        Returns:
+            A dict of plain values (save it with the model's checkpoint): `coordinates`,
+            `epoch`, `next_batch`, and the fingerprint and exclusions where there are any.
+
+        Example::
+
+            state = loader.state_dict()
+            ...  # later, maybe at another world_size
+            loader.load_state_dict(state)
+        """
+        at = self._place.at
         if at.next_batch and at.next_batch >= len(self):
             at = at.following()
-        return state_of(self._coords, at, self._agreement.fingerprint)
+        return state_of(self._place.coords, at, self._agreement.fingerprint)
 
     def load_state_dict(self, state: dict[str, Any], *, allow_changed_data: bool = False
                         ) -> None:
@@ -180,10 +284,21 @@ class RemoteLoader:
         dataset, seed, shuffle or drop_last differ from this loader's. If it records a
         fingerprint and the servers now hold other data, the rest of the epoch would not be
         the rest of that order: ValueError, unless `allow_changed_data` (the loader then goes
-        on with the servers' data)."""
-        saved = Saved.read(state, self._coords)
-        if saved.order != self._coords.order:  # the run goes on in the order it began in
-            self._coords = dataclasses.replace(self._coords, order=saved.order)
+        on with the servers' data).
+
+        Args:
+            state: what `state_dict()` returned (of this loader or of any rank of the job).
+            allow_changed_data: go on where the servers' data is not the data `state` was
+                saved against (its fingerprint differs).
+
+        Raises:
+            ValueError: naming the key where `state`'s dataset, seed, shuffle or drop_last
+                differ from this loader's, a state that is not one, or changed data (unless
+                `allow_changed_data`).
+        """
+        saved = Saved.read(state, self._place.coords)
+        if saved.order != self._place.coords.order:  # the run goes on in the order it began in
+            self._place.reorder(saved.order)
             self._agreement.order = saved.order
             self._described.clear()
         if saved.snapshot != self._coords.snapshot:  # and on the table's snapshot it read
@@ -193,7 +308,7 @@ class RemoteLoader:
         if saved.digest and not allow_changed_data:
             self.describe()
             saved.check_data(self.dataset, self._agreement.fingerprint)
-        self._at = saved.position_for(self._coords, self._on_demand._planned)
+        self._place.load_state_dict(saved, self._on_demand._planned)
 
     # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -242,7 +357,7 @@ class RemoteLoader:
 
     @property
     def excluded(self) -> tuple[int, ...]:
-        """The samples this run leaves out (sorted), see exclude."""
+        """The samples this run leaves out (sorted dataset indices), see exclude."""
         return self._on_demand.excluded
 
     batch_at.__doc__, provenance.__doc__ = OnDemand.batch_at.__doc__, OnDemand.provenance.__doc__
@@ -259,8 +374,12 @@ class RemoteLoader:
         than prefetch for small batches); each server's state and figures (its rate too);
         how many host buffers were allocated (pinned ones with a CUDA device): batches reuse
         buffers that nothing refers to any more; for a mixture, `sources`: the samples
-        handed out by component (its index in the mixture's `components:`)."""
-        at, batches, figure = self._at, self._stats["batches"], self._kept.figure
+        handed out by component (its index in the mixture's `components:`).
+
+        Returns:
+            A dict of those figures by name (docs/client.md#stats lists them all).
+        """
+        at, batches, figure = self._place.at, self._stats["batches"], self._kept.figure
         now = time.perf_counter()
         elapsed = now - self._started
         wait, loop = self._stall.wait_seconds, self._stall.loop_seconds(now)
@@ -283,6 +402,8 @@ class RemoteLoader:
         return stats
 
     def close(self) -> None:
+        """Close the streams and channels and free the buffers; a closed loader is not
+        iterated again. `with RemoteLoader(...) as loader:` closes it on leaving."""
         self._kept.drop()
         self._servers.close()
         self._host.clear()

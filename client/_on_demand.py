@@ -22,7 +22,7 @@ from .contact.first import first_contact
 from .delivery.buffers import HostBuffers
 from .delivery.images import flat_images
 from .position.exclusions import Excluded
-from .position.resume import LAST_EPOCH, Position
+from .position.resume import LAST_EPOCH
 
 if TYPE_CHECKING:
     import numpy as np
@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     from .contact.agreement import FingerprintCheck
     from .fleet.kept import KeptScheduler
     from .fleet.servers import ServerSet
-    from .position.resume import Coordinates, Saved
+    from .position.place import Place
+    from .position.resume import Saved
     from .transport.frames import Assembled
     from .transport.stream import StreamSpec
 
@@ -47,8 +48,7 @@ class Loader(Protocol):
     checker holds it to this where it hands itself over)."""
 
     _options: LoaderOptions
-    _coords: Coordinates
-    _at: Position
+    _place: Place
     _feed: Any  # a DeviceFeed, or None
     _servers: ServerSet
     _agreement: FingerprintCheck
@@ -87,13 +87,29 @@ class OnDemand:
         1200 at 3: each stretch's first step, ascending). A step is one batch of every rank
         at the size then; each change is an elastic resume (the positions consumed so far
         start the rest of the epoch, re-cut at the new size), and this loader goes on at its
-        own size from `step`, exactly as `load_state_dict` of a state saved there would."""
+        own size from `step`, exactly as `load_state_dict` of a state saved there would.
+
+        Args:
+            step: the global step the next batch is, >= 0.
+            world_sizes: None (the job always ran at this loader's world_size), an int (it
+                ran at that size), or (from_step, world_size) pairs, ascending from step 0.
+
+        Raises:
+            ValueError: `step` not an int >= 0, or `world_sizes` not as above.
+            RemoteError: INVALID_ARGUMENT naming what the server found wrong (a stretch
+                past `step`, say).
+
+        Example::
+
+            model_step = load_model_checkpoint()  # the steps the model has taken
+            loader.seek(model_step)
+        """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         agreed = self._loader._agreement.fingerprint
         stretches = _stretches(world_sizes, step)
         request = pb.DescribeDatasetRequest(
-            coordinates=self._loader._coords.message(0, 0, agreed.digest if agreed else ""),
+            coordinates=self._loader._place.coords.message(0, 0, agreed.digest if agreed else ""),
             locate=pb.Locate(step=step, world_sizes=[
                 pb.WorldSizeFrom(from_step=f, world_size=w) for f, w in stretches]))
         # Its answer describes the epoch located, from the start located: cached there (a
@@ -102,7 +118,7 @@ class OnDemand:
         described = self._loader._ask(request, 0, rest)
         self._loader._described.pop(self._key(0, rest))
         located = described.located
-        self._loader._at = Position(located.epoch, located.start, located.batch_index)
+        self._loader._place.seek(located.epoch, located.start, located.batch_index)
         self._loader._described[self._key(located.epoch, located.start)] = described
 
     def _planned(self, saved: Saved) -> int:
@@ -110,7 +126,8 @@ class OnDemand:
         world_size): where its epoch's plan ended step `next_batch` (one request)."""
         agreed = self._loader._agreement.fingerprint
         at = saved.at
-        theirs = dataclasses.replace(self._loader._coords, rank=0, world_size=saved.world_size)
+        theirs = dataclasses.replace(self._loader._place.coords, rank=0,
+                                     world_size=saved.world_size)
         request = pb.DescribeDatasetRequest(
             coordinates=theirs.message(at.epoch, at.start, agreed.digest if agreed else ""),
             consumed=pb.Consumed(steps=at.next_batch))
@@ -128,20 +145,28 @@ class OnDemand:
         `state_dict()` records it (and `load_state_dict` adds a state's to the loader's), the
         servers apply it on every rank. Call it between loops (after `break`), not inside
         one: RuntimeError. At most 100,000 samples in all: ValueError past that
-        (docs/client.md#finding-and-skipping-the-data-behind-a-loss-spike)."""
+        (docs/client.md#finding-and-skipping-the-data-behind-a-loss-spike).
+
+        Args:
+            sample_indices: dataset indices (ints in [0, num_samples)).
+
+        Raises:
+            RuntimeError: called inside a loop over the loader.
+            ValueError: more than 100,000 samples in all.
+        """
         if self._loader._stall.running:
             raise RuntimeError("exclude() inside a loop over the loader: leave the loop "
                                "(break) first; the next loop goes on without those samples")
-        excluded = Excluded.union(self._loader._coords.excluded, sample_indices)
-        if excluded != self._loader._coords.excluded:
-            self._loader._coords = dataclasses.replace(self._loader._coords, excluded=excluded)
+        excluded = Excluded.union(self._loader._place.coords.excluded, sample_indices)
+        if excluded != self._loader._place.coords.excluded:
+            self._loader._place.exclude(excluded)
             self._loader._kept.drop()  # what it fetched ahead holds the samples
 
     def _empty_batch(self, allocate: Any) -> Any:
         """What makes the batch of 0 rows that a batch whose samples are all excluded is (on
         a receive thread): every described field, its varying axes 0, in a buffer of
         `allocate`'s; None before the dataset was described (no exclusion yet either)."""
-        if self._loader._coords.excluded is None:
+        if self._loader._place.coords.excluded is None:
             return None
         fields = [pb.TensorInfo(name=f.name, dtype=f.dtype, shape=[0, *(max(d, 0) for d in
                                                                          f.shape)])
@@ -157,7 +182,8 @@ class OnDemand:
     @property
     def excluded(self) -> tuple[int, ...]:
         """The samples this run leaves out (sorted), see exclude."""
-        return self._loader._coords.excluded.indices if self._loader._coords.excluded else ()
+        excluded = self._loader._place.coords.excluded
+        return excluded.indices if excluded else ()
 
     # -- sizes: a Describe per epoch under batch_tokens, one for all epochs otherwise ------
     def _key(self, epoch: int, start: int) -> tuple[int, int]:
@@ -170,7 +196,7 @@ class OnDemand:
         described = self._loader._described.get(self._key(epoch, start))
         if described is None:
             agreed = self._loader._agreement.fingerprint
-            request = pb.DescribeDatasetRequest(coordinates=self._loader._coords.message(
+            request = pb.DescribeDatasetRequest(coordinates=self._loader._place.coords.message(
                 epoch, start, agreed.digest if agreed else ""))
             described = self._loader._ask(request, epoch, start)
         return described
@@ -191,7 +217,22 @@ class OnDemand:
         device as iteration gives there, in one request to one server (a stream of its
         own), whatever the loop is doing. In the epoch the loader is in, after an elastic
         resume (`start`), `index` counts batches of that epoch's rest, as iteration does.
-        INVALID_ARGUMENT (RemoteError) for an index past the epoch."""
+        INVALID_ARGUMENT (RemoteError) for an index past the epoch.
+
+        Args:
+            epoch: the epoch.
+            index: the batch's index in it (this rank's batches).
+
+        Returns:
+            The batch, as iteration yields it.
+
+        Raises:
+            RemoteError: INVALID_ARGUMENT for an index past the epoch.
+
+        Example::
+
+            bad = loader.batch_at(epoch=3, index=1207)  # the batch before a loss spike
+        """
         coordinates = self._coordinates_at(epoch, index)
         _, feed = self._aside_buffers()
         loader = self._loader
@@ -208,7 +249,15 @@ class OnDemand:
         it: "file" (path or URL), "offset" and "nbytes" (the bytes read for the sample in
         it: a jsonl record, a tar member, a tokens window), "line" (jsonl), "row_group" and
         "row" (parquet), "member" (tar), "component" and "component_index" (a mixture).
-        One request; no sample is read."""
+        One request; no sample is read.
+
+        Args:
+            epoch: the epoch.
+            index: the batch's index in it (as in batch_at).
+
+        Returns:
+            One dict per sample of the batch, in its row order.
+        """
         request = pb.ProvenanceRequest(coordinates=self._coordinates_at(epoch, index),
                                        batch_index=index)
         answer = ask_sources(self._loader._servers, request, self._loader._options.timeout)
@@ -221,8 +270,8 @@ class OnDemand:
             raise ValueError(f"epoch and index must be >= 0, got epoch={epoch}, index={index}")
         self._loader.describe()  # pins the fingerprint: the batch is of the loop's data
         agreed = self._loader._agreement.fingerprint
-        start = self._loader._at.start if epoch == self._loader._at.epoch else 0
-        return self._loader._coords.message(epoch, start, agreed.digest if agreed else "")
+        start = self._loader._place.at.start if epoch == self._loader._place.at.epoch else 0
+        return self._loader._place.coords.message(epoch, start, agreed.digest if agreed else "")
 
     def _aside_buffers(self) -> tuple[HostBuffers, Any]:
         """batch_at's own buffers (and CUDA stream): the loop's pools are sized to its window

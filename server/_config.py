@@ -38,7 +38,29 @@ class ConfigError(Exception):
 
 
 class CacheSettings(Strict):
-    """The disk cache for remote objects: shared by a server's workers, kept across restarts."""
+    """The disk cache for remote objects: shared by a server's workers, kept across restarts.
+
+    Attributes:
+        dir: The cache's folder (default `$XDG_CACHE_HOME/stoker` or `~/.cache/stoker`); relative
+            paths are relative to the config file.
+        max_bytes: The disk cache's size, >= 1 MiB; least recently used entries go first past it.
+        prefetch_bytes: Per worker: objects fetched ahead of the batches that need them, at most
+            this many bytes in flight; 0 turns prefetch off.
+        decoded_bytes: The prefix cache's memory tier, in `/dev/shm`: what each pipeline computes
+            before its first random step (decoded and resized pixels, a python dataset's `prepare`),
+            kept across epochs and jobs, shared by the server's workers; least recently used entries
+            go first (to the disk tier, if any). 0: nothing kept in memory.
+        spill_bytes: The prefix cache's disk tier: entries evicted from memory are kept here, up to
+            this; 0: they are dropped.
+        spill_dir: The disk tier's folder, on local disk; each server keeps its own sub-folder
+            `stoker-prefix-<pid>`.
+        shared_batches: >= 0; shared memory the kept batches may take in all (each counted at its
+            segment's size, a multiple of 64 KiB), in effect at most 1/8 of `/dev/shm` and 1,024
+            batches, and 1/16 of it for the batches of coordinates only one stream has asked for;
+            the oldest go first past it (among the 16 oldest, one the same worker built, whose
+            segment it then reuses); `0` keeps none (builds in flight are still shared).
+        shared_seconds: > 0, <= 3600; how long a built batch is kept after its build.
+    """
 
     dir: ConfigPath = Field(default_factory=lambda: Path(
         os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "stoker")
@@ -84,7 +106,14 @@ ReadableFile = Annotated[Path, AfterValidator(_readable_file), RelativeToConfig]
 class TlsSettings(Strict):
     """TLS on the gRPC and HTTP ports (PEM files, read at start; relative paths are relative
     to the config file). With `client_ca_file`, clients must present a certificate it signed
-    (mutual TLS), on both ports."""
+    (mutual TLS), on both ports.
+
+    Attributes:
+        cert_file: The server's certificate chain, PEM; relative to the config file.
+        key_file: Its private key, PEM; a pair that does not load stops the start naming both files.
+        client_ca_file: CA certificates, PEM: set, clients must present a certificate one of them
+            signed (mutual TLS), on the gRPC and the HTTP port.
+    """
 
     cert_file: ReadableFile = Field(description="the server's certificate chain (PEM)")
     key_file: ReadableFile = Field(description="its private key (PEM)")
@@ -98,7 +127,21 @@ class GrantSettings(Strict):
     subject as `CN=...` or the whole RFC 4514 subject, or a subject alternative name such as
     `DNS:trainer-b` or `URI:spiffe://...`), and the datasets it may read ("*": all).
     `operator`: it may also read /v1/stats, /v1/datasets and /metrics. `name` goes to logs
-    and metrics, never the token."""
+    and metrics, never the token.
+
+    Attributes:
+        name: 1-64 of `A-Za-z0-9_.-`; names the grant in logs and metrics
+            (`stoker_grant_streams_total{grant=...}`), never its token.
+        token_file: A file holding this grant's bearer token (one line, >= 16 characters, no
+            spaces), relative to the config file.
+        client_cert: Instead of a token, under mutual TLS (`tls.client_ca_file`): the client
+            certificate identity, `CN=trainer-b` (its common name), the whole subject
+            `CN=trainer-b,O=team-b`, or a subject alternative name `DNS:trainer-b.svc`,
+            `URI:spiffe://...`, `email:...`, `IP:...`.
+        datasets: The datasets it may read; `"*"`: all.
+        operator: It may also read `/metrics`, `/v1/stats`, `/v1/datasets` and the live page `/`
+            (they name every dataset).
+    """
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     token_file: ReadableFile | None = None
@@ -114,6 +157,80 @@ class GrantSettings(Strict):
 
 
 class ServerSettings(Strict):
+    """The server's own settings: ports, workers and the limits that protect it (`server:`).
+
+    Attributes:
+        host: Address both ports bind to; `0.0.0.0` for all IPv4 interfaces.
+        port: 0-65535; the gRPC port. 0: any free port (the ready line says which).
+        http_port: 0-65535; the HTTP control plane: `/healthz`, `/readyz`, `/metrics`,
+            `/v1/datasets`, `/v1/stats` (operations.md). 0: any free port.
+        data_port: 0-65535; the TCP port of the data connections: clients on other machines receive
+            batches there, beside gRPC (`RemoteLoader(data_socket=True)`, the default), under the
+            same TLS and token. 0: any free port; the stream tells the client.
+        workers: >= 1; worker processes. null: one per CPU this process may run on
+            (`os.sched_getaffinity`).
+        max_credits: 1-4096; credits one stream may have outstanding.
+        frame_bytes: 4096-33554432 (32 MiB); the most payload bytes one `BatchFrame` carries.
+        grace_seconds: >= 0; on SIGTERM/SIGINT the server drains: credits received from then on are
+            refused in-band (UNAVAILABLE: clients ask other servers), batches asked for before are
+            finished.
+        shared_memory: Clients on this host under the same user, without a plain data connection
+            (`data_socket=False`, or a TLS data port), read batches from the workers' shared memory
+            instead of through gRPC (protocol); `false`: never.
+        tls: TLS on the gRPC, data and HTTP ports (TlsSettings); null: plain TCP (a trusted network
+            only).
+        auth_token_file: A file holding the bearer token (one line, >= 16 characters, no spaces;
+            read at start, never logged) that every gRPC call but health Check and every HTTP
+            request but `/healthz` and `/readyz` must carry.
+        auth_token_env: Instead: the name of an environment variable holding the token; it must be
+            set when the config is loaded.
+        grants: Access per dataset: each entry a credential (a bearer token from `token_file`, or
+            under mutual TLS a `client_cert` identity) and the `datasets` it may read; keys below
+            and security.md.
+        redact_paths: Error messages sent to clients (a corrupt sample's DATA_LOSS, an INTERNAL) cut
+            every server path and URL to its last part, `.../shard-00004.bin`; the server's log
+            keeps them whole.
+        max_streams_per_client: 1-65536; `StreamBatches` and `Health/Watch` calls one client address
+            (port aside) may have open, together.
+        max_batch_bytes: >= 1 KiB; a batch whose payload would be larger fails in-band
+            (RESOURCE_EXHAUSTED naming the limit), before memory is taken for it; the stream goes
+            on.
+        max_request_bytes: 4 KiB-64 MiB; the largest request message the gRPC port accepts
+            (`grpc.max_receive_message_length`); larger: RESOURCE_EXHAUSTED.
+        batch_timeout_seconds: > 0, <= 86400; a batch a worker has not built within this many
+            seconds fails in-band (INTERNAL, naming the key, the worker's pid and the sample it was
+            at; the client asks again, of another server if it has one) and the worker is killed and
+            replaced (operations.md).
+        max_streams: >= 1; batch streams open at once, all clients together.
+        max_health_watches: >= 1; gRPC `Health/Watch` calls open at once, all clients together; one
+            address's watches count in its `max_streams_per_client` too.
+        max_held_bytes: >= 1 MiB; shared memory held by streams (batches built and not yet sent, or
+            lent to same-host clients and not released), all clients together.
+        max_held_bytes_per_client: >= 1 MiB; the same, per client address: a frozen client cannot
+            pin more.
+        max_order_cache_bytes: >= 0; legacy epoch orders (8 bytes a sample, one per dataset, seed
+            and epoch in use: runs resumed from before index orders, and clients that name no order)
+            kept in memory: a least-recently-used cache in bytes.
+        max_http_connections: >= 1; HTTP connections open at once (uvicorn's `limit_concurrency`
+            backs it).
+        max_http_connections_per_client: >= 1; the same, per client address.
+        http_header_timeout_seconds: > 0; time a connection has to send a request's head once
+            connected or after its last response; then 408 naming the limit, and the connection is
+            closed.
+        max_grpc_connections: >= 1; gRPC connections open at once
+            (`grpc.max_allowed_incoming_connections`); more are closed at accept (the client sees
+            UNAVAILABLE and tries again or elsewhere).
+        max_grpc_connections_per_client: >= 1; gRPC connections one client address (port aside) may
+            have streams or health watches open on at once.
+        silent_client_seconds: >= 3, <= 3600; a client that went silent (its host lost its network:
+            no FIN, no RST) is let go within this time: its streams end, their credits, kept batches
+            and lent shared memory are freed.
+        grpc_handshake_timeout_seconds: > 0; time a gRPC connection has to finish its handshake
+            (HTTP/2 preface, TLS; `grpc.server_handshake_timeout_ms`); then it is closed.
+        grpc_idle_seconds: > 0; a gRPC connection without calls this long gets GOAWAY
+            (`grpc.max_connection_idle_ms`); channels reconnect by themselves.
+    """
+
     host: str = "127.0.0.1"
     port: int = Field(50051, ge=0, le=65535)
     http_port: int = Field(8080, ge=0, le=65535)
@@ -218,6 +335,15 @@ class ServerSettings(Strict):
 
 
 class Config(Strict):
+    """The whole config file: the server's settings, S3, the caches and the datasets.
+
+    Attributes:
+        server: The server's own settings (`server:`).
+        s3: How to reach S3 (`s3:`), for every `s3://` source unless a dataset overrides it.
+        cache: The disk cache and the caches of decoded samples and built batches (`cache:`).
+        datasets: Name -> dataset config, its model chosen by `format:`; at least one.
+    """
+
     server: ServerSettings = Field(default_factory=ServerSettings)
     s3: S3Settings = Field(default_factory=S3Settings)
     cache: CacheSettings = Field(default_factory=CacheSettings)

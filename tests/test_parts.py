@@ -29,10 +29,10 @@ from PIL import Image
 from stoker.client import RemoteError, RemoteLoader
 from stoker.server import ServerProcess, write_config
 from stoker.server.order.sampling import FIRST_EPOCH
-from stoker.server.pool.assign import Assignment, BatchFailed
+from stoker.server.pool.assign import Assignment
 from stoker.server.pool.batch import planned_layout
 from stoker.server.pool.handle import WorkerHandle
-from stoker.server.pool.messages import FailureKind, Part, PartBuilt, Task
+from stoker.server.pool.messages import BatchFailed, FailureKind, Part, PartBuilt, Task
 from stoker.server.pool.parts import MISFIT, RESENDS, Plan, parts_for, workers_for
 
 from conftest import StartServer, server_env

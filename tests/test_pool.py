@@ -30,9 +30,9 @@ from stoker.server._config import Config
 from stoker.server._errors import StartError
 from stoker.server.order.sampling import FIRST_EPOCH
 from stoker.server.pool import shm
-from stoker.server.pool.assign import Assignment, Job
+from stoker.server.pool.assign import Assignment
 from stoker.server.pool.depth import SHALLOW_DEPTH
-from stoker.server.pool.handle import WorkerHandle
+from stoker.server.pool.handle import Job, WorkerHandle
 from stoker.server.pool.messages import Discard, FailureKind, GiveBack, Task
 from stoker.server.pool.workers import BatchFailed, WorkerPool
 

@@ -4,12 +4,13 @@ code itself.
     python tools/where.py            # print the section
     python tools/where.py --write    # rewrite it in docs/modules.md
     python tools/where.py --check    # exit 1, saying what differs, when the page is stale
+    python tools/where.py --circles  # the import circles, run time and type-only; exit 1 if any
 
 Each module's row is its docstring's first sentence and the modules of ours it imports at run
 time (imports under `if TYPE_CHECKING:` are listed apart, as types). The rules are LAYERS below:
 which folder may import which, at run time. tests/test_where.py holds the code to them (a
-module that imports what its layer may not, an import circle at run time, a private module of
-the other package), and to the page being current.
+module that imports what its layer may not, an import circle at run time or one only type
+checkers see, a private module of the other package), and to the page being current.
 
 Only the standard library: it runs before anything is installed.
 """
@@ -309,6 +310,19 @@ def circles(modules: dict[str, Module], types: bool = False) -> list[list[str]]:
     return found
 
 
+def circle_report(modules: dict[str, Module]) -> tuple[list[str], int]:
+    """What --circles prints: a line of counts for the code it maps, then each circle (its
+    modules, and whether it exists at run time or only for type checkers); and how many."""
+    at_run_time = circles(modules)
+    type_only = [c for c in circles(modules, types=True) if c not in at_run_time]
+    lines = [f"import circles in server/, client/, integrations/ and protos/: "
+             f"{len(at_run_time)} at run time, "
+             f"{len(type_only)} type-only (through imports under `if TYPE_CHECKING:`)"]
+    for kind, found in (("run time", at_run_time), ("type-only", type_only)):
+        lines += [f"  {kind}: " + " <-> ".join(c) for c in found]
+    return lines, len(at_run_time) + len(type_only)
+
+
 def _short(name: str, within: str) -> str:
     return name[len(within) + 1:] if name.startswith(within + ".") else name
 
@@ -350,8 +364,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="rewrite docs/modules.md's section")
     parser.add_argument("--check", action="store_true", help="fail when the page is stale")
+    parser.add_argument("--circles", action="store_true",
+                        help="list the import circles (run time and type-only) of the code "
+                             "it maps; exit 1 if there is any")
     args = parser.parse_args(argv)
     modules = read()
+    if args.circles:
+        lines, count = circle_report(modules)
+        print("\n".join(lines))
+        return 1 if count else 0
     made = section(modules)
     if args.write:
         before, _, after = current_page()

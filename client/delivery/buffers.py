@@ -29,6 +29,32 @@ class Event(Protocol):
 
 
 class BufferPool(Generic[T]):
+    """At most `max_buffers` reusable buffers, each handed out again only once nothing reads
+    it any more (`release` with the event of a pending copy: acquire waits on it).
+
+    Threading: acquire and release may be called from any thread (one lock guards the pool).
+
+    Example::
+
+        import numpy as np
+
+        pool = BufferPool(lambda n: np.empty(n, np.uint8), lambda b: b.nbytes, max_buffers=2)
+        buf = pool.acquire(1 << 20)
+        ...  # fill it, use it
+        pool.release(buf)
+
+    Args:
+        allocate: makes a buffer of the given number of bytes.
+        size_of: the bytes a buffer holds.
+        max_buffers: the most buffers it allocates and holds (>= 1).
+
+    Raises:
+        ValueError: `max_buffers` < 1.
+
+    Attributes:
+        allocations: buffers allocated so far.
+    """
+
     def __init__(self, allocate: Callable[[int], T], size_of: Callable[[T], int],
                  max_buffers: int) -> None:
         if max_buffers < 1:
@@ -45,6 +71,12 @@ class BufferPool(Generic[T]):
         """A buffer of at least `nbytes` that no pending copy still reads.
 
         Blocks while all max_buffers are handed out and not yet released.
+
+        Args:
+            nbytes: the bytes the caller needs.
+
+        Returns:
+            A buffer of at least `nbytes` (rounded up to a power of two, at least 1 MiB).
         """
         buf: T | None
         with self._lock:
@@ -70,13 +102,22 @@ class BufferPool(Generic[T]):
         return buf
 
     def grow(self, max_buffers: int) -> None:
-        """Allow up to `max_buffers` (never fewer than before)."""
+        """Allow up to `max_buffers` (never fewer than before).
+
+        Args:
+            max_buffers: the new most; a smaller number than the present one changes nothing.
+        """
         with self._lock:
             self._max = max(self._max, max_buffers)
             self._lock.notify_all()
 
     def release(self, buf: T, event: Event | None = None) -> None:
-        """Give `buf` back; it is reused once `event` (the copy reading it) has completed."""
+        """Give `buf` back; it is reused once `event` (the copy reading it) has completed.
+
+        Args:
+            buf: a buffer `acquire` returned.
+            event: the event of a copy still reading `buf` (a CUDA event), or None.
+        """
         with self._lock:
             self._free.append((buf, event))
             self._lock.notify()

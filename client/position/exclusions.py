@@ -1,6 +1,6 @@
 """Samples a run leaves out (`RemoteLoader.exclude`): `Excluded`, a set of dataset indices
 that travels with the coordinates, so every server drops them from the batches that hold
-them (server/order/exclusion.py says what that does to a batch).
+them (server/order/sampling.py's Exclusion says what that does to a batch).
 
 Threading: plain values.
 """

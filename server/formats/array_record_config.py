@@ -14,7 +14,16 @@ class ArrayRecordDataset(Sourced, Decoded):
     """Grain's ArrayRecord files; a shard is a file, sample i the i-th record of the files in
     sorted order. Records are serialized `tf.train.Example`s read through `features:`, or
     raw bytes: one field (`field`, default `record`) decoded as `decode:` says (image, utf8,
-    npy; none: the bytes, with max_bytes)."""
+    npy; none: the bytes, with max_bytes).
+
+    Attributes:
+        format: `"array_record"`: selects this model (the key every dataset gives).
+        features: Output field -> the `tf.train.Example` feature it reads; null: raw records, one
+            field.
+        record: With `features`: `example` or `sequence_example` (`features` then read its context).
+        field: Raw records: the output field (default `record`).
+        shuffle: `global` (random access by record is cheap) or `block`.
+    """
 
     format: Literal["array_record"]
     features: dict[str, ExampleFeature] | None = Field(None, min_length=1)

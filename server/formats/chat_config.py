@@ -50,7 +50,21 @@ ChatTemplate = Annotated[str | None, AfterValidator(_template), BeforeValidator(
 class ChatImages(Strict):
     """Images inside conversations: content parts {"type": "image", "image": PATH or bytes}
     (or images from `column`), each decoded and transformed on the server, its place in the
-    text (`token`, as the template writes it) expanded to a block of image tokens."""
+    text (`token`, as the template writes it) expanded to a block of image tokens.
+
+    Attributes:
+        token: The text the template writes for an image part (`<image>`); must be one token of the
+            tokenizer (an added token).
+        tokens: >= 1; image tokens per image.
+        patch: >= 1; instead of `tokens`: `(height // patch) x (width // patch)` tokens of the
+            transformed image.
+        size: A plain resize to exactly that size.
+        transforms: The image pipeline, as for images elsewhere (Transforms); it must give every
+            image one size.
+        column: A list of images beside the messages (a dotted path in `.jsonl`, a column in
+            `.parquet`), used in order by the image parts that hold no image of their own (Hugging
+            Face's `images` column layout).
+    """
 
     token: str = Field(min_length=1, description="the text the template writes for an image "
                        "(one token of the tokenizer, e.g. <image>)")
@@ -76,7 +90,26 @@ class ChatImages(Strict):
 class ChatDataset(Sourced):
     """Conversations (a list of {role, content} messages in a field of .jsonl records or a
     column of .parquet files), rendered through a chat template, tokenized and masked once at
-    open, and packed whole into rows of seq_len tokens (see formats/chat.py)."""
+    open, and packed whole into rows of seq_len tokens (see formats/chat.py).
+
+    Attributes:
+        format: `"chat"`: selects this model (the key every dataset gives).
+        field: `.jsonl`: a dotted path in each record to the list of messages; `.parquet`: a
+            `list<struct<role, content>>` column.
+        tokenizer: A Hugging Face `tokenizer.json`; the `tokenizer_config.json` beside it gives
+            `chat_template` and the special tokens (`bos_token`, `eos_token`, `pad_token`, ...), as
+            `transformers` saves them.
+        chat_template: Inline Jinja text (anything with `{`), or a `.jinja` / `.j2` file relative to
+            the config file; replaces the tokenizer config's.
+        loss_on: The tokens trained on: every assistant turn, the last one only, or every token.
+        seq_len: >= 2; tokens per row.
+        pack: `true`: whole conversations packed into rows; `false`: one conversation a row, padded.
+        long: A conversation longer than `seq_len`: its first `seq_len` tokens, left out, or cut
+            into pieces of `seq_len` tokens placed like conversations.
+        pad_id: The id after a row's real tokens.
+        shuffle: `global` only: rows have no shards.
+        images: Images inside conversations: see below.
+    """
 
     format: Literal["chat"]
     field: str = Field("messages", min_length=1,

@@ -47,12 +47,33 @@ ConfigPath = Annotated[Path, RelativeToConfig]
 
 
 class Strict(BaseModel):
+    """The base of every config model: an unknown key is an error naming it; a model, once
+    made, is frozen.
+
+    Attributes:
+        None of its own: every model's fields are its subclass's.
+    """
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class S3Settings(Strict):
     """How to reach S3 or an S3-compatible store (MinIO...). Credentials come from boto3's
-    standard chain (environment, profile, instance role), never from this file."""
+    standard chain (environment, profile, instance role), never from this file.
+
+    Attributes:
+        endpoint_url: E.g. `http://minio:9000`; null: AWS.
+        region: Null: from the environment or profile.
+        profile: A profile in `~/.aws/config`.
+        max_pool_connections: 1-1024, HTTP connections per worker process; null: enough for its
+            threads.
+        connect_timeout: Seconds, > 0.
+        read_timeout: Seconds, > 0.
+        max_attempts: 1-100; tries per request (and per body read), backoff with jitter between.
+        retry_mode: Botocore's retry mode; `adaptive` also slows down when throttled.
+        range_bytes: >= 1 MiB; larger objects are fetched as parallel ranged GETs of this size.
+        range_concurrency: 1-64; ranges of one object in flight at once.
+    """
 
     endpoint_url: str | None = Field(None, description="e.g. http://minio:9000; None: AWS")
     region: str | None = None
@@ -112,7 +133,11 @@ Suffixes = Annotated[tuple[str, ...], AfterValidator(_suffixes)]
 
 class DatasetBase(Strict):
     """A dataset's config model. What the server asks of a dataset's kind is asked of its
-    model, here: class variables and properties, none of them a key of the config."""
+    model, here: class variables and properties, none of them a key of the config.
+
+    Attributes:
+        None of its own: a format's keys are its model's (`Sourced` has a stored dataset's).
+    """
 
     # Its batches are what its storage listed, and its fingerprint hashes that listing; false:
     # the user's own dataset, fingerprinted by its config, length and own fingerprint().
@@ -141,7 +166,26 @@ class DatasetBase(Strict):
 
 
 class Sourced(DatasetBase):
-    """Fields every dataset read from storage has."""
+    """Fields every dataset read from storage has.
+
+    Attributes:
+        source: A local path (relative to the config file) or `s3://bucket/prefix`; the part from
+            the first segment with `*`, `?` or `[` on is a glob matched against keys under the rest
+            (`*`, `?` stay within a folder, `/` spans folders): `data/*.jsonl`,
+            `s3://b/shards//*.tar`.
+        s3: Fields of the top-level `s3:` to override for this dataset.
+        on_error: A bad sample: fail its batch (DATA_LOSS naming the sample and where it came from),
+            or replace it deterministically (see design.md); `python` has it too.
+        shuffle: With the client's `shuffle=True`: any sample after any other, or shards in random
+            order with samples mixed within windows (see design.md).
+        shuffle_window: >= 1; shards per window for `shuffle: block`.
+        transform: The user's per-sample function `fn(sample, rng) -> dict`, applied after the
+            format's own decoding and `transforms:`; `sample` is the dict of numpy arrays and
+            numbers the format made, `rng` a `numpy.random.Generator` seeded by (seed, epoch, sample
+            index), so the result is the same on every server and worker count.
+        follow_symlinks_outside_root: Local sources: a symlink under the root that leads outside it
+            stops the server at start (the error names the link and its target); `true` allows it.
+    """
 
     source: Source = Field(min_length=1,
                            description="a path or s3://bucket/prefix, may hold a glob")

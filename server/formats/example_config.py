@@ -16,7 +16,18 @@ BytesDecode = Literal["image", "utf8", "npy"]
 
 class Decoded(Strict):
     """How a bytes value becomes arrays: `decode: image` (with size or transforms, layout),
-    `utf8` (max_bytes), `npy`; none: the raw bytes, cut to max_bytes."""
+    `utf8` (max_bytes), `npy`; none: the raw bytes, cut to max_bytes.
+
+    Attributes:
+        decode: How the member's bytes become the field (below).
+        size: `image`, `video`: a plain resize, as in image-folder; with neither `size` nor
+            `transforms`, the native size (`<name>_size` is added); an error for the others.
+        transforms: `image` only: as in image-folder; the image fields of a sample share one
+            generator, in field order.
+        layout: `image`; `video`: `[T, 3, H, W]` or `[T, H, W, 3]`.
+        max_bytes: >= 1; required for `utf8` and for `json` with `dtype: utf8`, an error for the
+            others.
+    """
 
     decode: BytesDecode | None = None
     size: ImageSize | None = None  # image: a plain resize
@@ -43,7 +54,13 @@ class Decoded(Strict):
 
 class ExampleFeature(Decoded):
     """One output field: the feature `key` (default: the field's name) of each record, a
-    list of `kind`, `shape` values (default: one), read as tf.io.FixedLenFeature reads it."""
+    list of `kind`, `shape` values (default: one), read as tf.io.FixedLenFeature reads it.
+
+    Attributes:
+        kind: `int64` (served int64), `float` (float32, TensorFlow's FloatList), `bytes`.
+        shape: The values' shape: the list must hold exactly their product.
+        key: The feature's name in the record, e.g. `image/encoded`.
+    """
 
     kind: Literal["int64", "float", "bytes"]
     shape: tuple[int, ...] = Field((), description="[]: a scalar; values = product of shape")

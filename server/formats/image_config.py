@@ -45,6 +45,13 @@ def _none_is_empty(v: Any) -> Any:
 
 
 class ResizeArgs(Strict):
+    """The arguments of `resize` (an int alone is `size`).
+
+    Attributes:
+        size: An int: the shorter side becomes `size`; a pair: exactly that size (height, width).
+        antialias: False: plain bilinear, faster, aliases.
+    """
+
     size: int | tuple[int, int] = Field(
         description="int: the shorter side (aspect kept); [height, width]: exactly")
     antialias: bool = Field(True, description="false: plain bilinear, faster, aliases")
@@ -70,6 +77,12 @@ class ResizeArgs(Strict):
 
 
 class CenterCropArgs(Strict):
+    """The arguments of `center_crop` (an int alone is `size`).
+
+    Attributes:
+        size: The middle `size` (an int: square; or height, width) of the image at that step.
+    """
+
     size: ImageSize
 
 
@@ -83,7 +96,14 @@ Range = Annotated[tuple[float, float], AfterValidator(_ordered_range)]
 
 
 class RandomResizedCropArgs(Strict):
-    """As torchvision's RandomResizedCrop: area fraction in `scale`, aspect in `ratio`."""
+    """As torchvision's RandomResizedCrop: area fraction in `scale`, aspect in `ratio`.
+
+    Attributes:
+        size: The output size (an int: square; or height, width).
+        scale: The crop's area fraction, drawn uniform in this range.
+        ratio: The crop's aspect ratio, drawn log-uniform in this range.
+        antialias: False: plain bilinear, faster, aliases.
+    """
 
     size: ImageSize
     scale: Range = (0.08, 1.0)
@@ -99,6 +119,12 @@ class RandomResizedCropArgs(Strict):
 
 
 class FlipArgs(Strict):
+    """The arguments of `horizontal_flip`.
+
+    Attributes:
+        p: Probability of mirroring.
+    """
+
     p: float = Field(0.5, ge=0, le=1, description="probability of mirroring")
 
 
@@ -109,7 +135,13 @@ def _positive_std(v: tuple[float, float, float]) -> tuple[float, float, float]:
 
 
 class NormalizeArgs(Strict):
-    """(pixel / 255 - mean) / std per channel; output CHW in `dtype`."""
+    """(pixel / 255 - mean) / std per channel; output CHW in `dtype`.
+
+    Attributes:
+        mean: Per channel, of pixels scaled to [0, 1] (default ImageNet's).
+        std: Per channel, > 0 (default ImageNet's).
+        dtype: The output dtype: `float32` or `float16`.
+    """
 
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: Annotated[tuple[float, float, float], AfterValidator(_positive_std)] = IMAGENET_STD
@@ -122,22 +154,55 @@ _Args = BeforeValidator(_none_is_empty)
 
 
 class ResizeStep(Strict):
+    """A `resize:` step of `transforms:`.
+
+    Attributes:
+        resize: Int: the shorter side becomes `size`, the other `int(size x long / short)`; a pair:
+            exactly that size.
+    """
+
     resize: Annotated[ResizeArgs, _Args]
 
 
 class CenterCropStep(Strict):
+    """A `center_crop:` step of `transforms:`.
+
+    Attributes:
+        center_crop: The middle `size` of the image at that step (larger than the image: a sample
+            error; resize first).
+    """
+
     center_crop: Annotated[CenterCropArgs, _Args]
 
 
 class RandomResizedCropStep(Strict):
+    """A `random_resized_crop:` step of `transforms:`.
+
+    Attributes:
+        random_resized_crop: A crop of area fraction uniform in `scale` and aspect log-uniform in
+            `ratio` (ten tries, then the central crop clamped to `ratio`), resized to `size`.
+    """
+
     random_resized_crop: Annotated[RandomResizedCropArgs, _Args]
 
 
 class HorizontalFlipStep(Strict):
+    """A `horizontal_flip:` step of `transforms:`.
+
+    Attributes:
+        horizontal_flip: Mirrors with probability `p`.
+    """
+
     horizontal_flip: Annotated[FlipArgs, _Args]
 
 
 class NormalizeStep(Strict):
+    """A `normalize:` step of `transforms:`.
+
+    Attributes:
+        normalize: `(pixel / 255 - mean) / std` per channel; output float CHW.
+    """
+
     normalize: Annotated[NormalizeArgs, _Args]
 
 

@@ -12,7 +12,15 @@ from .image_config import ImageSize, Transforms, size_or_transforms
 
 class ImageFolderDataset(Sourced):
     """One sub-folder per class under `source` (class index = sorted folder order), or the
-    images and labels a `manifest` lists."""
+    images and labels a `manifest` lists.
+
+    Attributes:
+        format: `"image-folder"`: selects this model (the key every dataset gives).
+        size: Each >= 1; one int means square: a plain resize to exactly this size.
+        transforms: The image pipeline, below; replaces `size`.
+        layout: Layout of a uint8 `image`; after `normalize` it is always CHW.
+        manifest: A key under `source` naming a list of samples (below); null: class sub-folders.
+    """
 
     format: Literal["image-folder"]
     size: ImageSize | None = None

@@ -13,6 +13,28 @@ VIDEO_FRAMES_ONLY = ("time_column", "offsets", "size", "transforms", "layout")
 
 
 class JsonField(Strict):
+    """One output field of a jsonl dataset: where in the record it is and what it becomes.
+
+    Attributes:
+        path: A dotted path into the record: `meta.label` walks objects by key, `tokens.0` takes a
+            list item by position.
+        dtype: The output dtype.
+        shape: The value's shape; nested JSON lists for arrays.
+        max_bytes: >= 1; required for `utf8`, an error for the other dtypes.
+        fill: The value a JSON `null` becomes (inside lists too); pandas' `to_json` writes `NaN` as
+            `null`.
+        decode: The value is a video file's path (a key under the source's root) and the field is
+            frames of it, exactly as parquet's `decode: video_frames`: uint8 `[B, K, 3, H, W]`,
+            `<name>_timestamps` and, at native size, `<name>_size`.
+        time_column: Required for `video_frames`, an error otherwise: the dotted path of the
+            record's time in seconds (a number).
+        offsets: `video_frames` only: the frames shown at the record's time plus each offset
+            (seconds).
+        size: `video_frames` only: a plain resize of the frames.
+        transforms: `video_frames` only: the image pipeline, instead of `size`.
+        layout: `video_frames` only: `chw` (frames `[K, 3, H, W]`) or `hwc`.
+    """
+
     path: str | None = Field(None, description="dotted key in the record; default: field name")
     # None: inferred at open from the first records (see formats/jsonl.py): int64 when
     # every value seen is an integer, bool when every one is a bool, else float32.
@@ -58,7 +80,15 @@ class JsonField(Strict):
 
 
 class JsonlDataset(Sourced):
-    """Records, one JSON object per line, from one file or many (a glob); a shard is a file."""
+    """Records, one JSON object per line, from one file or many (a glob); a shard is a file.
+
+    Attributes:
+        format: `"jsonl"`: selects this model (the key every dataset gives).
+        fields: At least one; output field name -> a column (below).
+        length_column: A column (of every file; it need not be a field): each row's token count for
+            token budgets (`batch_tokens`), the value of an integer column or the length of a list
+            column.
+    """
 
     format: Literal["jsonl"]
     fields: dict[str, JsonField] = Field(min_length=1)

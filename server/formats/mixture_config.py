@@ -17,7 +17,14 @@ def _weight_alone(v: Any) -> Any:
 
 
 class MixtureComponent(Strict):
-    """One component: its weight, and renames that give its fields the mixture's names."""
+    """One component: its weight, and renames that give its fields the mixture's names.
+
+    Attributes:
+        weight: >= 0, under a component given as a mapping.
+        fields: Under a component: mixture's field name -> the component's field name (renames);
+            after renaming, every component must give the same fields with the same dtypes and
+            shapes, or the server does not start, naming the fields of each.
+    """
 
     weight: Weight
     # mixture's field name -> this component's field name, e.g. {input_ids: tokens}.
@@ -26,7 +33,13 @@ class MixtureComponent(Strict):
 
 class MixtureStep(Strict):
     """From global sample `from_sample` on (epoch * samples_per_epoch + position, counted
-    from the run's first sample), these weights; a component not named gets 0."""
+    from the run's first sample), these weights; a component not named gets 0.
+
+    Attributes:
+        from_sample: >= 1; the global sample (`epoch x samples_per_epoch + position`, from the run's
+            first sample) from which the entry's weights hold, until the next entry.
+        weights: Component name -> weight (>= 0, at least one > 0); components not named get 0.
+    """
 
     from_sample: int = Field(ge=1)
     weights: dict[str, Weight] = Field(min_length=1)
@@ -34,7 +47,21 @@ class MixtureStep(Strict):
 
 class MixtureDataset(DatasetBase):
     """Other datasets of this config, drawn with weights: which component and which of its
-    samples fill each position is a function of (seed, epoch, position), see docs/mixtures.md."""
+    samples fill each position is a function of (seed, epoch, position), see docs/mixtures.md.
+
+    Attributes:
+        format: `"mixture"`: selects this model (the key every dataset gives).
+        components: Dataset name -> its weight (a number >= 0), or -> `{weight: W, fields: {...}}`;
+            every name a dataset of this config that is not a mixture; at least one weight > 0;
+            weights need not sum to 1 (they are normalised, then quantized to 2⁻²⁰).
+        schedule: Weights from a global sample on, each entry `{from_sample, weights}`, in
+            increasing `from_sample`.
+        samples_per_epoch: >= 1; positions an epoch (the mixture's `num_samples`); independent of
+            the weights, so a schedule does not change an epoch's length.
+        on_error: As for any dataset, for the samples of every component read through this mixture
+            (a replacement may come from any component); the components' own `on_error` applies to
+            them when read on their own.
+    """
 
     format: Literal["mixture"]
     # name -> weight, or {weight: w, fields: {common: own}}; weights need not sum to 1.

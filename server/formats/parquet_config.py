@@ -24,7 +24,32 @@ from .video_config import Clip
 class ParquetField(Strict):
     """A column -> a field: numbers as they are (no `decode`), or decoded like tar members:
     `image` (binary, or a Hugging Face `Image()` struct<bytes, path>), `utf8` or `tokens`
-    (string columns)."""
+    (string columns).
+
+    Attributes:
+        column: A top-level column of every file; two fields may read one column.
+        dtype: Number columns (no `decode`) only: the output dtype; an integer or bool dtype takes
+            only values it holds exactly.
+        decode: How the column's values become the field (below), as tar's `decode`.
+        size: `image`: a plain resize, as in image-folder; with neither `size` nor `transforms`, the
+            native size (`<name>_size` is added); an error for the others.
+        transforms: `image` only: as in image-folder; the image fields of a sample share one
+            generator, in field order.
+        layout: `image`; `video_frames`: `[K, 3, H, W]` or `[K, H, W, 3]`.
+        time_column: Required for `video_frames`, an error for the others: a column of numbers, each
+            row's time in seconds.
+        offsets: `video_frames` only: the frames shown at the row's time plus each offset (e.g.
+            `[-0.1, 0.0]`).
+        clip: Required for `video`, an error for the others: as in format: tar.
+        short: `video`: as in format: video.
+        max_bytes: >= 1; required for `utf8`, an error for the others.
+        tokenizer: `tokens` only: as in text (`byte`, a `tokenizer.json`, a `*.tiktoken` file).
+        tiktoken_pattern: `tokens` with a `*.tiktoken` tokenizer only.
+        max_tokens: >= 1; required for `tokens`: ids kept per row.
+        pad_id: `tokens` only: fills the row after its last id.
+        fill: The value a null becomes (a pandas `NaN` or `None` is stored as a null); not for
+            `image`.
+    """
 
     column: str | None = Field(None, description="default: the field name")
     dtype: NumberDtype | None = Field(None, description="default: the column's own type")
@@ -81,7 +106,17 @@ class ParquetField(Strict):
 
 
 class ParquetDataset(Sourced):
-    """Parquet files (pyarrow): columns -> fields, read by row group; a shard is a row group."""
+    """Parquet files (pyarrow): columns -> fields, read by row group; a shard is a row group.
+
+    Attributes:
+        format: `"parquet"`: selects this model (the key every dataset gives).
+        fields: At least one; output field name -> a column (below).
+        shuffle: `global` or `block` (default: row groups' files in a random order, mixed within
+            windows).
+        length_column: A column (of every file; it need not be a field): each row's token count for
+            token budgets (`batch_tokens`), the value of an integer column or the length of a list
+            column.
+    """
 
     format: Literal["parquet"]
     fields: dict[str, ParquetField] = Field(min_length=1)

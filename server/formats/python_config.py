@@ -17,7 +17,21 @@ def _field_names(v: list[str] | None) -> list[str] | None:
 
 class PythonDataset(DatasetBase):
     """The user's own map-style dataset: `factory` returns an object with __len__ and
-    __getitem__(i) -> a dict of fields, a tuple of them or one (formats/python.py)."""
+    __getitem__(i) -> a dict of fields, a tuple of them or one (formats/python.py).
+
+    Attributes:
+        format: `"python"`: selects this model (the key every dataset gives).
+        factory: `"module:callable"`, the callable part may be dotted (`pkg.mod:Class.create`).
+        options: Keyword arguments for the factory.
+        prepare: `"module:callable"`: a deterministic `fn(dataset[i]) -> sample`, the expensive work
+            that does not change with the epoch; its output is what the prefix cache keeps.
+        fields: The field names of the values a sample tuple holds, in order: `fields: [image,
+            label]` for a dataset returning `(image, label)`; distinct, not `sample_index`. null:
+            `"0"`, `"1"`, ...
+        on_error: A bad sample: fail its batch (`raise`) or replace it deterministically (`skip`).
+        transform: `"module:callable"`: the user's per-sample `fn(sample, rng) -> dict`, applied
+            after `prepare`, `rng` seeded by (seed, epoch, sample index).
+    """
 
     format: Literal["python"]
     factory: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$",

@@ -12,6 +12,30 @@ from .video_config import Clip
 
 
 class TarField(Strict):
+    """One output field of a tar dataset: the member it reads and how it is decoded.
+
+    Attributes:
+        ext: The member's extension after the sample key: `jpg`, `cls`, `seg.png`; matched ignoring
+            case, as webdataset does (`0001.JPG` is extension `jpg`).
+        decode: How the member's bytes become the field (below).
+        size: `image`, `video`: a plain resize, as in image-folder; with neither `size` nor
+            `transforms`, the native size (`<name>_size` is added); an error for the others.
+        transforms: `image` only: as in image-folder; the image fields of a sample share one
+            generator, in field order.
+        layout: `image`: `chw` or `hwc`; `video`: `tchw` or `thwc`.
+        clip: Required for `video`, an error for the others: `{frames: T, stride: S}` or `{frames:
+            T, fps: F}` as in format: video; one random clip per sample, its start drawn from (seed,
+            epoch, sample index).
+        short: `video`: a video shorter than its clip, as in format: video.
+        max_bytes: >= 1; required for `utf8` and for `json` with `dtype: utf8`, an error for the
+            others.
+        path: `json` only: the dotted path of the value (`a.b.0` walks objects by key and lists by
+            position, as in jsonl); null: the whole document.
+        dtype: `json` only, and required there (no silent float): the value's dtype, as jsonl's
+            fields.
+        shape: `json` only: the value's shape (a list of lists for `[2, 3]`).
+    """
+
     ext: str = Field(min_length=1, description="the member's extension after the sample key "
                                                "(matched ignoring case, as webdataset does)")
     decode: Literal["image", "int", "float", "npy", "utf8", "json", "video"]
@@ -49,7 +73,13 @@ class TarField(Strict):
 
 class TarDataset(Sourced):
     """WebDataset-style shards: members `KEY.EXT` grouped into samples by KEY; a shard is a
-    tar file."""
+    tar file.
+
+    Attributes:
+        format: `"tar"`: selects this model (the key every dataset gives).
+        fields: At least one; output field name -> the member it reads (TarField).
+        shuffle: `global` or `block` (default: shards in a random order, mixed within windows).
+    """
 
     format: Literal["tar"]
     fields: dict[str, TarField] = Field(min_length=1)

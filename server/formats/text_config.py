@@ -12,7 +12,27 @@ from .config_base import Sourced, TokenId, Tokenizer
 class TextDataset(Sourced):
     """Documents (a string field of .jsonl records or a string column of .parquet files),
     tokenized once at open and packed into rows of seq_len tokens: the documents of an epoch
-    concatenated in a (seed, epoch) order and cut every seq_len tokens (see formats/text.py)."""
+    concatenated in a (seed, epoch) order and cut every seq_len tokens (see formats/text.py).
+
+    Attributes:
+        format: `"text"`: selects this model (the key every dataset gives).
+        field: `.jsonl`: a dotted path in each record, as in `jsonl` (`meta.body`); `.parquet`: a
+            string column.
+        tokenizer: `byte` (built in: UTF-8 bytes are ids 0-255, BOS 256, EOS 257, PAD 258), a
+            Hugging Face `tokenizer.json` (any `*.json` file), or a tiktoken BPE ranks file
+            (`*.tiktoken`); a local file that must exist when the config is loaded, relative paths
+            relative to the config file.
+        tiktoken_pattern: `*.tiktoken` only: the pre-tokenizer regex (tiktoken's syntax).
+        seq_len: >= 2; tokens per row.
+        bos: Prepend BOS to every document.
+        eos: Append EOS to every document.
+        bos_id: The BOS id; null: the tokenizer's own.
+        eos_id: The EOS id; null: the tokenizer's own.
+        pad_id: The id that fills the last row.
+        long_documents: A document longer than `seq_len` (BOS and EOS counted): cut across rows, or
+            left out.
+        shuffle: `global` only: rows have no shards.
+    """
 
     format: Literal["text"]
     field: str = Field("text", min_length=1,

@@ -12,7 +12,17 @@ from .config_base import Sourced
 class TokensDataset(Sourced):
     """nanoGPT-style flat token files: sample i is a window of seq_len + 1 tokens, giving
     `input_ids` (the first seq_len) and `labels` (the last seq_len); windows step by seq_len
-    and never cross a file; a shard is a file."""
+    and never cross a file; a shard is a file.
+
+    Attributes:
+        format: `"tokens"`: selects this model (the key every dataset gives).
+        dtype: The files' token type.
+        seq_len: >= 1; tokens per sample.
+        header_bytes: >= 0; bytes skipped at the start of every file.
+        output_dtype: Dtype of `input_ids` and `labels`.
+        vocab_size: 1 to 2³²; every id must be below it: checked on each file's first tokens at
+            start and on every window read.
+    """
 
     format: Literal["tokens"]
     dtype: Literal["uint16", "uint32"] = "uint16"

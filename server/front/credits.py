@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .ready import Ready
     from .session_context import SessionContext
 
-# A batch whose samples are all excluded (server/order/exclusion.py) is not built: it is
+# A batch whose samples are all excluded (server/order/sampling.py's Exclusion) is not built: it is
 # answered with this in-band status, and the client makes the batch of 0 rows itself.
 EMPTIED = grpc.StatusCode.OUT_OF_RANGE
 EMPTIED_WHY = "every sample of this batch is excluded (0 rows)"

@@ -28,9 +28,14 @@ from stoker.v1.wire import FINGERPRINT_KEY
 from .._config import Config
 from ..order import token_batches
 from ..order.epochs import consumed, epoch_size, locate, samples_of
-from ..order.exclusion import Exclusion
 from ..order.fingerprint import Fingerprint, short_digest
-from ..order.sampling import ORDER_LEGACY, ORDERS_KNOWN, CoordinateError, Coordinates
+from ..order.sampling import (
+    ORDER_LEGACY,
+    ORDERS_KNOWN,
+    CoordinateError,
+    Coordinates,
+    Exclusion,
+)
 from ..pool import shm
 from ..pool.layout import SOURCES
 from ..pool.workers import BatchFailed, DatasetMeta, WorkerPool

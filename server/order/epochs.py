@@ -37,7 +37,7 @@ class EpochSource(Protocol):
 
 def samples_of(meta: EpochSource, c: Coordinates, index: int) -> np.ndarray:
     """Dataset indices of batch `index`: cut by count, or by tokens under batch_tokens; less
-    the excluded samples (server/order/exclusion.py)."""
+    the excluded samples (server/order/sampling.py's Exclusion)."""
     if c.batch_tokens:
         assert meta.lengths is not None  # checked with the coordinates
         plans = token_batches if c.order == ORDER_LEGACY else token_windows

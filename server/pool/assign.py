@@ -19,37 +19,18 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from ..order.sampling import EpochKey
 from .depth import SHALLOW_DEPTH, depth_for
 from .fair_queue import FairQueue
-from .handle import WorkerHandle
+from .handle import Job, WorkerHandle
 from .layout import BuiltBatch
-from .messages import Discard, FailureKind, GiveBack, Part, PartBuilt, Task, ToWorker
+from .messages import BatchFailed, Discard, FailureKind, GiveBack, PartBuilt, Task, ToWorker
 from .parts import RESENDS, Assembly, OwnSegments, Plan, Splitter, Verdict
 
-__all__ = ["Assignment", "BatchFailed", "Job", "fail_all"]
-
-
-class BatchFailed(Exception):
-    """A batch could not be built; `kind` says why (the front end maps it to a gRPC status).
-    The message is what the client is told; `detail`, what the server's log says."""
-
-    def __init__(self, kind: FailureKind, message: str, detail: str = "") -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.detail = detail or message
-
-
-@dataclass(frozen=True)
-class Job:
-    task: Task | Part  # what the worker is sent
-    future: concurrent.futures.Future[BuiltBatch]  # who waits for the batch
-    batch: Assembly | None = None  # a Part's batch, and which part it is
-    part: int = 0
+__all__ = ["Assignment", "fail_all"]
 
 
 class Assignment:

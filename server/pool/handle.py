@@ -1,5 +1,5 @@
 """One worker process as the pool sees it: the process, its pipe, and the pool's bookkeeping of
-it; and the one way to write to its pipe.
+it (the `Job`s it holds); and the one way to write to its pipe.
 
 Threading: `process`, `conn` and `progress` are set at spawn and never change. `ready`, `freed`,
 `dropped`, `jobs` and `head_since` are guarded by the pool's lock (see workers.py). `on_loop`
@@ -9,14 +9,26 @@ pipe to the loop before the loop's first read, cleared on the loop after its las
 
 from __future__ import annotations
 
+import concurrent.futures
 import multiprocessing.connection as mpc
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .messages import ToWorker
+from .messages import Part, Task, ToWorker
 
 if TYPE_CHECKING:
-    from .assign import Job
+    from .layout import BuiltBatch
+    from .parts import Assembly
+
+
+@dataclass(frozen=True)
+class Job:
+    """A task (or a part of a batch) handed to a worker, and who waits for its batch."""
+
+    task: Task | Part  # what the worker is sent
+    future: concurrent.futures.Future[BuiltBatch]  # who waits for the batch
+    batch: Assembly | None = None  # a Part's batch, and which part it is
+    part: int = 0
 
 
 @dataclass(eq=False)  # a worker is itself: compared (`in`, `index`) by identity

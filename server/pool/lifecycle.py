@@ -25,11 +25,12 @@ from typing import Any, Protocol
 from .._errors import StartError
 from ..order.fingerprint import Fingerprint
 from . import shm
-from .assign import Assignment, BatchFailed, fail_all
+from .assign import Assignment, fail_all
 from .handle import WorkerHandle, send
 from .layout import BuiltBatch
 from .loop_side import LoopSide
 from .messages import (
+    BatchFailed,
     BuildFailed,
     Built,
     DatasetMeta,

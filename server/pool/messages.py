@@ -33,6 +33,18 @@ class FailureKind(enum.StrEnum):
     UNAVAILABLE = "unavailable"
 
 
+class BatchFailed(Exception):
+    """A batch could not be built: what the pool fails a batch's future with (not a message
+    of the pipe: a worker's BuildFailed, a dead worker, a timeout become one). `kind` says why
+    (the front end maps it to a gRPC status). The message is what the client is told;
+    `detail`, what the server's log says."""
+
+    def __init__(self, kind: FailureKind, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.detail = detail or message
+
+
 @dataclass(frozen=True)
 class DatasetMeta:
     """What worker 0 learns of a dataset when it opens it (DescribeDataset, orderings)."""

@@ -25,16 +25,12 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from . import shm
 from .batch import planned_layout
 from .depth import KEEP_BYTES, KEEP_MIN, KEEP_SEGMENTS
 from .layout import BuiltBatch, TensorLayout
-from .messages import Part, PartBuilt, Task
-
-if TYPE_CHECKING:
-    from .assign import BatchFailed
+from .messages import BatchFailed, Part, PartBuilt, Task
 
 # Samples per part at least: a part costs two pipe messages and a wake-up of each side.
 MIN_ROWS = 8
@@ -219,10 +215,8 @@ class Assembly:
 
     def error(self) -> BatchFailed:
         """The lowest failed part's error (Verdict.FAILED)."""
-        # Exception: the one kind of outcome that is an error (BatchFailed is imported for
-        # types only, assign.py imports this module).
         return next(o for k in sorted(self.outcomes)
-                    if isinstance(o := self.outcomes[k], Exception))
+                    if isinstance(o := self.outcomes[k], BatchFailed))
 
     def batch(self) -> BuiltBatch:
         """The batch, once every part was built (Verdict.BUILT)."""

@@ -38,13 +38,13 @@ import numpy as np
 from ..order.sampling import FIRST_EPOCH, EpochKey
 from ..sources import prefix_cache
 from . import shm
-from .assign import Assignment, BatchFailed, fail_all
+from .assign import Assignment, fail_all
 from .dispatch import Dispatcher
 from .handle import send
 from .layout import BuiltBatch
 from .lifecycle import WorkerMain, Workers
 from .loop_side import LoopSide
-from .messages import DatasetMeta, FailureKind, Stop
+from .messages import BatchFailed, DatasetMeta, FailureKind, Stop
 from .parts import OwnSegments, Plan, Splitter
 from .worker_main import worker_main
 

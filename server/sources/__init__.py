@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ._listing import ObjectInfo
 from .storage import (
     GLOB_CHARS,
     DataChanged,
-    ObjectInfo,
     Storage,
     StorageError,
     StorageUnavailable,

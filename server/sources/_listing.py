@@ -1,17 +1,25 @@
 """`Listing`: the objects a storage listed, by key, as first seen (what a dataset's fingerprint
-covers and what reads are checked against)."""
+covers and what reads are checked against), each an `ObjectInfo`."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
-
-from .storage import ObjectInfo
 
 # Objects added one by one (a key read before any listing named it) wait in a dict; past this
 # many they join the arrays.
 RECENT = 4096
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One object a storage lists."""
+
+    key: str  # relative to the storage root, '/'-separated
+    size: int
+    version: str  # changes when the object's bytes change (S3 ETag; local mtime and size)
 
 
 class Listing:

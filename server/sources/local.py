@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import BinaryIO
 
-from ._listing import Listing
-from .storage import DataChanged, ObjectInfo, StorageError, glob_regex
+from ._listing import Listing, ObjectInfo
+from .storage import DataChanged, StorageError, glob_regex
 
 
 def _version(st: os.stat_result) -> str:

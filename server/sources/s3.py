@@ -35,9 +35,9 @@ import boto3
 import botocore.exceptions as bx
 from botocore.config import Config as BotoConfig
 
-from ._listing import Listing
+from ._listing import Listing, ObjectInfo
 from .cache import DiskCache
-from .storage import DataChanged, ObjectInfo, StorageError, StorageUnavailable, glob_regex
+from .storage import DataChanged, StorageError, StorageUnavailable, glob_regex
 
 log = logging.getLogger("stoker.server")
 T = TypeVar("T")

@@ -1,17 +1,16 @@
-"""The storage interface: `Storage`, what it lists (`ObjectInfo`), its errors, and the
-source-string helpers (`split_source`, `glob_regex`) every storage and format shares."""
+"""The storage interface: `Storage`, its errors, and the source-string helpers
+(`split_source`, `glob_regex`) every storage and format shares. What it lists, `ObjectInfo`,
+is its `Listing`'s (_listing.py)."""
 
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from ._listing import Listing
+from ._listing import Listing, ObjectInfo
 
 GLOB_CHARS = frozenset("*?[")
 
@@ -38,13 +37,6 @@ class StorageUnavailable(StorageError):
     keeps breaking): transient and of this server's making, so the client is answered
     UNAVAILABLE and asks another server, and `on_error: skip` never skips it (the sample is
     not bad)."""
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    key: str  # relative to the storage root, '/'-separated
-    size: int
-    version: str  # changes when the object's bytes change (S3 ETag; local mtime and size)
 
 
 class Storage(Protocol):

@@ -17,14 +17,25 @@ Threading contract: a transport belongs to one stream and runs on the server's e
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .base import BatchOwner, Handshake, Transport, write
+from .base import BatchOwner, Transport, write
 
 if TYPE_CHECKING:
     from ...pool.shm import ReadMappings
+    from .datasocket import SocketOffer
 
 __all__ = ["Handshake", "Transport", "choose", "write"]
+
+
+@dataclass
+class Handshake:
+    """What a client asked for before its coordinates (read by the stream's reader)."""
+
+    zstd: bool = False  # compression="zstd"
+    same_host: bool = False  # its shm probe passed, and this server lends shared memory
+    offer: SocketOffer | None = None  # a data socket offered (its first frame is sent)
 
 
 def choose(asked: Handshake, pool: BatchOwner, mappings: ReadMappings,

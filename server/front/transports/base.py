@@ -1,17 +1,15 @@
-"""What every transport is: the `Transport` protocol, the `Handshake` that chooses one, and
-`write`, one frame on the stream. The variants import this module, never the package that
-imports them."""
+"""What every transport is: the `Transport` protocol, `BatchOwner` (where a sent batch goes
+back), and `write`, one frame on the stream. The variants import this module, never the
+package that imports them (which holds the `Handshake` that chooses one)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
 if TYPE_CHECKING:
     from ...pool.layout import BuiltBatch
-    from .datasocket import SocketOffer
 
 
 class BatchOwner(Protocol):
@@ -58,15 +56,6 @@ class Transport(Protocol):
     def close(self) -> None:
         """The stream has ended: give back what the client still holds."""
         return None
-
-
-@dataclass
-class Handshake:
-    """What a client asked for before its coordinates (read by the stream's reader)."""
-
-    zstd: bool = False  # compression="zstd"
-    same_host: bool = False  # its shm probe passed, and this server lends shared memory
-    offer: SocketOffer | None = None  # a data socket offered (its first frame is sent)
 
 
 async def write(context: grpc.aio.ServicerContext, frame: bytes) -> bool:
