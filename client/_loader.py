@@ -86,6 +86,9 @@ class RemoteLoader:
         drop_last: drop this rank's last short batch.
         order: the shuffled order's version, `"index"` or `"legacy"` (what older states
             resume).
+        snapshot: a lake table's snapshot (format iceberg, delta or lance) to read; None:
+            the server's pin, else the table's current snapshot at first contact, which the
+            job keeps (and `state_dict` records).
         rank: this trainer's rank (None: torch.distributed, else RANK, else 0).
         world_size: trainers in the job (None: torch.distributed, else WORLD_SIZE, else 1).
         device: None or a CPU device: host tensors; a CUDA device: batches copied there
@@ -215,10 +218,10 @@ class RemoteLoader:
         described = contact.described
         self._agreement.first(contact)
         agreed = self._agreement.fingerprint
-        if agreed is not None and agreed.snapshot and agreed.snapshot != self._coords.snapshot:
+        if agreed is not None and agreed.snapshot not in ("", self._place.coords.snapshot):
             # A lake table: the snapshot first contact resolved is this job's from now on,
             # whichever server serves it, and what state_dict records.
-            self._coords = dataclasses.replace(self._coords, snapshot=agreed.snapshot)
+            self._place.pin_snapshot(agreed.snapshot)
         self._described[self._on_demand._key(epoch, start)] = described
         self._window.cap_credits(described.max_credits, contact.server.address)
         if described.HasField("capacity"):
@@ -301,8 +304,8 @@ class RemoteLoader:
             self._place.reorder(saved.order)
             self._agreement.order = saved.order
             self._described.clear()
-        if saved.snapshot != self._coords.snapshot:  # and on the table's snapshot it read
-            self._coords = dataclasses.replace(self._coords, snapshot=saved.snapshot)
+        if saved.snapshot != self._place.coords.snapshot:  # and on the table's snapshot it read
+            self._place.pin_snapshot(saved.snapshot)
             self._described.clear()
         self.exclude(saved.excluded.indices if saved.excluded else ())
         if saved.digest and not allow_changed_data:

@@ -71,7 +71,14 @@ LAYERS = (
           ("stoker.server.order", "stoker.server._errors", "stoker.server._config",
            "stoker.server.pool.workers", "stoker.server.pool.messages",
            "stoker.server.pool.layout", "stoker.server.pool.shm", "stoker.server.pool.depth",
-           "stoker.server.sources.prefix_cache", "stoker.v1")),
+           "stoker.server.sources.prefix_cache", "stoker.server.front.tables", "stoker.v1")),
+    # A lake table's snapshot is opened when a job first names it, not at start: the front end
+    # resolves the snapshot and opens it as a worker would (describe), in a thread.
+    Layer("stoker.server.front.tables", "lake tables' snapshots as the front end opens them",
+          ("stoker.server.front", "stoker.server.formats", "stoker.server.pool.worker_main",
+           "stoker.server.pool.messages", "stoker.server.sources.cache", "stoker.server.order",
+           "stoker.server._config", "stoker.server._errors"),
+          modules=(f"{S}.front.tables",)),
     Layer("stoker.server.app", "the server's lifecycle: front end and pool on one exit stack",
           ("stoker.server.front", "stoker.server.pool", "stoker.server.order",
            "stoker.server._config", "stoker.server._errors", "stoker.v1"),

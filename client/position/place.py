@@ -80,6 +80,15 @@ class Place:
         """
         self._coords = dataclasses.replace(self._coords, order=order)
 
+    def pin_snapshot(self, snapshot: str) -> None:
+        """Read a lake table's `snapshot` from here on: the one first contact resolved, or
+        the one a state being loaded read.
+
+        Args:
+            snapshot: the table's snapshot id, as the servers name it.
+        """
+        self._coords = dataclasses.replace(self._coords, snapshot=snapshot)
+
     def load_state_dict(self, saved: Saved, planned: Callable[[Saved], int] | None) -> None:
         """Resume where `saved` was (after `reorder` and `exclude` to its order and
         exclusions): its position, or under another world_size or batch_size an elastic

@@ -48,7 +48,21 @@ def _installed(module: str) -> bool:
 class LakeDataset(DatasetBase):
     """`columns:` (each a field of the same name) with `decode:` per column, or parquet's
     `fields:` (output name -> a column and its options); `length_column`, `shuffle`,
-    `on_error`, `transform` as in format: parquet."""
+    `on_error`, `transform` as in format: parquet.
+
+    Attributes:
+        columns: The columns to read, each a field of the same name (or give `fields:`).
+        decode: Column -> a decode (`image`, `utf8`, ...) or a mapping of parquet's field
+            options (`{decode: image, size: 224}`).
+        fields: Parquet's form: output field name -> a column and its options.
+        length_column: A column whose value (or list length) is each row's token count.
+        shuffle: `global` (a random row anywhere) or `block` (row groups in a random order,
+            mixed within windows).
+        shuffle_window: Row groups mixed together under `shuffle: block`.
+        on_error: `raise` (DATA_LOSS naming the row and file) or `skip` (a replacement row).
+        transform: A user transform, as in format: parquet.
+        s3: Overrides the top-level `s3:` block for this table's files.
+    """
 
     # Config keys that pin the snapshot (each format's own), and those that say where the
     # table is, not what it holds: neither is in the fingerprint's config content.

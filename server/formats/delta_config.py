@@ -13,7 +13,14 @@ from .config_base import Source
 class DeltaDataset(LakeDataset):
     """A Delta Lake table (deltalake, delta-rs), at one version: its data files read as
     format parquet reads files. A feature delta-rs does not expose to stoker (deletion
-    vectors in use, column mapping) refuses the table, naming it."""
+    vectors in use, column mapping) refuses the table, naming it.
+
+    Attributes:
+        format: `"delta"`: selects this model.
+        source: The table's folder or s3:// URL.
+        version: The table version to read (default: the current one at the job's first contact).
+        as_of: A timestamp: the version current then.
+    """
 
     format: Literal["delta"]
     source: Source = Field(min_length=1, description="the table's folder or s3:// URL")

@@ -12,7 +12,15 @@ from .config_base import Strict, relative_to_config
 
 class Catalog(Strict):
     """Where the table's metadata is: a SQL catalog (`sql`, SQLite by default: an embedded
-    catalog in one file) or an Iceberg REST catalog (`rest`)."""
+    catalog in one file) or an Iceberg REST catalog (`rest`).
+
+    Attributes:
+        type: `sql` (SQLAlchemy URI; SQLite embedded) or `rest`.
+        uri: `"sqlite:///data/catalog.db"` or the REST catalog's http(s):// address.
+        warehouse: Where the tables' files are: a folder or s3://bucket/prefix.
+        name: The catalog's name in pyiceberg.
+        properties: Any other pyiceberg catalog property (`s3.endpoint`, `token`, ...).
+    """
 
     type: Literal["sql", "rest"] = "sql"
     uri: str = Field(min_length=1, description='"sqlite:///data/catalog.db" or http(s)://...')
@@ -41,7 +49,16 @@ class Catalog(Strict):
 
 class IcebergDataset(LakeDataset):
     """An Iceberg table (pyiceberg), at one snapshot: its data files read as format parquet
-    reads files, positional deletes applied, renamed columns followed by field id."""
+    reads files, positional deletes applied, renamed columns followed by field id.
+
+    Attributes:
+        format: `"iceberg"`: selects this model.
+        catalog: The catalog that holds the table (above).
+        table: `"namespace.table"`.
+        snapshot_id: The snapshot to read (default: the current one at the job's first contact).
+        ref: A branch or tag: its snapshot at the job's first contact.
+        as_of: A timestamp: the snapshot current then.
+    """
 
     format: Literal["iceberg"]
     catalog: Catalog

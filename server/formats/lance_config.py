@@ -12,7 +12,15 @@ from .config_base import Source
 
 class LanceDataset(LakeDataset):
     """A Lance dataset (pylance), at one version: rows read by random access (`take`), so a
-    global shuffle costs a row, not a row group; deleted rows left out."""
+    global shuffle costs a row, not a row group; deleted rows left out.
+
+    Attributes:
+        format: `"lance"`: selects this model.
+        source: The dataset's folder or s3:// URL.
+        version: The version to read (default: the current one at the job's first contact).
+        tag: A tag naming a version.
+        shuffle: `global` by default: random access costs a row.
+    """
 
     format: Literal["lance"]
     source: Source = Field(min_length=1, description="the dataset's folder or s3:// URL")
