@@ -38,7 +38,9 @@ sample index): the same sample in the same epoch is augmented identically everyw
 
 from __future__ import annotations
 
+import functools
 import io
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,10 +53,21 @@ from PIL import Image
 
 from .formats.samples import padded
 
+try:  # built by the project's install (pyproject.toml, ext-modules); optional
+    from . import _jpeg
+except ImportError:  # pragma: no cover - a build without a compiler or libjpeg's headers
+    _jpeg = None  # type: ignore[assignment]
+
+log = logging.getLogger("stoker.server")
+
 # Workers are processes, one per core: OpenCV's own thread pool would only compete with them.
 cv2.setNumThreads(1)
 
 JPEG_MAGIC = b"\xff\xd8\xff"
+JPEG_END = b"\xff\xd9"  # a file cut short lacks it: the crop decode may stop before the cut
+# What servers agree on beyond the data (order/fingerprint.py): a change to the bytes a
+# pipeline gives for the same file and coordinates is a new version here.
+CROP_DECODE = f"jpeg-crop-{_jpeg.VERSION}" if _jpeg is not None else ""
 DCT_FACTORS = (8, 4, 2)  # the scales libjpeg decodes to cheaply, largest first
 
 
@@ -188,6 +201,26 @@ def decode_rgb(data: bytes) -> np.ndarray:
     return _decode(data, width, height, jpeg, 1)
 
 
+def _render(data: bytes, width: int, height: int, jpeg: bool, plan: _Plan,
+            antialias: bool) -> np.ndarray:
+    """`plan`'s box of the image, resampled once to its size (not mirrored): decoded at the
+    largest DCT scale that still leaves the box at least as large as the output."""
+    x0, y0, x1, y1 = plan.box
+    factor = next((f for f in DCT_FACTORS if (x1 - x0) / f >= plan.width
+                   and (y1 - y0) / f >= plan.height), 1)
+    pixels = _decode(data, width, height, jpeg, factor)
+    sx, sy = pixels.shape[1] / width, pixels.shape[0] / height
+    return _resample(pixels, (x0 * sx, y0 * sy, x1 * sx, y1 * sy), plan.width, plan.height,
+                     antialias)
+
+
+@functools.cache
+def _say_no_extension() -> None:
+    log.warning("stoker.server._jpeg is not built (no compiler or libjpeg headers at install):"
+                " JPEGs are decoded whole, then cropped; install gcc and libjpeg62-turbo-dev "
+                "and reinstall stoker for the crop decode")
+
+
 def _resample(pixels: np.ndarray, box: tuple[float, float, float, float], width: int,
               height: int, antialias: bool) -> np.ndarray:
     """The `box` of `pixels` (rounded to whole pixels) resized to width x height."""
@@ -249,6 +282,15 @@ class ImagePipeline:
                               for name, args in steps)
         self.cache: Any = None  # a _prefix_cache.Scope, given by use_cache
 
+    def decode_version(self, cached: bool) -> str:
+        """What this pipeline's bytes depend on beyond the file and the coordinates, for the
+        fingerprint: "" for the decode of the whole file (then the prefix's resample and the
+        rest's), `CROP_DECODE` where JPEGs are decoded for the output's box in one plan (no
+        prefix cache: `cached` False, and the extension built)."""
+        if _jpeg is None:
+            _say_no_extension()
+        return CROP_DECODE if not cached and (self.head or self.tail) else ""
+
     def use_cache(self, scope: Any) -> None:
         """Keep prefixes in `scope` (a _prefix_cache.Scope), by sample index."""
         self.cache = scope
@@ -274,17 +316,67 @@ class ImagePipeline:
         if prefix is None:
             if data is None:
                 raise ValueError("no image bytes")
+            image = self.planned(data, rng) if self.cache is None else None
+            if image is not None:
+                self._put(out, name, image)
+                return
             prefix = self.prefix(data)
             if self.cache is not None and index is not None:
                 self.cache.put(index, {"pixels": prefix})
-        image = self.rest(prefix, rng)
+        self._put(out, name, self.rest(prefix, rng))
+
+    def _put(self, out: dict[str, Any], name: str, image: np.ndarray) -> None:
         out[name] = image
         if not self.fixed_size:
             h, w = image.shape[1:] if self.layout == "chw" else image.shape[:2]
             out[f"{name}_size"] = np.array([h, w], np.int64)
 
     def __call__(self, data: bytes, rng: np.random.Generator) -> np.ndarray:
+        if self.cache is None and (image := self.planned(data, rng)) is not None:
+            return image
         return self.rest(self.prefix(data), rng)
+
+    def planned(self, data: bytes, rng: np.random.Generator) -> np.ndarray | None:
+        """The output array in one plan from the source (no prefix kept): a JPEG the
+        extension takes, decoded only where the output's box lies, at the DCT scale it allows,
+        resampled and mirrored in the same call. None (nothing drawn from `rng`) for every
+        other image, and without the extension or geometry: the prefix's way then."""
+        if (_jpeg is None or not (self.head or self.tail) or data[:3] != JPEG_MAGIC
+                or not bytes(data[-16:]).rstrip(b"\0").endswith(JPEG_END)):
+            return None
+        width, height, jpeg = _source_size(data)
+        if not jpeg:
+            return None
+        plan = _Plan((0.0, 0.0, float(width), float(height)), width, height)
+        for step, args in self.head:
+            step(plan, args, None)  # the same draws as the prefix's way: none here...
+        for step, args in self.tail:
+            step(plan, args, rng)  # ...and these on the same (width, height) it plans on
+        x0, y0, x1, y1 = plan.box
+        if (x1 - x0, y1 - y0) == (plan.width, plan.height) and float(x0).is_integer() \
+                and float(y0).is_integer():
+            hwc = _render(data, width, height, jpeg, plan, self.antialias)  # no resample
+            return self._finish(hwc[:, ::-1] if plan.flip else hwc)
+        chw = self.layout == "chw" and not self.normalize
+        shape = (3, plan.height, plan.width) if chw else (plan.height, plan.width, 3)
+        pixels = np.empty(shape, np.uint8)
+        try:
+            done = _jpeg.decode_crop(data, plan.box, pixels, chw=chw, flip=plan.flip,
+                                     antialias=self.antialias)
+        except ValueError:
+            done = False  # corrupt: the whole file's decoders say what is wrong with it
+        if not done:
+            hwc = _render(data, width, height, jpeg, plan, self.antialias)
+            return self._finish(hwc[:, ::-1] if plan.flip else hwc)
+        if chw:
+            return pixels if self.fixed_size else padded(pixels, (1, 2))
+        return self._finish(pixels)
+
+    def _finish(self, hwc: np.ndarray) -> np.ndarray:
+        out = self._output(hwc)
+        if self.fixed_size:
+            return out
+        return padded(out, (1, 2) if self.layout == "chw" else (0, 1))
 
     def prefix(self, data: bytes) -> np.ndarray:
         """The prefix's RGB uint8 HWC pixels: one plan of the leading deterministic steps,
@@ -293,14 +385,7 @@ class ImagePipeline:
         plan = _Plan((0.0, 0.0, float(width), float(height)), width, height)
         for step, args in self.head:
             step(plan, args, None)  # deterministic steps draw nothing
-        x0, y0, x1, y1 = plan.box
-        # The largest DCT scale that still leaves the box at least as large as the output.
-        factor = next((f for f in DCT_FACTORS if (x1 - x0) / f >= plan.width
-                       and (y1 - y0) / f >= plan.height), 1)
-        pixels = _decode(data, width, height, jpeg, factor)
-        sx, sy = pixels.shape[1] / width, pixels.shape[0] / height
-        return _resample(pixels, (x0 * sx, y0 * sy, x1 * sx, y1 * sy), plan.width,
-                         plan.height, self.antialias)
+        return _render(data, width, height, jpeg, plan, self.antialias)
 
     def pixels_prefix(self, pixels: np.ndarray) -> np.ndarray:
         """The prefix from decoded RGB uint8 HWC pixels (a video frame) instead of encoded
@@ -322,12 +407,7 @@ class ImagePipeline:
             step(plan, args, rng)
         if self.tail:
             pixels = _resample(pixels, plan.box, plan.width, plan.height, self.antialias)
-        if plan.flip:
-            pixels = pixels[:, ::-1]
-        out = self._output(pixels)
-        if self.fixed_size:
-            return out
-        return padded(out, (1, 2) if self.layout == "chw" else (0, 1))
+        return self._finish(pixels[:, ::-1] if plan.flip else pixels)
 
     def _output(self, hwc: np.ndarray) -> np.ndarray:
         """RGB HWC pixels -> the output array."""
