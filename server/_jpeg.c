@@ -264,24 +264,49 @@ static void horizontal(const uint8_t *src, size_t stride, const struct axis *ax,
 
 /* -- the decode ---------------------------------------------------------------------------- */
 
-enum outcome { DONE, REFUSED, FAILED, NOMEM };
-
 struct job {
-    const uint8_t *data;
+    const uint8_t *data; /* JPEG bytes; or RGB pixels, `rows` x `cols` (resample) */
     size_t size;
+    int rows, cols;
     double box[4];
     int out_w, out_h, flip, chw, antialias, fast;
+    int denom; /* the DCT scale's denominator asked for; 0: the largest the box allows */
     uint8_t *out;
     char message[JMSG_LENGTH_MAX];
-    int scale; /* the DCT scale's denominator used (for tests and benchmarks) */
+    int scale; /* the DCT scale's denominator used */
 };
+
+/* Both passes over `rows` (RGBX, `stride` bytes a row, the first at source row r0 and
+ * column col0, padded as `horizontal` needs) into job->out; -1 when out of memory. */
+static int passes(const uint8_t *rows, size_t stride, int col0, int r0, const struct axis *ax,
+                  const struct axis *ay, const struct job *job) {
+    /* The horizontal pass reads only [ax->lo, ax->hi) of each row: the vertical one makes
+     * no more than those columns. */
+    int n = (ax->hi - ax->lo) * 4;
+    size_t pad = (size_t)ax->taps * 4 + 16;
+    uint8_t *mid = malloc((size_t)n * job->out_h + pad);
+    int32_t *acc = malloc(sizeof(int32_t) * (size_t)n);
+    if (!mid || !acc) {
+        free(mid);
+        free(acc);
+        return -1;
+    }
+    vertical(rows + (size_t)(ax->lo - col0) * 4, stride, n, ay, job->out_h, r0, mid, acc);
+    memset(mid + (size_t)n * job->out_h, 0, pad);
+    horizontal(mid, (size_t)n, ax, job->out_w, job->out_h, ax->lo, job->flip, job->chw,
+               job->out);
+    free(mid);
+    free(acc);
+    return 0;
+}
+
+enum outcome { DONE, REFUSED, FAILED, NOMEM };
 
 static enum outcome run(struct job *job) {
     struct jpeg_decompress_struct cinfo;
     struct err err;
     struct axis ax = {0}, ay = {0};
-    uint8_t *volatile rows = NULL, *volatile mid = NULL;
-    int32_t *volatile acc = NULL;
+    uint8_t *volatile rows = NULL;
     volatile enum outcome result = DONE;
 
     cinfo.err = jpeg_std_error(&err.pub);
@@ -303,8 +328,8 @@ static enum outcome run(struct job *job) {
     }
     int width = (int)cinfo.image_width, height = (int)cinfo.image_height;
     double x0 = job->box[0], y0 = job->box[1], x1 = job->box[2], y1 = job->box[3];
-    int denom = 1;
-    for (int f = 8; f >= 2; f /= 2) {
+    int denom = job->denom ? job->denom : 1;
+    for (int f = 8; f >= 2 && !job->denom; f /= 2) {
         if ((x1 - x0) / f >= job->out_w && (y1 - y0) / f >= job->out_h) {
             denom = f;
             break;
@@ -349,54 +374,128 @@ static enum outcome run(struct job *job) {
         JSAMPROW row = rows + (size_t)((int)cinfo.output_scanline - r0) * stride;
         jpeg_read_scanlines(&cinfo, &row, 1);
     }
-    /* The horizontal pass reads only [ax.lo, ax.hi) of each row: the vertical one makes no
-     * more than those columns. */
-    int n = (ax.hi - ax.lo) * 4;
-    mid = malloc((size_t)n * job->out_h + pad);
-    acc = malloc(sizeof(int32_t) * (size_t)n);
-    if (!mid || !acc) {
-        result = NOMEM;
-        goto done;
-    }
-    vertical(rows + (size_t)(ax.lo - col0) * 4, stride, n, &ay, job->out_h, r0, mid, acc);
-    memset(mid + (size_t)n * job->out_h, 0, pad);
-    horizontal(mid, (size_t)n, &ax, job->out_w, job->out_h, ax.lo, job->flip, job->chw,
-               job->out);
+    if (passes(rows, stride, col0, r0, &ax, &ay, job)) result = NOMEM;
 done:
     jpeg_destroy_decompress(&cinfo); /* also ends a decode stopped early */
     axis_free(&ax);
     axis_free(&ay);
     free(rows);
-    free(mid);
-    free(acc);
+    return result;
+}
+
+/* The same resample from RGB pixels (HWC, rows x cols): the rows it reads, as RGBX. */
+static enum outcome run_pixels(struct job *job) {
+    struct axis ax = {0}, ay = {0};
+    enum outcome result = NOMEM;
+    uint8_t *rows = NULL;
+    int scaled = job->denom > 1;
+    if (axis_make(&ax, job->cols, job->box[0], job->box[2], job->out_w, job->antialias, scaled) ||
+        axis_make(&ay, job->rows, job->box[1], job->box[3], job->out_h, job->antialias, scaled))
+        goto done;
+    size_t span = (size_t)(ax.hi - ax.lo), stride = span * 4;
+    rows = malloc(stride * (size_t)(ay.hi - ay.lo) + (size_t)ax.taps * 4 + 16);
+    if (!rows) goto done;
+    for (int y = ay.lo; y < ay.hi; y++) {
+        const uint8_t *s = job->data + ((size_t)y * job->cols + ax.lo) * 3;
+        uint8_t *d = rows + (size_t)(y - ay.lo) * stride;
+        for (size_t x = 0; x < span; x++) {
+            d[4 * x] = s[3 * x];
+            d[4 * x + 1] = s[3 * x + 1];
+            d[4 * x + 2] = s[3 * x + 2];
+            d[4 * x + 3] = 0;
+        }
+    }
+    if (!passes(rows, stride, ax.lo, ay.lo, &ax, &ay, job)) result = DONE;
+done:
+    axis_free(&ax);
+    axis_free(&ay);
+    free(rows);
+    return result;
+}
+
+/* `out` as (rows, cols) of 3 channels, HWC or CHW; -1 with a ValueError set if not. */
+static int out_shape(Py_buffer *out, int chw, int *h, int *w) {
+    if (out->ndim != 3 || out->itemsize != 1 || (chw ? out->shape[0] : out->shape[2]) != 3 ||
+        out->shape[chw ? 1 : 0] < 1 || out->shape[chw ? 2 : 1] < 1) {
+        PyErr_SetString(PyExc_ValueError, "out must be a C-contiguous uint8 array of shape "
+                                          "(h, w, 3), or (3, h, w) with chw");
+        return -1;
+    }
+    *h = (int)out->shape[chw ? 1 : 0];
+    *w = (int)out->shape[chw ? 2 : 1];
+    return 0;
+}
+
+static PyObject *resample(PyObject *Py_UNUSED(self), PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"pixels", "box", "out", "chw", "flip", "antialias", "scaled", NULL};
+    Py_buffer src, out;
+    PyObject *source, *array, *result = NULL;
+    struct job job = {0};
+    int chw = 0, flip = 0, antialias = 1, scaled = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O(dddd)O|pppp", names, &source, &job.box[0],
+                                     &job.box[1], &job.box[2], &job.box[3], &array, &chw, &flip,
+                                     &antialias, &scaled))
+        return NULL;
+    if (PyObject_GetBuffer(source, &src, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(array, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    if (out_shape(&out, chw, &job.out_h, &job.out_w) < 0) goto end;
+    if (src.ndim != 3 || src.itemsize != 1 || src.shape[2] != 3) {
+        PyErr_SetString(PyExc_ValueError, "pixels must be C-contiguous uint8 (h, w, 3)");
+        goto end;
+    }
+    job.rows = (int)src.shape[0];
+    job.cols = (int)src.shape[1];
+    if (!(job.box[0] >= 0 && job.box[1] >= 0 && job.box[2] > job.box[0] &&
+          job.box[3] > job.box[1] && job.box[2] <= job.cols + 1e-6 &&
+          job.box[3] <= job.rows + 1e-6)) {
+        PyErr_SetString(PyExc_ValueError, "box must be (x0, y0, x1, y1) inside the pixels");
+        goto end;
+    }
+    job.data = src.buf;
+    job.out = out.buf;
+    job.chw = chw;
+    job.flip = flip;
+    job.antialias = antialias;
+    job.denom = scaled ? 2 : 1;
+    enum outcome outcome;
+    Py_BEGIN_ALLOW_THREADS
+    outcome = run_pixels(&job);
+    Py_END_ALLOW_THREADS
+    if (outcome == DONE)
+        result = Py_NewRef(Py_None);
+    else
+        PyErr_NoMemory();
+end:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
     return result;
 }
 
 static PyObject *decode_crop(PyObject *Py_UNUSED(self), PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"data", "box", "out", "chw", "flip", "antialias", "fast", NULL};
+    static char *names[] = {"data", "box", "out", "chw", "flip", "antialias", "fast", "scale",
+                            NULL};
     Py_buffer data, out;
     PyObject *array;
     struct job job = {0};
-    int chw = 0, flip = 0, antialias = 1, fast = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*(dddd)O|pppp", names, &data, &job.box[0],
+    int chw = 0, flip = 0, antialias = 1, fast = 0, denom = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*(dddd)O|ppppi", names, &data, &job.box[0],
                                      &job.box[1], &job.box[2], &job.box[3], &array, &chw, &flip,
-                                     &antialias, &fast))
+                                     &antialias, &fast, &denom))
         return NULL;
+    if (denom != 0 && denom != 1 && denom != 2 && denom != 4 && denom != 8) {
+        PyBuffer_Release(&data);
+        PyErr_SetString(PyExc_ValueError, "scale must be 0 (chosen by the box), 1, 2, 4 or 8");
+        return NULL;
+    }
     if (PyObject_GetBuffer(array, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
         PyBuffer_Release(&data);
         return NULL;
     }
     PyObject *result = NULL;
-    if (out.ndim != 3 || out.itemsize != 1) {
-        PyErr_SetString(PyExc_ValueError, "out must be a C-contiguous uint8 array of 3 axes");
-        goto end;
-    }
-    job.out_h = (int)(chw ? out.shape[1] : out.shape[0]);
-    job.out_w = (int)(chw ? out.shape[2] : out.shape[1]);
-    if ((chw ? out.shape[0] : out.shape[2]) != 3 || job.out_h < 1 || job.out_w < 1) {
-        PyErr_SetString(PyExc_ValueError, "out must have 3 channels and no empty axis");
-        goto end;
-    }
+    if (out_shape(&out, chw, &job.out_h, &job.out_w) < 0) goto end;
     if (!(job.box[0] >= 0 && job.box[1] >= 0 && job.box[2] > job.box[0] &&
           job.box[3] > job.box[1])) {
         PyErr_SetString(PyExc_ValueError, "box must be (x0, y0, x1, y1) with x0 < x1, y0 < y1");
@@ -409,6 +508,7 @@ static PyObject *decode_crop(PyObject *Py_UNUSED(self), PyObject *args, PyObject
     job.flip = flip;
     job.antialias = antialias;
     job.fast = fast;
+    job.denom = denom;
     enum outcome outcome;
     Py_BEGIN_ALLOW_THREADS
     outcome = run(&job);
@@ -434,11 +534,17 @@ end:
 }
 
 static PyMethodDef methods[] = {
+    {"resample", (PyCFunction)(void (*)(void))resample, METH_VARARGS | METH_KEYWORDS,
+     "resample(pixels, box, out, chw=False, flip=False, antialias=True, scaled=False)\n"
+     "decode_crop's resample, from RGB uint8 pixels (h, w, 3): the same bytes as\n"
+     "decode_crop gives for the same box (in these pixels), where these are the pixels it\n"
+     "decodes (`scaled`: at the DCT scale it chose, see decode_crop(scale=))."},
     {"decode_crop", (PyCFunction)(void (*)(void))decode_crop, METH_VARARGS | METH_KEYWORDS,
-     "decode_crop(data, box, out, chw=False, flip=False, antialias=True, fast=False)\n"
+     "decode_crop(data, box, out, chw=False, flip=False, antialias=True, fast=False, scale=0)\n"
      "Decode the JPEG `data` for `box` (x0, y0, x1, y1 in source pixels, floats) resampled\n"
      "to `out` (uint8, (h, w, 3), or (3, h, w) with chw), mirrored if `flip`. Returns the\n"
-     "DCT scale's denominator used (1, 2, 4, 8), or False for a JPEG it does not take\n"
+     "DCT scale's denominator used (1, 2, 4, 8; `scale` asks for one), or False for a\n"
+     "JPEG it does not take\n"
      "(CMYK, YCCK). ValueError on corrupt data."},
     {NULL, NULL, 0, NULL}};
 

@@ -42,8 +42,8 @@ import functools
 import io
 import logging
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import cv2
@@ -56,7 +56,7 @@ from .formats.samples import padded
 try:  # built by the project's install (pyproject.toml, ext-modules); optional
     from . import _jpeg
 except ImportError:  # pragma: no cover - a build without a compiler or libjpeg's headers
-    _jpeg = None  # type: ignore[assignment]
+    _jpeg = None
 
 log = logging.getLogger("stoker.server")
 
@@ -68,6 +68,7 @@ JPEG_END = b"\xff\xd9"  # a file cut short lacks it: the crop decode may stop be
 # What servers agree on beyond the data (order/fingerprint.py): a change to the bytes a
 # pipeline gives for the same file and coordinates is a new version here.
 CROP_DECODE = f"jpeg-crop-{_jpeg.VERSION}" if _jpeg is not None else ""
+
 DCT_FACTORS = (8, 4, 2)  # the scales libjpeg decodes to cheaply, largest first
 
 
@@ -235,9 +236,48 @@ def _resample(pixels: np.ndarray, box: tuple[float, float, float, float], width:
                       interpolation=cv2.INTER_AREA if shrink else cv2.INTER_LINEAR)
 
 
+def _resamples(plan: _Plan) -> bool:
+    """Whether `plan` resamples: not a whole-pixel box of the output's size."""
+    x0, y0, x1, y1 = plan.box
+    return not (float(x0).is_integer() and float(y0).is_integer()
+                and (x1 - x0, y1 - y0) == (plan.width, plan.height))
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """A prefix's RGB uint8 HWC pixels, and whether they are a JPEG's that the extension
+    decoded (or can): the rest then resamples them as the crop decode does, so that a cached
+    prefix gives the bytes the decode without a cache gives."""
+
+    pixels: np.ndarray
+    jpeg: bool
+    # The JPEG decoded at DCT scale 1/f, for each f at which the crop decode might decode
+    # one of its boxes (a pipeline whose first step is random, with a prefix cache): the rest
+    # resamples from these where the crop decode would, so the bytes are the same.
+    scaled: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """What the prefix cache keeps of it."""
+        return {"pixels": self.pixels, "jpeg": np.array([self.jpeg], np.uint8),
+                **{f"s{f}": level for f, level in self.scaled.items()}}
+
+    @classmethod
+    def of(cls, arrays: dict[str, np.ndarray]) -> Prefix:
+        return cls(arrays["pixels"], bool(arrays["jpeg"][0]),
+                   {f: arrays[f"s{f}"] for f in DCT_FACTORS if f"s{f}" in arrays})
+
+
+def _dct_factor(box: tuple[float, float, float, float], width: int, height: int) -> int:
+    """The DCT scale the crop decode decodes `box` at for an output of width x height (as
+    _jpeg.c chooses it): the largest that leaves the box at least as large as the output."""
+    x0, y0, x1, y1 = box
+    return next((f for f in DCT_FACTORS if (x1 - x0) / f >= width and (y1 - y0) / f >= height),
+                1)
+
+
 # Steps that draw nothing from the generator: a pipeline's leading run of them is its prefix.
 DETERMINISTIC = frozenset({"resize", "center_crop"})
-PREFIX_VERSION = 1  # part of every cache key: a change to how the prefix is computed
+PREFIX_VERSION = 2  # part of every cache key: a change to how the prefix is computed
 
 
 class ImagePipeline:
@@ -277,19 +317,22 @@ class ImagePipeline:
             self.scale = (1.0 / (255.0 * std)).astype(np.float32)
             self.bias = (-mean / std).astype(np.float32)
         self.normalize = bool(norm)
+        self._chw = self.layout == "chw" and not self.normalize  # the extension writes CHW
         self.fixed_size = any(name in ("center_crop", "random_resized_crop")
                               or (name == "resize" and not isinstance(args.size, int))
                               for name, args in steps)
         self.cache: Any = None  # a _prefix_cache.Scope, given by use_cache
 
-    def decode_version(self, cached: bool) -> str:
+    def decode_version(self) -> str:
         """What this pipeline's bytes depend on beyond the file and the coordinates, for the
-        fingerprint: "" for the decode of the whole file (then the prefix's resample and the
-        rest's), `CROP_DECODE` where JPEGs are decoded for the output's box in one plan (no
-        prefix cache: `cached` False, and the extension built)."""
+        fingerprint (order/fingerprint.py): "" without the extension (the whole-file decode
+        and OpenCV's resample, as before it) or without geometry (the decode alone, Pillow's
+        pixels either way); else `CROP_DECODE`, with a prefix cache or without (the same
+        bytes: see Prefix.scaled)."""
         if _jpeg is None:
             _say_no_extension()
-        return CROP_DECODE if not cached and (self.head or self.tail) else ""
+            return ""
+        return CROP_DECODE if self.head or self.tail else ""
 
     def use_cache(self, scope: Any) -> None:
         """Keep prefixes in `scope` (a _prefix_cache.Scope), by sample index."""
@@ -299,16 +342,16 @@ class ImagePipeline:
         """The fields `write` adds for an image field called `name`."""
         return [name] if self.fixed_size else [name, f"{name}_size"]
 
-    def cached(self, index: int) -> np.ndarray | None:
+    def cached(self, index: int) -> Prefix | None:
         """Sample `index`'s prefix, if the cache holds it (None without a cache)."""
         if self.cache is None:
             return None
         hit = self.cache.get(index)
-        return None if hit is None else hit["pixels"]
+        return None if hit is None else Prefix.of(hit)
 
     def write(self, out: dict[str, Any], name: str, data: bytes | None,
               rng: np.random.Generator, index: int | None = None,
-              prefix: np.ndarray | None = None) -> None:
+              prefix: Prefix | None = None) -> None:
         """Decode and transform `data` into `out[name]`, and, when sizes vary, its (height,
         width) into `out[name + "_size"]` (int64[2]). `prefix`: the prefix, as `cached(index)`
         gave it (then `data` is not read); else it is computed from `data` and, with a cache,
@@ -320,9 +363,10 @@ class ImagePipeline:
             if image is not None:
                 self._put(out, name, image)
                 return
-            prefix = self.prefix(data)
-            if self.cache is not None and index is not None:
-                self.cache.put(index, {"pixels": prefix})
+            kept = self.cache is not None and index is not None
+            prefix = self.prefix(data, scaled=kept)
+            if kept:
+                self.cache.put(index, prefix.arrays())
         self._put(out, name, self.rest(prefix, rng))
 
     def _put(self, out: dict[str, Any], name: str, image: np.ndarray) -> None:
@@ -337,55 +381,63 @@ class ImagePipeline:
         return self.rest(self.prefix(data), rng)
 
     def planned(self, data: bytes, rng: np.random.Generator) -> np.ndarray | None:
-        """The output array in one plan from the source (no prefix kept): a JPEG the
-        extension takes, decoded only where the output's box lies, at the DCT scale it allows,
-        resampled and mirrored in the same call. None (nothing drawn from `rng`) for every
-        other image, and without the extension or geometry: the prefix's way then."""
-        if (_jpeg is None or not (self.head or self.tail) or data[:3] != JPEG_MAGIC
+        """The output in one plan from the source, for a pipeline whose first step is random
+        (nothing for a prefix to keep): a JPEG the extension takes is decoded only where the
+        output's box lies, at the DCT scale it allows, resampled and mirrored in the same
+        call. None, nothing drawn from `rng`, for every other pipeline and image: the
+        prefix's way then."""
+        if (_jpeg is None or self.head or not self.tail or data[:3] != JPEG_MAGIC
                 or not bytes(data[-16:]).rstrip(b"\0").endswith(JPEG_END)):
             return None
         width, height, jpeg = _source_size(data)
         if not jpeg:
             return None
+        # The same draws as rest() makes on the prefix, which is the whole image here.
         plan = _Plan((0.0, 0.0, float(width), float(height)), width, height)
-        for step, args in self.head:
-            step(plan, args, None)  # the same draws as the prefix's way: none here...
         for step, args in self.tail:
-            step(plan, args, rng)  # ...and these on the same (width, height) it plans on
-        x0, y0, x1, y1 = plan.box
-        if (x1 - x0, y1 - y0) == (plan.width, plan.height) and float(x0).is_integer() \
-                and float(y0).is_integer():
-            hwc = _render(data, width, height, jpeg, plan, self.antialias)  # no resample
-            return self._finish(hwc[:, ::-1] if plan.flip else hwc)
-        chw = self.layout == "chw" and not self.normalize
-        shape = (3, plan.height, plan.width) if chw else (plan.height, plan.width, 3)
-        pixels = np.empty(shape, np.uint8)
-        try:
-            done = _jpeg.decode_crop(data, plan.box, pixels, chw=chw, flip=plan.flip,
-                                     antialias=self.antialias)
-        except ValueError:
-            done = False  # corrupt: the whole file's decoders say what is wrong with it
-        if not done:
-            hwc = _render(data, width, height, jpeg, plan, self.antialias)
-            return self._finish(hwc[:, ::-1] if plan.flip else hwc)
-        if chw:
-            return pixels if self.fixed_size else padded(pixels, (1, 2))
-        return self._finish(pixels)
+            step(plan, args, rng)
+        if _resamples(plan):
+            pixels = self._empty(plan)
+            try:
+                if _jpeg.decode_crop(data, plan.box, pixels, chw=self._chw,
+                                     flip=plan.flip, antialias=self.antialias):
+                    return self._finish(pixels, self._chw)
+            except ValueError:
+                pass  # corrupt: the whole-file decoders say what is wrong with it
+        return self._resampled(self.prefix(data), plan)
 
-    def _finish(self, hwc: np.ndarray) -> np.ndarray:
-        out = self._output(hwc)
-        if self.fixed_size:
-            return out
-        return padded(out, (1, 2) if self.layout == "chw" else (0, 1))
-
-    def prefix(self, data: bytes) -> np.ndarray:
+    def prefix(self, data: bytes, scaled: bool = False) -> Prefix:
         """The prefix's RGB uint8 HWC pixels: one plan of the leading deterministic steps,
-        decoded at the largest DCT scale that plan allows, resampled once."""
+        decoded at the largest DCT scale that plan allows (with the extension, only where its
+        box lies), resampled once. `scaled`: with the DCT-scaled decodes the rest may need
+        to give the crop decode's bytes (Prefix.scaled), for a prefix kept in a cache."""
         width, height, jpeg = _source_size(data)
         plan = _Plan((0.0, 0.0, float(width), float(height)), width, height)
         for step, args in self.head:
             step(plan, args, None)  # deterministic steps draw nothing
-        return _render(data, width, height, jpeg, plan, self.antialias)
+        crop = jpeg and _jpeg is not None
+        if crop and _resamples(plan):
+            pixels = np.empty((plan.height, plan.width, 3), np.uint8)
+            try:
+                if _jpeg.decode_crop(data, plan.box, pixels, antialias=self.antialias):
+                    return Prefix(pixels, True)
+            except ValueError:
+                pass  # corrupt: the whole-file decoders say what is wrong with it
+            crop = False
+        pixels = _render(data, width, height, jpeg, plan, self.antialias)
+        levels = {}
+        if crop and scaled and not self.head and self.tail:
+            # The output's size does not depend on the draws: any generator plans it.
+            out = _Plan((0.0, 0.0, float(width), float(height)), width, height)
+            for step, args in self.tail:
+                step(out, args, np.random.default_rng(0))
+            for f in DCT_FACTORS:
+                if width / f >= out.width and height / f >= out.height:
+                    level = np.empty((-(-height // f), -(-width // f), 3), np.uint8)
+                    _jpeg.decode_crop(data, (0.0, 0.0, float(width), float(height)), level,
+                                      scale=f)
+                    levels[f] = level
+        return Prefix(pixels, crop, levels)
 
     def pixels_prefix(self, pixels: np.ndarray) -> np.ndarray:
         """The prefix from decoded RGB uint8 HWC pixels (a video frame) instead of encoded
@@ -398,16 +450,53 @@ class ImagePipeline:
             step(plan, args, None)  # deterministic steps draw nothing
         return _resample(pixels, plan.box, plan.width, plan.height, self.antialias)
 
-    def rest(self, pixels: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """The output array from the prefix's pixels: the steps from the first random one
-        on, planned on those pixels, one resample (none if they keep the size), normalize."""
-        height, width = pixels.shape[:2]
+    def rest(self, prefix: Prefix | np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """The output array from the prefix (or a video frame's pixels): the steps from the
+        first random one on, planned on those pixels, one resample (none if they keep the
+        size), normalize."""
+        if not isinstance(prefix, Prefix):
+            prefix = Prefix(prefix, False)
+        height, width = prefix.pixels.shape[:2]
         plan = _Plan((0.0, 0.0, float(width), float(height)), width, height)
         for step, args in self.tail:
             step(plan, args, rng)
-        if self.tail:
-            pixels = _resample(pixels, plan.box, plan.width, plan.height, self.antialias)
+        return self._resampled(prefix, plan)
+
+    def _resampled(self, prefix: Prefix, plan: _Plan) -> np.ndarray:
+        """The output of `plan` on the prefix's pixels: a JPEG's resampled as the crop decode
+        resamples (the same bytes where it decodes at full scale), other pixels by OpenCV."""
+        pixels = prefix.pixels
+        if not _resamples(plan):
+            x0, y0 = int(plan.box[0]), int(plan.box[1])
+            pixels = pixels[y0:y0 + plan.height, x0:x0 + plan.width]
+            return self._finish(pixels[:, ::-1] if plan.flip else pixels)
+        if prefix.jpeg and _jpeg is not None:
+            out = self._empty(plan)
+            box = plan.box
+            level = prefix.scaled.get(_dct_factor(box, plan.width, plan.height))
+            if level is not None:  # the crop decode would decode this box at a DCT scale
+                sx, sy = level.shape[1] / pixels.shape[1], level.shape[0] / pixels.shape[0]
+                pixels, box = level, (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+            _jpeg.resample(np.ascontiguousarray(pixels), box, out, chw=self._chw,
+                           flip=plan.flip, antialias=self.antialias, scaled=level is not None)
+            return self._finish(out, self._chw)
+        pixels = _resample(pixels, plan.box, plan.width, plan.height, self.antialias)
         return self._finish(pixels[:, ::-1] if plan.flip else pixels)
+
+    def _empty(self, plan: _Plan) -> np.ndarray:
+        """uint8 pixels of the plan's size for the extension to fill: CHW where that is the
+        output (uint8 CHW), else HWC."""
+        if self._chw:
+            return np.empty((3, plan.height, plan.width), np.uint8)
+        return np.empty((plan.height, plan.width, 3), np.uint8)
+
+    def _finish(self, pixels: np.ndarray, chw: bool = False) -> np.ndarray:
+        """HWC pixels (or, `chw`, the extension's CHW output itself): the output array,
+        padded where sizes vary."""
+        out = pixels if chw else self._output(pixels)
+        if self.fixed_size:
+            return out
+        return padded(out, (1, 2) if self.layout == "chw" else (0, 1))
 
     def _output(self, hwc: np.ndarray) -> np.ndarray:
         """RGB HWC pixels -> the output array."""
@@ -434,6 +523,12 @@ class _ExactSize:
 def resize_pipeline(size: Sequence[int], layout: str) -> ImagePipeline:
     """The plain `size:` of a dataset without `transforms:`: resize to exactly (h, w)."""
     return ImagePipeline([("resize", _ExactSize((int(size[0]), int(size[1]))))], layout)
+
+
+def decode_version(pipelines: Iterable[ImagePipeline | None]) -> str:
+    """The decode version of a dataset's image fields (see ImagePipeline.decode_version):
+    "" when none crops in the decode."""
+    return max((p.decode_version() for p in pipelines if p is not None), default="")
 
 
 def image_pipeline(cfg: Any) -> ImagePipeline:

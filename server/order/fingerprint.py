@@ -1,6 +1,6 @@
 """A dataset's fingerprint: what one server's copy of a dataset is, as one digest.
 
-    digest = sha256(version, the config's content fields, the listing)
+    digest = sha256(version, the config's content fields, the listing) [+ decode version]
 
 - the config: the dataset's block without what only says where or how to reach the data
   (`source`'s folder or bucket, `s3:`, `follow_symlinks_outside_root`); a tokenizer file counts
@@ -10,6 +10,13 @@
   ETag. Copies on two hosts agree only if they keep mtimes (rsync -a, cp -p);
 - `format: python`: the config, len(dataset) and the dataset's own `fingerprint()`, if it has
   one (see formats/_contract.py).
+
+The digest's tail, after `+`, names the image decode the server runs where it gives other
+bytes than the whole-file decode (`+jpeg-crop-1`: JPEGs decoded for their crop box,
+server/images.py): servers that decode differently give different pixels for the same
+coordinates, so their digests differ and one loader does not mix them. The part before it is
+the data's: a saved position (state_dict) compares only that part, since the order of an
+epoch depends on the data, not on how its pixels are decoded (client/position/resume.py).
 
 Computed once by every worker when it opens its datasets; the pool compares each worker's with
 the one the server opened with (server/pool/lifecycle.py), and clients compare servers'
@@ -78,7 +85,9 @@ class Fingerprint:
 
 
 def short_digest(digest: str) -> str:
-    return digest[:SHORT] + "..." if len(digest) > SHORT else digest
+    """`sha256:9c1d2e3f4a5b...`, and the decode's tail where there is one."""
+    data, plus, decode = digest.partition("+")
+    return (data[:SHORT] + "..." if len(data) > SHORT else data) + plus + decode
 
 
 def _objects(n: int) -> str:
@@ -102,9 +111,10 @@ def config_content(cfg: Any) -> str:
     return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
 
-def of_listing(cfg: Any, listing: Iterable[ObjectInfo]) -> Fingerprint:
+def of_listing(cfg: Any, listing: Iterable[ObjectInfo], decode: str = "") -> Fingerprint:
     """The fingerprint of a dataset read from storage, given what its storage listed, in key
-    order (as `Listing.values()` yields it: not sorted again, a listing may be millions)."""
+    order (as `Listing.values()` yields it: not sorted again, a listing may be millions), and
+    the version of the decode it runs ("": the whole-file decode)."""
     h = hashlib.sha256(f"stoker-fingerprint {FINGERPRINT_VERSION}\n".encode())
     h.update(config_content(cfg).encode() + b"\n")
     objects = total = 0
@@ -122,7 +132,8 @@ def of_listing(cfg: Any, listing: Iterable[ObjectInfo]) -> Fingerprint:
         if len(parts) > MAX_PARTS:
             parts = None  # counts only, then
     kept = {name: (n, part.hexdigest()[:16]) for name, (n, part) in (parts or {}).items()}
-    return Fingerprint("sha256:" + h.hexdigest(), objects, total, kept)
+    return Fingerprint("sha256:" + h.hexdigest() + (f"+{decode}" if decode else ""), objects,
+                       total, kept)
 
 
 def of_python(cfg: Any, length: int, own: str) -> Fingerprint:
@@ -136,7 +147,10 @@ def of_python(cfg: Any, length: int, own: str) -> Fingerprint:
 def fingerprint(cfg: Any, parts: DatasetParts) -> Fingerprint:
     """The fingerprint of an opened dataset (call it once it has opened: its listing is what
     its storage has seen by then)."""
+    decode = parts.decode_version() if parts.decode_version is not None else ""
     if parts.storage is not None and cfg.described_by_listing:
-        return of_listing(cfg, parts.storage.listed.values())
+        return of_listing(cfg, parts.storage.listed.values(), decode)
     own = parts.fingerprint() if parts.fingerprint is not None else ""
+    if decode:
+        own = f"{own}+{decode}"
     return of_python(cfg, len(parts.dataset), str(own))
