@@ -42,6 +42,7 @@ import functools
 import io
 import logging
 import math
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,9 +54,15 @@ from PIL import Image
 
 from .formats.samples import padded
 
+# STOKER_JPEG_CROP=0 keeps the whole-file decode of servers before the crop decode (and their
+# fingerprints): a rolling upgrade's new servers can serve beside the old ones until the last
+# old one is gone (docs/operations.md).
+CROP_ENV = "STOKER_JPEG_CROP"
 try:  # built by the project's install (pyproject.toml, ext-modules); optional
     from . import _jpeg
 except ImportError:  # pragma: no cover - a build without a compiler or libjpeg's headers
+    _jpeg = None
+if os.environ.get(CROP_ENV, "1") == "0":
     _jpeg = None
 
 log = logging.getLogger("stoker.server")
@@ -217,6 +224,10 @@ def _render(data: bytes, width: int, height: int, jpeg: bool, plan: _Plan,
 
 @functools.cache
 def _say_no_extension() -> None:
+    if os.environ.get(CROP_ENV, "1") == "0":
+        log.warning("%s=0: JPEGs are decoded whole, then cropped (the decode of servers before"
+                    " the crop decode, whose fingerprints this server's match)", CROP_ENV)
+        return
     log.warning("stoker.server._jpeg is not built (no compiler or libjpeg headers at install):"
                 " JPEGs are decoded whole, then cropped; install gcc and libjpeg62-turbo-dev "
                 "and reinstall stoker for the crop decode")
