@@ -271,6 +271,7 @@ struct job {
     double box[4];
     int out_w, out_h, flip, chw, antialias, fast;
     int denom; /* the DCT scale's denominator asked for; 0: the largest the box allows */
+    int decode_only; /* stop after the decode (benchmarks: the decode's cost alone) */
     uint8_t *out;
     char message[JMSG_LENGTH_MAX];
     int scale; /* the DCT scale's denominator used */
@@ -374,7 +375,7 @@ static enum outcome run(struct job *job) {
         JSAMPROW row = rows + (size_t)((int)cinfo.output_scanline - r0) * stride;
         jpeg_read_scanlines(&cinfo, &row, 1);
     }
-    if (passes(rows, stride, col0, r0, &ax, &ay, job)) result = NOMEM;
+    if (!job->decode_only && passes(rows, stride, col0, r0, &ax, &ay, job)) result = NOMEM;
 done:
     jpeg_destroy_decompress(&cinfo); /* also ends a decode stopped early */
     axis_free(&ax);
@@ -476,14 +477,14 @@ end:
 
 static PyObject *decode_crop(PyObject *Py_UNUSED(self), PyObject *args, PyObject *kwargs) {
     static char *names[] = {"data", "box", "out", "chw", "flip", "antialias", "fast", "scale",
-                            NULL};
+                            "decode_only", NULL};
     Py_buffer data, out;
     PyObject *array;
     struct job job = {0};
-    int chw = 0, flip = 0, antialias = 1, fast = 0, denom = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*(dddd)O|ppppi", names, &data, &job.box[0],
-                                     &job.box[1], &job.box[2], &job.box[3], &array, &chw, &flip,
-                                     &antialias, &fast, &denom))
+    int chw = 0, flip = 0, antialias = 1, fast = 0, denom = 0, decode_only = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*(dddd)O|ppppip", names, &data,
+                                     &job.box[0], &job.box[1], &job.box[2], &job.box[3], &array,
+                                     &chw, &flip, &antialias, &fast, &denom, &decode_only))
         return NULL;
     if (denom != 0 && denom != 1 && denom != 2 && denom != 4 && denom != 8) {
         PyBuffer_Release(&data);
@@ -509,6 +510,7 @@ static PyObject *decode_crop(PyObject *Py_UNUSED(self), PyObject *args, PyObject
     job.antialias = antialias;
     job.fast = fast;
     job.denom = denom;
+    job.decode_only = decode_only;
     enum outcome outcome;
     Py_BEGIN_ALLOW_THREADS
     outcome = run(&job);
@@ -540,11 +542,13 @@ static PyMethodDef methods[] = {
      "decode_crop gives for the same box (in these pixels), where these are the pixels it\n"
      "decodes (`scaled`: at the DCT scale it chose, see decode_crop(scale=))."},
     {"decode_crop", (PyCFunction)(void (*)(void))decode_crop, METH_VARARGS | METH_KEYWORDS,
-     "decode_crop(data, box, out, chw=False, flip=False, antialias=True, fast=False, scale=0)\n"
+     "decode_crop(data, box, out, chw=False, flip=False, antialias=True, fast=False, scale=0,\n"
+     "            decode_only=False)\n"
      "Decode the JPEG `data` for `box` (x0, y0, x1, y1 in source pixels, floats) resampled\n"
      "to `out` (uint8, (h, w, 3), or (3, h, w) with chw), mirrored if `flip`. Returns the\n"
      "DCT scale's denominator used (1, 2, 4, 8; `scale` asks for one), or False for a\n"
-     "JPEG it does not take\n"
+     "JPEG it does not take; `decode_only` stops after the decode, `out` untouched (the\n"
+     "decode's cost alone, for benchmarks).\n"
      "(CMYK, YCCK). ValueError on corrupt data."},
     {NULL, NULL, 0, NULL}};
 
