@@ -33,7 +33,7 @@ from typing import Any
 import cv2
 import numpy as np
 import simplejpeg
-from _data import make_image_folder
+from _data import make_image_folder, make_large_photos
 
 from stoker.server import _jpeg
 from stoker.server.images import ImagePipeline, rrc_box
@@ -44,13 +44,6 @@ SCALE, RATIO = (0.08, 1.0), (3 / 4, 4 / 3)
 
 class _Args:
     size, scale, ratio, p = OUT, SCALE, RATIO, 0.5
-
-
-def large_set(root: Path, images: int) -> None:
-    """`images` large JPEGs, half 1600x1200 and half 2048x1536, from the pipeline set's
-    generator (gradients and noise per class)."""
-    for k, shape in enumerate(((1200, 1600), (1536, 2048))):
-        make_image_folder(root / f"s{k}", images // 2, 2, 0, seed=10 + k, shape=shape)
 
 
 def jobs(root: Path) -> list[tuple[bytes, tuple[int, int, int, int], bool, int]]:
@@ -124,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="stoker-decode-") as tmp:
         small, large = Path(tmp) / "small", Path(tmp) / "large"
         make_image_folder(small, args.images, 10, 437, shape=(375, 500))
-        large_set(large, args.large)
+        make_large_photos(large, args.large)
         for name, root in (("500x375", small), ("large (1.9-3.1 MP)", large)):
             work = jobs(root)
             results[name] = measure(work, args.repeats)
