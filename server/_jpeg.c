@@ -227,37 +227,46 @@ static void horizontal(const uint8_t *src, size_t stride, const struct axis *ax,
     for (int y = 0; y < rows; y++) {
         const uint8_t *s = src + (size_t)y * stride;
         uint8_t *o = out + (size_t)y * row;
-        for (int x = 0; x < out_w; x++) {
+        /* Output positions in increasing order (source pixels reversed when mirrored), so
+         * that HWC may store 4 bytes a pixel, the 4th overwritten by the next one. */
+        for (int i = 0; i < out_w; i++) {
+            int x = flip ? out_w - 1 - i : i;
             const int32_t *w = ax->w + (size_t)x * taps;
             const uint8_t *p = s + (size_t)(ax->first[x] - col0) * 4;
             int n = ax->count[x];
-            int32_t v[4];
+            uint8_t *q = o + (size_t)i * px;
 #ifdef __SSE2__
             __m128i acc = _mm_set1_epi32(1 << (PREC - 1)), zero = _mm_setzero_si128();
             for (int k = 0; k < n; k += 2) {
-                __m128i a, b, pair;
                 int32_t ia, ib;
                 memcpy(&ia, p + 4 * k, 4);
                 memcpy(&ib, p + 4 * k + 4, 4);
-                a = _mm_cvtsi32_si128(ia);
-                b = _mm_cvtsi32_si128(ib);
-                pair = _mm_unpacklo_epi8(_mm_unpacklo_epi8(a, b), zero); /* r0 r1 g0 g1 ... */
+                __m128i pair = _mm_unpacklo_epi8(
+                    _mm_unpacklo_epi8(_mm_cvtsi32_si128(ia), _mm_cvtsi32_si128(ib)), zero);
                 acc = _mm_add_epi32(acc, _mm_madd_epi16(pair, _mm_set1_epi32(
                     (int32_t)((uint32_t)w[k] | ((uint32_t)w[k + 1] << 16)))));
             }
-            _mm_storeu_si128((__m128i *)v, acc);
-#else
-            v[0] = v[1] = v[2] = 1 << (PREC - 1);
-            for (int k = 0; k < n; k++) {
-                v[0] += w[k] * p[4 * k];
-                v[1] += w[k] * p[4 * k + 1];
-                v[2] += w[k] * p[4 * k + 2];
+            __m128i v = _mm_srai_epi32(acc, PREC);
+            v = _mm_packs_epi32(v, v);
+            uint32_t u = (uint32_t)_mm_cvtsi128_si32(_mm_packus_epi16(v, v));
+            if (!chw && i + 1 < out_w) {
+                memcpy(q, &u, 4); /* r g b, and a byte the next pixel overwrites */
+                continue;
             }
+            q[0] = (uint8_t)u;
+            q[ch] = (uint8_t)(u >> 8);
+            q[2 * ch] = (uint8_t)(u >> 16);
+#else
+            int32_t r = 1 << (PREC - 1), g = r, b = r;
+            for (int k = 0; k < n; k++) {
+                r += w[k] * p[4 * k];
+                g += w[k] * p[4 * k + 1];
+                b += w[k] * p[4 * k + 2];
+            }
+            q[0] = (uint8_t)(r >> PREC);
+            q[ch] = (uint8_t)(g >> PREC);
+            q[2 * ch] = (uint8_t)(b >> PREC);
 #endif
-            uint8_t *q = o + (size_t)(flip ? out_w - 1 - x : x) * px;
-            q[0] = (uint8_t)(v[0] >> PREC);
-            q[ch] = (uint8_t)(v[1] >> PREC);
-            q[2 * ch] = (uint8_t)(v[2] >> PREC);
         }
     }
 }

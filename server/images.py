@@ -260,6 +260,12 @@ def _resample(pixels: np.ndarray, box: tuple[float, float, float, float], width:
                       interpolation=cv2.INTER_AREA if shrink else cv2.INTER_LINEAR)
 
 
+def _complete_jpeg(data: bytes) -> bool:
+    """Whether `data` starts and ends as a JPEG does. A file cut short is decoded whole
+    (and refused, as Pillow refuses it): the crop decode may stop before the cut."""
+    return data[:3] == JPEG_MAGIC and bytes(data[-16:]).rstrip(b"\0").endswith(JPEG_END)
+
+
 def _resamples(plan: _Plan) -> bool:
     """Whether `plan` resamples: not a whole-pixel box of the output's size."""
     x0, y0, x1, y1 = plan.box
@@ -410,8 +416,7 @@ class ImagePipeline:
         output's box lies, at the DCT scale it allows, resampled and mirrored in the same
         call. None, nothing drawn from `rng`, for every other pipeline and image: the
         prefix's way then."""
-        if (_jpeg is None or self.head or not self.tail or data[:3] != JPEG_MAGIC
-                or not bytes(data[-16:]).rstrip(b"\0").endswith(JPEG_END)):
+        if _jpeg is None or self.head or not self.tail or not _complete_jpeg(data):
             return None
         width, height, jpeg = _source_size(data)
         if not jpeg:
@@ -439,7 +444,7 @@ class ImagePipeline:
         plan = _Plan((0.0, 0.0, float(width), float(height)), width, height)
         for step, args in self.head:
             step(plan, args, None)  # deterministic steps draw nothing
-        crop = jpeg and _jpeg is not None
+        crop = jpeg and _jpeg is not None and _complete_jpeg(data)
         if crop and _resamples(plan):
             pixels = np.empty((plan.height, plan.width, 3), np.uint8)
             try:

@@ -91,10 +91,6 @@ class DatasetParts:
     # at open (jsonl and parquet with `length_column`); called once, by the worker that
     # describes the dataset. Token budgets (`batch_tokens`, server/order/token_batches.py) need it.
     sample_lengths: Callable[[], np.ndarray] | None = None
-    # decode_version() -> str: what the dataset's bytes depend on beyond its data and the
-    # coordinates: the version of the image decode it runs ("" for the whole-file decode).
-    # Part of the fingerprint: servers that decode differently are not mixed.
-    decode_version: Callable[[], str] | None = None
     # use_prefix_cache(scope): keep what the dataset computes before its first random step
     # (image decodes, a python dataset's `prepare`) in the server's prefix cache, where
     # scope(stage, spec) -> a _prefix_cache.Scope of one stage's entries (`spec`: its config).

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..order.fingerprint import fingerprint
+from ..order.fingerprint import decode_version, fingerprint
 from ..order.mixture import MixtureOrdering, Phase, locate, quantize
 from ..order.sampling import FIRST_EPOCH, EpochKey, Ordering
 from ..sources import ObjectInfo
@@ -54,8 +54,7 @@ class Mixture:
     # -- the Dataset protocol and its optional parts ---------------------------------------
     def decode_version(self) -> str:
         """Its components' image decode (server/images.py), the latest where they differ."""
-        return max((p.decode_version() for p in self.parts
-                    if p.decode_version is not None), default="")
+        return max((decode_version(p) for p in self.parts), default="")
 
     def __len__(self) -> int:
         return self.period

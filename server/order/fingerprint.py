@@ -144,10 +144,19 @@ def of_python(cfg: Any, length: int, own: str) -> Fingerprint:
     return Fingerprint("sha256:" + h.hexdigest(), length, 0)
 
 
+def decode_version(parts: DatasetParts) -> str:
+    """The version of the image decode the dataset runs ("": the whole-file decode, or no
+    images): its `decode_version()`, which the formats that decode images have (through
+    server/images.py's decode_version). Not one of the dataset's optional parts: the bytes'
+    version, not a way to reach them."""
+    own = getattr(parts.dataset, "decode_version", None)
+    return str(own()) if callable(own) else ""
+
+
 def fingerprint(cfg: Any, parts: DatasetParts) -> Fingerprint:
     """The fingerprint of an opened dataset (call it once it has opened: its listing is what
     its storage has seen by then)."""
-    decode = parts.decode_version() if parts.decode_version is not None else ""
+    decode = decode_version(parts)
     if parts.storage is not None and cfg.described_by_listing:
         return of_listing(cfg, parts.storage.listed.values(), decode)
     own = parts.fingerprint() if parts.fingerprint is not None else ""
