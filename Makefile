@@ -23,6 +23,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[server,client,text,video,dev]"
+	@$(PY) -c "import stoker.server._jpeg" 2>/dev/null || echo "note: stoker.server._jpeg \
+	was not built (it needs gcc and libjpeg62-turbo-dev): JPEGs are decoded whole"
 	touch $@
 
 install: $(VENV)/.installed

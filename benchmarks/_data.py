@@ -62,3 +62,26 @@ def make_image_folder(root: Path, images: int, classes: int, source_size: int,
         pixels = colours[c] + 60 * ramp + r.normal(0, 24, size=(h, w, 3))
         img = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), "RGB")
         img.save(root / f"class_{c:03d}" / f"{i:06d}.jpg", quality=90)
+
+
+# The large image set (issue 49): photos of 1.9 and 3.1 megapixels, as in COCO or OpenImages,
+# where decoding a crop at a DCT scale matters most.
+LARGE_SHAPES = ((1200, 1600), (1536, 2048))
+
+
+def make_large_photos(root: Path, images: int, classes: int = 10, seed: int = 0) -> None:
+    """`images` JPEGs (q90) made as make_image_folder makes them, half 1600x1200 and half
+    2048x1536 (exactly: 1.92 and 3.15 MP), in `classes` class folders under `root`."""
+    for k, shape in enumerate(LARGE_SHAPES):
+        part = root / f"part{k}"
+        n = images // 2 + (images % 2 if k == 0 else 0)
+        make_image_folder(part, n, classes, 0, seed=seed + 10 + k, shape=shape)
+        for path in sorted(part.rglob("*.jpg")):  # jitter off: the exact sizes
+            with Image.open(path) as img:
+                if img.size != shape[::-1]:
+                    img.convert("RGB").resize(shape[::-1]).save(path, quality=90)
+            (root / path.parent.name).mkdir(parents=True, exist_ok=True)
+            path.rename(root / path.parent.name / f"{k}{path.name}")
+        for folder in sorted(part.iterdir()):
+            folder.rmdir()
+        part.rmdir()

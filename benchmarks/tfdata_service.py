@@ -5,10 +5,11 @@ workers each, on the same cores; and plain tf.data in the trainer process.
     python benchmarks/tfdata_service.py --quick    # 256 JPEGs, 1 repeat
     python benchmarks/tfdata_service.py --json out.json
 
-Data: JPEGs ~375x500 (benchmarks/_data.py) written as `tf.train.Example`s (`image/encoded`,
-`image/class/label`) into 8 TFRecord files. Pipeline: random resized crop 224 (area
-0.08-1, ratio 3/4-4/3) -> horizontal flip -> uint8 HWC, batches of 32. Systems, alternating
-within each repeat, medians over repeats:
+Data: JPEGs ~375x500 (benchmarks/_data.py), and a large set (--large: 1600x1200 and
+2048x1536 photos made the same way, measured at the smallest W), each written as
+`tf.train.Example`s (`image/encoded`, `image/class/label`) into 8 TFRecord files.
+Pipeline: random resized crop 224 (area 0.08-1, ratio 3/4-4/3) -> horizontal flip -> uint8
+HWC, batches of 32. Systems, alternating within each repeat, medians over repeats:
 
 - stoker: a server with W worker processes, `format: tfrecord` with those `transforms:`,
   read by one RemoteLoader (numpy), batches through --transport (default: the data socket,
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _data import TRANSPORTS, make_image_folder, transport_ran
+from _data import TRANSPORTS, make_image_folder, make_large_photos, transport_ran
 from _measure import (
     machine_busy_seconds,
     machine_info,
@@ -288,7 +289,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["data"] = {"images": n, "files": SHARDS,
                        "mean_jpeg_bytes": sum(p.stat().st_size for p in jpegs) / len(jpegs)}
         res["sweep"] = [measure_w(args, tmp / "records", tmp, w) for w in args.workers]
-    res["check_problems"] = [p for s in res["sweep"] for p in s["problems"]]
+        if args.large:  # the large set, one worker (thread) each: CPU per image
+            make_large_photos(tmp / "large", args.large)
+            n = write_tfrecords(tmp / "large", tmp / "large-records")
+            jpegs = list((tmp / "large").glob("class_*/*.jpg"))
+            res["large"] = {"data": {"images": n, "files": SHARDS, "megapixels": "1.92, 3.15",
+                                     "mean_jpeg_bytes": sum(p.stat().st_size for p in jpegs)
+                                     / len(jpegs)},
+                            "sweep": [measure_w(argparse.Namespace(**{**vars(args), "images": n}),
+                                                tmp / "large-records", tmp / "large",
+                                                min(args.workers))]}
+    res["check_problems"] = [p for s in res["sweep"] + res.get("large", {}).get("sweep", [])
+                             for p in s["problems"]]
     res["server_exit_code"] = 0  # each W's is checked into check_problems
     return res
 
@@ -297,6 +309,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cores = len(os.sched_getaffinity(0))
     ap = scenario_parser(__doc__)
     ap.add_argument("--images", type=int)
+    ap.add_argument("--large", type=int, help="JPEGs in the large set (0: none; default a "
+                    "quarter of --images, at least 2 batches)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--workers", type=int, nargs="+", default=list(range(1, cores + 1)))
@@ -306,6 +320,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tf-python", default=str(HERE.parent / ".venv-tf" / "bin" / "python"))
     args = ap.parse_args(argv)
     settle(args, QUICK, FULL)
+    if args.large is None:
+        args.large = max(args.images // 4, 2 * args.batch_size)
     if min(args.workers) < 1:
         ap.error("--workers values must be >= 1")
     if args.images // args.batch_size < 2:

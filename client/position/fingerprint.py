@@ -35,9 +35,18 @@ class Fingerprint:
         return {**state, "snapshot": self.snapshot} if self.snapshot else state
 
 
+def data_digest(digest: str) -> str:
+    """The data's part of a digest: without the tail that names the server's image decode
+    (server/order/fingerprint.py). Servers that decode alike have equal digests; an epoch's
+    order depends only on this part."""
+    return digest.partition("+")[0]
+
+
 def short(digest: str, objects: int | None = None, nbytes: int | None = None) -> str:
-    """`sha256:9c1d2e3f4a5b... (40 objects, 1.2 MB)`."""
-    text = digest[:SHORT] + "..." if len(digest) > SHORT else digest or "(none)"
+    """`sha256:9c1d2e3f4a5b... (40 objects, 1.2 MB)`, with the decode's tail where the digest
+    has one (`sha256:9c1d2e3f4a5b...+jpeg-crop-1`)."""
+    data, plus, decode = digest.partition("+")
+    text = (data[:SHORT] + "..." if len(data) > SHORT else data or "(none)") + plus + decode
     if objects is None:
         return text
     return f"{text} ({objects} objects, {_size(nbytes or 0)})"

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from .._lru import LRU
-from ..images import image_pipeline
+from ..images import decode_version, image_pipeline
 from ..order.sampling import EpochKey
 from ..sources import Storage
 from ..sources.prefix_cache import use_cache
@@ -250,6 +250,9 @@ class ChunkedDataset(Sampled):
                 raise ValueError(f"{where}: column {c.name!r} (encoding {c.encoding!r}): "
                                  f"{type(e).__name__}: {e}") from e
         return out
+
+    def decode_version(self) -> str:
+        return decode_version([f.pipeline for f in self.fields])
 
     def use_prefix_cache(self, scope: Any) -> None:
         use_cache(scope, [(f.name, f.pipeline) for f in self.fields])

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..images import image_pipeline
+from ..images import Prefix, image_pipeline
 from ..sources import ObjectInfo, Storage
 
 _PACKAGE = "stoker.tfexample"
@@ -139,7 +139,7 @@ class Feature(RecordBytes):
         return values
 
     def write(self, out: dict[str, Any], features: dict[str, Any] | None,
-              rng: np.random.Generator, index: int, prefix: np.ndarray | None = None) -> None:
+              rng: np.random.Generator, index: int, prefix: Prefix | None = None) -> None:
         """Field(s) of sample `index` into `out`. `prefix`: an image's cached prefix (then
         `features` may be None)."""
         if prefix is not None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ..images import decode_version
 from ..order.sampling import EpochKey
 from ..sources import Storage
 from ..sources.prefix_cache import use_cache
@@ -115,6 +116,10 @@ class ArrayRecord(Sampled):
                     for f in self.fields]
         return write_example(self.fields, prefixes, lambda: self.record(index), self.sequence,
                              out, rng, index)
+
+    def decode_version(self) -> str:
+        return decode_version([self.raw.pipeline] if self.raw is not None
+                              else [f.pipeline for f in self.fields])
 
     def use_prefix_cache(self, scope: Any) -> None:
         use_cache(scope, [(self.raw.name, self.raw.pipeline)] if self.raw is not None

@@ -115,6 +115,14 @@ class Chat:
             log.warning("%s: skipped %d bad conversations, the first: %s", storage.url,
                         len(self.errors), self._error(first, why))
 
+    def decode_version(self) -> str:
+        """Its images' decode."""
+        if self.images is None:
+            return ""
+        from ..images import decode_version
+
+        return decode_version([self.images.pipeline])
+
     def _image_settings(self, cfg: Any) -> tuple[int | None, int, Any, tuple[int, ...]]:
         """(the image token's id, tokens per image, the pipeline, its output shape)."""
         if cfg is None:

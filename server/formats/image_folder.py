@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..images import image_pipeline
+from ..images import decode_version, image_pipeline
 from ..order.sampling import EpochKey
 from ..sources import Storage
 from ._folders import class_folders
@@ -140,6 +140,14 @@ class ImageFolder:
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray | np.int64]:
         return self.sample(index, EpochKey())
+
+    def decode_version(self) -> str:
+        """The JPEG decode's version, where the dataset has JPEG files (by their names): a
+        folder of PNGs gives the same bytes whatever the JPEG decode."""
+        names = np.char.lower(self.keys)
+        if not np.any(np.char.endswith(names, ".jpg") | np.char.endswith(names, ".jpeg")):
+            return ""
+        return decode_version([self.pipeline])
 
     def use_prefix_cache(self, scope: Any) -> None:
         self.pipeline.use_cache(scope("image", self.pipeline.prefix_spec))

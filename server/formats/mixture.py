@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..order.fingerprint import fingerprint
+from ..order.fingerprint import decode_version, fingerprint
 from ..order.mixture import MixtureOrdering, Phase, locate, quantize
 from ..order.sampling import FIRST_EPOCH, EpochKey, Ordering
 from ..sources import ObjectInfo
@@ -52,6 +52,10 @@ class Mixture:
         self.storage = _Storages(self)
 
     # -- the Dataset protocol and its optional parts ---------------------------------------
+    def decode_version(self) -> str:
+        """Its components' image decode (server/images.py), the latest where they differ."""
+        return max((decode_version(p) for p in self.parts), default="")
+
     def __len__(self) -> int:
         return self.period
 
@@ -168,8 +172,9 @@ class _Storages:
         m = self._mixture
         for name, part, cfg in zip(m.names, m.parts, m.configs, strict=True):
             # The component's config and data as one line: a change to either changes ours.
+            # Its decode is the mixture's decode_version, after the data's digest.
             own = fingerprint(cfg, part)
-            yield ObjectInfo(f"{name}/", 0, own.digest)
+            yield ObjectInfo(f"{name}/", 0, own.digest.partition("+")[0])
             if part.storage is not None:
                 for o in part.storage.listed.values():
                     yield ObjectInfo(f"{name}/{o.key}", o.size, o.version)

@@ -354,6 +354,11 @@ class Columns:
                 out[field.name] = column.values[row].copy()  # the row group is dropped later
         return out
 
+    def decode_version(self) -> str:
+        from ..images import decode_version
+
+        return decode_version([f.pipeline for f in self.fields])
+
     def use_prefix_cache(self, scope: Any) -> None:
         from ..sources.prefix_cache import use_cache
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from ..images import image_pipeline
+from ..images import Prefix, decode_version, image_pipeline
 from ..order.sampling import EpochKey
 from ..sources import ObjectInfo, Storage
 from ..sources.cache import LOCKS, TMP, file_lock
@@ -122,7 +122,7 @@ class _Field:
         return [self.name, f"{self.name}_length"] if utf8 else [self.name]
 
     def convert(self, data: bytes | None, out: dict[str, Any], rng: np.random.Generator,
-                parsed: dict[int, Any], index: int, prefix: np.ndarray | None = None) -> None:
+                parsed: dict[int, Any], index: int, prefix: Prefix | None = None) -> None:
         """Decode `data` into `out`; `parsed` holds JSON documents already parsed, by member
         id, for fields that read the same member. `prefix`: an image's cached prefix (then
         `data` is None)."""
@@ -382,6 +382,9 @@ class Tar:
                 raise ValueError(f"member {member!r}: cannot decode {field.decode}: "
                                  f"{type(e).__name__}: {e}") from e
         return out
+
+    def decode_version(self) -> str:
+        return decode_version([f.pipeline for f in self.fields])
 
     def use_prefix_cache(self, scope: Any) -> None:
         use_cache(scope, [(f.name, f.pipeline) for f in self.fields])

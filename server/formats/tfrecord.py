@@ -35,6 +35,7 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
+from ..images import decode_version
 from ..order.sampling import EpochKey
 from ..sources import ObjectInfo, Storage
 from ..sources.cache import LOCKS, TMP, file_lock
@@ -292,6 +293,9 @@ class Tfrecord(Sampled):
                     for f in self.fields]
         return write_example(self.fields, prefixes, lambda: self.record(index), self.sequence,
                              out, rng, index)
+
+    def decode_version(self) -> str:
+        return decode_version([f.pipeline for f in self.fields])
 
     def use_prefix_cache(self, scope: Any) -> None:
         use_cache(scope, [(f.name, f.pipeline) for f in self.fields])

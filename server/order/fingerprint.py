@@ -1,6 +1,6 @@
 """A dataset's fingerprint: what one server's copy of a dataset is, as one digest.
 
-    digest = sha256(version, the config's content fields, the listing)
+    digest = sha256(version, the config's content fields, the listing) [+ decode version]
 
 - the config: the dataset's block without what only says where or how to reach the data
   (`source`'s folder or bucket, `s3:`, `follow_symlinks_outside_root`); a tokenizer file counts
@@ -13,6 +13,13 @@
 - a lake table (`iceberg`, `delta`, `lance`): its config without the snapshot pin and the
   table's location, and its own `fingerprint()`: the table's id and the snapshot it opened
   at (with the data files' listing for iceberg and delta). Its `snapshot` is carried beside.
+
+The digest's tail, after `+`, names the image decode the server runs where it gives other
+bytes than the whole-file decode (`+jpeg-crop-1`: JPEGs decoded for their crop box,
+server/images.py): servers that decode differently give different pixels for the same
+coordinates, so their digests differ and one loader does not mix them. The part before it is
+the data's: a saved position (state_dict) compares only that part, since the order of an
+epoch depends on the data, not on how its pixels are decoded (client/position/resume.py).
 
 Computed once by every worker when it opens its datasets; the pool compares each worker's with
 the one the server opened with (server/pool/lifecycle.py), and clients compare servers'
@@ -83,7 +90,9 @@ class Fingerprint:
 
 
 def short_digest(digest: str) -> str:
-    return digest[:SHORT] + "..." if len(digest) > SHORT else digest
+    """`sha256:9c1d2e3f4a5b...`, and the decode's tail where there is one."""
+    data, plus, decode = digest.partition("+")
+    return (data[:SHORT] + "..." if len(data) > SHORT else data) + plus + decode
 
 
 def _objects(n: int) -> str:
@@ -109,10 +118,12 @@ def config_content(cfg: Any) -> str:
     return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
 
-def of_listing(cfg: Any, listing: Iterable[ObjectInfo], own: str = "") -> Fingerprint:
+def of_listing(cfg: Any, listing: Iterable[ObjectInfo], own: str = "",
+               decode: str = "") -> Fingerprint:
     """The fingerprint of a dataset read from storage, given what its storage listed, in key
     order (as `Listing.values()` yields it: not sorted again, a listing may be millions);
-    `own`: what the dataset says of itself beside (a lake table's snapshot), "" for none."""
+    `own`: what the dataset says of itself beside (a lake table's snapshot), "" for none;
+    `decode`: the version of the image decode it runs ("": the whole-file decode)."""
     h = hashlib.sha256(f"stoker-fingerprint {FINGERPRINT_VERSION}\n".encode())
     h.update(config_content(cfg).encode() + b"\n")
     if own:  # else the digest stays what it was before datasets had their own
@@ -132,7 +143,8 @@ def of_listing(cfg: Any, listing: Iterable[ObjectInfo], own: str = "") -> Finger
         if len(parts) > MAX_PARTS:
             parts = None  # counts only, then
     kept = {name: (n, part.hexdigest()[:16]) for name, (n, part) in (parts or {}).items()}
-    return Fingerprint("sha256:" + h.hexdigest(), objects, total, kept)
+    return Fingerprint("sha256:" + h.hexdigest() + (f"+{decode}" if decode else ""), objects,
+                       total, kept)
 
 
 def of_python(cfg: Any, length: int, own: str) -> Fingerprint:
@@ -143,12 +155,22 @@ def of_python(cfg: Any, length: int, own: str) -> Fingerprint:
     return Fingerprint("sha256:" + h.hexdigest(), length, 0)
 
 
+def decode_version(parts: DatasetParts) -> str:
+    """The version of the image decode the dataset runs ("": the whole-file decode, or no
+    images): its `decode_version()`, which the formats that decode images have (through
+    server/images.py's decode_version). Not one of the dataset's optional parts: the bytes'
+    version, not a way to reach them."""
+    own = getattr(parts.dataset, "decode_version", None)
+    return str(own()) if callable(own) else ""
+
+
 def fingerprint(cfg: Any, parts: DatasetParts) -> Fingerprint:
     """The fingerprint of an opened dataset (call it once it has opened: its listing is what
     its storage has seen by then)."""
+    decode = decode_version(parts)
     own = str(parts.fingerprint()) if parts.fingerprint is not None else ""
     if parts.storage is not None and cfg.described_by_listing:
-        fp = of_listing(cfg, parts.storage.listed.values(), own)
+        fp = of_listing(cfg, parts.storage.listed.values(), own, decode)
     else:
-        fp = of_python(cfg, len(parts.dataset), own)
+        fp = of_python(cfg, len(parts.dataset), f"{own}+{decode}" if decode else own)
     return replace(fp, snapshot=parts.snapshot or "") if parts.snapshot else fp
