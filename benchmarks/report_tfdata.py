@@ -39,8 +39,39 @@ def tfdata(r: dict[str, Any], plots: Path) -> list[str]:
              ""]
     if "skipped_peers" in r:
         lines += [f"TensorFlow was not measured: {r['skipped_peers']}.", ""]
-    rows, series = [], {}
+    lines += _table(r["sweep"])
+    series: dict[str, list[Any]] = {}
     for s in r["sweep"]:
+        for name in LABELS:
+            if name in s:
+                series.setdefault(name, []).append((s["workers"], s[name]["images_per_s"]))
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for name, pts in series.items():
+        ax.errorbar([w for w, _ in pts], [x["median"] for _, x in pts],
+                    yerr=[[x["median"] - x["min"] for _, x in pts],
+                          [x["max"] - x["median"] for _, x in pts]],
+                    marker="o", capsize=4, label=LABELS[name])
+    ax.set_xlabel("workers W (tf.data: threads)")
+    ax.set_ylabel("images/s (median, min-max)")
+    ax.set_xticks(sorted({s["workers"] for s in r["sweep"]}))
+    ax.legend(fontsize=7)
+    lines += [save(fig, plots, "tfdata.png"), ""]
+    lines += _verdict(r["sweep"], "")
+    if "large" in r:
+        big = r["large"]
+        lines += [f"**The large set**: {big['data']['images']} photos of 1.92 and 3.15 MP "
+                  "(1600x1200 and 2048x1536, q90, made as the set above), the same pipeline "
+                  "and systems, where decoding at a DCT scale matters most.", "",
+                  *_table(big["sweep"]), "",
+                  *_verdict(big["sweep"], "on the large set ")]
+    lines += _WHY
+    return lines
+
+
+def _table(sweep: list[dict[str, Any]]) -> list[str]:
+    """One row per (W, system) of a sweep."""
+    rows = []
+    for s in sweep:
         for name in LABELS:
             if name not in s:
                 continue
@@ -53,29 +84,14 @@ def tfdata(r: dict[str, Any], plots: Path) -> list[str]:
                          f"{server + trainer:.2f}", f"{1000 / (server + trainer):.0f}",
                          f"{rate * (server + trainer) / 1000:.2f}",
                          f"{s[name]['other_cores_busy']['median']:.1f}"])
-            series.setdefault(name, []).append((s["workers"], s[name]["images_per_s"]))
-    lines += table(["W", "system", "images/s median [min, max]", "stoker / it",
-                    "serving CPU ms/image", "trainer CPU ms/image", "total CPU ms/image",
-                    "images per CPU-second", "cores it got", "the host's other cores busy"],
-                   rows)
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    for name, pts in series.items():
-        ax.errorbar([w for w, _ in pts], [x["median"] for _, x in pts],
-                    yerr=[[x["median"] - x["min"] for _, x in pts],
-                          [x["max"] - x["median"] for _, x in pts]],
-                    marker="o", capsize=4, label=LABELS[name])
-    ax.set_xlabel("workers W (tf.data: threads)")
-    ax.set_ylabel("images/s (median, min-max)")
-    ax.set_xticks(sorted({s["workers"] for s in r["sweep"]}))
-    ax.legend(fontsize=7)
-    lines += [save(fig, plots, "tfdata.png"), ""]
-    lines += _verdict(r)
-    return lines
+    return table(["W", "system", "images/s median [min, max]", "stoker / it",
+                  "serving CPU ms/image", "trainer CPU ms/image", "total CPU ms/image",
+                  "images per CPU-second", "cores it got", "the host's other cores busy"], rows)
 
 
-def _verdict(r: dict[str, Any]) -> list[str]:
+def _verdict(sweep: list[dict[str, Any]], where: str) -> list[str]:
     """What the figures say, from the largest W where every system ran."""
-    full = [s for s in r["sweep"] if all(n in s for n in LABELS)]
+    full = [s for s in sweep if all(n in s for n in LABELS)]
     if not full:
         return []
     s = full[-1]
@@ -86,7 +102,7 @@ def _verdict(r: dict[str, Any]) -> list[str]:
     svc, loc = s["stoker_over"]["tf_service"], s["stoker_over"]["tf_local"]
     got = {n: s[n]["images_per_s"]["median"] * cpu[n] / 1000 for n in LABELS}
     ahead = [LABELS[n] for n, x in (("tf_service", svc), ("tf_local", loc)) if x < 1]
-    out = [f"At W={w}: stoker's images/s are **{svc:.2f}x** tf.data service's and "
+    out = [f"At W={w} {where}: stoker's images/s are **{svc:.2f}x** tf.data service's and "
            f"**{loc:.2f}x** plain tf.data's. Per image, stoker spends "
            f"{cpu['stoker']:.2f} CPU ms in all (serving {serving['stoker']:.2f}), tf.data "
            f"service {cpu['tf_service']:.2f} (serving {serving['tf_service']:.2f}), plain "
@@ -98,27 +114,25 @@ def _verdict(r: dict[str, Any]) -> list[str]:
            "systems' processes, idle meanwhile, used "
            f"{max(s[n]['bystanders_cores_busy']['median'] for n in LABELS):.2f} at most).",
            ""]
-    out += ["Why, and what it would take: "
-            "(1) `decode_and_crop_jpeg` decodes only the crop's part of the JPEG (libjpeg's "
-            "cropped scanline decode: rows outside the window are skipped); stoker decodes "
-            "the whole image at full size, because its pipeline is cut before the first "
-            "random step so that the decode can be kept across epochs (`cache.decoded_bytes`, "
-            "off here), then crops and resamples with area averaging (antialiased), where "
-            "TensorFlow's `resize` is plain bilinear. The random crop's area averages about "
-            "half the image, so we expect this to be most of the gap per core (it is not "
-            "measured apart here). Closing it takes a cropped decode in stoker's image "
-            "pipeline when no prefix cache is configured (libjpeg-turbo's "
-            "`tj3SetCroppingRegion` or `jpeg_crop_scanline`, which simplejpeg does not "
-            "expose), or the prefix cache, which skips the decode from the second epoch on. "
-            "(2) Images/s are the cores each system got in its timed window (above) times "
-            "the images it makes per CPU second: the CPU ms per image is the work per image, "
-            "the figure to compare, since it does not depend on how busy the host was. "
-            "(3) tf.data service pays for serialising each batch into its gRPC response and "
-            "(AUTO compression) compressing it; stoker frames raw tensors. "
-            "(4) What stoker does that the service in `parallel_epochs` does not: each worker "
-            "of the service walks its own epoch, so the trainer sees every image W times per "
-            "epoch in no fixed order; stoker delivers each sample once per epoch, in an order "
-            "that is a function of (seed, epoch), resumable mid-epoch and unchanged when "
-            "servers fail (docs/reliability.md)." +
-            (f" Ahead on this page's row: {', '.join(ahead)}." if ahead else ""), ""]
+    out += [f"Ahead on this row: {', '.join(ahead)}." if ahead else
+            "Stoker is ahead of both on this row.", ""]
     return out
+
+
+_WHY = [
+    "What each side does per image. tf.data: `decode_and_crop_jpeg` decodes the crop's rows "
+    "and columns alone (libjpeg-turbo's cropped scanline decode), then `resize` is plain "
+    "bilinear (no antialiasing). stoker: the same libjpeg-turbo cropped decode "
+    "(stoker.server._jpeg, server/images.py), at 1/2, 1/4 or 1/8 DCT scale where the box is at "
+    "least twice the output on both sides, then an area-average resample (antialiased) with the "
+    "flip fused; the image decode's CPU alone is in `python benchmarks/decode.py` (the limit "
+    "rows: libjpeg-turbo's full and cropped decode). Both pay the entropy decode of every row "
+    "above the crop (a JPEG without restart markers cannot skip it), which is most of a "
+    "noisy q90 image's decode. Images/s are the cores each system got in its timed window "
+    "times the images it makes per CPU second: CPU ms per image is the work per image. "
+    "tf.data service pays for serialising each batch into its gRPC response; stoker frames raw "
+    "tensors. What stoker does that the service in `parallel_epochs` does not: each worker of "
+    "the service walks its own epoch, so the trainer sees every image W times per epoch in no "
+    "fixed order; stoker delivers each sample once per epoch, in an order that is a function of "
+    "(seed, epoch), resumable mid-epoch and unchanged when servers fail (docs/reliability.md).",
+    ""]
