@@ -263,9 +263,7 @@ def server(start_server_module):
     return start_server_module(NOISE, workers=1)
 
 
-def noise(server: Any, **kw: Any) -> np.ndarray:
-    """An epoch of `noise`: its sample indices."""
-    return np.asarray(epoch(server, "noise", batch_size=3, shared_memory=False, **kw).indices())
+READ = {"batch_size": 3, "shared_memory": False}  # every epoch() here
 
 
 def closed_by_server(sock: socket.socket) -> bool:
@@ -278,7 +276,7 @@ def closed_by_server(sock: socket.socket) -> bool:
 
 def test_data_socket_garbage_short_and_wrong_tokens(server, ledger) -> None:
     port = server.ready["data_port"]
-    expected = noise(server, data_socket=True)
+    expected = epoch(server, "noise", data_socket=True, **READ).indices()
     cases = [b"", b"\x00", b"short", bytes(15), bytes(16), b"\xff" * 16, b"x" * 4096,
              b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", bytes(range(256)) * 64]
     # One connection that never sends its token stays open meanwhile: others are served.
@@ -289,12 +287,12 @@ def test_data_socket_garbage_short_and_wrong_tokens(server, ledger) -> None:
                 if len(token) < 16:
                     sock.shutdown(socket.SHUT_WR)  # a short token, then nothing
                 assert closed_by_server(sock), token[:20]
-        got = noise(server, data_socket=True)
+        got = epoch(server, "noise", data_socket=True, **READ).indices()
         idle.sendall(b"late")
     assert np.array_equal(got, expected)
     with grpc.insecure_channel(server.address) as channel:  # and plain frames, too
         grpc.channel_ready_future(channel).result(timeout=30)
-    assert np.array_equal(noise(server), expected)
+    assert np.array_equal(epoch(server, "noise", **READ).indices(), expected)
     ledger.record("bad requests", "data socket: raw TCP with empty, short, wrong, oversized "
                   "and HTTP tokens, one idle connection", tried=len(cases) + 1,
                   detail="each closed by the server with nothing sent; epochs equal before "

@@ -48,11 +48,7 @@ def auth_server(start_server_module, tmp_path_factory):
     return start_server_module(NOISE, server={"auth_token_file": str(token_file)})
 
 
-def noise(address: str | list[str], **kw: Any) -> tuple[list[dict], dict[str, Any]]:
-    """An epoch of `noise` over the network: (the batches, the loader's stats)."""
-    read = epoch(address, "noise", **{"batch_size": 3, "shuffle": False,
-                                      "shared_memory": False, **kw})
-    return read, read.stats
+READ = {"batch_size": 3, "shuffle": False, "shared_memory": False}  # every epoch() here
 
 
 def offer(server: Any, metadata: Any) -> tuple[grpc.Channel, Any, pb.DataSocket]:
@@ -78,8 +74,9 @@ def nothing_sent(sock: socket.socket) -> bool:
 
 
 def test_the_default_path_between_machines_is_the_data_connection(auth_server) -> None:
-    framed, _ = noise(auth_server.address, token=TOKEN, data_socket=False)
-    got, stats = noise(auth_server.address, token=TOKEN)
+    framed = epoch(auth_server, "noise", token=TOKEN, data_socket=False, **READ)
+    got = epoch(auth_server, "noise", token=TOKEN, **READ)
+    stats = got.stats
     assert stats["transport"] == "data_socket", stats["transports"]
     assert stats["transports"][auth_server.address]["why"] == "plain TCP"
     for a, b in zip(framed, got, strict=True):
