@@ -16,6 +16,9 @@ TF_PY := $(TF_VENV)/bin/python
 # Test processes (pytest-xdist) for the main suite: CI's machine has 2 cores. Tests marked
 # `serial` (timing figures a second process beside them would bend) run alone, after.
 JOBS ?= 2
+# Each run of `make test` lists its slowest tests (call, setup and teardown each), so that CI's
+# output shows where the suite's time goes.
+DURATIONS ?= --durations=30
 
 .PHONY: install install-frameworks install-tf demo test test-frameworks lint bench proto reliability soak clean
 
@@ -54,9 +57,9 @@ demo: install
 ## test: lint, check the generated protobuf code, run the test suite, then the framework tests
 test: install install-frameworks install-tf lint
 	$(PY) protos/generate.py --check
-	$(PY) -m pytest -n $(JOBS) -m "not serial"
-	$(PY) -m pytest -m serial
-	$(FW_PY) -m pytest -n $(JOBS) --dist loadfile -m frameworks tests/frameworks
+	$(PY) -m pytest -n $(JOBS) -m "not serial" $(DURATIONS)
+	$(PY) -m pytest -m serial $(DURATIONS)
+	$(FW_PY) -m pytest -n $(JOBS) --dist loadfile -m frameworks tests/frameworks $(DURATIONS)
 
 ## test-frameworks: Lightning, the HF Trainer, torch.distributed.checkpoint and Ray, for real
 test-frameworks: install-frameworks

@@ -16,21 +16,25 @@ processes, the DataLoader with as many workers.
 - the peer: a map-style Dataset whose row k renders its conversations with
   `tokenizer.apply_chat_template(..., tokenize=True, return_assistant_tokens_mask=True)` and
   lays out the same fields (input_ids, labels, position_ids, document_ids, attention_mask);
-  `DataLoader(shuffle=True, num_workers=W)`. It packs with stoker's plan (the same rows, so
+  `DataLoader(shuffle=True, num_workers=W, persistent_workers=True)`, its workers spawned
+  (this process runs gRPC's threads for stoker's epochs: a fork then skips gRPC's fork
+  handlers, and a forked worker can die of SIGSEGV). It packs with stoker's plan (the same rows, so
   the rows are checked equal), which costs it a pass over the lengths first: that pass,
   rendering every conversation once with transformers in this process, is timed apart
   (`peer_plan_s`) and not counted in its rows/s. Per epoch it renders again, as an
   on-the-fly Dataset does; stoker does not, which is the point of rendering on the server.
 
 Per repeat (the order alternates): rows/s after the first batch, and the trainer's CPU seconds
-per row (this process's, plus the DataLoader's workers' for the peer: what the GPU node
-spends). Medians over repeats. Every epoch is checked: each row once.
+per row (this process's, plus the DataLoader's workers' for the peer, read from /proc: what
+the GPU node spends; the workers' start, before the first batch, is not counted). Medians
+over repeats. Every epoch is checked: each row once.
 """
 
 from __future__ import annotations
 
 import argparse
-import resource
+import multiprocessing
+import os
 import sys
 import tempfile
 import time
@@ -52,12 +56,20 @@ QUICK = {"conversations": 400, "seq_len": 1024, "batch_size": 8, "repeats": 1}
 IGNORE = -100
 
 
-def cpu_seconds(children: bool) -> float:
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    total = own.ru_utime + own.ru_stime
-    if children:  # the DataLoader's workers, once joined
-        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-        total += kids.ru_utime + kids.ru_stime
+def cpu_seconds(workers: bool) -> float:
+    """This process's CPU seconds, plus (`workers`) those of its live multiprocessing children:
+    the DataLoader's persistent workers (the server is a subprocess, not one of them)."""
+    own = os.times()
+    total = own.user + own.system
+    if workers:
+        tick = os.sysconf("SC_CLK_TCK")
+        for child in multiprocessing.active_children():
+            try:
+                with open(f"/proc/{child.pid}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+            except OSError:
+                continue  # exited while we looked
+            total += (int(fields[11]) + int(fields[12])) / tick
     return total
 
 
@@ -122,14 +134,22 @@ def epoch_stoker(address: str, p: dict[str, Any], epoch: int, rows: int, problem
     return {"rows_per_s": timed / (t2 - t1), "cpu_per_row_s": (c2 - c1) / max(1, timed)}, kept
 
 
-def epoch_peer(data: PeerRows, p: dict[str, Any], epoch: int, workers: int,
-               problems: list[str]) -> tuple[dict[str, Any], dict[int, Any]]:
+def peer_loader(data: PeerRows, p: dict[str, Any], workers: int) -> Any:
+    """The peer's DataLoader, made once: persistent workers, spawned (not forked: this process
+    runs gRPC's threads once stoker's first epoch has run)."""
     import torch
     from torch.utils.data import DataLoader
 
+    return DataLoader(data, batch_size=p["batch_size"], shuffle=True, num_workers=workers,
+                      persistent_workers=workers > 0,
+                      multiprocessing_context="spawn" if workers > 0 else None,
+                      generator=torch.Generator())
+
+
+def epoch_peer(loader: Any, epoch: int, problems: list[str]
+               ) -> tuple[dict[str, Any], dict[int, Any]]:
     kept: dict[int, Any] = {}
-    loader = DataLoader(data, batch_size=p["batch_size"], shuffle=True, num_workers=workers,
-                        generator=torch.Generator().manual_seed(epoch))
+    loader.generator.manual_seed(epoch)  # the sampler's: the epoch's shuffle
     it = iter(loader)
     first = next(it)
     seen = [first["index"].numpy()]
@@ -141,9 +161,8 @@ def epoch_peer(data: PeerRows, p: dict[str, Any], epoch: int, workers: int,
         for j, i in enumerate(batch["index"].tolist()):
             if i < 4:
                 kept[i] = {k: v[j] for k, v in batch.items()}
-    del it  # joins the workers: their CPU time is counted in RUSAGE_CHILDREN then
     t2, c2 = time.perf_counter(), cpu_seconds(True)
-    check_once("peer", epoch, seen, len(data), problems)
+    check_once("peer", epoch, seen, len(loader.dataset), problems)
     return {"rows_per_s": timed / (t2 - t1), "cpu_per_row_s": (c2 - c1) / max(1, timed)}, kept
 
 
@@ -201,6 +220,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server = ServerProcess(path, workers=args.workers).start(timeout=600)
         res["start_s"] = time.perf_counter() - t0
         runs: dict[str, list[dict[str, Any]]] = {"stoker": [], "dataloader": []}
+        peer = peer_loader(data, p, args.workers)
         try:
             for rep in range(p["repeats"]):
                 for what in (("stoker", "dataloader") if rep % 2 == 0
@@ -208,9 +228,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if what == "stoker":
                         got, s_rows = epoch_stoker(server.address, p, rep, rows, problems)
                     else:
-                        got, d_rows = epoch_peer(data, p, rep, args.workers, problems)
+                        got, d_rows = epoch_peer(peer, rep, problems)
                     runs[what].append(got)
         finally:
+            del peer  # its workers exit
             res["server_exit_code"] = server.stop()
         for i in sorted(set(s_rows) & set(d_rows)):
             for k in ("input_ids", "labels", "position_ids", "document_ids", "attention_mask"):

@@ -169,14 +169,18 @@ def measure_w(args: argparse.Namespace, data_dir: Path, cfg_dir: Path, w: int,
     g.manual_seed(args.seed)
     # The systems' epochs are interleaved: a stoker loader must not build its next epoch's
     # first batches while a peer's epoch is being measured (prefetch_next_epoch=False).
+    # The DataLoaders' workers come from a fork server (their CPU is still this process tree's):
+    # a fork here, once gRPC's threads run, skips gRPC's fork handlers (SIGSEGV in a worker).
     loaders: dict[str, Any] = {
         "dataloader": DataLoader(PillowPipeline(data_dir), batch_size=args.batch_size,
                                  shuffle=True, drop_last=True, num_workers=w,
-                                 persistent_workers=True, generator=g),
+                                 persistent_workers=True, generator=g,
+                                 multiprocessing_context="forkserver"),
         # The resumable DataLoader (torchdata): same workers, plus state_dict bookkeeping.
         "stateful": StatefulDataLoader(PillowPipeline(data_dir), batch_size=args.batch_size,
                                        shuffle=True, drop_last=True, num_workers=w,
-                                       persistent_workers=True, generator=g),
+                                       persistent_workers=True, generator=g,
+                                       multiprocessing_context="forkserver"),
         "stoker": RemoteLoader(server.address, "imgs", batch_size=args.batch_size,
                                seed=args.seed, shuffle=True, drop_last=True,
                                prefetch=args.prefetch, prefetch_next_epoch=False,

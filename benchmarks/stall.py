@@ -91,8 +91,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 runs.append(loop(loader, args.steps, compute_s))
                         else:
                             w = 0 if name == "sync" else args.workers
+                            # Workers from a fork server, not forked here: this process runs
+                            # gRPC's threads once a RemoteLoader has run, and a fork then skips
+                            # gRPC's fork handlers (a forked worker can die of SIGSEGV).
                             dl = DataLoader(Costly(n, sample_ms), batch_size=args.batch_size,
-                                            num_workers=w)
+                                            num_workers=w, multiprocessing_context=(
+                                                "forkserver" if w else None))
                             runs.append(loop(dl, args.steps, compute_s))
                             del dl
                     row[name] = {"repeats": runs,

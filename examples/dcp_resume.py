@@ -2,7 +2,7 @@
 
     python examples/dcp_resume.py [--save-world 2] [--load-world 3] [--stop-at 6]
 
-Data-parallel training as torchtitan does it, on CPU: each rank (a spawned process, gloo) has
+Data-parallel training as torchtitan does it, on CPU: each rank (a process, gloo) has
 a RemoteLoader and a tiny DDP model; after `--stop-at` steps every rank calls `dcp.save` on
 `{"model": ..., "loader": LoaderState(loader)}`. A new job of `--load-world` ranks makes its
 own loaders, calls `dcp.load` on the same dict and reads the rest of the epoch. The example
@@ -82,9 +82,24 @@ def rank_main(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
 
 
 def job(world: int, **spec: Any) -> list[dict[str, Any]]:
-    """Run `world` ranks (spawned processes) and return what each wrote."""
-    mp.start_processes(rank_main, args=(world, free_port(), spec), nprocs=world,
-                       start_method="spawn")
+    """Run `world` ranks (processes) and return what each wrote. Whatever stops the
+    wait (a rank's failure, Ctrl-C, a test's timeout) kills the ranks still running: a rank
+    blocked in a collective never returns by itself (gloo waits 30 minutes)."""
+    # Forked from a fork server that imported torch once (a spawned rank imports it itself:
+    # seconds of CPU a rank, three jobs of 2 or 3 ranks on a 2-core machine), never forked
+    # from this process, which may run gRPC's threads.
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "torch.nn"])
+    ranks = mp.start_processes(rank_main, args=(world, free_port(), spec), nprocs=world,
+                               start_method="forkserver", join=False)
+    try:
+        while not ranks.join():
+            pass
+    finally:
+        for p in ranks.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
     return [json.loads(Path(f"{spec['out']}.rank{r}.json").read_text()) for r in range(world)]
 
 

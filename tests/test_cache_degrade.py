@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from epochs import epoch
 from PIL import Image
 from test_s3_faults import metrics_of
 
@@ -116,18 +117,15 @@ def config(path: Path, data: dict[str, Any], cache: Path, endpoint: str | None =
         "datasets": datasets})
 
 
-def epoch(address: str | list[str], name: str, timeout: float = 60) -> list[dict[str, Any]]:
-    with RemoteLoader(address, name, batch_size=4, seed=7, drop_last=False, output="numpy",
-                      timeout=timeout) as loader:
-        return [{k: v.copy() for k, v in b.items()} for b in loader]
+READ = {"batch_size": 4, "seed": 7, "drop_last": False}  # every epoch() here
 
 
 def compare(ledger: Any, server: ServerProcess, case: str) -> None:
     """Every format's S3 epoch equals its local copy's, batch for batch; one ledger row."""
     lost = dup = 0
     for name in FORMATS:
-        got, want = epoch(server.address, f"remote-{name}"), epoch(server.address,
-                                                                  f"local-{name}")
+        got, want = (epoch(server.address, f"remote-{name}", **READ),
+                     epoch(server.address, f"local-{name}", **READ))
         indices = [int(i) for b in got for i in b["sample_index"]]
         expected = [int(i) for b in want for i in b["sample_index"]]
         n_lost, n_dup = ledger.compare(indices, expected)
@@ -230,7 +228,7 @@ def test_a_filled_cache_made_read_only_still_hits(
     server = start(path)
     try:
         for name in FORMATS:
-            epoch(server.address, f"remote-{name}")  # fills the cache
+            epoch(server.address, f"remote-{name}", **READ)  # fills the cache
     finally:
         assert server.stop() == 0, server.stderr
     read_only(cache)  # as ext4 does after a disk error
@@ -284,8 +282,8 @@ def test_an_s3_outage_on_one_server_costs_nothing_with_two(
         a, b = start(broken), start(healthy)
         try:
             proxy.set("drop")  # after a's start: it listed the bucket and read sample 0
-            got = epoch([a.address, b.address], "pics")
-            want = epoch(b.address, "local")
+            got = epoch([a.address, b.address], "pics", **READ)
+            want = epoch(b.address, "local", **READ)
         finally:
             assert a.stop() == 0, a.stderr
             assert b.stop() == 0, b.stderr

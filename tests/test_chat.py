@@ -15,9 +15,13 @@ import numpy as np
 import pytest
 from chat_data import (
     CHATML_PLAIN,
+    CHATML_TURN,
+    IGNORE,
     conversations,
     corpus_texts,
+    hf_reference,
     make_tokenizer,
+    want_labels,
     write_jsonl,
 )
 
@@ -27,7 +31,6 @@ from stoker.server.formats import open_dataset
 from stoker.server.tools.check import check
 
 pytestmark = pytest.mark.timeout(180)
-IGNORE = -100
 N = 500
 
 
@@ -37,10 +40,11 @@ def chats(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     convs = conversations(N, seed=3)
     tok = make_tokenizer(root / "tok", corpus_texts(convs))
     plain = make_tokenizer(root / "plain", corpus_texts(convs), template=CHATML_PLAIN)
+    turn = make_tokenizer(root / "turn", corpus_texts(convs), template=CHATML_TURN)
     (root / "data").mkdir()
     write_jsonl(root / "data" / "a.jsonl", convs[:300])
     write_jsonl(root / "data" / "b.jsonl", convs[300:])
-    return {"root": root, "convs": convs, "tok": tok, "plain": plain,
+    return {"root": root, "convs": convs, "tok": tok, "plain": plain, "turn": turn,
             "source": str(root / "data")}
 
 
@@ -51,28 +55,14 @@ def open_chat(chats: dict[str, Any], cache: Path, **cfg: Any) -> Any:
     return open_dataset("c", config)
 
 
-def hf_reference(tokenizer: Path, convs: list[Any]) -> list[tuple[list[int], list[int]]]:
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoTokenizer.from_pretrained(str(tokenizer.parent))
-    out = []
-    for c in convs:
-        enc = hf.apply_chat_template(c, tokenize=True, return_dict=True,
-                                     return_assistant_tokens_mask=True)
-        out.append((list(enc["input_ids"]), list(enc["assistant_masks"])))
-    return out
-
-
-def want_labels(ids: list[int], mask: list[int]) -> list[int]:
-    """stoker's labels from transformers' mask: the next token where that token is trained."""
-    return [ids[t + 1] if mask[t + 1] else IGNORE for t in range(len(ids) - 1)] + [IGNORE]
-
-
 # -- against transformers ---------------------------------------------------------------------
 @pytest.mark.parametrize("template", ["markers", "prefix rule"])
 def test_unpacked_rows_equal_transformers_apply_chat_template(chats, tmp_path: Path,
                                                               template: str) -> None:
     tok = chats["tok"] if template == "markers" else chats["plain"]
-    reference = hf_reference(chats["tok"], chats["convs"])  # the marked template's masks
+    # the marked template's masks; without markers, the turn ends at <|im_end|> (its EOS): the
+    # masks of markers around the assistant's message and <|im_end|>, not the newline after
+    reference = hf_reference(chats["tok" if template == "markers" else "turn"], chats["convs"])
     ds = open_chat(chats, tmp_path, tokenizer=str(tok), pack=False)
     assert ds.template.markers == (template == "markers")
     assert len(ds) == N

@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
+from epochs import epoch
 
 from stoker.client import RemoteLoader
 from stoker.v1 import stoker_pb2 as pb
@@ -22,17 +23,14 @@ def server(start_server_module):
     return start_server_module(DATASETS, workers=2)
 
 
-def epoch(server, dataset: str, **kw) -> tuple[dict[str, np.ndarray], int]:
-    with RemoteLoader(server.address, dataset, batch_size=4, seed=3, output="numpy",
-                      shared_memory=False, timeout=60, **kw) as loader:
-        batches = list(loader)
-        received = loader.stats()["bytes"]
-    return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}, received
+READ = {"batch_size": 4, "seed": 3, "shared_memory": False}  # every epoch() here
 
 
 def test_compressed_batches_equal_plain_ones_in_far_fewer_bytes(server) -> None:
-    plain, plain_bytes = epoch(server, "ramp")
-    packed, packed_bytes = epoch(server, "ramp", compression="zstd")
+    read = epoch(server, "ramp", **READ)
+    plain, plain_bytes = read.arrays(), read.stats["bytes"]
+    read = epoch(server, "ramp", compression="zstd", **READ)
+    packed, packed_bytes = read.arrays(), read.stats["bytes"]
     for k in plain:
         assert plain[k].dtype == packed[k].dtype and np.array_equal(plain[k], packed[k]), k
     assert plain_bytes >= 24 * 200_000 * 2  # every payload byte on the wire
@@ -64,6 +62,6 @@ def test_an_unknown_compression_is_invalid_argument_and_the_server_goes_on(serve
         raw_first_frame(server, "lz5", "ramp")
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "compression: 'lz5'" in info.value.details()
-    assert len(epoch(server, "toy")[0]["sample_index"]) == 8
+    assert len(epoch(server, "toy", **READ).arrays()["sample_index"]) == 8
     with pytest.raises(ValueError, match="compression must be None or 'zstd'"):
         RemoteLoader(server.address, "toy", batch_size=4, compression="gzip")

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from epochs import epoch
 from PIL import Image
 
 from stoker.client import RemoteLoader
@@ -164,13 +165,9 @@ def stand_in(i: int, bad: int) -> int:
 def test_skip_replaces_the_bad_sample_the_same_way_every_time(
         corrupt_server: ServerProcess, ledger, case: str) -> None:
     _, _, bad, _ = CASES[case]
-
-    def epoch() -> list[dict[str, np.ndarray]]:
-        with RemoteLoader(corrupt_server.address, f"{slug(case)}-skip", batch_size=BS,
-                          shuffle=False, output="numpy", timeout=60) as loader:
-            return [{k: v.copy() for k, v in b.items()} for b in loader]
-
-    first, second = epoch(), epoch()
+    read = {"batch_size": BS, "shuffle": False}
+    first, second = (epoch(corrupt_server, f"{slug(case)}-skip", **read),
+                     epoch(corrupt_server, f"{slug(case)}-skip", **read))
     got = np.concatenate([b["sample_index"] for b in first]).tolist()
     expected = [stand_in(i, bad) for i in range(N)]
     lost, dup = ledger.compare(got, expected)

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from epochs import epoch
 
 from stoker.client import RemoteLoader
 from stoker.client.transport.frames import Assembler
@@ -30,15 +31,12 @@ def server(start_server_module):
     return start_server_module(NOISE, workers=2)
 
 
-def epoch(server, **kw: Any) -> dict[str, np.ndarray]:
-    with RemoteLoader(server.address, "noise", batch_size=3, output="numpy", timeout=60,
-                      shared_memory=False, **kw) as loader:
-        batches = list(loader)
-    return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+READ = {"batch_size": 3, "shared_memory": False}  # every epoch() here
 
 
 def test_data_socket_batches_equal_frame_batches(server) -> None:
-    framed, socketed = epoch(server), epoch(server, data_socket=True)
+    framed = epoch(server, "noise", **READ).arrays()
+    socketed = epoch(server, "noise", data_socket=True, **READ).arrays()
     for k in framed:
         assert framed[k].dtype == socketed[k].dtype and np.array_equal(framed[k], socketed[k])
 
@@ -71,7 +69,7 @@ def test_a_connection_with_a_wrong_token_is_dropped_and_learns_nothing(server) -
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.sendall(secrets.token_bytes(16))
         assert sock.recv(1024) == b""  # closed by the server, nothing sent
-    assert len(epoch(server, data_socket=True)["sample_index"]) == 12  # still serving
+    assert len(epoch(server, "noise", data_socket=True, **READ).indices()) == 12  # still serving
 
 
 def test_silent_connections_beyond_the_cap_are_closed_and_serving_goes_on(server,
@@ -87,7 +85,7 @@ def test_silent_connections_beyond_the_cap_are_closed_and_serving_goes_on(server
     finally:
         for sock in silent:
             sock.close()
-    got = epoch(server, data_socket=True)["sample_index"]  # still serving
+    got = epoch(server, "noise", data_socket=True, **READ).arrays()["sample_index"]  # still serving
     lost, dup = ledger.compare(got.tolist(), range(12))
     ledger.record("security", "data socket: connections that never send a token, past the cap",
                   tried=MAX_CLAIMS, lost=lost, duplicated=dup,

@@ -8,6 +8,7 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
+from epochs import epoch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stoker.client import RemoteError, RemoteLoader
@@ -122,13 +123,8 @@ def test_a_failing_sample_is_data_loss_naming_it(toy_server) -> None:
 
 
 def test_on_error_skip_replaces_a_bad_sample_the_same_way_every_time(toy_server) -> None:
-    def epoch() -> list[dict[str, np.ndarray]]:
-        with RemoteLoader(toy_server.address, "skippy", batch_size=4, shuffle=False,
-                          output="numpy", timeout=60) as ld:
-            batches = [{k: v.copy() for k, v in b.items()} for b in ld]
-        return batches
-
-    first, second = epoch(), epoch()
+    first, second = (epoch(toy_server, "skippy", batch_size=4, shuffle=False),
+                     epoch(toy_server, "skippy", batch_size=4, shuffle=False))
     got = np.concatenate([b["sample_index"] for b in first])
     expected = np.arange(40)
     expected[13], expected[30] = replacement(13, 1, 40), replacement(30, 1, 40)

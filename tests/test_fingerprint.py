@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from epochs import epoch
 from PIL import Image
 
 from stoker.client import DataMismatch, RemoteError, RemoteLoader
@@ -89,12 +90,11 @@ def worker_pids(server: ServerProcess) -> list[int]:
     return sorted(pids)
 
 
-def epoch(server: ServerProcess, dataset: str, **kw: Any) -> list[tuple[int, bytes]]:
+def image_bytes(server: ServerProcess, dataset: str) -> list[tuple[int, bytes]]:
     """One epoch: (sample index, the image's bytes) per sample, in order."""
-    with RemoteLoader(server.address, dataset, batch_size=4, seed=5, output="numpy",
-                      timeout=30, **kw) as loader:
-        return [(int(i), image.tobytes()) for b in loader
-                for i, image in zip(b["sample_index"], b["image"], strict=True)]
+    return [(int(i), image.tobytes()) for b in epoch(server, dataset, batch_size=4, seed=5,
+                                                     timeout=30)
+            for i, image in zip(b["sample_index"], b["image"], strict=True)]
 
 
 def http_status(server: ServerProcess, path: str) -> int:
@@ -115,7 +115,7 @@ def test_a_replacement_worker_that_lists_new_files_is_refused(start_server, imag
                                                               ledger) -> None:
     server = start_server({"imgs": {"format": "image-folder", "source": str(images),
                                     "size": 8}}, workers=2)
-    first = epoch(server, "imgs")
+    first = image_bytes(server, "imgs")
     assert len(first) == 40
     add_class(images, "aaa")  # sorts first: a re-listing would move every index
     os.kill(worker_pids(server)[0], signal.SIGKILL)
@@ -125,7 +125,7 @@ def test_a_replacement_worker_that_lists_new_files_is_refused(start_server, imag
     assert "dataset 'imgs'" in log and "40 objects" in log and "48 objects" in log, log
     assert "added 'aaa/' (8 objects)" in log and "restart the server" in log, log
     assert "Traceback" not in log, log
-    second = epoch(server, "imgs")
+    second = image_bytes(server, "imgs")
     lost, dup = ledger.compare(second, first)
     ledger.record("storage", "class folder added, then a worker killed: its replacement's "
                   "new listing refused", lost=lost, duplicated=dup,

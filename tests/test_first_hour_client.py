@@ -181,14 +181,14 @@ def test_item_6_log_every_shows_without_logging_configured(server) -> None:
     script = textwrap.dedent(f"""
         import logging, sys
         from stoker.client import RemoteLoader
-        def epoch():
+        def read_all():
             with RemoteLoader({server.address!r}, "eighty", batch_size=8, output="numpy",
                               prefetch=4, log_every=1e-9) as loader:
                 list(loader)
-        epoch()
+        read_all()
         print("CONFIGURED", file=sys.stderr, flush=True)
         logging.basicConfig(level=logging.WARNING)  # the program's choice: INFO stays quiet
-        epoch()
+        read_all()
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=50)

@@ -3,10 +3,11 @@
 Interop: files written by TensorFlow's own TFRecordWriter (plain, GZIP, ZLIB) and by
 array_record's ArrayRecordWriter read back equal to what `tf.io.parse_single_example` returns
 (images: equal to stoker's image pipeline on the same bytes). TensorFlow runs in its own venv
-(.venv-tf, `make install-tf`), as tests/tf_records.py; without it those tests skip, saying so.
-The rest write their files with tests/tfrecord_files.py: errors that name the file and the
-record, the offsets index kept in the cache folder, block shuffle by file, and mid-epoch
-resume, elastic resume and exactly-once under a killed server for both formats (ledger rows).
+(.venv-tf, `make install-tf`), running tests/tfrecord_files.py; without it those tests skip,
+saying so. The rest write their files with that module's writer without TensorFlow: errors
+that name the file and the record, the offsets index kept in the cache folder, block shuffle
+by file, and mid-epoch resume, elastic resume and exactly-once under a killed server for both
+formats (ledger rows).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def tf_written(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     if not TF_PYTHON.exists():
         pytest.skip(f"no TensorFlow venv at {TF_PYTHON} (make install-tf)")
     out = tmp_path_factory.mktemp("tf")
-    subprocess.run([str(TF_PYTHON), str(ROOT / "tests" / "tf_records.py"), str(out)],
+    subprocess.run([str(TF_PYTHON), str(ROOT / "tests" / "tfrecord_files.py"), str(out)],
                    check=True, timeout=300, capture_output=True,
                    env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""})
     return out, json.loads((out / "parsed.json").read_text())

@@ -13,9 +13,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from epochs import epoch
 from PIL import Image
 
-from stoker.client import RemoteError, RemoteLoader
+from stoker.client import RemoteError
 from stoker.server import ServerProcess, write_config
 from stoker.server.pool.batch import replacement
 
@@ -49,17 +50,11 @@ def write_tar(path: Path, members: list[tuple[str, bytes]], extra_dir: str | Non
             tf.addfile(info, io.BytesIO(data))
 
 
-def epoch(server: ServerProcess, name: str, shuffle: bool, batch_size: int = 4,
-          ) -> dict[str, np.ndarray]:
-    with RemoteLoader(server.address, name, batch_size=batch_size, shuffle=shuffle,
-                      drop_last=False, output="numpy", timeout=60) as loader:
-        batches = [{k: v.copy() for k, v in b.items()} for b in loader]
-    return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
 
 
 def fail(server: ServerProcess, name: str) -> RemoteError:
     with pytest.raises(RemoteError) as info:
-        epoch(server, name, shuffle=False, batch_size=1)
+        epoch(server, name, shuffle=False, batch_size=1, drop_last=False)
     assert info.value.code == grpc.StatusCode.DATA_LOSS
     return info.value
 
@@ -162,7 +157,7 @@ def whole_epoch_order(got: dict[str, np.ndarray], n: int, shuffle: bool) -> np.n
 def test_tar_epoch_equals_what_was_written(tar_server: ServerProcess, tar_data,
                                            shuffle: bool) -> None:
     _, expected = tar_data
-    got = epoch(tar_server, "shards", shuffle, batch_size=4)
+    got = epoch(tar_server, "shards", shuffle=shuffle, batch_size=4, drop_last=False).arrays()
     order = whole_epoch_order(got, 15, shuffle)
     assert got["image"].dtype == np.uint8 and got["image"].shape == (15, H, W, 3)
     assert got["label"].dtype == np.int64 and got["weight"].dtype == np.float64
@@ -191,7 +186,7 @@ def test_a_truncated_member_is_data_loss_naming_shard_and_member(tar_server: Ser
 
 
 def test_a_sample_missing_a_field_is_skipped_under_on_error_skip(tar_server) -> None:
-    got = epoch(tar_server, "skippy", shuffle=False, batch_size=4)
+    got = epoch(tar_server, "skippy", shuffle=False, batch_size=4, drop_last=False).arrays()
     want = np.arange(6)
     want[1] = replacement(1, 1, 6)
     assert want[1] != 1
@@ -270,7 +265,7 @@ def parquet_server(start_server_module: StartServer, parquet_data) -> ServerProc
 def test_parquet_epoch_equals_what_was_written(parquet_server: ServerProcess, parquet_data,
                                                shuffle: bool) -> None:
     _, expected = parquet_data
-    got = epoch(parquet_server, "table", shuffle, batch_size=3)
+    got = epoch(parquet_server, "table", shuffle=shuffle, batch_size=3, drop_last=False).arrays()
     order = whole_epoch_order(got, 32, shuffle)
     assert got["id"].dtype == np.int64 and np.array_equal(got["id"], order)
     assert got["x"].dtype == np.float32
@@ -283,7 +278,8 @@ def test_parquet_epoch_equals_what_was_written(parquet_server: ServerProcess, pa
 
 def test_parquet_block_shuffle_mixes_two_whole_row_groups_at_a_time(parquet_server) -> None:
     # Row groups [0, 10) [10, 20) [20, 25) [25, 32) (c.parquet has none); shuffle_window: 2.
-    order = epoch(parquet_server, "table", shuffle=True, batch_size=3)["sample_index"]
+    order = epoch(parquet_server, "table", shuffle=True, batch_size=3,
+                  drop_last=False).arrays()["sample_index"]
     groups = [set(range(a, b)) for a, b in [(0, 10), (10, 20), (20, 25), (25, 32)]]
     windows = [a | b for i, a in enumerate(groups) for b in groups[i + 1:]]
     assert any(set(order[: len(w)].tolist()) == w for w in windows), order

@@ -18,10 +18,10 @@ import grpc
 import numpy as np
 import pytest
 import zstandard
+from epochs import epoch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stoker.client import RemoteLoader
 from stoker.client._errors import ProtocolError
 from stoker.client.transport.frames import READ_AHEAD, Assembled, Assembler
 from stoker.client.transport.tensors import MAX_PAYLOAD_BYTES, numpy_views
@@ -263,10 +263,7 @@ def server(start_server_module):
     return start_server_module(NOISE, workers=1)
 
 
-def epoch(server: Any, **kw: Any) -> np.ndarray:
-    with RemoteLoader(server.address, "noise", batch_size=3, output="numpy", timeout=60,
-                      shared_memory=False, **kw) as loader:
-        return np.concatenate([b["sample_index"] for b in loader])
+READ = {"batch_size": 3, "shared_memory": False}  # every epoch() here
 
 
 def closed_by_server(sock: socket.socket) -> bool:
@@ -279,7 +276,7 @@ def closed_by_server(sock: socket.socket) -> bool:
 
 def test_data_socket_garbage_short_and_wrong_tokens(server, ledger) -> None:
     port = server.ready["data_port"]
-    expected = epoch(server, data_socket=True)
+    expected = epoch(server, "noise", data_socket=True, **READ).indices()
     cases = [b"", b"\x00", b"short", bytes(15), bytes(16), b"\xff" * 16, b"x" * 4096,
              b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", bytes(range(256)) * 64]
     # One connection that never sends its token stays open meanwhile: others are served.
@@ -290,12 +287,12 @@ def test_data_socket_garbage_short_and_wrong_tokens(server, ledger) -> None:
                 if len(token) < 16:
                     sock.shutdown(socket.SHUT_WR)  # a short token, then nothing
                 assert closed_by_server(sock), token[:20]
-        got = epoch(server, data_socket=True)
+        got = epoch(server, "noise", data_socket=True, **READ).indices()
         idle.sendall(b"late")
     assert np.array_equal(got, expected)
     with grpc.insecure_channel(server.address) as channel:  # and plain frames, too
         grpc.channel_ready_future(channel).result(timeout=30)
-    assert np.array_equal(epoch(server), expected)
+    assert np.array_equal(epoch(server, "noise", **READ).indices(), expected)
     ledger.record("bad requests", "data socket: raw TCP with empty, short, wrong, oversized "
                   "and HTTP tokens, one idle connection", tried=len(cases) + 1,
                   detail="each closed by the server with nothing sent; epochs equal before "

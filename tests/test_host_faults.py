@@ -146,7 +146,7 @@ class Watch:
         self.longest = 0.0
         self.delivered: dict[str, tuple[int, float]] = {}  # address -> (batches, when)
 
-    def epoch(self, faults: dict[int, Any] | None = None, until: Any = None) -> None:
+    def run(self, faults: dict[int, Any] | None = None, until: Any = None) -> None:
         got: list[int] = []
         last = time.monotonic()
         for k, batch in enumerate(self.loader):
@@ -168,8 +168,8 @@ def test_a_host_silenced_mid_epoch_for_good(two_hosts: tuple[Host, Host],
     servers = [start_server(TOY, wrap=h.wrap, host=h.ip) for h in two_hosts]
     with RemoteLoader([s.address for s in servers], "toy", **KW) as loader:
         watch = Watch(loader)
-        watch.epoch({20: dead.silence})
-        watch.epoch()
+        watch.run({20: dead.silence})
+        watch.run()
         stats = loader.stats()
     lost = dup = 0
     for got in watch.epochs:
@@ -200,12 +200,12 @@ def test_a_partition_that_heals_is_used_again(two_hosts: tuple[Host, Host],
     address = servers[0].address
     with RemoteLoader([s.address for s in servers], "toy", **KW) as loader:
         watch = Watch(loader)
-        watch.epoch({20: part})
+        watch.run({20: part})
         deadline = time.monotonic() + HEAL_AFTER + REPROBE + 10
         # Epochs until the healed server has delivered again (bounded by time).
         while time.monotonic() < deadline and not (
                 healed.is_set() and watch.delivered[address][1] > healed_at[0]):
-            watch.epoch()
+            watch.run()
         stats = loader.stats()
     assert healed.wait(10)
     back = watch.delivered[address][1] - healed_at[0]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from epochs import epoch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stoker.client import RemoteError, RemoteLoader
@@ -103,10 +104,9 @@ def read_all(sock: socket.socket) -> bytes:
     return got
 
 
-def epoch(address: str, **kw) -> list[int]:
-    with RemoteLoader(address, "toy", batch_size=8, output="numpy", shuffle=False, timeout=20,
-                      **kw) as ld:
-        return [i for b in ld for i in b["sample_index"].tolist()]
+def toy(address: str, **kw) -> list[int]:
+    """An epoch of `toy`: its sample indices."""
+    return epoch(address, "toy", batch_size=8, shuffle=False, timeout=20, **kw).indices()
 
 
 def record_flood(ledger, area: str, case: str, got: list[int], detail: str) -> None:
@@ -124,7 +124,7 @@ def test_half_sent_http_requests_from_one_address_do_not_take_the_server(
         "max_http_connections": 64, "max_http_connections_per_client": 16,
         "http_header_timeout_seconds": HEAD_TIMEOUT})
     pid, port = server.proc.pid, server.ready["http_port"]
-    epoch(server.address)  # the front end's mappings of the workers' segments, kept
+    toy(server.address)  # the front end's mappings of the workers' segments, kept
     baseline = open_fds(pid)
     with flood(port, send=b"GET /healthz HTTP/1.1\r\nHost: x\r\n") as socks:
         # One more from the attacker's address, while its 16 are held (they are let go
@@ -135,7 +135,7 @@ def test_half_sent_http_requests_from_one_address_do_not_take_the_server(
         with urllib.request.urlopen(server.http_url + "/healthz", timeout=5) as r:
             assert r.status == 200
         took = time.monotonic() - started
-        got = epoch(server.address)
+        got = toy(server.address)
         # The 16 it holds: 408 naming the head timeout, then closed.
         held = read_all(socks[0]).decode()
     assert wait_until(lambda: open_fds(pid) <= baseline + 8, 10), (open_fds(pid), baseline)
@@ -169,11 +169,11 @@ def test_idle_tcp_connections_to_the_grpc_port_do_not_take_the_server(
     server = start_server(TOY, wrap=PRLIMIT, server={
         "max_grpc_connections": 128, "grpc_handshake_timeout_seconds": 2})
     pid, port = server.proc.pid, server.ready["grpc_port"]
-    epoch(server.address)  # the front end's mappings of the workers' segments, kept
+    toy(server.address)  # the front end's mappings of the workers' segments, kept
     baseline = open_fds(pid)
     with flood(port):
         started = time.monotonic()
-        got = epoch(server.address)
+        got = toy(server.address)
         took = time.monotonic() - started
         # Silent connections are closed once the handshake timeout passes.
         assert wait_until(lambda: open_fds(pid) <= baseline + 8, 10), (open_fds(pid), baseline)
@@ -395,7 +395,7 @@ def test_silent_data_port_connections_do_not_delay_a_data_socket_stream(
     server = start_server(TOY)
     with flood(server.ready["data_port"]):
         started = time.monotonic()
-        got = epoch(server.address, data_socket=True, shared_memory=False)
+        got = toy(server.address, data_socket=True, shared_memory=False)
         took = time.monotonic() - started
     record_flood(ledger, "security", f"{FLOOD} silent connections to the data port from one "
                  "address, then a data-socket stream from another", got,
@@ -453,7 +453,7 @@ def test_grpc_connections_are_capped_per_client_address(start_server: StartServe
         next(calls[-1])
         with pytest.raises(grpc.RpcError) as refused:
             next(raw_stream(channels[2], hold=True))
-        got = epoch(f"[::1]:{port}")  # another client, served as usual
+        got = toy(f"[::1]:{port}")  # another client, served as usual
     finally:
         for call in calls:
             call.cancel()

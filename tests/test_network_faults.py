@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from epochs import epoch
 
 from stoker.client import RemoteError, RemoteLoader
 from stoker.server import ServerProcess
@@ -66,16 +67,15 @@ def heal_later(proxy: TcpProxy, after: float = HEAL_AFTER) -> threading.Thread:
     return t
 
 
-def epoch(addresses: list[str], at: int, fault: Callable[[], Any], **kw: Any
-          ) -> tuple[list[int], dict[str, Any]]:
-    got: list[int] = []
-    with RemoteLoader(addresses, "toy", **{**KW, **kw}) as loader:
-        for k, batch in enumerate(loader):
-            got += batch["sample_index"].tolist()
-            if k == at:
-                fault()
-        stats = loader.stats()
-    return got, stats
+def faulted(addresses: list[str], at: int, fault: Callable[[], Any], **kw: Any
+            ) -> tuple[list[int], dict[str, Any]]:
+    """An epoch of `toy` with `fault()` after batch `at`: (the sample indices, the stats)."""
+    def after(k: int) -> None:
+        if k == at:
+            fault()
+
+    read = epoch(addresses, "toy", on_batch=after, **{**KW, **kw})
+    return read.indices(), read.stats
 
 
 FAULTS = {"drop": dict(), "stall": dict(), "truncate": dict(limit=1500),
@@ -96,7 +96,7 @@ def test_a_temporary_fault_loses_and_repeats_nothing(proxies, ledger, mode: str,
         healer.append(heal_later(victim))
 
     started = time.monotonic()
-    got, stats = epoch(targets, at=3, fault=fault)
+    got, stats = faulted(targets, at=3, fault=fault)
     healer[0].join(10)
     lost, dup = ledger.compare(got, REFERENCE)
     ledger.record("network", f"{mode} for {HEAL_AFTER:g} s, mid-epoch, on {where}", lost=lost,
@@ -112,7 +112,7 @@ def test_a_temporary_fault_loses_and_repeats_nothing(proxies, ledger, mode: str,
 def test_a_permanent_fault_on_one_of_two_is_carried_by_the_other(proxies, ledger,
                                                                  mode: str) -> None:
     victim = proxies[0]
-    got, stats = epoch([p.address for p in proxies], at=3,
+    got, stats = faulted([p.address for p in proxies], at=3,
                        fault=lambda: victim.set(mode, **FAULTS[mode]))
     lost, dup = ledger.compare(got, REFERENCE)
     ledger.record("network", f"{mode} for good, mid-epoch, on one of 2", lost=lost,
@@ -152,7 +152,7 @@ def test_connections_cut_short_for_good_still_make_progress(proxies, ledger) -> 
     """Every connection, old and new, carries 1500 bytes each way and is then closed: each
     reconnection delivers a batch or two, and the epoch completes, exactly."""
     victim = proxies[0]
-    got, _ = epoch([victim.address], at=2, fault=lambda: victim.set("truncate", limit=1500))
+    got, _ = faulted([victim.address], at=2, fault=lambda: victim.set("truncate", limit=1500))
     lost, dup = ledger.compare(got, REFERENCE)
     ledger.record("network", "every connection cut after 1500 bytes, for good, on the only "
                   "server", lost=lost, duplicated=dup,
@@ -169,7 +169,7 @@ def test_a_data_socket_stream_survives_a_dropped_control_path(proxies, ledger) -
         victim.set("drop")
         heal.append(heal_later(victim))
 
-    got, _ = epoch([p.address for p in proxies], at=3, fault=fault, data_socket=True)
+    got, _ = faulted([p.address for p in proxies], at=3, fault=fault, data_socket=True)
     heal[0].join(10)
     lost, dup = ledger.compare(got, REFERENCE)
     ledger.record("network", "drop the gRPC path of a data-socket stream, on one of 2",
@@ -267,7 +267,7 @@ def test_a_broken_data_socket_loses_and_repeats_nothing(two, data_proxies, ledge
         victim.set(mode, **kw)
         heal.append(heal_later(victim))
 
-    got, stats = epoch([g.address for g, _ in data_proxies[:n]], at=3, fault=fault,
+    got, stats = faulted([g.address for g, _ in data_proxies[:n]], at=3, fault=fault,
                        data_socket=True)
     heal[0].join(10)
     wait_for_no_streams(two)  # and the servers let go of every stream the client dropped

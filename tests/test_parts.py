@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from epochs import epoch
 from PIL import Image
 
 from stoker.client import RemoteError, RemoteLoader
@@ -100,11 +101,10 @@ def servers(data: dict[str, Any], start_server_module: StartServer
     return {n: start_server_module(data, workers=n) for n in (1, 4)}
 
 
-def epoch(server: ServerProcess, dataset: str, **kw: Any) -> list[dict[str, np.ndarray]]:
-    kw = {"seed": 7, "shuffle": True, "drop_last": False, "output": "numpy", "timeout": 60,
-          **({} if "batch_tokens" in kw else {"batch_size": BATCH}), **kw}
-    with RemoteLoader(server.address, dataset, **kw) as loader:
-        return [{k: v.copy() for k, v in b.items()} for b in loader]
+def read(server: ServerProcess, dataset: str, **kw: Any) -> list[dict[str, np.ndarray]]:
+    """An epoch at this file's coordinates (BATCH rows a batch unless batch_tokens)."""
+    return epoch(server, dataset, **{"seed": 7, "shuffle": True, "drop_last": False, **(
+        {} if "batch_tokens" in kw else {"batch_size": BATCH}), **kw})
 
 
 def same_bytes(one: list[dict[str, np.ndarray]], many: list[dict[str, np.ndarray]]) -> None:
@@ -121,7 +121,7 @@ def same_bytes(one: list[dict[str, np.ndarray]], many: list[dict[str, np.ndarray
     ("docs", {"batch_tokens": 1024}), ("rows", {"batch_tokens": 2048}), ("mix", {})])
 def test_bytes_of_every_batch_are_those_one_worker_builds(
         servers: dict[int, ServerProcess], dataset: str, kw: dict[str, Any]) -> None:
-    one, many = epoch(servers[1], dataset, **kw), epoch(servers[4], dataset, **kw)
+    one, many = read(servers[1], dataset, **kw), read(servers[4], dataset, **kw)
     same_bytes(one, many)
     if dataset == "skippy":  # replacements stood in, and sample_index says which
         delivered = np.concatenate([b["sample_index"] for b in many])
@@ -137,7 +137,7 @@ def test_a_bad_sample_fails_the_batch_as_one_worker_says(
     errors = []
     for n in (1, 4):
         with pytest.raises(RemoteError) as info:
-            epoch(servers[n], dataset, shuffle=False)
+            read(servers[n], dataset, shuffle=False)
         errors.append((info.value.code, info.value.details))
     assert errors[0] == errors[1], errors
     assert errors[0][0] == grpc.StatusCode.DATA_LOSS and said in errors[0][1], errors
@@ -172,7 +172,7 @@ def test_a_worker_killed_mid_part_costs_that_part_only(
 
     def read_epoch() -> None:
         try:  # one batch credited at a time: each is cut over the 4 idle workers
-            got.set_result(epoch(server, "d", shuffle=False, prefetch=1))
+            got.set_result(read(server, "d", shuffle=False, prefetch=1))
         except BaseException as e:
             got.set_exception(e)
 
@@ -183,7 +183,7 @@ def test_a_worker_killed_mid_part_costs_that_part_only(
     gate.touch()  # the part's second build reads sample 45 as any other
     os.kill(pid, signal.SIGKILL)
     batches = got.result(90)
-    want = epoch(reference, "d", shuffle=False)  # the gate is open: built whole, at once
+    want = read(reference, "d", shuffle=False)  # the gate is open: built whole, at once
     same_bytes(want, batches)
     delivered = np.concatenate([b["sample_index"] for b in batches]).tolist()
     lost, duplicated = ledger.compare(delivered, list(range(96)))

@@ -17,7 +17,8 @@ N = 600  # toy samples: a few hundred bytes each, batches far below 32 MiB / 8
 BATCH = 4
 
 
-def epoch(loader: RemoteLoader) -> list[int]:
+def sample_indices(loader: RemoteLoader) -> list[int]:
+    """One pass over an open loader (its window carries over to the next pass)."""
     return [i for b in loader for i in b["sample_index"].tolist()]
 
 
@@ -32,24 +33,24 @@ def test_defaults_widen_the_window_for_small_batches_and_the_epoch_stays_exact(s
     with RemoteLoader(server.address, "toy", batch_size=BATCH, output="numpy",
                       shared_memory=False) as loader:
         assert loader.stats()["prefetch"] == 8  # before any batch: prefetch's default
-        first = epoch(loader)
+        first = sample_indices(loader)
         # Half the server's max_credits (hedges and failover credit on top of the window).
         assert loader.stats()["prefetch"] == 20
-        second = epoch(loader)
+        second = sample_indices(loader)
     with RemoteLoader(server.address, "toy", batch_size=BATCH, output="numpy",
                       shared_memory=False, prefetch=3) as exact:
-        assert epoch(exact) == first and epoch(exact) == second
+        assert sample_indices(exact) == first and sample_indices(exact) == second
         assert exact.stats()["prefetch"] == 3  # a prefetch given is the window
 
 
 def test_prefetch_bytes_bounds_the_window_and_0_turns_it_off(server):
     with RemoteLoader(server.address, "toy", batch_size=BATCH, output="numpy",
                       prefetch=2, prefetch_bytes=0) as off:
-        epoch(off)
+        sample_indices(off)
         assert off.stats()["prefetch"] == 2
     with RemoteLoader(server.address, "toy", batch_size=BATCH, output="numpy",
                       prefetch=2, prefetch_bytes=1) as tiny:
-        epoch(tiny)  # 1 byte holds no batch: prefetch stays the floor
+        sample_indices(tiny)  # 1 byte holds no batch: prefetch stays the floor
         assert tiny.stats()["prefetch"] == 2
 
 

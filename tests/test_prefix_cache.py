@@ -19,9 +19,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from epochs import epoch
 from PIL import Image
 
-from stoker.client import RemoteLoader
 from stoker.server import ServerProcess, write_config
 from stoker.server.sources.prefix_cache import PrefixCache, memory_dir, read_stats, remove
 
@@ -85,11 +85,9 @@ def serve(tmp: Path, datasets: dict[str, Any], cache: dict[str, Any],
     return ServerProcess(config, workers=workers, env=server_env()).start()
 
 
-def epoch(server: ServerProcess, name: str, e: int) -> list[dict[str, np.ndarray]]:
-    with RemoteLoader(server.address, name, batch_size=5, seed=3, drop_last=False,
-                      output="numpy", timeout=60) as loader:
-        loader.set_epoch(e)
-        return [{k: v.copy() for k, v in b.items()} for b in loader]
+def read(server: ServerProcess, name: str, e: int) -> list[dict[str, np.ndarray]]:
+    """Epoch `e` of `name`, batches of 5, seed 3."""
+    return epoch(server, name, set_epoch=e, batch_size=5, seed=3, drop_last=False)
 
 
 def same(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) -> bool:
@@ -122,12 +120,12 @@ def test_batches_are_bit_identical_with_the_cache_on_or_off_cold_or_warm_and_aft
     (tmp_path / "on").mkdir()
     with serve(tmp_path / "off", data, {}, workers=1) as off, \
             serve(tmp_path / "on", data, {"decoded_bytes": "64MiB"}) as on:
-        want = {name: [epoch(off, name, e) for e in (0, 1)] for name in data}
+        want = {name: [read(off, name, e) for e in (0, 1)] for name in data}
         assert not stats(off)  # no cache configured: no series
         for name in data:
-            cold, warm = epoch(on, name, 0), epoch(on, name, 0)
+            cold, warm = read(on, name, 0), read(on, name, 0)
             assert same(cold, want[name][0]) and same(warm, want[name][0]), name
-            assert same(epoch(on, name, 1), want[name][1]), name  # another epoch: all hits
+            assert same(read(on, name, 1), want[name][1]), name  # another epoch: all hits
             assert not same(want[name][0], want[name][1]), name  # augmentation did happen
         warm = stats(on)
         assert warm['stoker_prefix_cache_hits_total{tier="memory"}'] > 0
@@ -136,7 +134,7 @@ def test_batches_are_bit_identical_with_the_cache_on_or_off_cold_or_warm_and_aft
         os.kill(workers_of(on)[0], signal.SIGKILL)
         on.wait_for_stderr("died .*starting another", timeout=60)
         for name in data:
-            assert same(epoch(on, name, 1), want[name][1]), name
+            assert same(read(on, name, 1), want[name][1]), name
         after = stats(on)
         assert (after['stoker_prefix_cache_misses_total{tier="memory"}']
                 == warm['stoker_prefix_cache_misses_total{tier="memory"}'])

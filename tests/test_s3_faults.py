@@ -15,6 +15,7 @@ import botocore.exceptions as bx
 import grpc
 import numpy as np
 import pytest
+from epochs import epoch
 from PIL import Image
 
 from stoker.client import RemoteError, RemoteLoader
@@ -380,20 +381,16 @@ def test_a_server_reads_an_image_folder_from_s3_through_faults(
     fault_proxy.schedule = fraction(0.35, [THROTTLE, ERROR, DROP, TRUNCATE], seed=11,
                                     method=None)
 
-    def epoch(server: ServerProcess, name: str) -> list[dict[str, np.ndarray]]:
-        with RemoteLoader(server.address, name, batch_size=4, seed=5, drop_last=False,
-                          output="numpy", timeout=60) as loader:
-            return list(loader)
-
+    read = {"batch_size": 4, "seed": 5, "drop_last": False}
     with ServerProcess(config, workers=2, env={**server_env(), **s3_env()}) as server:
-        remote = epoch(server, "remote")
+        remote = epoch(server, "remote", **read)
         cold = metrics_of(server)
         gets = sum(r.method == "GET" and r.key.endswith(".png") for r, _ in fault_proxy.seen)
-        again = epoch(server, "remote")  # the second time, from the disk cache
+        again = epoch(server, "remote", **read)  # the second time, from the disk cache
         gets_again = sum(r.method == "GET" and r.key.endswith(".png")
                          for r, _ in fault_proxy.seen)
         warm = metrics_of(server)
-        expected = epoch(server, "local")
+        expected = epoch(server, "local", **read)
     # /metrics: the first epoch filled the cache (27 objects), the second read from it.
     assert cold["stoker_cache_misses_total"] >= 27 and cold["stoker_cache_fetched_bytes_total"] > 0
     assert warm["stoker_cache_hits_total"] - cold["stoker_cache_hits_total"] >= 27
@@ -492,18 +489,15 @@ def test_a_small_disk_cache_stays_within_its_bound_and_serving_goes_on(
         while not done.wait(0.02):
             peak[0] = max(peak[0], _cache_bytes(tmp_path / "cache"))
 
-    def epoch(server: ServerProcess, name: str, e: int) -> list[int]:
-        with RemoteLoader(server.address, name, batch_size=4, seed=3, output="numpy",
-                          timeout=60) as loader:
-            loader.set_epoch(e)
-            return [int(i) for b in loader for i in b["sample_index"]]
+    def indices(server: ServerProcess, name: str, e: int) -> list[int]:
+        return epoch(server, name, set_epoch=e, batch_size=4, seed=3).indices()
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
         with ServerProcess(config, workers=workers, env={**server_env(), **s3_env()}) as server:
-            got = epoch(server, "remote", 0) + epoch(server, "remote", 1)
-            want = epoch(server, "local", 0) + epoch(server, "local", 1)
+            got = indices(server, "remote", 0) + indices(server, "remote", 1)
+            want = indices(server, "local", 0) + indices(server, "local", 1)
             stats = metrics_of(server)
     finally:
         done.set()
@@ -628,13 +622,9 @@ def test_a_full_cache_disk_does_not_stop_serving(moto_endpoint: MotoServer, buck
             "remote": {"format": "image-folder", "source": f"s3://{bucket}/pics", "size": 4},
             "local": {"format": "image-folder", "source": str(tmp_path / "pics"), "size": 4}}})
 
-    def epoch(server: ServerProcess, name: str) -> list[int]:
-        with RemoteLoader(server.address, name, batch_size=4, seed=3, output="numpy",
-                          timeout=60) as loader:
-            return [int(i) for b in loader for i in b["sample_index"]]
-
     with ServerProcess(config, workers=2, env={**server_env(), **s3_env()}) as server:
-        got, want = epoch(server, "remote"), epoch(server, "local")
+        got, want = (epoch(server, "remote", batch_size=4, seed=3).indices(),
+                     epoch(server, "local", batch_size=4, seed=3).indices())
     lost, dup = ledger.compare(got, want)
     ledger.record("storage", "the S3 disk cache's disk full (512 KiB tmpfs, 1.4 MiB of data)",
                   lost=lost, duplicated=dup, detail="served: objects that do not fit are "

@@ -13,8 +13,8 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from epochs import epoch
 
-from stoker.client import RemoteLoader
 from stoker.client.transport.samehost import probe
 from stoker.v1 import stoker_pb2 as pb
 
@@ -62,18 +62,14 @@ def kept_bytes(server: Any) -> float:
     raise AssertionError("no stoker_shared_kept_bytes in /metrics")
 
 
-def epoch(address: str, **kw: Any) -> dict[str, np.ndarray]:
-    with RemoteLoader(address, "noise", batch_size=3, output="numpy", timeout=60, **kw) as ld:
-        batches = list(ld)
-        received = ld.stats()["bytes"]
-    out = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
-    out["bytes"] = np.array(received)
-    return out
 
 
 def test_shared_memory_batches_equal_socket_batches(start_server) -> None:
     server = start_server(NOISE, workers=2)
-    via_shm, via_socket = epoch(server.address), epoch(server.address, shared_memory=False)
+    via_shm, via_socket = (epoch(server, "noise", batch_size=3),
+                           epoch(server, "noise", batch_size=3, shared_memory=False))
+    via_shm, via_socket = ({**e.arrays(), "bytes": np.array(e.stats["bytes"])}
+                           for e in (via_shm, via_socket))
     for k in via_socket:
         if k != "bytes":
             assert np.array_equal(via_shm[k], via_socket[k]), k
@@ -131,7 +127,7 @@ def test_segments_a_client_never_released_are_unlinked_when_its_stream_ends(
     assert open_streams(server) == 0
     assert not any((Path("/dev/shm") / n).exists() for n in names)
     # ...and the server goes on serving, over shared memory.
-    assert len(epoch(server.address)["sample_index"]) == 12
+    assert len(epoch(server, "noise", batch_size=3).indices()) == 12
 
 
 def test_a_batch_asked_twice_on_one_stream_is_let_go_twice(start_server) -> None:

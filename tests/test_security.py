@@ -23,6 +23,7 @@ import grpc
 import numpy as np
 import pytest
 from certs import Authority, Pair
+from epochs import epoch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
@@ -82,11 +83,7 @@ def limited_server(start_server_module):
     return start_server_module(NOISE, server=LIMITS)
 
 
-def epoch(address: str, **kw: Any) -> dict[str, np.ndarray]:
-    kw = {"batch_size": 3, "output": "numpy", "timeout": 30, "shuffle": False, **kw}
-    with RemoteLoader(address, "noise", **kw) as loader:
-        batches = list(loader)
-    return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+READ = {"batch_size": 3, "timeout": 30, "shuffle": False}  # every epoch() here
 
 
 def coords(dataset: str = "noise", batch_size: int = 3) -> pb.Coordinates:
@@ -119,8 +116,9 @@ def test_a_tls_client_with_the_token_gets_every_batch_over_grpc_and_shared_memor
         tls_server, pki) -> None:
     assert tls_server.ready["tls"] and tls_server.ready["auth"]
     tls = {"ca": str(pki["ca"])}
-    framed = epoch(tls_server.address, tls=tls, token=TOKEN, shared_memory=False)
-    shared = epoch(tls_server.address, tls=tls, token=TOKEN)
+    framed = epoch(tls_server, "noise", tls=tls, token=TOKEN, shared_memory=False,
+                   **READ).arrays()
+    shared = epoch(tls_server, "noise", tls=tls, token=TOKEN, **READ).arrays()
     assert framed["sample_index"].tolist() == list(range(12))
     for k in framed:
         assert np.array_equal(framed[k], shared[k]), k
@@ -128,7 +126,7 @@ def test_a_tls_client_with_the_token_gets_every_batch_over_grpc_and_shared_memor
 
 def test_a_plain_client_against_a_tls_server_fails_with_a_clear_error(tls_server, ledger) -> None:
     with pytest.raises(RemoteError) as err:
-        epoch(tls_server.address, token=TOKEN, timeout=2)
+        epoch(tls_server, "noise", token=TOKEN, **{**READ, "timeout": 2})
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
     assert "tls" in str(err.value).lower(), str(err.value)
     ledger.record("security", "plain-text client against a TLS server", tried=1,
@@ -140,7 +138,7 @@ def test_batches_travel_on_a_tls_data_connection_under_tls(tls_server, pki, ledg
     byte-identical batches on it; a plain-TCP claim and a TLS claim without the bearer
     token's proof get no byte of a batch."""
     tls = {"ca": str(pki["ca"])}
-    shared = epoch(tls_server.address, tls=tls, token=TOKEN)
+    shared = epoch(tls_server, "noise", tls=tls, token=TOKEN, **READ).arrays()
     with RemoteLoader(tls_server.address, "noise", batch_size=3, output="numpy", shuffle=False,
                       tls=tls, token=TOKEN, shared_memory=False, timeout=30) as loader:
         batches = list(loader)
@@ -189,7 +187,7 @@ def test_mutual_tls_lets_in_only_clients_with_a_certificate_its_ca_signed(
         mtls_server, pki, ledger) -> None:
     client = pki["client"]
     tls = {"ca": str(pki["ca"]), "cert": str(client.cert), "key": str(client.key)}
-    got = epoch(mtls_server.address, tls=tls)
+    got = epoch(mtls_server, "noise", tls=tls, **READ).arrays()
     assert len(got["sample_index"]) == 12
     # The data connection asks for the client certificate too: batches identical on it.
     with RemoteLoader(mtls_server.address, "noise", batch_size=3, output="numpy",
@@ -348,7 +346,7 @@ def test_streams_per_client_are_limited(limited_server, ledger) -> None:
     deadline = time.monotonic() + 30  # the server counts them closed: wait on that probe
     while active_streams(limited_server) and time.monotonic() < deadline:
         pass
-    assert len(epoch(limited_server.address)["sample_index"]) == 12
+    assert len(epoch(limited_server, "noise", **READ).indices()) == 12
     ledger.record("security", "streams over max_streams_per_client from one address", tried=1,
                   detail="RESOURCE_EXHAUSTED naming the limit; served again once closed")
 
@@ -356,10 +354,10 @@ def test_streams_per_client_are_limited(limited_server, ledger) -> None:
 def test_a_batch_over_max_batch_bytes_fails_in_band_and_the_server_goes_on(
         limited_server, ledger) -> None:
     with pytest.raises(RemoteError) as err:  # 8 x 64 x 64 float32: 128 KiB
-        epoch(limited_server.address, batch_size=8)
+        epoch(limited_server, "noise", **{**READ, "batch_size": 8})
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "max_batch_bytes (65536)" in str(err.value)
-    assert len(epoch(limited_server.address)["sample_index"]) == 12
+    assert len(epoch(limited_server, "noise", **READ).indices()) == 12
     ledger.record("security", "batch over max_batch_bytes", tried=1,
                   detail="that batch fails in-band, RESOURCE_EXHAUSTED naming the limit")
 

@@ -17,8 +17,9 @@ from typing import Any
 
 import grpc
 import pytest
+from epochs import epoch
 
-from stoker.client import RemoteError, RemoteLoader
+from stoker.client import RemoteError
 from stoker.server import ServerProcess
 
 pytestmark = pytest.mark.timeout(60)
@@ -74,15 +75,14 @@ def wait_for_stderr(server: ServerProcess, text: str, timeout: float = 10.0) -> 
     return server.stderr
 
 
-def epoch(server: ServerProcess, batch_size: int, **kw: Any) -> list[list[int]]:
-    with RemoteLoader(server.address, "blocks", batch_size=batch_size, shuffle=False,
-                      output="numpy", **kw) as loader:
-        got = []
-        for batch in loader:
-            indices = batch["sample_index"].tolist()
-            assert all((batch["block"][k] == i).all() for k, i in enumerate(indices))
-            got.append(indices)
-        return got
+def read_blocks(server: ServerProcess, batch_size: int, **kw: Any) -> list[list[int]]:
+    """An epoch of `blocks`, in order: each batch's sample indices, its blocks checked."""
+    got = []
+    for batch in epoch(server, "blocks", batch_size=batch_size, shuffle=False, **kw):
+        indices = batch["sample_index"].tolist()
+        assert all((batch["block"][k] == i).all() for k, i in enumerate(indices))
+        got.append(indices)
+    return got
 
 
 def serve_blocks(start_server: Any, wrap: list[str], n: int, workers: int
@@ -120,14 +120,14 @@ def test_a_batch_larger_than_dev_shm_is_refused_and_the_worker_lives(start_serve
                                                                      ledger) -> None:
     server, before = serve_blocks(start_server, wrap, 24, workers=1)
     with pytest.raises(RemoteError) as err:
-        epoch(server, batch_size=24, timeout=20)  # 6 MiB
+        read_blocks(server, batch_size=24, timeout=20)  # 6 MiB
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
     message = str(err.value)
     assert f"/dev/shm holds {SHM_MIB:.1f} MiB in all" in message, message
     assert "this batch needs 6.1 MiB" in message and "--shm-size" in message, message
     # The worker is the same process, and serves what fits.
     assert workers_of(server) == before
-    assert epoch(server, batch_size=4, timeout=20) == in_order(24, 4)
+    assert read_blocks(server, batch_size=4, timeout=20) == in_order(24, 4)
     assert_workers_lived(server, before)
     ledger.record("load", "a batch larger than the whole /dev/shm (6 MiB in 4 MiB)",
                   detail="RESOURCE_EXHAUSTED naming /dev/shm and its size; the worker lives")
@@ -138,7 +138,7 @@ def test_batches_that_fit_one_at_a_time_give_an_exact_epoch(start_server, wrap,
     # 1.5 MiB batches: /dev/shm holds two; two workers, each building up to two at a time,
     # and the front end holding those not sent yet, ask for more than that.
     server, before = serve_blocks(start_server, wrap, 48, workers=2)
-    got = epoch(server, batch_size=6, timeout=30, prefetch=4)
+    got = read_blocks(server, batch_size=6, timeout=30, prefetch=4)
     lost, dup = ledger.compare([i for b in got for i in b], range(48))
     ledger.record("load", "1.5 MiB batches, 2 workers, a 4 MiB /dev/shm", lost=lost,
                   duplicated=dup, detail="batches that find it full are retried (UNAVAILABLE)"

@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from epochs import epoch
 
 from stoker.client import RemoteError, RemoteLoader
 from stoker.server import ServerProcess
@@ -64,12 +65,12 @@ def server(data: Path, start_server_module: StartServer) -> ServerProcess:
     return start_server_module(datasets(data), workers=2)
 
 
-def epoch(address: str | list[str], rank: int, world: int = WORLD, dataset: str = "docs",
-          **kw: Any) -> list[dict[str, np.ndarray]]:
-    with RemoteLoader(address, dataset, batch_tokens=kw.pop("batch_tokens", BUDGET), seed=3,
-                      rank=rank, world_size=world, output="numpy", timeout=60, **kw) as loader:
-        batches = list(loader)
-        assert len(batches) == len(loader)
+def rank_epoch(address: str | list[str], rank: int, world: int = WORLD, dataset: str = "docs",
+               **kw: Any) -> list[dict[str, np.ndarray]]:
+    """Rank `rank`'s epoch of `dataset` under a token budget; as many batches as len() said."""
+    batches = epoch(address, dataset, batch_tokens=kw.pop("batch_tokens", BUDGET), seed=3,
+                    rank=rank, world_size=world, **kw)
+    assert len(batches) == batches.length
     return batches
 
 
@@ -77,7 +78,7 @@ def epoch(address: str | list[str], rank: int, world: int = WORLD, dataset: str 
 def test_ranks_balanced_within_5_percent_and_every_sample_once(server: ServerProcess,
                                                                cost: str) -> None:
     lengths = _lengths()
-    ranks = [epoch(server.address, r, token_cost=cost) for r in range(WORLD)]
+    ranks = [rank_epoch(server.address, r, token_cost=cost) for r in range(WORLD)]
     assert len({len(r) for r in ranks}) == 1 and len(ranks[0]) > 10
     seen = []
     for step in zip(*ranks, strict=True):
@@ -102,8 +103,8 @@ def test_ranks_balanced_within_5_percent_and_every_sample_once(server: ServerPro
 def test_same_batches_from_one_or_two_servers_and_a_resume(
         data: Path, server: ServerProcess, start_server: StartServer) -> None:
     other = start_server(datasets(data))
-    alone = epoch(server.address, 1)
-    both = epoch([server.address, other.address], 1)
+    alone = rank_epoch(server.address, 1)
+    both = rank_epoch([server.address, other.address], 1)
     assert len(alone) == len(both)
     for a, b in zip(alone, both, strict=True):
         assert a.keys() == b.keys()
@@ -134,7 +135,7 @@ def test_same_batches_from_one_or_two_servers_and_a_resume(
 
 def test_parquet_length_column_and_pack(server: ServerProcess) -> None:
     lengths = _lengths()
-    ranks = [epoch(server.address, r, world=2, dataset="rows", batch_tokens=2048)
+    ranks = [rank_epoch(server.address, r, world=2, dataset="rows", batch_tokens=2048)
              for r in range(2)]
     for step in zip(*ranks, strict=True):
         tokens = [int(lengths[b["sample_index"]].sum()) for b in step]
@@ -159,13 +160,13 @@ def test_errors_name_what_is_wrong(server: ServerProcess, ledger) -> None:
     with pytest.raises(ValueError, match="batch_size or batch_tokens is required"):
         RemoteLoader(server.address, "docs")
     with pytest.raises(RemoteError) as info:
-        epoch(server.address, 0, dataset="plain")
+        rank_epoch(server.address, 0, dataset="plain")
     assert "batch_tokens: dataset 'plain' does not know its samples' lengths" in \
         info.value.details
     assert "length_column" in info.value.details
     longest = int(_lengths().max())
     with pytest.raises(RemoteError) as info:
-        epoch(server.address, 0, batch_tokens=100)
+        rank_epoch(server.address, 0, batch_tokens=100)
     assert f"has {longest} tokens, more than batch_tokens=100" in info.value.details
     ledger.record("bad requests", "batch_tokens: with batch_size, on a dataset without "
                   "lengths, below the longest sample: an error naming it", tried=4)

@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from epochs import epoch
 
 from stoker.client import RemoteLoader
 from stoker.server import ServerProcess, write_config
@@ -47,11 +48,7 @@ def auth_server(start_server_module, tmp_path_factory):
     return start_server_module(NOISE, server={"auth_token_file": str(token_file)})
 
 
-def epoch(address: str | list[str], dataset: str = "noise", **kw: Any) -> list[dict]:
-    kw = {"batch_size": 3, "output": "numpy", "timeout": 60, "shuffle": False,
-          "shared_memory": False, **kw}
-    with RemoteLoader(address, dataset, **kw) as loader:
-        return list(loader), loader.stats()
+READ = {"batch_size": 3, "shuffle": False, "shared_memory": False}  # every epoch() here
 
 
 def offer(server: Any, metadata: Any) -> tuple[grpc.Channel, Any, pb.DataSocket]:
@@ -77,8 +74,9 @@ def nothing_sent(sock: socket.socket) -> bool:
 
 
 def test_the_default_path_between_machines_is_the_data_connection(auth_server) -> None:
-    framed, _ = epoch(auth_server.address, token=TOKEN, data_socket=False)
-    got, stats = epoch(auth_server.address, token=TOKEN)
+    framed = epoch(auth_server, "noise", token=TOKEN, data_socket=False, **READ)
+    got = epoch(auth_server, "noise", token=TOKEN, **READ)
+    stats = got.stats
     assert stats["transport"] == "data_socket", stats["transports"]
     assert stats["transports"][auth_server.address]["why"] == "plain TCP"
     for a, b in zip(framed, got, strict=True):

@@ -6,7 +6,8 @@ messages) and every `.parquet` file (`field` a list<struct> column), in key orde
 file order, as `format: text` reads documents. Each is rendered by chat_template.py (as
 `transformers` renders it), the text is tokenized with the tokenizer.json's added tokens
 recognized (as `apply_chat_template(tokenize=True)` does), and a token is trained on where
-its characters overlap a span the template marked (transformers' `assistant_masks`).
+its characters overlap a span the template marked (transformers' `assistant_masks`) or, without
+markers, an assistant turn up to its end-of-turn token (`end_of_turn`, else the EOS).
 
 A record that cannot be rendered (not a list of messages, a role the template refuses, any
 template error) does not stop the open: under `on_error: raise` it becomes a row of its own,
@@ -14,9 +15,9 @@ after the packed rows, whose read fails (DATA_LOSS naming the file, line or row,
 template's message); under `skip` it is left out, counted and logged.
 
 The rendered corpus lives in the cache folder (chat_corpus.py), HASH covering the files' keys,
-sizes and versions, the field, the tokenizer file, the template, its special tokens and
-`loss_on`; it is built once under an fcntl lock and memory-mapped by every worker, as in
-formats/text.py.
+sizes and versions, the field, the tokenizer file, the template, its special tokens,
+`loss_on` and the mask rule (chat_template.Rule) with its end-of-turn token; it is built once
+under an fcntl lock and memory-mapped by every worker, as in formats/text.py.
 
 Rows. The plan is made once, at open, from the lengths alone: a conversation longer than
 seq_len is cut to its first seq_len tokens (`long: truncate`), left out (`drop`) or cut into
@@ -61,7 +62,7 @@ from .text import IGNORE, empty_row, text_files
 
 log = logging.getLogger("stoker.server")
 
-VERSION = 1  # of the cached corpus
+VERSION = 2  # of the cached corpus (2: spans end at the end-of-turn token)
 WINDOW = 8192  # pieces packed together: the plan's unit of work
 
 
@@ -83,7 +84,7 @@ class Chat:
         except Exception as e:  # the library's own parse errors
             raise ValueError(f"tokenizer {cfg.tokenizer}: cannot load: {e}") from None
         self.template = ChatTemplate.for_tokenizer(cfg.tokenizer, cfg.chat_template,
-                                                   cfg.loss_on)
+                                                   cfg.loss_on, self._end_of_turn(cfg))
         special = self.template.special
         ids = {k: self.tokenizer.token_to_id(v) for k, v in special.items()}
         self.pad_id = next(i for i in (cfg.pad_id, ids.get("pad_token"), ids.get("eos_token"), 0)
@@ -94,6 +95,7 @@ class Chat:
             "files": [[o.key, o.size, o.version] for o in infos],
             "tokenizer": [tokenizers.__version__, hashlib.sha256(raw).hexdigest()],
             "template": self.template.text, "special": special, "loss_on": cfg.loss_on,
+            "rule": [self.template.rule.value, self.template.end_of_turn],
             "images": [image_token, image_count, cfg.images and cfg.images.column],
         }, sort_keys=True).encode()).hexdigest()[:40]
         renderer = Renderer(storage, cfg.field, self.tokenizer, self.template, image_token,
@@ -122,6 +124,22 @@ class Chat:
         from ..images import decode_version
 
         return decode_version([self.images.pipeline])
+
+    def _end_of_turn(self, cfg: Any) -> str | None:
+        """The `end_of_turn` token's text: one token of the tokenizer, named or numbered."""
+        given = cfg.end_of_turn
+        if given is None:
+            return None
+        if isinstance(given, int):
+            text = self.tokenizer.id_to_token(given)
+            if text is None:
+                raise ValueError(f"end_of_turn: {given} is not a token id of the tokenizer "
+                                 f"({self.tokenizer.get_vocab_size()} tokens)")
+            return str(text)
+        if self.tokenizer.token_to_id(given) is None:
+            raise ValueError(f"end_of_turn: {given!r} is not a token of the tokenizer (give "
+                             "the text of one token, as the template writes it, or its id)")
+        return str(given)
 
     def _image_settings(self, cfg: Any) -> tuple[int | None, int, Any, tuple[int, ...]]:
         """(the image token's id, tokens per image, the pipeline, its output shape)."""
@@ -288,8 +306,9 @@ class Chat:
         return []  # rows read the rendered corpus, mapped at open
 
     def preview(self, count: int = 2) -> list[str]:
-        """The first `count` conversations as the model sees them, trained tokens in [[ ]]."""
-        out = []
+        """Which rule masks the conversations, then the first `count` conversations as the
+        model sees them, trained tokens in [[ ]]."""
+        out = [self.template.describe()]
         for d in range(min(count, len(self.offsets) - 1)):
             if d in self.errors:
                 out.append(f"{self._error(d, self.errors[d])}")

@@ -120,6 +120,11 @@ class ChatDataset(Sourced):
     chat_template: ChatTemplate = Field(
         None, description="inline Jinja text or a .jinja file; default: tokenizer_config.json's")
     loss_on: Literal["assistant", "last_assistant", "all"] = "assistant"
+    end_of_turn: str | TokenId | None = Field(
+        None, description="the token (its text or id) that ends the template's turns, where "
+        "it is not the tokenizer config's eos_token (Llama 3's <|eot_id|>, Gemma's "
+        "<end_of_turn>): without {% generation %} markers an assistant span ends right after "
+        "it")
     seq_len: int = Field(ge=2)
     pack: bool = True
     long: Literal["truncate", "drop", "split"] = "truncate"

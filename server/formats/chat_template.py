@@ -17,12 +17,19 @@ does before rendering.
   the generation prompt writes is not trained on), or to messages[:i] without it when the
   first is not a prefix. A template whose renderings are not prefixes of each other (one that
   rewrites earlier turns) cannot be masked this way: TemplateError says so.
+- without markers, where the template ends its turns with an end-of-turn token (the dataset's
+  `end_of_turn`, else the tokenizer config's `eos_token`), the end-of-turn rule: the prefix
+  rule's span cut right after the last end-of-turn token in it, so what the template writes
+  after the token (ChatML's and Gemma's newline) is not trained on, as with markers around
+  the message and its end-of-turn token (TRL's assistant-only loss, axolotl's
+  `train_on_eos: turn`). `Rule` says which of the three a template uses.
 
 Thread-safe: the generation tracker is a ContextVar, the compiled template is read-only.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import re
 from collections.abc import Iterator
@@ -43,6 +50,18 @@ SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls
 REASONING = ("reasoning_content", "thinking", "reasoning")
 GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 LOSS_ON = ("assistant", "last_assistant", "all")
+
+
+# What `Rule.of` renders to see whether a template writes its end-of-turn token in a turn.
+PROBE = ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"})
+
+
+class Rule(enum.Enum):
+    """Where an assistant span ends when the template has no markers (see the module's doc)."""
+
+    MARKERS = "markers"  # the {% generation %} blocks
+    END_OF_TURN = "end of turn"  # the prefix rule's span, cut after the end-of-turn token
+    PREFIX = "prefix"  # the prefix rule's span, all of it
 
 
 class TemplateError(ValueError):
@@ -185,7 +204,10 @@ def _kind(value: Any) -> str:
 class ChatTemplate:
     """A compiled template with its special tokens; `render` is the only entry point."""
 
-    def __init__(self, text: str, special: dict[str, str], loss_on: str) -> None:
+    def __init__(self, text: str, special: dict[str, str], loss_on: str,
+                 end_of_turn: str | None = None) -> None:
+        """`end_of_turn`: the token that ends the template's turns, when it is not the
+        tokenizer's `eos_token` (Llama 3's <|eot_id|>, Gemma's <end_of_turn>)."""
         if loss_on not in LOSS_ON:
             raise ValueError(f"loss_on: expected one of {LOSS_ON}, got {loss_on!r}")
         self.text = text
@@ -196,15 +218,49 @@ class ChatTemplate:
             self._template = compile_template(text)
         except jinja2.exceptions.TemplateSyntaxError as e:
             raise ValueError(f"chat_template line {e.lineno}: {e.message}") from None
+        self.rule, self.end_of_turn = self._rule(end_of_turn)
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: str | Path, override: str | None, loss_on: str
-                      ) -> ChatTemplate:
+    def for_tokenizer(cls, tokenizer: str | Path, override: str | None, loss_on: str,
+                      end_of_turn: str | None = None) -> ChatTemplate:
         config = read_tokenizer_config(tokenizer)
         special = {k: t for k in SPECIAL if (t := _token_text(config.get(k))) is not None}
         text = template_text(config, override, str(Path(tokenizer).with_name(
             "tokenizer_config.json")))
-        return cls(text, special, loss_on)
+        return cls(text, special, loss_on, end_of_turn)
+
+    def _rule(self, given: str | None) -> tuple[Rule, str | None]:
+        """(the rule, the end-of-turn token it cuts at). An `end_of_turn` the dataset names
+        must be in the probe's assistant turn; the `eos_token` decides only where it is (a
+        template may not write it, or write it once at the end of the conversation)."""
+        if self.markers:
+            return Rule.MARKERS, None
+        token = given if given is not None else self.special.get("eos_token")
+        if not token:
+            return Rule.PREFIX, None
+        text = ""
+        try:
+            text = self._render(list(PROBE))[0]
+            spans = self._prefix_spans(list(PROBE), text)
+            written = any(token in text[a:b] for a, b in spans)
+        except TemplateError:  # a template that refuses the probe: does it name the token?
+            written = token in self.text or (given is None and "eos_token" in self.text)
+        if written:
+            return Rule.END_OF_TURN, token
+        if given is not None:
+            raise ValueError(f"end_of_turn: the chat template does not write {token!r} in an "
+                             f"assistant turn (rendered: {text!r})")
+        return Rule.PREFIX, None
+
+    def describe(self) -> str:
+        """Which rule masks the conversations, in a line (`stoker check`)."""
+        if self.rule is Rule.MARKERS:
+            return "masks: {% generation %} markers: the spans the template marks"
+        if self.rule is Rule.END_OF_TURN:
+            return (f"masks: end-of-turn rule: an assistant turn ends right after "
+                    f"{self.end_of_turn!r}; what the template writes after it is not trained")
+        return ("masks: prefix rule: the template's turns have no end-of-turn token (set "
+                "end_of_turn), so an assistant span is all its turn adds")
 
     @contextmanager
     def _tracked(self) -> Iterator[tuple[list[str], list[tuple[int, int]]]]:
@@ -235,11 +291,20 @@ class ChatTemplate:
         text, spans = self._render(messages)
         if self.loss_on == "all":
             return text, [(0, len(text))]
-        if not self.markers:
+        if self.rule is not Rule.MARKERS:
             spans = self._prefix_spans(messages, text)
+        if self.rule is Rule.END_OF_TURN:
+            spans = [self._cut(text, a, b) for a, b in spans]
         if self.loss_on == "last_assistant":
             spans = spans[-1:]
         return text, spans
+
+    def _cut(self, text: str, a: int, b: int) -> tuple[int, int]:
+        """The span (a, b) cut right after the last end-of-turn token in it (a turn's content
+        may hold the token's text too: the template's own is the last); whole without one."""
+        assert self.end_of_turn is not None
+        at = text.rfind(self.end_of_turn, a, b)
+        return (a, at + len(self.end_of_turn)) if at >= 0 else (a, b)
 
     def _prefix_spans(self, messages: list[dict[str, Any]], text: str
                       ) -> list[tuple[int, int]]:

@@ -26,6 +26,10 @@ from prometheus_client.utils import floatToGoString
 
 REPORT_TTL = 60.0  # seconds a client's stall report counts after it was sent
 WINDOW = 10.0  # seconds over which /v1/stats computes live rates
+# What was sent is summed per dataset in slots of SLOT seconds: the window holds WINDOW / SLOT
+# slots a dataset whatever the rate (an entry a batch held 10 s of batches: megabytes at
+# thousands a second, a size that followed the rate).
+SLOT = 0.1
 
 
 class Metrics:
@@ -92,7 +96,8 @@ class Metrics:
         # stream -> its client's window: {"window", "why", "budget_batches"} (ClientReport)
         self._windows: dict[int, dict[str, Any]] = {}
         self._stall_datasets: set[str] = set()  # datasets that ever had a stall reported
-        self._recent: collections.deque[tuple[float, str, int, int]] = collections.deque()
+        # [slot (monotonic time // SLOT), dataset, batches, samples, bytes], oldest first
+        self._recent: collections.deque[list[Any]] = collections.deque()
         self._started = time.monotonic()
 
     # -- updates (the event loop) ------------------------------------------------------------
@@ -115,10 +120,22 @@ class Metrics:
         self.samples.add((dataset,), samples)
         self.bytes.add((dataset, transport), nbytes)
         now = time.monotonic()
-        # No lock: only the loop changes _recent, and stats() copies it in one C call.
+        # No lock: only the loop changes _recent, and stats() copies it in one C call (a slot
+        # it copies may still count a batch or two more: a rate, not a total).
         recent = self._recent
-        recent.append((now, dataset, samples, nbytes))
-        while recent[0][0] < now - WINDOW:
+        slot = int(now / SLOT)
+        for last in reversed(recent):  # this slot's entries (one a dataset) are the last ones
+            if last[0] != slot:
+                recent.append([slot, dataset, 1, samples, nbytes])
+                break
+            if last[1] == dataset:
+                last[2] += 1
+                last[3] += samples
+                last[4] += nbytes
+                break
+        else:
+            recent.append([slot, dataset, 1, samples, nbytes])
+        while recent[0][0] * SLOT < now - WINDOW:
             recent.popleft()
 
     def built(self, dataset: str, seconds: float, skipped: int) -> None:
@@ -194,16 +211,16 @@ class Metrics:
         """Live figures: rates over the last WINDOW seconds, by dataset."""
         self._publish()
         now = time.monotonic()
-        recent = [x for x in list(self._recent) if x[0] >= now - WINDOW]
+        recent = [x for x in list(self._recent) if x[0] * SLOT >= now - WINDOW]
         with self._lock:
             reports = dict(self._reports)
             windows = dict(self._windows)
         span = min(WINDOW, now - self._started) or 1.0
         out: dict[str, Any] = collections.defaultdict(
             lambda: {"batches_per_s": 0.0, "samples_per_s": 0.0, "bytes_per_s": 0.0})
-        for _, dataset, samples, nbytes in recent:
+        for _, dataset, batches, samples, nbytes in recent:
             d = out[dataset]
-            d["batches_per_s"] += 1 / span
+            d["batches_per_s"] += batches / span
             d["samples_per_s"] += samples / span
             d["bytes_per_s"] += nbytes / span
         for stream, (dataset, stall, _) in reports.items():

@@ -398,12 +398,14 @@ def check_batch_index(batch_index: int, batches: int) -> None:
 
 # Index orders (ORDER_INDEX) are computed for about CHUNK_SAMPLES positions at once: the
 # batches of a chunk (CHUNK_SAMPLES // batch_size of them, from a multiple of that) are made
-# together and kept (CHUNKS_KEPT chunks, 4 KiB each). A batch's order is a few dozen numpy
-# calls whatever its size (0.3-0.4 ms of the front end's CPU for 32 samples on the 2-core
+# together and kept (CHUNKS_KEPT chunks, 4 KiB each: two each for 32 streams reading at
+# once; each new epoch adds chunks until the oldest go, so this is all the front end holds of
+# orders, 256 KiB, reached within 33,000 batches of 1 sample). A batch's order is a few dozen
+# numpy calls whatever its size (0.3-0.4 ms of the front end's CPU for 32 samples on the 2-core
 # machine, a quarter of its time a batch in benchmarks/lockstep.py); 512 cost about what 32
 # do. Memoized, not changed: a batch is still a pure function of its coordinates.
 CHUNK_SAMPLES = 512
-CHUNKS_KEPT = 256
+CHUNKS_KEPT = 64
 _CHUNKS = _SmallCache(CHUNKS_KEPT)
 
 

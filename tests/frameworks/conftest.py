@@ -8,9 +8,12 @@ left out of collection (tests/conftest.py), since none of these packages is inst
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "/frameworks/" in str(item.path):
             item.add_marker(pytest.mark.frameworks)
+
+
+@pytest.fixture(autouse=True)
+def _ranks_die_with_their_test() -> Iterator[None]:
+    """The processes a test started with multiprocessing (a job's ranks) and left running,
+    killed when it ends: a test that timed out mid-job leaves ranks blocked in a gloo
+    collective, which would outlive it (and hold pytest's exit, which joins them)."""
+    before = set(multiprocessing.active_children())
+    yield
+    left = [p for p in multiprocessing.active_children() if p not in before]
+    for p in left:
+        p.kill()
+    for p in left:
+        p.join(30)
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,8 +57,20 @@ def line_server(start_server_module: Callable[..., ServerProcess]) -> ServerProc
 
 
 def _run_example(name: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True,
-                         text=True, timeout=timeout)
+    # In a session of its own, killed as a whole however the wait ends (its timeout, the
+    # test's): the example's ranks are its children, and would outlive it.
+    with subprocess.Popen([sys.executable, str(EXAMPLES / name), *args],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # every process of the session has exited
+            proc.wait()
+    out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert out.returncode == 0, out.stdout + out.stderr
     return out
 

@@ -1,4 +1,4 @@
-"""torch.distributed.checkpoint: a loader's position saved at 2 ranks (spawned processes, gloo)
+"""torch.distributed.checkpoint: a loader's position saved at 2 ranks (processes, gloo)
 and loaded at 2 and at 3 resumes every rank exactly; LoaderState keeps what DCP would drop."""
 
 from __future__ import annotations
