@@ -444,18 +444,19 @@ class ImagePipeline:
         plan = _Plan((0.0, 0.0, float(width), float(height)), width, height)
         for step, args in self.head:
             step(plan, args, None)  # deterministic steps draw nothing
-        crop = jpeg and _jpeg is not None and _complete_jpeg(data)
-        if crop and _resamples(plan):
+        ext = _jpeg if jpeg and _complete_jpeg(data) else None
+        crop = ext is not None
+        if ext is not None and _resamples(plan):
             pixels = np.empty((plan.height, plan.width, 3), np.uint8)
             try:
-                if _jpeg.decode_crop(data, plan.box, pixels, antialias=self.antialias):
+                if ext.decode_crop(data, plan.box, pixels, antialias=self.antialias):
                     return Prefix(pixels, True)
             except ValueError:
                 pass  # corrupt: the whole-file decoders say what is wrong with it
             crop = False
         pixels = _render(data, width, height, jpeg, plan, self.antialias)
-        levels = {}
-        if crop and scaled and not self.head and self.tail:
+        levels: dict[int, np.ndarray] = {}
+        if ext is not None and crop and scaled and not self.head and self.tail:
             # The output's size does not depend on the draws: any generator plans it.
             out = _Plan((0.0, 0.0, float(width), float(height)), width, height)
             for step, args in self.tail:
@@ -463,8 +464,8 @@ class ImagePipeline:
             for f in DCT_FACTORS:
                 if width / f >= out.width and height / f >= out.height:
                     level = np.empty((-(-height // f), -(-width // f), 3), np.uint8)
-                    _jpeg.decode_crop(data, (0.0, 0.0, float(width), float(height)), level,
-                                      scale=f)
+                    ext.decode_crop(data, (0.0, 0.0, float(width), float(height)), level,
+                                    scale=f)
                     levels[f] = level
         return Prefix(pixels, crop, levels)
 
