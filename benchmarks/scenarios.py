@@ -197,6 +197,12 @@ SCENARIOS: tuple[Scenario, ...] = (
              "video clips (`format: video`) against a PyAV clip Dataset in DataLoader",
              (("Video clips: format: video against a PyAV Dataset", "report:video"),),
              peers=(*TORCH, "av")),
+    Scenario("decode", "decode.py",
+             "the image decode and resample alone on one core, and libjpeg-turbo's full and "
+             "cropped decode (the limit rows)",
+             (("Image decode alone: stoker's crop decode and libjpeg-turbo's limit",
+               "decode:section"),),
+             peers=IMAGES),
     Scenario("tables", "tables.py",
              "the same rows as loose parquet, Iceberg, Delta and Lance: global shuffle against "
              "`shuffle: block`, local disk and S3 (moto)",

@@ -594,6 +594,8 @@ def _module_file(dotted: str) -> Path | None:
     base = ROOT / PACKAGE_DIRS[package] / Path(*rest) if rest else ROOT / PACKAGE_DIRS[package]
     if base.with_suffix(".py").is_file():
         return base.with_suffix(".py")
+    if base.with_suffix(".c").is_file():  # a C extension the install builds (server/_jpeg.c)
+        return base.with_suffix(".c")
     return base / "__init__.py" if (base / "__init__.py").is_file() else None
 
 

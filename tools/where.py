@@ -181,8 +181,15 @@ def _targets(node: ast.stmt, here: str, is_package: bool, known: dict[str, Path]
     out = set()
     for alias in node.names:
         sub = f"{base}.{alias.name}"
+        if sub not in known and base in known and _compiled(known[base], alias.name):
+            continue  # a C extension (server/_jpeg.c): a leaf that imports none of ours
         out.add(sub if sub in known else base)
     return out
+
+
+def _compiled(package: Path, name: str) -> bool:
+    """Whether `name` is a C extension of the package whose __init__.py is `package`."""
+    return package.name == "__init__.py" and (package.parent / f"{name}.c").is_file()
 
 
 def _ours(name: str, known: dict[str, Path]) -> str | None:

@@ -102,6 +102,10 @@ class ChatDataset(Sourced):
         chat_template: Inline Jinja text (anything with `{`), or a `.jinja` / `.j2` file relative to
             the config file; replaces the tokenizer config's.
         loss_on: The tokens trained on: every assistant turn, the last one only, or every token.
+        end_of_turn: The token (its text or id) that ends the template's turns where it is not
+            the tokenizer config's `eos_token` (Llama 3's `<|eot_id|>`, Gemma's
+            `<end_of_turn>`): without `{% generation %}` markers an assistant span ends right
+            after it.
         seq_len: >= 2; tokens per row.
         pack: `true`: whole conversations packed into rows; `false`: one conversation a row, padded.
         long: A conversation longer than `seq_len`: its first `seq_len` tokens, left out, or cut
