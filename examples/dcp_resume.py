@@ -24,6 +24,7 @@ import os
 import socket
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,24 @@ def free_port() -> int:
 
 
 def rank_main(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
-    """One rank: load the checkpoint if there is one, train (to `stop_at` steps, or to the end
-    of the epoch), save; write what it read to `out`.rank{r}.json."""
+    """One rank (see `train`), ended by os._exit: a rank that returned could stay alive for
+    ever on its way out, held by a thread gloo (or a loader that a failure left open) still
+    runs, and `job` waits for every rank to exit (seen: an orphaned rank past this function,
+    kept by gloo's pt_gloo_runloop thread)."""
+    code = 0
+    try:
+        train(rank, world, port, job)
+    except BaseException:  # the parent sees the exit code; the traceback goes to stderr
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def train(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
+    """Load the checkpoint if there is one, train (to `stop_at` steps, or to the end of the
+    epoch), save; write what it read to `out`.rank{r}.json."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
