@@ -59,8 +59,7 @@ IGNORE = -100
 def cpu_seconds(workers: bool) -> float:
     """This process's CPU seconds, plus (`workers`) those of its live multiprocessing children:
     the DataLoader's persistent workers (the server is a subprocess, not one of them)."""
-    own = os.times()
-    total = own.user + own.system
+    total = time.process_time()  # not os.times(): its 10 ms ticks read 0 for a quick epoch
     if workers:
         tick = os.sysconf("SC_CLK_TCK")
         for child in multiprocessing.active_children():
