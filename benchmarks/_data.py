@@ -64,22 +64,92 @@ def make_image_folder(root: Path, images: int, classes: int, source_size: int,
         img.save(root / f"class_{c:03d}" / f"{i:06d}.jpg", quality=90)
 
 
+# Real photographs, from what the dev extra's packages ship (nothing is downloaded):
+# scikit-image's sample data, scikit-learn's two sample images, matplotlib's Grace Hopper.
+PHOTO_SOURCES = ("astronaut", "chelsea", "coffee", "rocket", "immunohistochemistry",
+                 "motorcycle_left", "motorcycle_right", "hubble_deep_field", "china", "flower",
+                 "grace_hopper")
+
+
+def photo_sources() -> list[np.ndarray]:
+    """The source photographs (uint8 RGB, 300-1000 pixels a side), in PHOTO_SOURCES' order."""
+    import matplotlib.cbook
+    import skimage.data
+    from sklearn.datasets import load_sample_images
+
+    sk = {"motorcycle_left": lambda: skimage.data.stereo_motorcycle()[0],
+          "motorcycle_right": lambda: skimage.data.stereo_motorcycle()[1]}
+    china, flower = load_sample_images().images
+    out = []
+    for name in PHOTO_SOURCES:
+        if name in sk:
+            img = sk[name]()
+        elif name == "china":
+            img = china
+        elif name == "flower":
+            img = flower
+        elif name == "grace_hopper":
+            with matplotlib.cbook.get_sample_data("grace_hopper.jpg") as f:
+                img = np.asarray(Image.open(f).convert("RGB"))
+        else:
+            img = getattr(skimage.data, name)()
+        out.append(np.ascontiguousarray(img[..., :3], dtype=np.uint8))
+    return out
+
+
+def _photo_view(sources: list[np.ndarray], shape: tuple[int, int],
+                r: np.random.Generator) -> Image.Image:
+    """A `shape` (height, width) view of one source photo: scaled by 1-1.3x what fits it, a
+    random window of that, mirrored half the time."""
+    src = sources[int(r.integers(len(sources)))]
+    h, w = shape
+    fit = max(h / src.shape[0], w / src.shape[1])
+    scale = fit * float(r.uniform(1.0, 1.3))
+    sw, sh = max(w, round(src.shape[1] * scale)), max(h, round(src.shape[0] * scale))
+    img = Image.fromarray(src).resize((sw, sh), Image.Resampling.LANCZOS)
+    x, y = int(r.integers(sw - w + 1)), int(r.integers(sh - h + 1))
+    img = img.crop((x, y, x + w, y + h))
+    return img.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if r.random() < 0.5 else img
+
+
+def make_photo_folder(root: Path, images: int, classes: int = 10, seed: int = 0,
+                      shape: tuple[int, int] = (375, 500), tiles: tuple[int, int] = (1, 1)
+                      ) -> None:
+    """Write `images` JPEGs (q90) of real photographs into `classes` class folders under
+    `root`: each a `shape` (height, width) view of a source photo (photo_sources), or with
+    `tiles` (rows, cols) a mosaic of that many views, for sizes beyond the sources' own.
+    Deterministic in its arguments (and the packages' sample data)."""
+    sources = photo_sources()
+    h, w = shape
+    th, tw = h // tiles[0], w // tiles[1]
+    for c in range(classes):
+        (root / f"class_{c:03d}").mkdir(parents=True, exist_ok=True)
+    for i in range(images):
+        r = np.random.default_rng([seed, i])
+        img = Image.new("RGB", (w, h))
+        for ty in range(tiles[0]):
+            for tx in range(tiles[1]):
+                ph = th if ty < tiles[0] - 1 else h - th * ty
+                pw = tw if tx < tiles[1] - 1 else w - tw * tx
+                img.paste(_photo_view(sources, (ph, pw), r), (tx * tw, ty * th))
+        c = i % classes
+        img.save(root / f"class_{c:03d}" / f"{i:06d}.jpg", quality=90)
+
+
 # The large image set (issue 49): photos of 1.9 and 3.1 megapixels, as in COCO or OpenImages,
-# where decoding a crop at a DCT scale matters most.
+# where decoding a crop at a DCT scale matters most; mosaics of 3x3 views of the sources
+# (the sources are 0.1-0.9 MP: one view would be mostly upsampled).
 LARGE_SHAPES = ((1200, 1600), (1536, 2048))
 
 
 def make_large_photos(root: Path, images: int, classes: int = 10, seed: int = 0) -> None:
-    """`images` JPEGs (q90) made as make_image_folder makes them, half 1600x1200 and half
-    2048x1536 (exactly: 1.92 and 3.15 MP), in `classes` class folders under `root`."""
+    """`images` JPEGs (q90) of real photographs, half 1600x1200 and half 2048x1536 (exactly:
+    1.92 and 3.15 MP), in `classes` class folders under `root`."""
     for k, shape in enumerate(LARGE_SHAPES):
         part = root / f"part{k}"
         n = images // 2 + (images % 2 if k == 0 else 0)
-        make_image_folder(part, n, classes, 0, seed=seed + 10 + k, shape=shape)
-        for path in sorted(part.rglob("*.jpg")):  # jitter off: the exact sizes
-            with Image.open(path) as img:
-                if img.size != shape[::-1]:
-                    img.convert("RGB").resize(shape[::-1]).save(path, quality=90)
+        make_photo_folder(part, n, classes, seed=seed + 10 + k, shape=shape, tiles=(3, 3))
+        for path in sorted(part.rglob("*.jpg")):
             (root / path.parent.name).mkdir(parents=True, exist_ok=True)
             path.rename(root / path.parent.name / f"{k}{path.name}")
         for folder in sorted(part.iterdir()):

@@ -2,11 +2,11 @@
 crop (random_resized_crop 224, area 0.08-1, ratio 3/4-4/3, horizontal flip, uint8 HWC) of
 each image, the same boxes for every row (issue 49).
 
-    python benchmarks/decode.py                   # 200 JPEGs ~375x500 and 24 large ones
+    python benchmarks/decode.py                   # 200 photos 500x375 and 24 large ones
     python benchmarks/decode.py --json out.json
 
-Sets (benchmarks/_data.py, the pipeline scenario's generator): ~375x500 JPEGs (q90), and
-large photos made the same way at 1600x1200 and 2048x1536 (1.9 and 3.1 MP, as in COCO or
+Sets (benchmarks/_data.py): real photographs as 500x375 JPEGs (q90), and large photos made
+from the same sources at 1600x1200 and 2048x1536 (1.9 and 3.1 MP, as in COCO or
 OpenImages), where DCT-domain scaling matters most. Rows, ms of thread CPU per image (best of
 --repeats passes over the set):
 
@@ -32,7 +32,7 @@ from typing import Any
 import cv2
 import numpy as np
 import simplejpeg
-from _data import make_image_folder, make_large_photos
+from _data import make_large_photos, make_photo_folder
 from _measure import run_scenario, scenario_parser, settle
 
 from stoker.server import _jpeg
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="stoker-decode-") as tmp:
         small, large = Path(tmp) / "small", Path(tmp) / "large"
-        make_image_folder(small, args.images, 10, 437, shape=(375, 500))
+        make_photo_folder(small, args.images)
         make_large_photos(large, args.large)
         for name, root in (("500x375", small), ("large (1.9-3.1 MP)", large)):
             work = jobs(root)
@@ -144,7 +144,7 @@ def section(r: dict[str, Any], plots: Any = None) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = scenario_parser(__doc__)
-    ap.add_argument("--images", type=int, help="in the ~375x500 set")
+    ap.add_argument("--images", type=int, help="in the 500x375 set")
     ap.add_argument("--large", type=int, help="in the large set")
     ap.add_argument("--repeats", type=int)
     args = ap.parse_args(argv)

@@ -21,7 +21,7 @@ def _ms(s: dict[str, Any], key: str) -> float:
 
 def tfdata(r: dict[str, Any], plots: Path) -> list[str]:
     p, d = r["parameters"], r["data"]
-    lines = [f"The image pipeline from TFRecord files ({d['images']} JPEGs ~375x500 as "
+    lines = [f"The image pipeline from TFRecord files ({d['images']} photos as 500x375 JPEGs, "
              f"`tf.train.Example`s in {d['files']} files; random resized crop 224 → flip → "
              f"uint8 HWC; batch {p['batch_size']}), on the same cores, alternating systems "
              f"within each repeat, medians of {p['repeats']} repeats (min, max) after a "
@@ -128,7 +128,7 @@ _WHY = [
     "flip fused; the image decode's CPU alone is in `python benchmarks/decode.py` (the limit "
     "rows: libjpeg-turbo's full and cropped decode). Both pay the entropy decode of every row "
     "above the crop (a JPEG without restart markers cannot skip it), which is most of a "
-    "noisy q90 image's decode. Images/s are the cores each system got in its timed window "
+    "q90 photo's decode. Images/s are the cores each system got in its timed window "
     "times the images it makes per CPU second: CPU ms per image is the work per image. "
     "tf.data service pays for serialising each batch into its gRPC response; stoker frames raw "
     "tensors. What stoker does that the service in `parallel_epochs` does not: each worker of "

@@ -1,12 +1,13 @@
 """tf.data service against stoker: the same image pipeline from the same TFRecord files, W
 workers each, on the same cores; and plain tf.data in the trainer process.
 
-    python benchmarks/tfdata_service.py            # 1024 JPEGs ~375x500, W = 1..cores, 3 repeats
+    python benchmarks/tfdata_service.py            # 1024 photos 500x375, W = 1..cores, 3 repeats
     python benchmarks/tfdata_service.py --quick    # 256 JPEGs, 1 repeat
     python benchmarks/tfdata_service.py --json out.json
 
-Data: JPEGs ~375x500 (benchmarks/_data.py), and a large set (--large: 1600x1200 and
-2048x1536 photos made the same way, measured at the smallest W), each written as
+Data: real photographs as 500x375 JPEGs, q90 (benchmarks/_data.py: views of the sample
+photos scikit-image, scikit-learn and matplotlib ship), and a large set (--large: 1600x1200
+and 2048x1536 mosaics of the same sources, measured at the smallest W), each written as
 `tf.train.Example`s (`image/encoded`, `image/class/label`) into 8 TFRecord files.
 Pipeline: random resized crop 224 (area 0.08-1, ratio 3/4-4/3) -> horizontal flip -> uint8
 HWC, batches of 32. Systems, alternating within each repeat, medians over repeats:
@@ -40,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _data import TRANSPORTS, make_image_folder, make_large_photos, transport_ran
+from _data import TRANSPORTS, make_large_photos, make_photo_folder, transport_ran
 from _measure import (
     machine_busy_seconds,
     machine_info,
@@ -283,7 +284,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(res["skipped_peers"], file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="stoker-tfdata-") as scratch:
         tmp = Path(scratch)
-        make_image_folder(tmp / "images", args.images, 10, 437, shape=(375, 500))
+        make_photo_folder(tmp / "images", args.images)
         n = write_tfrecords(tmp / "images", tmp / "records")
         jpegs = list((tmp / "images").glob("class_*/*.jpg"))
         res["data"] = {"images": n, "files": SHARDS,
