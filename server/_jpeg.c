@@ -9,9 +9,9 @@
  *     granularity (jpeg_crop_scanline, with a margin so that the upsampled chroma of the
  *     needed columns is the full decode's), rows above skipped (jpeg_skip_scanlines), the
  *     decode stopped after the last needed row;
- *   - one separable resample, vertical pass first (contiguous rows: vectorised), then the
- *     horizontal pass with the mirror fused in (taps reversed), written straight into the
- *     caller's buffer, HWC or CHW. Shrinking an axis (with antialias) averages the output
+ *   - one separable resample, vertical pass first, its rows written transposed, then the
+ *     horizontal pass along those (both vectorised over contiguous lines) with the mirror
+ *     fused in, written straight into the caller's buffer, HWC or CHW. Shrinking an axis (with antialias) averages the output
  *     pixel's footprint: at full scale Pillow's BOX footprint (the pixels whose centres lie
  *     in it, equally weighted), after a DCT scale the exact area (each pixel weighted by its
  *     overlap); enlarging it, or without antialias, is bilinear with half-pixel centres.
@@ -19,7 +19,7 @@
  *     clamping is needed; uint8 in, uint8 out, no float image.
  *   - the accurate integer IDCT (JDCT_ISLOW) and fancy upsampling, Pillow's: a box of the
  *     output's size is Pillow's pixels exactly. The fast IDCT (`fast=True`) measured 3% less
- *     CPU and 4-14 dB further from the reference (tests/test_jpeg_quality.py).
+ *     CPU and 4-14 dB further from the reference (tests/test_crop_decode.py).
  * The GIL is released for the decode and the resample. libjpeg's errors (and its warnings:
  * corrupt data) become a ValueError; decode_crop returns False for JPEGs it does not take
  * (CMYK/YCCK, or anything jpeg_crop_scanline refuses), which the caller decodes another way.
@@ -33,9 +33,6 @@
 #include <string.h>
 #include <math.h>
 #include <jpeglib.h>
-#ifdef __SSE2__
-#include <emmintrin.h>
-#endif
 
 #define PREC 14
 #define ONE (1 << PREC)
@@ -128,8 +125,8 @@ static int axis_make(struct axis *a, int size, double b0, double b1, int out, in
         if (area && frac) { /* pixels the DCT scale already low-passed: each weighted by
                              * its overlap with the footprint [b0 + i scale, b0 + (i+1) scale),
                              * the exact area average (measured: 41.5 dB against the BOX
-                             * reference where Pillow's footprints give 37.8, tests/test_
-                             * jpeg_quality.py) */
+                             * reference where Pillow's footprints give 37.8, tests/
+                             * test_crop_decode.py) */
             double s = b0 + i * scale, e = s + scale;
             if (s < 0) s = 0;
             if (e > size) e = size;
@@ -195,78 +192,115 @@ static int axis_make(struct axis *a, int size, double b0, double b1, int out, in
 
 /* -- passes ---------------------------------------------------------------------------------- */
 
-/* Vertical: each output row from `taps` source rows of n bytes (stride `stride`). */
+/* One output line from `taps` source lines of n bytes (stride `stride`), the first at
+ * line first - line0; into `line` (n bytes). Vectorised over the n bytes: every pass below
+ * is this one, the horizontal one over transposed lines. Weights of zero read no line (none
+ * beyond the source is read). The weights sum to ONE and are non-negative: each sum fits a
+ * byte after the shift, no clamping. */
 CLONES
-static void vertical(const uint8_t *src, size_t stride, int n, const struct axis *ay, int rows,
-                     int row0, uint8_t *dst, int32_t *acc) {
-    for (int y = 0; y < rows; y++) {
-        const int32_t *w = ay->w + (size_t)y * ay->taps;
-        const uint8_t *s = src + (size_t)(ay->first[y] - row0) * stride;
-        uint8_t *d = dst + (size_t)y * n;
-        int32_t w0 = w[0];
-        for (int j = 0; j < n; j++) acc[j] = (1 << (PREC - 1)) + w0 * s[j];
-        for (int k = 1; k < ay->taps; k++) {
+static void combine_c(const uint8_t *s, size_t stride, int n, const int32_t *w, int taps,
+                      uint8_t *line, int j) {
+    int32_t acc[256];
+    for (; j < n; j += 256) {
+        int m = n - j < 256 ? n - j : 256;
+        for (int i = 0; i < m; i++) acc[i] = 1 << (PREC - 1);
+        for (int k = 0; k < taps; k++) {
             int32_t wk = w[k];
             if (wk == 0) continue;
-            const uint8_t *sk = s + (size_t)k * stride;
-            for (int j = 0; j < n; j++) acc[j] += wk * sk[j];
+            const uint8_t *sk = s + (size_t)k * stride + j;
+            for (int i = 0; i < m; i++) acc[i] += wk * sk[i];
         }
-        for (int j = 0; j < n; j++) d[j] = (uint8_t)(acc[j] >> PREC);
+        for (int i = 0; i < m; i++) line[j + i] = (uint8_t)(acc[i] >> PREC);
     }
 }
 
-/* Horizontal: each output pixel from `taps` source pixels of 4 bytes (RGBX), two taps at a
- * time (SSE2's madd of 16-bit pixels by 16-bit weight pairs: the weights are at most
- * ONE = 1 << 14); mirrored when `flip`; HWC (pixel stride 3, channel stride 1) or CHW (pixel
- * stride 1, channel stride out_w * rows) into `out`. `src` rows of 4 * span bytes starting
- * at column col0, padded so that reading `taps` pixels from any first is in bounds. */
-static void horizontal(const uint8_t *src, size_t stride, const struct axis *ax, int out_w,
-                       int rows, int col0, int flip, int chw, uint8_t *out) {
-    int taps = ax->taps; /* even: a pair's second weight may be 0 */
-    size_t px = chw ? 1 : 3, ch = chw ? (size_t)out_w * rows : 1, row = chw ? out_w : 3 * out_w;
-    for (int y = 0; y < rows; y++) {
-        const uint8_t *s = src + (size_t)y * stride;
-        uint8_t *o = out + (size_t)y * row;
-        /* Output positions in increasing order (source pixels reversed when mirrored), so
-         * that HWC may store 4 bytes a pixel, the 4th overwritten by the next one. */
-        for (int i = 0; i < out_w; i++) {
-            int x = flip ? out_w - 1 - i : i;
-            const int32_t *w = ax->w + (size_t)x * taps;
-            const uint8_t *p = s + (size_t)(ax->first[x] - col0) * 4;
-            int n = ax->count[x];
-            uint8_t *q = o + (size_t)i * px;
-#ifdef __SSE2__
-            __m128i acc = _mm_set1_epi32(1 << (PREC - 1)), zero = _mm_setzero_si128();
-            for (int k = 0; k < n; k += 2) {
-                int32_t ia, ib;
-                memcpy(&ia, p + 4 * k, 4);
-                memcpy(&ib, p + 4 * k + 4, 4);
-                __m128i pair = _mm_unpacklo_epi8(
-                    _mm_unpacklo_epi8(_mm_cvtsi32_si128(ia), _mm_cvtsi32_si128(ib)), zero);
-                acc = _mm_add_epi32(acc, _mm_madd_epi16(pair, _mm_set1_epi32(
-                    (int32_t)((uint32_t)w[k] | ((uint32_t)w[k + 1] << 16)))));
-            }
-            __m128i v = _mm_srai_epi32(acc, PREC);
-            v = _mm_packs_epi32(v, v);
-            uint32_t u = (uint32_t)_mm_cvtsi128_si32(_mm_packus_epi16(v, v));
-            if (!chw && i + 1 < out_w) {
-                memcpy(q, &u, 4); /* r g b, and a byte the next pixel overwrites */
-                continue;
-            }
-            q[0] = (uint8_t)u;
-            q[ch] = (uint8_t)(u >> 8);
-            q[2 * ch] = (uint8_t)(u >> 16);
-#else
-            int32_t r = 1 << (PREC - 1), g = r, b = r;
-            for (int k = 0; k < n; k++) {
-                r += w[k] * p[4 * k];
-                g += w[k] * p[4 * k + 1];
-                b += w[k] * p[4 * k + 2];
-            }
-            q[0] = (uint8_t)(r >> PREC);
-            q[ch] = (uint8_t)(g >> PREC);
-            q[2 * ch] = (uint8_t)(b >> PREC);
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#define HAVE_AVX2_PATH 1
+/* 32 bytes at a time, taps in pairs: bytes widened to 16 bits and interleaved (line k, line
+ * k+1), one madd by the pair of weights (each <= ONE = 1 << 14: int16) gives 8 exact 32-bit
+ * sums; the same integers as combine_c, so the same bytes. */
+__attribute__((target("avx2"))) static void combine_avx2(const uint8_t *s, size_t stride, int n,
+                                                         const int32_t *w, int taps,
+                                                         uint8_t *line) {
+    const __m256i zero = _mm256_setzero_si256(), half = _mm256_set1_epi32(1 << (PREC - 1));
+    int j = 0;
+    for (; j + 32 <= n; j += 32) {
+        __m256i a0 = half, a1 = half, a2 = half, a3 = half;
+        for (int k = 0; k < taps; k += 2) {
+            int32_t w0 = w[k], w1 = k + 1 < taps ? w[k + 1] : 0;
+            if (!w0 && !w1) continue;
+            __m256i x = w0 ? _mm256_loadu_si256((const __m256i *)(s + (size_t)k * stride + j))
+                           : zero;
+            __m256i y = w1 ? _mm256_loadu_si256(
+                                 (const __m256i *)(s + (size_t)(k + 1) * stride + j))
+                           : zero;
+            __m256i wp = _mm256_set1_epi32((int32_t)((uint32_t)w0 | ((uint32_t)w1 << 16)));
+            __m256i lo = _mm256_unpacklo_epi8(x, y), hi = _mm256_unpackhi_epi8(x, y);
+            a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_unpacklo_epi8(lo, zero), wp));
+            a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_unpackhi_epi8(lo, zero), wp));
+            a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(_mm256_unpacklo_epi8(hi, zero), wp));
+            a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(_mm256_unpackhi_epi8(hi, zero), wp));
+        }
+        /* per 128-bit lane: a0 a1 hold bytes 0-7, a2 a3 bytes 8-15: packed back in order */
+        __m256i p01 = _mm256_packs_epi32(_mm256_srai_epi32(a0, PREC), _mm256_srai_epi32(a1, PREC));
+        __m256i p23 = _mm256_packs_epi32(_mm256_srai_epi32(a2, PREC), _mm256_srai_epi32(a3, PREC));
+        _mm256_storeu_si256((__m256i *)(line + j), _mm256_packus_epi16(p01, p23));
+    }
+    combine_c(s, stride, n, w, taps, line, j);
+}
 #endif
+
+/* Whether this CPU has AVX2 (set when the module loads; STOKER_JPEG_NO_AVX2 set in the
+ * environment turns it off: the test compares both paths' bytes). */
+static int use_avx2 = 0;
+
+static void combine(const uint8_t *src, size_t stride, int n, const struct axis *a, int i,
+                    int line0, uint8_t *line) {
+    const int32_t *w = a->w + (size_t)i * a->taps;
+    const uint8_t *s = src + (size_t)(a->first[i] - line0) * stride;
+#ifdef HAVE_AVX2_PATH
+    if (use_avx2) {
+        combine_avx2(s, stride, n, w, a->taps, line);
+        return;
+    }
+#endif
+    combine_c(s, stride, n, w, a->taps, line, 0);
+}
+
+/* Vertical: `rows` output rows of `px` RGBX pixels, each from the source rows its weights
+ * name, written transposed: pixel j of output row y to dst[j * rows + y] (4 bytes), so that
+ * the horizontal pass reads whole source columns as contiguous lines. */
+static void vertical(const uint8_t *src, size_t stride, int px, const struct axis *ay, int rows,
+                     int row0, uint32_t *dst, uint8_t *line) {
+    for (int y = 0; y < rows; y++) {
+        combine(src, stride, px * 4, ay, y, row0, line);
+        for (int j = 0; j < px; j++) memcpy(dst + (size_t)j * rows + y, line + 4 * j, 4);
+    }
+}
+
+/* Horizontal, over the transposed columns (`cols` of `rows` RGBX pixels, column x at
+ * cols[(x - col0) * rows]): output column i from the columns its weights name, mirrored when
+ * `flip`; HWC (pixel stride 3, channel stride 1) or CHW (pixel stride 1, channel stride
+ * out_w * rows) into `out`. Columns go in increasing output order, so that HWC may store 4
+ * bytes a pixel, the 4th overwritten by the next column's. The same sums as a pass along the
+ * rows: the bytes do not depend on the pass's direction. */
+static void horizontal(const uint32_t *cols, const struct axis *ax, int out_w, int rows,
+                       int col0, int flip, int chw, uint8_t *out, uint8_t *line) {
+    size_t px = chw ? 1 : 3, ch = chw ? (size_t)out_w * rows : 1, row = chw ? out_w : 3 * out_w;
+    for (int i = 0; i < out_w; i++) {
+        int x = flip ? out_w - 1 - i : i;
+        combine((const uint8_t *)cols, (size_t)rows * 4, rows * 4, ax, x, col0, line);
+        uint8_t *q = out + (size_t)i * px;
+        if (!chw && i + 1 < out_w) {
+            for (int y = 0; y < rows; y++) memcpy(q + (size_t)y * row, line + 4 * y, 4);
+            continue;
+        }
+        for (int y = 0; y < rows; y++) {
+            uint8_t *o = q + (size_t)y * row;
+            o[0] = line[4 * y];
+            o[ch] = line[4 * y + 1];
+            o[2 * ch] = line[4 * y + 2];
         }
     }
 }
@@ -287,27 +321,24 @@ struct job {
 };
 
 /* Both passes over `rows` (RGBX, `stride` bytes a row, the first at source row r0 and
- * column col0, padded as `horizontal` needs) into job->out; -1 when out of memory. */
+ * column col0) into job->out; -1 when out of memory. */
 static int passes(const uint8_t *rows, size_t stride, int col0, int r0, const struct axis *ax,
                   const struct axis *ay, const struct job *job) {
-    /* The horizontal pass reads only [ax->lo, ax->hi) of each row: the vertical one makes
-     * no more than those columns. */
-    int n = (ax->hi - ax->lo) * 4;
-    size_t pad = (size_t)ax->taps * 4 + 16;
-    uint8_t *mid = malloc((size_t)n * job->out_h + pad);
-    int32_t *acc = malloc(sizeof(int32_t) * (size_t)n);
-    if (!mid || !acc) {
-        free(mid);
-        free(acc);
-        return -1;
+    /* The horizontal pass reads only columns [ax->lo, ax->hi): the vertical one makes no
+     * more than those. */
+    int span = ax->hi - ax->lo, h = job->out_h;
+    int widest = (span > h ? span : h) * 4;
+    uint32_t *cols = malloc(sizeof(uint32_t) * (size_t)span * h);
+    uint8_t *line = malloc((size_t)widest);
+    int status = -1;
+    if (cols && line) {
+        vertical(rows + (size_t)(ax->lo - col0) * 4, stride, span, ay, h, r0, cols, line);
+        horizontal(cols, ax, job->out_w, h, ax->lo, job->flip, job->chw, job->out, line);
+        status = 0;
     }
-    vertical(rows + (size_t)(ax->lo - col0) * 4, stride, n, ay, job->out_h, r0, mid, acc);
-    memset(mid + (size_t)n * job->out_h, 0, pad);
-    horizontal(mid, (size_t)n, ax, job->out_w, job->out_h, ax->lo, job->flip, job->chw,
-               job->out);
-    free(mid);
-    free(acc);
-    return 0;
+    free(cols);
+    free(line);
+    return status;
 }
 
 enum outcome { DONE, REFUSED, FAILED, NOMEM };
@@ -372,9 +403,7 @@ static enum outcome run(struct job *job) {
     int col0 = (int)xoff, span = (int)cw;
     int r0 = ay.lo, r1 = ay.hi;
     size_t stride = (size_t)span * 4;
-    /* rows padded by `taps` pixels so that the horizontal pass may read past a row's end */
-    size_t pad = (size_t)ax.taps * 4 + 16;
-    rows = malloc(stride * (size_t)(r1 - r0) + pad);
+    rows = malloc(stride * (size_t)(r1 - r0));
     if (!rows) {
         result = NOMEM;
         goto done;
@@ -403,7 +432,7 @@ static enum outcome run_pixels(struct job *job) {
         axis_make(&ay, job->rows, job->box[1], job->box[3], job->out_h, job->antialias, scaled))
         goto done;
     size_t span = (size_t)(ax.hi - ax.lo), stride = span * 4;
-    rows = malloc(stride * (size_t)(ay.hi - ay.lo) + (size_t)ax.taps * 4 + 16);
+    rows = malloc(stride * (size_t)(ay.hi - ay.lo));
     if (!rows) goto done;
     for (int y = ay.lo; y < ay.hi; y++) {
         const uint8_t *s = job->data + ((size_t)y * job->cols + ax.lo) * 3;
@@ -566,6 +595,12 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_jpeg",
                                     methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__jpeg(void) {
+#ifdef HAVE_AVX2_PATH
+    __builtin_cpu_init();
+    use_avx2 = __builtin_cpu_supports("avx2") && !getenv("STOKER_JPEG_NO_AVX2");
+#else
+    use_avx2 = 0;
+#endif
     PyObject *m = PyModule_Create(&module);
     if (m) PyModule_AddIntConstant(m, "VERSION", 1);
     return m;

@@ -92,6 +92,43 @@ def boxes() -> list[tuple[bytes, int, tuple[int, int, int, int], str]]:
     return out
 
 
+SAME_BYTES = """
+import hashlib, pickle, sys
+import numpy as np
+from stoker.server import _jpeg
+h = hashlib.sha256()
+for data, box, flip, chw, antialias, shape in pickle.load(sys.stdin.buffer):
+    out = np.zeros(shape, np.uint8)
+    h.update(str(_jpeg.decode_crop(data, box, out, chw=chw, flip=flip,
+                                   antialias=antialias)).encode())
+    h.update(out.tobytes())
+print(h.hexdigest())
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_vectorised_and_portable_resamples_give_the_same_bytes(boxes: list[Any]) -> None:
+    """The AVX2 path (x86 with AVX2) and the portable one (elsewhere, and with
+    STOKER_JPEG_NO_AVX2) compute the same integers: servers on different CPUs agree."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(3)
+    jobs = [(data, box, bool(k % 2), bool(k % 3 == 0), bool(k % 5),
+             (3, 224, 224) if k % 3 == 0 else (int(rng.integers(17, 300)),
+                                               int(rng.integers(17, 300)), 3))
+            for k, (data, _, box, _) in enumerate(boxes)]
+    digests = []
+    for env in ({}, {"STOKER_JPEG_NO_AVX2": "1"}):
+        done = subprocess.run([sys.executable, "-c", SAME_BYTES], input=pickle.dumps(jobs),
+                              capture_output=True, timeout=100, env={**os.environ, **env})
+        assert done.returncode == 0, done.stderr.decode()
+        digests.append(done.stdout.strip())
+    assert digests[0] == digests[1]
+
+
 def table(boxes: list[Any], antialias: bool = True) -> dict[str, dict[str, float]]:
     """Mean PSNR per class against the reference (Pillow's accurate decode, then its exact
     area-average BOX resize of the same box): tf.data's bilinear on the same decode, today's

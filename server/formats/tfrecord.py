@@ -277,14 +277,18 @@ class Tfrecord(Sampled):
         key = str(self.shard_keys[shard])
         offset, length = int(self.offsets[index]), int(self.lengths[index])
         fd = self._fds.get(key)
-        data = os.pread(fd.fd, length + FOOTER, offset)
-        if len(data) < length + FOOTER:
-            raise EOFError(f"{self.storage.where(key)} record {position}: {len(data)} of "
-                           f"{length + FOOTER} bytes at byte {offset}; the file is truncated")
-        if masked_crc(data[:length]) != int.from_bytes(data[length:], "little"):
+        # Two reads, not one sliced: a slice of the record copies it (twice: checked and
+        # returned), which cost a large photo's record more than the read (0.1 ms a copy).
+        data = os.pread(fd.fd, length, offset)
+        footer = os.pread(fd.fd, FOOTER, offset + length)
+        if len(data) + len(footer) < length + FOOTER:
+            raise EOFError(f"{self.storage.where(key)} record {position}: "
+                           f"{len(data) + len(footer)} of {length + FOOTER} bytes at byte "
+                           f"{offset}; the file is truncated")
+        if masked_crc(data) != int.from_bytes(footer, "little"):
             raise ValueError(f"{self.storage.where(key)} record {position} at byte "
                              f"{offset - HEADER}: the data's CRC does not match (corrupt)")
-        return data[:length]
+        return data
 
     def sample(self, index: int, key: EpochKey) -> dict[str, Any]:
         rng = key.rng(index)  # shared by the image fields, in field order
