@@ -93,8 +93,9 @@ class PillowPipeline(Dataset):
     still at least 224 on both sides at that scale, i.e. at least twice the output, and
     `resize(box=...)` resamples the box (bilinear, antialiased as Pillow's downscale is)
     from the smaller image without a cropped copy; flip; contiguous CHW float / 255;
-    normalize. `Image.reduce` (resize's `reducing_gap`) would add nothing here: after the
-    draft the box is less than twice the output unless the draft stopped at 1/8."""
+    normalize. `Image.reduce` (resize's `reducing_gap`, 2 or more) would change nothing:
+    after the draft one side of the box is under twice the output (short of 1/8 scale),
+    so with the ratio bound of 4/3 the other is under 2.7 times it."""
 
     def __init__(self, root: Path, size: int = 224) -> None:
         classes = sorted(p.name for p in root.iterdir() if p.is_dir())
