@@ -1,16 +1,21 @@
 """The image training pipeline: stoker's server against torch DataLoader, W workers each.
 
-    python benchmarks/pipeline.py                  # 1024 JPEGs ~375x500, W = 1..cores, 3 repeats
+    python benchmarks/pipeline.py                  # 1024 photos 500x375, W = 1..cores, 3 repeats
     python benchmarks/pipeline.py --quick          # smoke test, about a minute
     python benchmarks/pipeline.py --json out.json
 
-Pipeline: JPEG ~375x500 -> random resized crop 224 (scale 0.08-1, ratio 3/4-4/3) ->
-horizontal flip (p 0.5) -> normalize (ImageNet mean/std) -> float32 CHW, batches of 32.
+Data: real photographs as 500x375 JPEGs, q90 (benchmarks/_data.py: views of the sample photos
+scikit-image, scikit-learn and matplotlib ship). Pipeline: random resized crop 224 (scale
+0.08-1, ratio 3/4-4/3) -> horizontal flip (p 0.5) -> normalize (ImageNet mean/std) -> float32
+CHW, batches of 32.
 
-- DataLoader(num_workers=W) runs what a user writes with Pillow and torch, step by step as
-  torchvision's RandomResizedCrop / RandomHorizontalFlip / ToTensor / Normalize do it
-  (torchvision itself has no build for this torch on the package registry here, so its
-  Pillow code path is reproduced in `PillowPipeline`).
+- DataLoader(num_workers=W, persistent workers) runs what a careful user writes with Pillow
+  and torch (`PillowPipeline`): torchvision's RandomResizedCrop / RandomHorizontalFlip /
+  ToTensor / Normalize step by step (torchvision itself has no build for this torch on the
+  package registry here), the crop box drawn from the file's header, `Image.draft` for a
+  DCT-scaled decode where the box is at least twice the output on both sides (never at
+  500x375: its height is under 2 x 224), and the resize reading the box straight from the
+  decoded image.
 - torchdata's StatefulDataLoader(num_workers=W): the resumable DataLoader, same pipeline.
 - stoker: a server with W worker processes and the same steps as `transforms:`, read by
   RemoteLoader (torch tensors).
@@ -42,7 +47,7 @@ import numpy as np
 import PIL
 import simplejpeg
 import torch
-from _data import MEAN, STD, TRANSFORMS, TRANSPORTS, make_image_folder, transport_ran
+from _data import MEAN, STD, TRANSFORMS, TRANSPORTS, make_photo_folder, transport_ran
 from _measure import (
     machine_info,
     run_scenario,
@@ -81,9 +86,16 @@ def _label(name: str) -> str:
 
 
 class PillowPipeline(Dataset):
-    """An ImageFolder with torchvision's Pillow transforms, written out: open, convert RGB,
-    RandomResizedCrop (crop, then bilinear resize), RandomHorizontalFlip, ToTensor
-    (contiguous CHW float / 255), Normalize. Randomness from torch's RNG, as torchvision."""
+    """An ImageFolder with torchvision's RandomResizedCrop / RandomHorizontalFlip / ToTensor /
+    Normalize on Pillow, written out as a careful user writes it for speed: open the file
+    (the header only), draw the crop box from its size (torch's RNG, as torchvision), then
+    `Image.draft` asks libjpeg for a DCT-scaled decode (1/2, 1/4 or 1/8) whenever the box is
+    still at least 224 on both sides at that scale, i.e. at least twice the output, and
+    `resize(box=...)` resamples the box (bilinear, antialiased as Pillow's downscale is)
+    from the smaller image without a cropped copy; flip; contiguous CHW float / 255;
+    normalize. `Image.reduce` (resize's `reducing_gap`, 2 or more) would change nothing:
+    after the draft one side of the box is under twice the output (short of 1/8 scale),
+    so with the ratio bound of 4/3 the other is under 2.7 times it."""
 
     def __init__(self, root: Path, size: int = 224) -> None:
         classes = sorted(p.name for p in root.iterdir() if p.is_dir())
@@ -111,13 +123,24 @@ class PillowPipeline(Dataset):
         side = min(width, height)
         return (width - side) // 2, (height - side) // 2, side, side
 
+    def load(self, path: str) -> Image.Image:
+        """The image's random resized crop at size x size, RGB (before the flip)."""
+        with Image.open(path) as img:
+            width, height = img.size
+            left, top, w, h = self._crop(width, height)
+            # Pillow picks the largest scale 1/s with width // s >= the asked width (and so
+            # for height): asking for the image's size times size / box makes w / s >= size.
+            drafted = img.draft("RGB", (-(-width * self.size // w),
+                                        -(-height * self.size // h)))
+            s = width / drafted[1][2] if drafted else 1  # the decode's scale denominator
+            if img.mode != "RGB":  # grey or CMYK JPEGs (draft keeps those modes)
+                img = img.convert("RGB")
+            return img.resize((self.size, self.size), Image.Resampling.BILINEAR,
+                              box=(left / s, top / s, (left + w) / s, (top + h) / s))
+
     def __getitem__(self, i: int) -> dict[str, Any]:
         path, label = self.items[i]
-        with open(path, "rb") as f:
-            img = Image.open(f).convert("RGB")
-        left, top, w, h = self._crop(*img.size)
-        img = img.crop((left, top, left + w, top + h)).resize(
-            (self.size, self.size), Image.Resampling.BILINEAR)
+        img = self.load(path)
         if torch.rand(1).item() < 0.5:
             img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         t = torch.from_numpy(np.array(img, copy=True)).permute(2, 0, 1).contiguous()
@@ -255,14 +278,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "pipeline", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine_info(torch=torch.__version__, numpy=np.__version__,
                                 pillow=PIL.__version__, simplejpeg=simplejpeg.__version__),
-        "parameters": dict(vars(args)), "transforms": TRANSFORMS}
+        "parameters": dict(vars(args)), "transforms": TRANSFORMS,
+        # The DataLoader peer's decode (the page says what it did): Pillow with draft().
+        "dataloader_peer": "pillow-draft"}
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="stoker-pipe-")))
         data_dir = Path(args.data_dir) if args.data_dir else tmp / "images"
-        if not any(data_dir.glob("class_*/*.jpg")):
-            make_image_folder(data_dir, args.images, 10, 437, shape=(375, 500))
+        made = not any(data_dir.glob("class_*/*.jpg"))
+        if made:
+            make_photo_folder(data_dir, args.images)
         jpegs = list(data_dir.glob("class_*/*.jpg"))
-        res["data"] = {"images": len(jpegs),
+        # "set" tells the page what the images were (results without it: synthetic JPEGs).
+        res["data"] = {"images": len(jpegs), "set": "photos" if made else "--data-dir",
                        "mean_jpeg_bytes": sum(p.stat().st_size for p in jpegs) / len(jpegs)}
         spdl_w = max(args.workers)
         res["spdl"] = _spdl_plan(args, spdl_w)

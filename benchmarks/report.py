@@ -63,13 +63,44 @@ def pipeline(r: dict[str, Any], plots: Path) -> list[str]:
     ax.legend()
     ax.grid(alpha=0.3)
     p = r["parameters"]
-    return [f"{r['data']['images']} JPEGs ~375x500 → random resized crop 224 → flip → normalize "
-            f"→ float32 CHW, batch {p['batch_size']}, {p['repeats']} repeats per system; "
-            f"stoker batches via {TRANSPORT_LABELS[transport_of(p)]}"
-            f"{_ran(r['sweep'], transport_of(p))}.",
-            "", *_table(["W", "system", "images/s median [min, max]", "vs DataLoader",
-                         "CPU ms/batch, all processes"], rows),
+    return [f"{r['data']['images']} {_image_set(r['data'])} → random resized crop 224 → flip → "
+            f"normalize → float32 CHW, batch {p['batch_size']}, {p['repeats']} repeats per "
+            f"system; stoker batches via {TRANSPORT_LABELS[transport_of(p)]}"
+            f"{_ran(r['sweep'], transport_of(p))}.", "", *_pipeline_systems(r), "",
+            *_table(["W", "system", "images/s median [min, max]", "vs DataLoader",
+                     "CPU ms/batch, all processes"], rows),
             _spdl_note(r), "", _save(fig, plots, _plot_name("pipeline", p)), ""]
+
+
+def _image_set(data: dict[str, Any]) -> str:
+    """What the pipeline run's images were: its JSON says since the photographs came in."""
+    return {"photos": "real photographs as 500x375 JPEGs (q90; benchmarks/_data.py)",
+            "--data-dir": "JPEGs from --data-dir"}.get(
+                data.get("set", ""), "synthetic JPEGs ~375x500 (gradient plus noise)")
+
+
+def _pipeline_systems(r: dict[str, Any]) -> list[str]:
+    """What each system in the pipeline run does, one line each (the DataLoader peer as the
+    run's JSON records it)."""
+    if r.get("dataloader_peer") == "pillow-draft":
+        dataset = ("the Dataset a careful user writes with Pillow and torch, torchvision's "
+                   "RandomResizedCrop / RandomHorizontalFlip / ToTensor / Normalize step by "
+                   "step: the box drawn from the file's header, `Image.draft` for libjpeg's "
+                   "DCT-scaled decode wherever the box is at least twice 224 on both sides "
+                   "(never at 500x375: 375 < 448), then the bilinear resize (antialiased, "
+                   "as Pillow shrinks) reading the box from the decoded image")
+    else:
+        dataset = ("torchvision's Pillow path written out: each image decoded whole and "
+                   "`convert(\"RGB\")`ed, cropped, bilinear resize, flip, ToTensor, Normalize")
+    return [f"- **torch DataLoader**: W persistent worker processes (W = 0: the training "
+            f"process itself) running {dataset}.",
+            "- **torchdata StatefulDataLoader**: the same Dataset and workers in the "
+            "resumable DataLoader (its `state_dict` bookkeeping on top).",
+            "- **stoker**: one server of W worker processes runs the same steps as "
+            "`transforms:` (server/images.py: the JPEG decoded for the crop's box and "
+            "resampled into the batch), read by one RemoteLoader. **stoker, uint8 + client "
+            "normalize**: the server sends uint8 pixels, RemoteLoader normalises them in "
+            "the trainer (counted)."]
 
 
 def _ran(blocks: list[dict[str, Any]], transport: str) -> str:
