@@ -137,7 +137,7 @@ def fastest_tcp(r: dict[str, Any]) -> list[str]:
     limit = r.get("tcp_limit")
     if not limit or "fastest_tcp_gb_per_s" not in r["sizes"][0]:  # a run from before it
         return []
-    labels = {"tcp": "raw TCP (a batch a call)", "stoker": "stoker gRPC",
+    labels = {"tcp": "raw TCP (4 MiB a call)", "stoker": "stoker gRPC",
               "stoker_sock": "stoker default (data socket)", "stoker_tls": "stoker TLS",
               "stoker_shm": "stoker shm"}
     rows = [[f"{s['size'] / 2**20:g} MiB", spread(s["fastest_tcp_gb_per_s"], ".2f"),
@@ -151,3 +151,31 @@ def fastest_tcp(r: dict[str, Any]) -> list[str]:
             "beside each batch size in every repeat (the same load, the same bytes), and each "
             "path's GB/s is divided by its median there:", "",
             *table(["batch", "fastest way GB/s [min, max]", *labels.values()], rows)]
+
+
+def trainer_cpu_steady(r: dict[str, Any]) -> list[str]:
+    """The wire section's trainer CPU per GB in steady state: stoker's default path, numpy
+    and torch output, against the raw receiver into one reused 4 MiB buffer."""
+    sizes = [s for s in r["sizes"] if "ratio_client_cpu_steady_torch_over_tcp" in s]
+    if not sizes:  # a run from before it was measured
+        return []
+    goal = {1 << 20: 2.0, 16 << 20: 1.5}
+    rows = []
+    for s in sizes:
+        cpu = {k: s["systems"][k]["client_cpu_steady_s_per_gb"]["median"]
+               for k in ("tcp", "stoker_sock", "stoker_torch")}
+        limit = goal.get(s["size"])
+        ratios = (s["ratio_client_cpu_steady_sock_over_tcp"],
+                  s["ratio_client_cpu_steady_torch_over_tcp"])
+        rows.append([f"{s['size'] / 2**20:g} MiB", f"{cpu['tcp']:.3f}",
+                     f"{cpu['stoker_sock']:.3f}", f"{ratios[0]:.2f}",
+                     f"{cpu['stoker_torch']:.3f}", f"{ratios[1]:.2f}",
+                     f"<= {limit:g}x: {'yes' if max(ratios) <= limit else '**no**'}"
+                     if limit else "-"])
+    return ["The trainer's CPU seconds per GB received in steady state (clocks started once "
+            "the first batch is handed over; medians of the repeats): stoker's default path "
+            "(the data connection) with numpy and with torch output, against a raw receiver "
+            "that `recv_into`s every batch into one reused 4 MiB buffer, in the same run. "
+            "Goal: at most 1.5x at 16 MiB batches, 2x at 1 MiB.", "",
+            *table(["batch", "raw TCP s/GB", "stoker numpy s/GB", "numpy / raw",
+                    "stoker torch s/GB", "torch / raw", "goal met"], rows), ""]

@@ -15,7 +15,7 @@ import numpy as np
 from stoker.v1 import stoker_pb2 as pb
 
 from ._checks import check_epoch, say_dropped
-from ._epoch_pass import EpochPass
+from ._epoch_pass import EpochPass, Loop
 from ._errors import DataMismatch, RemoteError
 from ._on_demand import OnDemand
 from ._options import loader_options, signature
@@ -161,8 +161,14 @@ class RemoteLoader:
         self._sources = SourceCounts()  # a mixture's samples by component
         self._kept = KeptScheduler(self._servers, self._spec, self._sources.forget_ahead)
         self._started = time.perf_counter()
-        self._on_demand = OnDemand(self)
+        self._on_demand = OnDemand(self, self._place, self._normalize, o, self._agreement,
+                                   self._described, self._ask)
         self._transports = Transports()  # each server's path, for stats()
+        # What a pass over an epoch reads and moves: the parts above, by name.
+        self._loop = Loop(dataset, o, self._place, self._stats, self._kept, self._agreement,
+                          self._window, self._stall, self._sources, self._host, self._feed,
+                          self._normalize, self._on_demand, self.__len__, self.describe,
+                          self.coordinates, self._mismatched)
 
     __init__.__signature__ = signature()  # type: ignore[attr-defined]
 
@@ -316,7 +322,7 @@ class RemoteLoader:
     # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """The rest of the current epoch, then on to the next (see the class docstring)."""
-        yield from EpochPass(self)
+        yield from EpochPass(self._loop)
 
     def _spec(self, coordinates: pb.Coordinates, allocate: Any = None,
               finish: Any = None) -> StreamSpec:
@@ -330,7 +336,7 @@ class RemoteLoader:
                           # connection sends payloads as they are
                           data_socket=o.data_socket and not o.compression,
                           link=o.channels.link, transports=self._transports,
-                          empty=self._on_demand._empty_batch(allocate or self._allocate))
+                          empty=self._on_demand.empty_batch(allocate or self._allocate))
 
     def _allocate(self, nbytes: int) -> tuple[Any, np.ndarray]:
         """A buffer for a batch of `nbytes` (receive threads)."""
@@ -342,7 +348,7 @@ class RemoteLoader:
 
     def _finish(self, batch: Assembled) -> Any:
         self._sources.received(batch)
-        return self._on_demand._convert(batch, self._feed)
+        return self._on_demand.convert(batch, self._feed)
 
     # -- on demand (client/_on_demand.py): beside the loop, each one request ---------------
     def batch_at(self, epoch: int, index: int) -> dict[str, Any]:

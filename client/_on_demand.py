@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from stoker.v1 import stoker_pb2 as pb
@@ -47,19 +47,12 @@ class Loader(Protocol):
     """What the on-demand calls read and move of their loader (RemoteLoader is one; a type
     checker holds it to this where it hands itself over)."""
 
-    _options: LoaderOptions
-    _place: Place
     _feed: Any  # a DeviceFeed, or None
     _servers: ServerSet
-    _agreement: FingerprintCheck
-    _normalize: Any  # a Normalizer, or None
-    _described: dict[tuple[int, int], pb.DescribeDatasetResponse]
     _stall: Stall
     _kept: KeptScheduler
 
     def describe(self) -> pb.DescribeDatasetResponse: ...
-    def _ask(self, request: pb.DescribeDatasetRequest, epoch: int, start: int
-             ) -> pb.DescribeDatasetResponse: ...
     def _refuse(self, err: RemoteError) -> None: ...
     def _spec(self, coordinates: pb.Coordinates, allocate: Any = None,
               finish: Any = None) -> StreamSpec: ...
@@ -69,8 +62,18 @@ class OnDemand:
     """batch_at and the conversions it shares with the loop (see the module docstring), for
     one loader, which holds it."""
 
-    def __init__(self, loader: Loader) -> None:
+    def __init__(self, loader: Loader, place: Place, normalize: Any, options: LoaderOptions,
+                 agreement: FingerprintCheck,
+                 described: dict[tuple[int, int], pb.DescribeDatasetResponse],
+                 ask: Callable[[pb.DescribeDatasetRequest, int, int],
+                               pb.DescribeDatasetResponse]) -> None:
         self._loader = loader
+        self._agreement = agreement  # the loader's fingerprint check, read here
+        self._described = described  # the loader's Describe answers, by _key
+        self._ask = ask  # the loader's Describe of the first server that answers
+        self._place = place  # the loader's position: read here, moved by named moves
+        self._normalize = normalize  # a Normalizer, or None
+        self._options = options  # the loader's, read only
         self._aside: tuple[HostBuffers, Any] | None = None  # batch_at's buffers, device feed
 
     def seek(self, step: int, world_sizes: int | Sequence[tuple[int, int]] | None = None
@@ -106,32 +109,32 @@ class OnDemand:
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
-        agreed = self._loader._agreement.fingerprint
+        agreed = self._agreement.fingerprint
         stretches = _stretches(world_sizes, step)
         request = pb.DescribeDatasetRequest(
-            coordinates=self._loader._place.coords.message(0, 0, agreed.digest if agreed else ""),
+            coordinates=self._place.coords.message(0, 0, agreed.digest if agreed else ""),
             locate=pb.Locate(step=step, world_sizes=[
                 pb.WorldSizeFrom(from_step=f, world_size=w) for f, w in stretches]))
         # Its answer describes the epoch located, from the start located: cached there (a
         # start > 0 is possible after a change of size: not a whole epoch's sizes to warn of)
         rest = 1 if stretches else 0
-        described = self._loader._ask(request, 0, rest)
-        self._loader._described.pop(self._key(0, rest))
+        described = self._ask(request, 0, rest)
+        self._described.pop(self._key(0, rest))
         located = described.located
-        self._loader._place.seek(located.epoch, located.start, located.batch_index)
-        self._loader._described[self._key(located.epoch, located.start)] = described
+        self._place.seek(located.epoch, located.start, located.batch_index)
+        self._described[self._key(located.epoch, located.start)] = described
 
     def _planned(self, saved: Saved) -> int:
         """Positions consumed by the job that saved `saved` (under batch_tokens, at its
         world_size): where its epoch's plan ended step `next_batch` (one request)."""
-        agreed = self._loader._agreement.fingerprint
+        agreed = self._agreement.fingerprint
         at = saved.at
-        theirs = dataclasses.replace(self._loader._place.coords, rank=0,
+        theirs = dataclasses.replace(self._place.coords, rank=0,
                                      world_size=saved.world_size)
         request = pb.DescribeDatasetRequest(
             coordinates=theirs.message(at.epoch, at.start, agreed.digest if agreed else ""),
             consumed=pb.Consumed(steps=at.next_batch))
-        loader, o = self._loader, self._loader._options
+        loader, o = self._loader, self._options
         return first_contact(loader._servers, lambda: request, connect_timeout=o.connect_timeout,
                              timeout=o.timeout, tls=o.channels.tls,
                              refuse=loader._refuse).described.consumed
@@ -157,16 +160,16 @@ class OnDemand:
         if self._loader._stall.running:
             raise RuntimeError("exclude() inside a loop over the loader: leave the loop "
                                "(break) first; the next loop goes on without those samples")
-        excluded = Excluded.union(self._loader._place.coords.excluded, sample_indices)
-        if excluded != self._loader._place.coords.excluded:
-            self._loader._place.exclude(excluded)
+        excluded = Excluded.union(self._place.coords.excluded, sample_indices)
+        if excluded != self._place.coords.excluded:
+            self._place.exclude(excluded)
             self._loader._kept.drop()  # what it fetched ahead holds the samples
 
-    def _empty_batch(self, allocate: Any) -> Any:
+    def empty_batch(self, allocate: Any) -> Any:
         """What makes the batch of 0 rows that a batch whose samples are all excluded is (on
         a receive thread): every described field, its varying axes 0, in a buffer of
         `allocate`'s; None before the dataset was described (no exclusion yet either)."""
-        if self._loader._place.coords.excluded is None:
+        if self._place.coords.excluded is None:
             return None
         fields = [pb.TensorInfo(name=f.name, dtype=f.dtype, shape=[0, *(max(d, 0) for d in
                                                                          f.shape)])
@@ -182,35 +185,35 @@ class OnDemand:
     @property
     def excluded(self) -> tuple[int, ...]:
         """The samples this run leaves out (sorted), see exclude."""
-        excluded = self._loader._place.coords.excluded
+        excluded = self._place.coords.excluded
         return excluded.indices if excluded else ()
 
     # -- sizes: a Describe per epoch under batch_tokens, one for all epochs otherwise ------
     def _key(self, epoch: int, start: int) -> tuple[int, int]:
         """Where Describe's answer for `epoch`'s positions from `start` is cached: each epoch
         of a token budget has its plan's steps; cut by count, every epoch has the same."""
-        return (epoch if self._loader._options.batch_tokens else 0, start)
+        return (epoch if self._options.batch_tokens else 0, start)
 
     def _sizes(self, epoch: int, start: int) -> pb.DescribeDatasetResponse:
         """Describe's answer for `epoch`'s positions from `start`, asked once."""
-        described = self._loader._described.get(self._key(epoch, start))
+        described = self._described.get(self._key(epoch, start))
         if described is None:
-            agreed = self._loader._agreement.fingerprint
-            request = pb.DescribeDatasetRequest(coordinates=self._loader._place.coords.message(
+            agreed = self._agreement.fingerprint
+            request = pb.DescribeDatasetRequest(coordinates=self._place.coords.message(
                 epoch, start, agreed.digest if agreed else ""))
-            described = self._loader._ask(request, epoch, start)
+            described = self._ask(request, epoch, start)
         return described
 
-    def _following(self, epoch: int) -> pb.DescribeDatasetResponse | None:
+    def following(self, epoch: int) -> pb.DescribeDatasetResponse | None:
         """The sizes of `epoch` (the next one, whose first batches are asked for while the
         loop ends its epoch) when known without a request; under batch_tokens one is made
         (its plan's steps are its own). None after the last epoch: its number would not fit
         a request."""
         if epoch > LAST_EPOCH:
             return None
-        if self._loader._options.batch_tokens:
+        if self._options.batch_tokens:
             return self._sizes(epoch, 0)
-        return self._loader._described.get(self._key(epoch, 0))
+        return self._described.get(self._key(epoch, 0))
 
     def batch_at(self, epoch: int, index: int) -> dict[str, Any]:
         """The batch this rank is given at batch `index` of `epoch`: the same bytes, type and
@@ -237,8 +240,8 @@ class OnDemand:
         _, feed = self._aside_buffers()
         loader = self._loader
         spec = loader._spec(coordinates, allocate=lambda n: self._allocate_aside(n),
-                            finish=lambda b: self._convert(b, feed))
-        return self._handed(fetch_one(loader._servers, spec, index, loader._options.timeout),
+                            finish=lambda b: self.convert(b, feed))
+        return self.handed(fetch_one(loader._servers, spec, index, self._options.timeout),
                             feed)
 
     def provenance(self, epoch: int, index: int) -> list[dict[str, Any]]:
@@ -260,7 +263,7 @@ class OnDemand:
         """
         request = pb.ProvenanceRequest(coordinates=self._coordinates_at(epoch, index),
                                        batch_index=index)
-        answer = ask_sources(self._loader._servers, request, self._loader._options.timeout)
+        answer = ask_sources(self._loader._servers, request, self._options.timeout)
         return [{"sample_index": s.sample_index, "source": s.source,
                  **{k: getattr(s, k) for k in PLACE if s.HasField(k)}} for s in answer.samples]
 
@@ -269,9 +272,9 @@ class OnDemand:
         if epoch < 0 or index < 0:
             raise ValueError(f"epoch and index must be >= 0, got epoch={epoch}, index={index}")
         self._loader.describe()  # pins the fingerprint: the batch is of the loop's data
-        agreed = self._loader._agreement.fingerprint
-        start = self._loader._place.at.start if epoch == self._loader._place.at.epoch else 0
-        return self._loader._place.coords.message(epoch, start, agreed.digest if agreed else "")
+        agreed = self._agreement.fingerprint
+        start = self._place.at.start if epoch == self._place.at.epoch else 0
+        return self._place.coords.message(epoch, start, agreed.digest if agreed else "")
 
     def _aside_buffers(self) -> tuple[HostBuffers, Any]:
         """batch_at's own buffers (and CUDA stream): the loop's pools are sized to its window
@@ -281,7 +284,7 @@ class OnDemand:
             if self._loader._feed is not None:
                 from .delivery.device import DeviceFeed
 
-                feed = DeviceFeed(self._loader._options.device, max_buffers=2,
+                feed = DeviceFeed(self._options.device, max_buffers=2,
                                   normalize=self._loader._feed.normalize)
             self._aside = (HostBuffers(max_buffers=2), feed)
         return self._aside
@@ -293,29 +296,29 @@ class OnDemand:
         buf = host.acquire(nbytes)
         return buf, buf
 
-    def _convert(self, batch: Assembled, feed: Any) -> Any:
+    def convert(self, batch: Assembled, feed: Any) -> Any:
         """An assembled batch as the caller gets it (receive threads): on `feed`'s device,
         else numpy views or CPU tensors, normalized if asked."""
         from .transport.tensors import numpy_views
 
-        normalize = self._loader._normalize
+        normalize = self._normalize
         if feed is not None:
             return feed.to_device(batch.buffer, batch.tensors)
         arrays = numpy_views(batch.buffer, batch.tensors)
-        if self._loader._options.output == "numpy":
+        if self._options.output == "numpy":
             return normalize.numpy(arrays) if normalize else arrays
         import torch
 
         tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
         return normalize.torch(tensors) if normalize else tensors
 
-    def _handed(self, batch: Any, feed: Any) -> Any:
+    def handed(self, batch: Any, feed: Any) -> Any:
         """A finished batch as the loop's thread hands it out: the current CUDA stream waits
         for its copy; images in conversations made flat; packed under pack=True."""
         if feed is not None:
             batch = feed.hand_over(*batch)
         batch = flat_images(batch)
-        if self._loader._options.pack:
+        if self._options.pack:
             from .packing import pack_padded
 
             batch = pack_padded(batch)

@@ -44,8 +44,8 @@ def test_quick_wire_benchmark_measures_every_system(tmp_path: Path) -> None:
     assert res["check_problems"] == [] and res["server_exit_code"] == 0
     assert [s["size"] for s in res["sizes"]] == [64 << 10, 4 << 20]
     for size in res["sizes"]:
-        for name in ("tcp", "tls", "stoker", "stoker_sock", "stoker_tls", "stoker_shm",
-                     "memcpy"):
+        for name in ("tcp", "tls", "stoker", "stoker_sock", "stoker_torch", "stoker_tls",
+                     "stoker_shm", "memcpy"):
             system = size["systems"][name]
             assert len(system["repeats"]) == 1
             assert system["gb_per_s"]["median"] > 0
@@ -62,15 +62,24 @@ def test_quick_wire_benchmark_measures_every_system(tmp_path: Path) -> None:
     # Each stoker system took the path its name says (shared memory: no data connection).
     for size in res["sizes"]:
         assert size["transport_ran"] == {"stoker": "frames", "stoker_sock": "data_socket",
+                                         "stoker_torch": "data_socket",
                                          "stoker_tls": "data_socket", "stoker_shm": "shm"}
+        # The trainer's CPU per GB in steady state, numpy and torch, over the raw receiver's
+        # (one reused 4 MiB buffer): the figures the page's goal is read from.
+        for name in ("tcp", "stoker_sock", "stoker_torch"):
+            assert size["systems"][name]["client_cpu_steady_s_per_gb"]["median"] > 0
+        assert size["ratio_client_cpu_steady_sock_over_tcp"] > 0
+        assert size["ratio_client_cpu_steady_torch_over_tcp"] > 0
     # Every ratio is also taken against the fastest raw receiver the search found.
     limit = res["tcp_limit"]
     assert limit["best"]["gb_per_s"] == max(w["gb_per_s"] for w in limit["ways"]) > 0
     assert len(limit["ways"]) == 4 * 3 * 2  # chunk sizes x receive calls x SO_RCVBUF
     for size in res["sizes"]:
         assert set(size["ratio_over_fastest_tcp"]) == {"tcp", "stoker", "stoker_sock",
-                                                       "stoker_tls", "stoker_shm"}
+                                                       "stoker_torch", "stoker_tls",
+                                                       "stoker_shm"}
     assert "Against the fastest raw TCP receiver" in result.stdout
+    assert "one reused 4 MiB buffer" in result.stdout and "stoker torch s/GB" in result.stdout
 
 
 @pytest.mark.timeout(180)

@@ -126,3 +126,22 @@ def test_every_package_folder_is_installed() -> None:
                  ["packages"])
     found = {name for name, path in where.all_modules().items() if path.name == "__init__.py"}
     assert found - listed == set()
+
+
+def test_a_batchs_path_touches_no_private_name_of_another_class() -> None:
+    path, touches = where.batch_path()
+    assert touches == []
+    # The path reaches the batch's every step: iteration, receive, buffers, conversion.
+    for step in ("_epoch_pass:EpochPass._batches", "fleet.scheduler:Scheduler.take",
+                 "transport.frames:Assembler.receive", "delivery.buffers:HostBuffers.acquire",
+                 "_on_demand:OnDemand.convert", "_on_demand:OnDemand.handed",
+                 "fleet.scheduler:Scheduler._on_batch"):
+        assert f"stoker.client.{step}" in path
+
+
+def test_the_batch_path_check_catches_a_private_name_of_another_class() -> None:
+    # exclude() is not on the path, and reaches into its loader's scheduler: as a root, said.
+    _, touches = where.batch_path((*where.BATCH_ROOTS, "stoker.client._on_demand:OnDemand.exclude"))
+    assert "stoker.client._on_demand:OnDemand.exclude: self._loader._kept" in touches
+    _, touches = where.batch_path(("stoker.client._loader:RemoteLoader.gone",))
+    assert touches == ["stoker.client._loader:RemoteLoader.gone: no such function"]

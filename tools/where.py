@@ -5,6 +5,8 @@ code itself.
     python tools/where.py --write    # rewrite it in docs/modules.md
     python tools/where.py --check    # exit 1, saying what differs, when the page is stale
     python tools/where.py --circles  # the import circles, run time and type-only; exit 1 if any
+    python tools/where.py --batch-path  # a batch's path and the private names of other
+                                        # classes it touches; exit 1 if any
 
 Each module's row is its docstring's first sentence and the modules of ours it imports at run
 time (imports under `if TYPE_CHECKING:` are listed apart, as types). The rules are LAYERS below:
@@ -337,6 +339,196 @@ def circle_report(modules: dict[str, Module]) -> tuple[list[str], int]:
     return lines, len(at_run_time) + len(type_only)
 
 
+# -- a batch's path: `__iter__` to the batch handed over ------------------------------------
+# Where a batch's path starts: the loop's thread (iteration), the receive threads (a stream's
+# readers), and the callbacks a stream is given (StreamSpec: allocate, finish, empty; the
+# scheduler's on_batch). From these, BATCH_PATH follows calls it can resolve without running
+# the code: a method of the same class (`self.m()`, or `self.m` handed over as a callback),
+# a method of an attribute whose class its __init__ names (`self.x = Cls(...)`, `self.x: Cls`,
+# a parameter annotated `Cls`), a function or class of ours called by its name.
+BATCH_ROOTS = (
+    f"{C}._loader:RemoteLoader.__iter__",
+    f"{C}._loader:RemoteLoader._allocate",
+    f"{C}._loader:RemoteLoader._finish",
+    f"{C}._loader:RemoteLoader._spec",
+    f"{C}._epoch_pass:EpochPass.__iter__",
+    f"{C}.fleet.scheduler:Scheduler.take",
+    f"{C}.fleet.scheduler:Scheduler._on_batch",
+    f"{C}.transport.stream:BatchStream._read_data",
+    f"{C}.transport.stream:BatchStream._receive",
+)
+
+
+@dataclass
+class _Func:
+    module: str
+    cls: str | None
+    node: ast.FunctionDef | ast.AsyncFunctionDef
+
+
+def _functions(known: dict[str, Path]) -> tuple[dict[str, _Func], dict[str, dict[str, str]]]:
+    """Every function and method of the client ("module:Class.name" or "module:name"), and
+    each class's attributes whose class is known ("module:Class" -> attribute -> class key)."""
+    funcs: dict[str, _Func] = {}
+    attrs: dict[str, dict[str, str]] = {}
+    for name, path in known.items():
+        if not name.startswith(C):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        names = _imported_names(tree, name, path.name == "__init__.py", known)
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                funcs[f"{name}:{node.name}"] = _Func(name, None, node)
+            elif isinstance(node, ast.ClassDef):
+                owned: dict[str, str] = {}
+                for item in node.body:  # a dataclass's fields: `name: Cls`
+                    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) \
+                            and (found := _class_named(item.annotation, names)):
+                        owned[item.target.id] = found
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                        funcs[f"{name}:{node.name}.{item.name}"] = _Func(name, node.name, item)
+                        if item.name == "__init__":
+                            owned.update(_attribute_classes(item, names))
+                attrs[f"{name}:{node.name}"] = owned
+    return funcs, attrs
+
+
+def _imported_names(tree: ast.Module, here: str, is_package: bool,
+                    known: dict[str, Path]) -> dict[str, str]:
+    """Local name -> "module:name" for what a module defines and imports from ours."""
+    out = {n.name: f"{here}:{n.name}" for n in tree.body
+           if isinstance(n, ast.ClassDef | ast.FunctionDef)}
+    for node, _ in _imports(tree):
+        if isinstance(node, ast.ImportFrom):
+            for target in _targets(node, here, is_package, known):
+                for alias in node.names:
+                    if not target.endswith(f".{alias.name}"):
+                        out[alias.asname or alias.name] = f"{target}:{alias.name}"
+                    else:  # a module: "package:module", as _module_of reads it
+                        out[alias.asname or alias.name] = f"{target[:-len(alias.name) - 1]}:" \
+                                                          f"{alias.name}"
+    return out
+
+
+def _class_named(expr: ast.expr | None, names: dict[str, str]) -> str | None:
+    """The class of ours an annotation names (`Cls`, `Cls | None`, "Cls")."""
+    if isinstance(expr, ast.Name):
+        return names.get(expr.id)
+    if isinstance(expr, ast.Constant) and isinstance(expr.value, str):
+        return names.get(expr.value.split("[")[0].split("|")[0].strip())
+    if isinstance(expr, ast.BinOp):
+        return _class_named(expr.left, names) or _class_named(expr.right, names)
+    return None
+
+
+def _attribute_classes(init: ast.FunctionDef | ast.AsyncFunctionDef,
+                       names: dict[str, str]) -> dict[str, str]:
+    """self.attr -> class key, from __init__'s assignments and its parameters' annotations."""
+    params = {a.arg: a.annotation for a in init.args.args if a.annotation is not None}
+
+    def cls_of(expr: ast.expr | None) -> str | None:
+        if isinstance(expr, ast.Call):
+            expr = expr.func
+        if isinstance(expr, ast.Name):
+            if expr.id in params:
+                return cls_of(params[expr.id])
+            return names.get(expr.id)
+        if isinstance(expr, ast.Constant) and isinstance(expr.value, str):
+            return names.get(expr.value.split("[")[0].split("|")[0].strip())
+        if isinstance(expr, ast.BinOp):  # `Cls | None`
+            return cls_of(expr.left) or cls_of(expr.right)
+        return None
+
+    out: dict[str, str] = {}
+    for node in ast.walk(init):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            targets, value, ann = [node.targets[0]], node.value, None
+        elif isinstance(node, ast.AnnAssign):
+            targets, value, ann = [node.target], node.value, node.annotation
+        for t in targets:
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and \
+                    t.value.id == "self" and (found := cls_of(ann) or cls_of(value)):
+                out[t.attr] = found
+    return out
+
+
+def _pairs(node: ast.Assign) -> list[tuple[ast.expr, ast.expr]]:
+    """(target, value) of `a = x` and of `a, b = x, y`."""
+    t, v = node.targets[0], node.value
+    if isinstance(t, ast.Tuple) and isinstance(v, ast.Tuple) and len(t.elts) == len(v.elts):
+        return list(zip(t.elts, v.elts, strict=True))
+    return [(t, v)]
+
+
+def _class_of(expr: ast.expr, owner: str | None, alias: dict[str, ast.expr],
+              attrs: dict[str, dict[str, str]], depth: int = 0) -> str | None:
+    """The class of ours `expr` is an instance of, where the code says: `self` is `owner`,
+    a local name its assigned value's, an attribute its class's __init__ or fields say."""
+    if depth > 8:
+        return None
+    if isinstance(expr, ast.Name):
+        if expr.id in ("self", "cls"):
+            return owner
+        return _class_of(alias[expr.id], owner, alias, attrs, depth + 1) \
+            if expr.id in alias else None
+    if isinstance(expr, ast.Attribute) and \
+            (of := _class_of(expr.value, owner, alias, attrs, depth + 1)):
+        return attrs.get(of, {}).get(expr.attr)
+    return None
+
+
+def _private(attr: str) -> bool:
+    return attr.startswith("_") and not attr.startswith("__")
+
+
+def batch_path(roots: tuple[str, ...] = BATCH_ROOTS) -> tuple[list[str], list[str]]:
+    """(the functions on a batch's path, sorted; every private name of another class or
+    module they touch: "function: expression", sorted). A root that names no function is
+    reported as a touch too (the path's map must follow the code)."""
+    known = all_modules()
+    funcs, attrs = _functions(known)
+    seen: set[str] = set()
+    touches: list[str] = [f"{r}: no such function" for r in roots if r not in funcs]
+    todo = [r for r in roots if r in funcs]
+    while todo:
+        key = todo.pop()
+        if key in seen:
+            continue
+        seen.add(key)
+        f = funcs[key]
+        owner = f"{f.module}:{f.cls}" if f.cls else None
+        names = _imported_names(ast.parse(known[f.module].read_text()), f.module,
+                                known[f.module].name == "__init__.py", known)
+        # Local names for an attribute of self (`x = self.attr`): their calls are its.
+        alias = {t.id: v for n in ast.walk(f.node) if isinstance(n, ast.Assign)
+                 for t, v in _pairs(n) if isinstance(t, ast.Name)
+                 and isinstance(v, ast.Attribute)}
+
+        for node in ast.walk(f.node):
+            if isinstance(node, ast.Attribute):
+                base = node.value
+                on_self = isinstance(base, ast.Name) and base.id in ("self", "cls")
+                if _private(node.attr) and not on_self:
+                    touches.append(f"{key}: {ast.unparse(node)}")
+                callee = None
+                if (cls := _class_of(base, owner, alias, attrs)) is not None:
+                    callee = f"{cls}.{node.attr}"
+                elif isinstance(base, ast.Name) and (module := names.get(base.id)) and \
+                        module.replace(":", ".") in known:
+                    callee = f"{module.replace(':', '.')}:{node.attr}"
+                if callee in funcs:
+                    todo.append(callee)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                target = names.get(node.func.id)
+                if target in funcs:
+                    todo.append(target)
+                elif target and f"{target}.__init__" in funcs:
+                    todo.append(f"{target}.__init__")
+    return sorted(seen), sorted(set(touches))
+
+
 def _short(name: str, within: str) -> str:
     return name[len(within) + 1:] if name.startswith(within + ".") else name
 
@@ -381,7 +573,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--circles", action="store_true",
                         help="list the import circles (run time and type-only) of the code "
                              "it maps; exit 1 if there is any")
+    parser.add_argument("--batch-path", action="store_true",
+                        help="list the functions on a batch's path and the private names of "
+                             "other classes they touch; exit 1 if any")
     args = parser.parse_args(argv)
+    if args.batch_path:
+        path, touches = batch_path()
+        print(f"a batch's path, __iter__ to the batch handed over: {len(path)} functions, "
+              f"{len(touches)} private names of another class touched")
+        print("\n".join([*(f"  on the path: {p}" for p in path),
+                         *(f"  touches: {t}" for t in touches)]))
+        return 1 if touches else 0
     modules = read()
     if args.circles:
         lines, count = circle_report(modules)

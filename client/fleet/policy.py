@@ -101,7 +101,11 @@ def due(start: int, end: int, ready: Collection[int], holders: Mapping[int, set[
         held = holders.get(index)
         if held is None:
             new.append(index)
-        elif not any(s.state is up for s in held):
+            continue
+        for s in held:  # a loop, not any(generator): this runs for the whole window
+            if s.state is up:
+                break
+        else:
             failed.append(index)
     return new, failed
 

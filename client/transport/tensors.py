@@ -26,31 +26,37 @@ def check_header(head: pb.BatchFrame) -> None:
     """The header of a batch's first (or only) frame adds up: every tensor a numeric numpy
     dtype whose shape gives its nbytes, at a 64-byte aligned offset after the one before, and
     the last ending at payload_bytes, which is at most MAX_PAYLOAD_BYTES."""
-    where = f"batch {head.batch_index}"
     if not 0 <= head.payload_bytes <= MAX_PAYLOAD_BYTES:
-        raise ProtocolError(f"{where}: payload_bytes {head.payload_bytes} is not in "
-                            f"[0, {MAX_PAYLOAD_BYTES}]")
+        raise ProtocolError(f"batch {head.batch_index}: payload_bytes {head.payload_bytes} is "
+                            f"not in [0, {MAX_PAYLOAD_BYTES}]")
     end = 0
-    for t in head.tensors:
-        name = f"{where}: tensor {t.name[:100]!r}"
+    for t in head.tensors:  # per batch: its messages are made only when one is raised
         dtype = _numeric_dtype(t.dtype)
         if dtype is None:
-            raise ProtocolError(f"{name}: dtype {t.dtype[:100]!r} is not a numeric numpy dtype")
-        if len(t.shape) > _MAX_DIMS or any(d < 0 for d in t.shape):
-            raise ProtocolError(f"{name}: shape {list(t.shape)[:_MAX_DIMS + 1]} is not a shape")
+            raise ProtocolError(f"{_named(head, t)}: dtype {t.dtype[:100]!r} is not a numeric "
+                                "numpy dtype")
+        shape = t.shape
+        if len(shape) > _MAX_DIMS or (shape and min(shape) < 0):
+            raise ProtocolError(f"{_named(head, t)}: shape {list(shape)[:_MAX_DIMS + 1]} is "
+                                "not a shape")
         nbytes = dtype.itemsize
-        for d in t.shape:
+        for d in shape:
             nbytes *= d  # Python ints: no overflow
         if nbytes != t.nbytes:
-            raise ProtocolError(f"{name}: {t.dtype}{list(t.shape)} is {nbytes} bytes, the "
-                                f"header says {t.nbytes}")
+            raise ProtocolError(f"{_named(head, t)}: {t.dtype}{list(shape)} is {nbytes} bytes, "
+                                f"the header says {t.nbytes}")
         if t.offset < end or t.offset % 64:
-            raise ProtocolError(f"{name}: offset {t.offset} is not 64-byte aligned at or "
-                                f"after byte {end}")
+            raise ProtocolError(f"{_named(head, t)}: offset {t.offset} is not 64-byte aligned "
+                                f"at or after byte {end}")
         end = t.offset + t.nbytes
     if head.tensors and end != head.payload_bytes:
-        raise ProtocolError(f"{where}: its tensors end at byte {end}, payload_bytes is "
-                            f"{head.payload_bytes}")
+        raise ProtocolError(f"batch {head.batch_index}: its tensors end at byte {end}, "
+                            f"payload_bytes is {head.payload_bytes}")
+
+
+def _named(head: pb.BatchFrame, t: pb.TensorInfo) -> str:
+    """How an error names a tensor of a batch."""
+    return f"batch {head.batch_index}: tensor {t.name[:100]!r}"
 
 
 def _numeric_dtype(name: str) -> np.dtype | None:
