@@ -1,5 +1,6 @@
-"""The workers' queue (server/pool/fair_queue.py): each stream's batches in order, and a burst
-of one stream's credits served in turn with the others' next batches, not ahead of them."""
+"""The workers' queue (server/pool/fair_queue.py): each lane's batches in order, and a burst
+of one lane's credits served in turn with the others' next batches, not ahead of them; a
+loader's epochs are one lane (server/front/credits.py)."""
 
 from __future__ import annotations
 
@@ -65,3 +66,37 @@ def test_clear_gives_the_jobs_in_serving_order_and_forgotten_streams_start_from_
     q.add([1], "late")
     q.add([2], "later")
     assert drain(q) == [1, 2]
+
+
+def test_a_loaders_next_epoch_queues_behind_its_current_one_and_ranks_stay_fair() -> None:
+    """Lanes as the front end names them (server/front/credits.py): one connection's reading
+    of one dataset, whatever the epoch. A loader asks for its next epoch on a stream of its
+    own while the current one ends; as a lane of its own, that burst was served in turn with
+    the current epoch's last batches, which the loop needs first."""
+    from dataclasses import replace
+
+    from stoker.server.front.credits import Credits
+    from stoker.server.order.sampling import Coordinates
+
+    def lane_of(peer: str, coords: Coordinates) -> object:
+        return Credits(None, "ipv4:127.0.0.1", None, peer)._lane_of(coords)  # type: ignore[arg-type]
+
+    rank0 = Coordinates("d", seed=0, epoch=3, shuffle=True, rank=0, world_size=2,
+                        batch_size=256, drop_last=False)
+    peer = "ipv4:127.0.0.1:50000"
+    following = replace(rank0, epoch=4)
+    resumed = replace(rank0, start=512)
+    rank1, other = replace(rank0, rank=1), replace(rank0, dataset="e")
+    assert lane_of(peer, rank0) == lane_of(peer, following) == lane_of(peer, resumed)
+    assert len({lane_of(peer, rank0), lane_of(peer, rank1), lane_of(peer, other),
+                lane_of("ipv4:127.0.0.1:50001", rank0)}) == 4
+
+    q: FairQueue[str] = FairQueue()
+    for k in range(4):  # rank 0's epoch 3, then rank 1's, then rank 0's next epoch's burst
+        q.add([f"r0e3b{k}"], lane_of(peer, rank0))
+    for k in range(2):
+        q.add([f"r1e3b{k}"], lane_of(peer, rank1))
+    for k in range(3):
+        q.add([f"r0e4b{k}"], lane_of(peer, following))
+    assert drain(q) == ["r0e3b0", "r1e3b0", "r0e3b1", "r1e3b1", "r0e3b2", "r0e3b3",
+                        "r0e4b0", "r0e4b1", "r0e4b2"]

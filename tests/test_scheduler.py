@@ -403,3 +403,47 @@ def test_no_progress_for_timeout_seconds_is_an_error_naming_every_server(run) ->
         "a:1, b:1: UNAVAILABLE: no server delivered batch 0 within 30s of the last progress "
         "(a:1: stalled, last error: none; "
         "b:1: stalled, last error: b:1: UNAVAILABLE: connection refused)")
+
+
+def test_a_server_still_answering_the_first_describe_has_its_share_kept_until_await_contact(
+        run) -> None:
+    """The loader starts at the first server that described the dataset; one still answering
+    takes no credit, and for AWAIT_CONTACT s its share of the window is kept for it rather
+    than piled on the first (which then built the window alone, and its late batches were
+    hedged to the second: built twice)."""
+    import concurrent.futures
+
+    from stoker.client.fleet.policy import AWAIT_CONTACT
+
+    def started(answered: bool) -> tuple[Clock, Streams, Scheduler, concurrent.futures.Future]:
+        clock, streams = Clock(), Streams()
+        servers = ServerSet([A, B], channel=lambda address, options: Channel())
+        contact: concurrent.futures.Future = concurrent.futures.Future()
+        if answered:
+            contact.set_result(None)
+        servers.servers[B].contact = contact  # type: ignore[assignment]
+        spec = StreamSpec(pb.Coordinates(dataset="toy", batch_size=2, world_size=1),
+                          allocate=unused, finish=unused)
+        sched = Scheduler(servers, spec, total=20, start=0, window=4, timeout=TIMEOUT,
+                          stream_factory=streams, clock=clock)
+        return clock, streams, sched, contact
+
+    clock, streams, sched, contact = started(answered=False)
+    assert streams.last(A).credits == [0, 1] and not streams.of(B)  # B's two kept
+    clock.at(AWAIT_CONTACT - EPS)
+    assert not sched.poll(0, clock())
+    assert streams.last(A).credits == [0, 1] and not streams.of(B)
+    contact.set_result(None)  # B answers: its share goes to it
+    assert not sched.poll(0, clock())
+    assert streams.last(A).credits == [0, 1] and streams.last(B).credits == [2, 3]
+    sched.close()
+
+    clock, streams, sched, contact = started(answered=False)
+    clock.at(AWAIT_CONTACT + EPS)  # B never answered: A takes the whole window
+    assert not sched.poll(0, clock())
+    assert streams.last(A).credits == [0, 1, 2, 3] and not streams.of(B)
+    sched.close()
+
+    _, streams, sched, _ = started(answered=True)  # B answered before the first credits
+    assert streams.last(A).credits == [0, 2] and streams.last(B).credits == [1, 3]
+    sched.close()

@@ -40,6 +40,7 @@ class Credits:
         self._retries: dict[int, int] = {}  # position -> INTERNAL errors it had
         self._memo: tuple[float, dict[Server, float]] | None = None  # (now, costs then)
         self._late_looked = float("-inf")  # when hedge_late last looked
+        self._began: float | None = None  # when the first credits were due
 
     def costs(self, now: float) -> dict[Server, float]:
         """policy.costs(), once for every credit sent at `now` (see `forget`)."""
@@ -63,6 +64,11 @@ class Credits:
         servers = self._servers.servers.values()
         if policy.hold_back(new, group, start, end, self._passes.end, servers):
             return
+        self._began = now if self._began is None else self._began
+        share = policy.answered_share(servers, window, now - self._began)
+        if share is not None:  # the rest kept for servers still answering; the loop's next
+            held = sum(len(s.outstanding) for s in servers)  # batch is never kept back
+            new = new[:max(share - held, int(bool(new) and new[0] == start))]
         records: dict[Stream, list[int]] = {}
         for index in new:
             self.credit(index, now, exclude=(), records=records)

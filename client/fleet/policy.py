@@ -6,7 +6,10 @@ Crediting. Each position in the window [next, next + window) that no live server
 credits + 1) x its seconds per batch (`costs`, from fleet/rates.py; servers not measured yet
 count as the fastest, so before any is measured that is the fewest outstanding credits), ties
 to the lowest latency. A slow server so gets credits in proportion to its rate. A widened
-window holds new credits back until a group is due (`hold_back`).
+window holds new credits back until a group is due (`hold_back`). A server takes no credit
+before it has answered the loader's first Describe (its `contact`); for AWAIT_CONTACT s from
+the pass's first credits, the servers that answered hold only their share of the window, by
+count, and the rest waits for those on their way (`answered_share`).
 
 Hedging. A server is slow once its expected seconds per batch are more than SLOW times the
 fastest server's (`late`). Each batch it holds that no other server holds is expected at (its
@@ -46,6 +49,14 @@ FATAL = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
 GROUPS = 8
 SLOW = 2.0  # times the fastest server's seconds per batch
 HEDGE_MIN, STALL_MIN = 0.5, 2.0  # seconds
+# Seconds from a pass's first credits during which servers still answering the loader's first
+# Describe have their share of the window kept for them (answered_share). The loader
+# describes the dataset at the first server that answers and starts at once: with the whole
+# window on that server, 2 servers x 8 workers had the second idle for the first half second
+# and the loop's batches 4-11 hedged to it, built twice (issue 49). Bounded: an address that
+# black-holes holds up the window's tail this long at most (and the first batch never). The
+# loop's first batch waits up to agreement.CHECK_WAIT (as long) for those answers anyway.
+AWAIT_CONTACT = 0.5
 
 
 def group_for(window: int) -> int:
@@ -86,6 +97,23 @@ def pick(servers: Iterable[Server], cost: Mapping[Server, float], now: float,
     if not candidates:
         return None
     return min(candidates, key=lambda s: ((len(s.outstanding) + 1) * cost[s], s.latency or 0.0))
+
+
+def answered_share(servers: Iterable[Server], window: int, waited: float) -> int | None:
+    """The most credits the servers may hold between them while others have yet to answer
+    the loader's first Describe, `waited` s into the pass (None: no limit): the window's
+    share of those that answered, by count, until AWAIT_CONTACT."""
+    if waited >= AWAIT_CONTACT:
+        return None
+    answering = answered = 0
+    for s in servers:
+        if s.contact is not None and not s.contact.done():
+            answering += s.up
+        else:
+            answered += s.up
+    if not (answering and answered):
+        return None
+    return -(-window * answered // (answered + answering))
 
 
 def due(start: int, end: int, ready: Collection[int], holders: Mapping[int, set[Server]]

@@ -74,6 +74,9 @@ class Scheduler:
         self._hold = (CreditHold(self._cond, lambda: self._assign(self._clock()))
                       if hold_credits else None)
         self._progress = clock()
+        for server in servers.servers.values():  # their share goes out once they answer
+            if server.contact is not None and not server.contact.done():
+                server.contact.add_done_callback(self._answered)
         self.failovers = self.bytes_received = 0
         self.dropped = 0  # batches received of an epoch the loop did not move on to
         self.window_note = (0, "", 0)  # the loader's window, why, budget: sent with reports
@@ -99,6 +102,12 @@ class Scheduler:
         with self._cond:
             self._window, self._group = window, group
             self._assign(self._clock())
+
+    def _answered(self, _: object) -> None:
+        """A server answered the loader's first Describe (a gRPC thread): a loop waiting in
+        take() looks again now (policy.answered_share), not a TICK later."""
+        with self._cond:
+            self._cond.notify_all()
 
     def _assign(self, now: float) -> None:
         if not self._closed:

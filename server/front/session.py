@@ -62,7 +62,7 @@ class StreamSession:
         self._pool = HeldPool(front.shared, front.admission, client)
         self._ready: asyncio.Queue[Ready] = asyncio.Queue()
         self._stats = StreamStats(front.metrics, stream_id, context.peer())
-        self._credits = Credits(front, client, self._ready)
+        self._credits = Credits(front, client, self._ready, context.peer())
         self._handshake = StreamHandshake(front, self._ready, grant)
         self._sender = Sender(context, self._ready, self._credits, self._stats,
                               redact if front.settings.redact_paths else str)

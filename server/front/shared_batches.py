@@ -157,11 +157,13 @@ class SharedBatches:
         self._timer: asyncio.TimerHandle | None = None  # at the oldest one's time
 
     async def get(self, coords: Coordinates, index: int, indices: np.ndarray,
-                  ahead: np.ndarray, stream: Hashable = None) -> tuple[BuiltBatch, Outcome]:
+                  ahead: np.ndarray, stream: Hashable = None, lane: Hashable = None
+                  ) -> tuple[BuiltBatch, Outcome]:
         """Batch `index` of `coords` (its samples `indices`; `ahead`: samples a later batch
         will need, a hint for the workers), held by the caller until it calls release().
-        `stream`: who asks, for the workers' fair queue (a build shared is queued as the
-        first asker's).
+        `stream`: who asks (a second stream asking for `coords` gives them the whole
+        budget); `lane`: the workers' fair queue's (server/pool/fair_queue.py; default
+        `stream`): a build shared is queued in the first asker's.
 
         Raises BatchFailed (the build failed; every waiter gets it)."""
         key = (coords, index)
@@ -178,7 +180,7 @@ class SharedBatches:
         else:
             source = self.pool.submit(coords.dataset, indices, ahead,
                                       EpochKey(coords.seed, coords.epoch, coords.shuffle),
-                                      stream=stream)
+                                      lane=stream if lane is None else lane)
             build = self._building[key] = _Build(source, indices, [mine])
             _on_loop(source, functools.partial(self._settle, key, build))
             outcome = self._count(coords, Outcome.BUILT)

@@ -39,7 +39,7 @@ class Assignment:
 
     def __init__(self, lock: threading.Lock, batch_timeout: float) -> None:
         self.lock = lock
-        self.queue: FairQueue[Job] = FairQueue()  # fair between streams (fair_queue.py)
+        self.queue: FairQueue[Job] = FairQueue()  # fair between lanes (fair_queue.py)
         self.next_id = 0
         self.lent: set[str] = set()  # segments of built batches the front end holds
         # Tasks per worker, by the size of the latest batch built (see depth.DEPTH).
@@ -56,27 +56,27 @@ class Assignment:
         self._settled: list[tuple[Assembly, BuiltBatch | BatchFailed]] = []
 
     def add_locked(self, dataset: str, indices: np.ndarray, ahead: np.ndarray,
-                   key: EpochKey, sources: bool = False, stream: Hashable = None
+                   key: EpochKey, sources: bool = False, lane: Hashable = None
                    ) -> concurrent.futures.Future[BuiltBatch]:
-        """Queue the batch of `indices` (or, `sources`, where they come from) for `stream`
-        (who asked: the queue is fair between them); its future."""
+        """Queue the batch of `indices` (or, `sources`, where they come from) in `lane`
+        (who asked: the queue is fair between lanes); its future."""
         fut: concurrent.futures.Future[BuiltBatch] = concurrent.futures.Future()
         self.next_id += 1
         self.queue.add([Job(Task(self.next_id, dataset, indices, ahead, key, sources), fut)],
-                       stream)
+                       lane)
         return fut
 
     def add_parts_locked(self, dataset: str, indices: np.ndarray, ahead: np.ndarray,
-                         key: EpochKey, plan: Plan, segment: str, stream: Hashable = None
+                         key: EpochKey, plan: Plan, segment: str, lane: Hashable = None
                          ) -> concurrent.futures.Future[BuiltBatch]:
         """Queue the batch of `indices` as `plan`'s parts, built into `segment` (the pool's,
-        lent to the batch); its future."""
+        lent to the batch) in `lane`; its future."""
         fut: concurrent.futures.Future[BuiltBatch] = concurrent.futures.Future()
         self.next_id += 1
         batch = Assembly(Task(self.next_id, dataset, indices, ahead, key), fut, segment, plan)
         parts = batch.cut(self.next_id + 1)
         self.next_id += len(parts)
-        self.queue.add([Job(p, fut, batch, k) for k, p in enumerate(parts)], stream)
+        self.queue.add([Job(p, fut, batch, k) for k, p in enumerate(parts)], lane)
         return fut
 
     def deal_locked(self, workers: Sequence[WorkerHandle], flush: bool

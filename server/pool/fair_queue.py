@@ -1,12 +1,14 @@
-"""The jobs waiting for a worker, served fairly between the streams that asked for them.
+"""The jobs waiting for a worker, served fairly between the lanes that asked for them.
 
-Each stream's jobs go in the order they came. Across streams, the job with the lowest tag goes
-first: a stream's next job is tagged one past its previous one, but never below the tag of the
-job served last (start-time fair queueing, equal weights). A burst of one stream's credits (a
-stream that starts, or whose client widened its window) then waits its turn behind the other
-streams' next batches instead of ahead of all of them: 8 ranks in lockstep credited 22 batches
-each at start, and in arrival order the last rank's first batch came 154 batches later. Jobs put
-back (their worker died) go before every other. A batch's parts share one tag, in part order.
+A lane is who asks (server/front/credits.py names them: one client connection's reading of one
+dataset under one set of coordinates, whatever its epoch). Each lane's jobs go in the order
+they came. Across lanes, the job with the lowest tag goes first: a lane's next job is tagged
+one past its previous one, but never below the tag of the job served last (start-time fair
+queueing, equal weights). A burst of one lane's credits (a stream that starts, or whose
+client widened its window) then waits its turn behind the other lanes' next batches instead
+of ahead of all of them: 8 ranks in lockstep credited 22 batches each at start, and in
+arrival order the last rank's first batch came 154 batches later. Jobs put back (their worker
+died) go before every other. A batch's parts share one tag, in part order.
 
 Not thread-safe: guarded by the pool's lock, like the rest of an Assignment.
 """
@@ -22,7 +24,7 @@ __all__ = ["FairQueue"]
 
 T = TypeVar("T")
 
-# Streams whose last tag fell behind are forgotten once this many are remembered: their next
+# Lanes whose last tag fell behind are forgotten once this many are remembered: their next
 # job is tagged from the present anyway.
 REMEMBER = 1024
 
@@ -31,7 +33,7 @@ class FairQueue(Generic[T]):
     def __init__(self) -> None:
         self._heap: list[tuple[int, int, T]] = []  # (tag, arrival, job)
         self._arrivals = itertools.count()
-        self._last: dict[Hashable, int] = {}  # stream -> the tag of its latest job
+        self._last: dict[Hashable, int] = {}  # lane -> the tag of its latest job
         self._now = 0  # the tag of the job served last
 
     def __len__(self) -> int:
@@ -41,10 +43,10 @@ class FairQueue(Generic[T]):
         """The jobs in the order they would be served."""
         return (job for _, _, job in sorted(self._heap, key=lambda e: e[:2]))
 
-    def add(self, jobs: Iterable[T], stream: Hashable = None) -> None:
-        """A batch of `stream` (its one task, or its parts in order): one tag."""
-        tag = max(self._now, self._last.get(stream, self._now)) + 1
-        self._last[stream] = tag
+    def add(self, jobs: Iterable[T], lane: Hashable = None) -> None:
+        """A batch of `lane` (its one task, or its parts in order): one tag."""
+        tag = max(self._now, self._last.get(lane, self._now)) + 1
+        self._last[lane] = tag
         for job in jobs:
             heapq.heappush(self._heap, (tag, next(self._arrivals), job))
 

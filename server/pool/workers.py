@@ -133,20 +133,21 @@ class WorkerPool:
 
     # -- the front end's calls -------------------------------------------------------------
     def submit(self, dataset: str, indices: np.ndarray, ahead: np.ndarray = _NOTHING,
-               key: EpochKey = FIRST_EPOCH, sources: bool = False, stream: Hashable = None
+               key: EpochKey = FIRST_EPOCH, sources: bool = False, lane: Hashable = None
                ) -> concurrent.futures.Future[BuiltBatch]:
         """Build the batch of `indices` for the epoch `key`; `ahead`: samples a later batch
         will need (a hint). `sources`: instead, where each sample comes from (Task.sources:
-        one worker, never in parts). `stream`: who asks (batches queue fairly between them)."""
+        one worker, never in parts). `lane`: who asks (batches queue fairly between lanes,
+        each lane's in the order they came: fair_queue.py)."""
         with self._lock:
             self._check_locked()
             plan = None if sources else self._jobs.splitter.plan_locked(
                 dataset, len(indices), self._workers_locked)
             if plan is None:
-                fut = self._jobs.add_locked(dataset, indices, ahead, key, sources, stream)
+                fut = self._jobs.add_locked(dataset, indices, ahead, key, sources, lane)
                 inline, wake = self._hand_out_locked()
         if plan is not None:
-            fut, inline, wake = self._submit_parts(dataset, indices, ahead, key, plan, stream)
+            fut, inline, wake = self._submit_parts(dataset, indices, ahead, key, plan, lane)
         if inline:
             self._loop_side.assign_soon()
         if wake:
@@ -154,7 +155,7 @@ class WorkerPool:
         return fut
 
     def _submit_parts(self, dataset: str, indices: np.ndarray, ahead: np.ndarray,
-                      key: EpochKey, plan: Plan, stream: Hashable
+                      key: EpochKey, plan: Plan, lane: Hashable
                       ) -> tuple[concurrent.futures.Future[BuiltBatch], bool, bool]:
         """submit() of a batch cut into parts, built into a segment of the pool's (taken
         outside the pool's lock: a new one is made and its pages reserved)."""
@@ -171,10 +172,10 @@ class WorkerPool:
                 if segment is not None:
                     segments.give_back(segment)
                 raise
-            fut = (self._jobs.add_locked(dataset, indices, ahead, key, stream=stream)
+            fut = (self._jobs.add_locked(dataset, indices, ahead, key, lane=lane)
                    if segment is None
                    else self._jobs.add_parts_locked(dataset, indices, ahead, key, plan,
-                                                    segment, stream))
+                                                    segment, lane))
             return (fut, *self._hand_out_locked())
 
     def _workers_locked(self) -> tuple[int, int]:
