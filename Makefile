@@ -10,6 +10,9 @@ PY := $(VENV)/bin/python
 # same versions of every package. uv reads no pip configuration: tools/uv_args.py passes pip's
 # index, find-links and constraint settings on (where the machine keeps torch's CPU build);
 # --index-strategy unsafe-best-match picks from every index as pip does.
+# The extras of .venv and .venv-frameworks (variables: a comma in $(call)'s arguments splits them).
+DEV_EXTRAS := server,client,text,video,dev
+FW_EXTRAS := server,client,lightning,hf,ray
 # $(call new_venv,VENV): the venv, with uv in it; $(call uv_install,PYTHON,PACKAGES...)
 new_venv = $(PYTHON) -m venv $(1) && $(1)/bin/python -m pip install --quiet --no-compile uv
 uv_install = $(1) -m uv pip install --quiet --python $(1) --index-strategy unsafe-best-match \
@@ -35,7 +38,7 @@ DURATIONS ?= --durations=30
 $(VENV)/.installed: pyproject.toml
 	$(call new_venv,$(VENV))
 	$(call uv_install,$(PY),torch==2.13.0)
-	$(call uv_install,$(PY),-e ".[server,client,text,video,dev]")
+	$(call uv_install,$(PY),-e ".[$(DEV_EXTRAS)]")
 	@$(PY) -c "import stoker.server._jpeg" 2>/dev/null || echo "note: stoker.server._jpeg \
 	was not built (it needs gcc and libjpeg62-turbo-dev): JPEGs are decoded whole"
 	touch $@
@@ -45,7 +48,7 @@ install: $(VENV)/.installed
 $(FW_VENV)/.installed: pyproject.toml
 	$(call new_venv,$(FW_VENV))
 	$(call uv_install,$(FW_PY),torch==2.13.0)
-	$(call uv_install,$(FW_PY),-e ".[server,client,lightning,hf,ray]" \
+	$(call uv_install,$(FW_PY),-e ".[$(FW_EXTRAS)]" \
 		"pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.5" "cryptography>=42")
 	@! $(FW_PY) -c "import torchvision" 2>/dev/null || \
 		{ echo "$(FW_VENV) must not have torchvision (Lightning would import it)"; exit 1; }
