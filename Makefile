@@ -6,8 +6,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # Each venv installs through uv (from the registry, into the venv by pip first): it fetches,
 # unpacks and byte-compiles in parallel, and resolves the same versions as pip. .venv on a
-# fresh clone, on the loaded 2-core machine: pip 807 s wall (155 CPU s), uv 85 s without
-# byte-compiling. It must compile: where PYTHONDONTWRITEBYTECODE is set (this machine) no
+# fresh clone, on the loaded 2-core machine: pip 807 s wall (155 CPU s), uv 154 s (92 CPU s);
+# all three venvs 248 s. It must compile: where PYTHONDONTWRITEBYTECODE is set (this machine) no
 # import writes a .pyc, and every process compiles torch's modules again (Lightning's docs
 # example: 15.6 -> 36.6 CPU s). uv reads no pip configuration: tools/uv_args.py passes pip's
 # index, find-links and constraint settings on (where the machine keeps torch's CPU build);
