@@ -2,7 +2,7 @@
 rank's batch.
 
     python benchmarks/lockstep.py                 # 8 ranks, 2 servers x 8 workers (issue 41)
-    python benchmarks/lockstep.py --quick         # 4 ranks, 2 servers x 4 workers, fewer steps
+    python benchmarks/lockstep.py --quick         # 2 ranks, 2 servers x 2 workers, 10 + 30 steps
     python benchmarks/lockstep.py --json out.json
 
 R rank processes, each with its own loader, step together: take a batch (the wait), a
@@ -313,14 +313,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="samples' waits slept this much at a time (_sim.Waiting), 0: one "
                          "sleep a sample")
     ap.add_argument("--steps", type=int)
-    ap.add_argument("--warmup-steps", type=int, default=WARMUP,
-                    help="steps before the timed ones (the start: the first batches)")
+    ap.add_argument("--warmup-steps", type=int,
+                    help=f"steps before the timed ones (the start: the first batches; {WARMUP})")
     ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     ap.add_argument("--repeats", type=int,
                     help="runs of each system, alternating; the median repeat is reported")
     args = ap.parse_args(argv)
-    settle(args, quick={"ranks": 4, "servers": 2, "workers": 4, "steps": 60, "repeats": 1},
-           full={"ranks": 8, "servers": 2, "workers": 8, "steps": 200, "repeats": 3})
+    # --quick (the smoke test): each system runs, is measured and renders; every rank and
+    # worker process is a torch import on a 2-core machine, so as few as still make a
+    # lockstep of several ranks against several servers.
+    settle(args, quick={"ranks": 2, "servers": 2, "workers": 2, "steps": 30,
+                        "warmup_steps": 10, "repeats": 1},
+           full={"ranks": 8, "servers": 2, "workers": 8, "steps": 200, "warmup_steps": WARMUP,
+                 "repeats": 3})
     return run_scenario(args, run)
 
 

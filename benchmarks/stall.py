@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--prefetch", type=int, default=8)
     args = ap.parse_args(argv)
-    settle(args, quick={"costs": [10.0, 40.0], "steps": 30, "repeats": 1},
+    settle(args, quick={"costs": [40.0], "steps": 30, "repeats": 1},
            full={"costs": [5.0, 10.0, 20.0, 40.0], "steps": 100, "repeats": 3})
     return run_scenario(args, run)
 

@@ -105,8 +105,10 @@ def job(world: int, **spec: Any) -> list[dict[str, Any]]:
     # Forked from a fork server that imported torch once (a spawned rank imports it itself:
     # seconds of CPU a rank, three jobs of 2 or 3 ranks on a 2-core machine), never forked
     # from this process, which may run gRPC's threads.
+    # torch._dynamo: DDP's constructor imports it (213 modules, 0.5 CPU s) in every rank.
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "torch.nn"])
+    context.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "torch.nn",
+                                    "torch._dynamo"])
     ranks = mp.start_processes(rank_main, args=(world, free_port(), spec), nprocs=world,
                                start_method="forkserver", join=False)
     try:

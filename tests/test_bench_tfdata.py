@@ -21,7 +21,8 @@ def test_quick_tfdata_scenario_measures_every_system_and_renders(tmp_path: Path)
     out = tmp_path / "tfdata.json"
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "tfdata_service.py"), "--images", "64",
-         "--batch-size", "16", "--workers", "1", "--repeats", "1", "--json", str(out)],
+         "--batch-size", "16", "--workers", "1", "--repeats", "1", "--large", "0", "--json",
+         str(out)],
         capture_output=True, text=True, timeout=400, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     res = json.loads(out.read_text())
@@ -38,6 +39,9 @@ def test_quick_tfdata_scenario_measures_every_system_and_renders(tmp_path: Path)
         # so the figure is only checked to be a measurement (not negative, not missing).
         assert m["trainer_cpu_ms_per_image"] >= 0
     assert block["stoker"]["repeats"][0]["server_cpu_ms_per_image"] > 0
+    assert "large" not in res  # --large 0: the large set is measure_w again on other photos,
+    # 4 more TensorFlow processes (~20 CPU s); its part of the page is rendered from the sweep
+    res["large"] = {"data": {**res["data"], "images": 5}, "sweep": res["sweep"]}
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         from report_tfdata import tfdata
@@ -46,4 +50,5 @@ def test_quick_tfdata_scenario_measures_every_system_and_renders(tmp_path: Path)
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     assert "| 1 | stoker, W worker processes |" in text
+    assert "**The large set**: 5 photos" in text and text.count("| 1 | stoker, W worker") == 2
     assert (tmp_path / "plots" / "tfdata.png").is_file()

@@ -9,6 +9,8 @@ left out of collection (tests/conftest.py), since none of these packages is inst
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import signal
 import subprocess
@@ -39,6 +41,18 @@ def _ranks_die_with_their_test() -> Iterator[None]:
         p.kill()
     for p in left:
         p.join(30)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fork_server_ends_with_the_session() -> Iterator[None]:
+    """The fork server a job's ranks fork from (examples/dcp_resume.py: it imported torch)
+    and the resource tracker beside it, stopped and waited for when the session ends. Left
+    alone, each notices the session's exit by itself and outlives it by seconds on a loaded
+    machine: processes left behind for whoever lists them right after the run. (`_stop` is
+    what CPython's own tests call; it does nothing where neither was started.)"""
+    yield
+    multiprocessing.forkserver._forkserver._stop()
+    multiprocessing.resource_tracker._resource_tracker._stop()
 
 
 ROOT = Path(__file__).resolve().parents[2]
