@@ -191,14 +191,17 @@ def stoker_run(config: Path, dataset: str, workers: int, epochs: int, env: dict[
                           output="numpy", timeout=300) as loader:
             for _ in loader:  # warm-up: epoch 0
                 pass
-            cpu, own = tree_cpu(os.getpid()), tree_cpu(server.proc.pid)
+            # The server's tree from /proc; this process (the trainer, the server's parent)
+            # by process_time: a short run's trainer can use less than /proc's 10 ms tick.
+            mine, own = time.process_time(), tree_cpu(server.proc.pid)
             t0, n = time.perf_counter(), 0
             for epoch in range(1, epochs + 1):
                 loader.set_epoch(epoch)
                 for batch in loader:
                     n += len(batch["label"])
             elapsed = time.perf_counter() - t0
-            cpu, own = tree_cpu(os.getpid()) - cpu, tree_cpu(server.proc.pid) - own
+            own = tree_cpu(server.proc.pid) - own
+            cpu = own + time.process_time() - mine
     finally:
         code = server.stop()
     return {"clips_per_s": n / elapsed, "cpu_per_clip": cpu / n, "server_cpu_per_clip": own / n,

@@ -421,7 +421,7 @@ def test_a_server_still_answering_the_first_describe_has_its_share_kept_until_aw
         contact: concurrent.futures.Future = concurrent.futures.Future()
         if answered:
             contact.set_result(None)
-        servers.servers[B].contact = contact  # type: ignore[assignment]
+        servers.servers[B].contact = contact
         spec = StreamSpec(pb.Coordinates(dataset="toy", batch_size=2, world_size=1),
                           allocate=unused, finish=unused)
         sched = Scheduler(servers, spec, total=20, start=0, window=4, timeout=TIMEOUT,
