@@ -124,7 +124,8 @@ def test_half_sent_http_requests_from_one_address_do_not_take_the_server(
         "max_http_connections": 64, "max_http_connections_per_client": 16,
         "http_header_timeout_seconds": HEAD_TIMEOUT})
     pid, port = server.proc.pid, server.ready["http_port"]
-    toy(server.address)  # the front end's mappings of the workers' segments, kept
+    for _ in range(2):  # the front end's mappings of the workers' segments, kept: the
+        toy(server.address)  # first epoch may leave fewer mapped than the next (38 vs 48)
     baseline = open_fds(pid)
     with flood(port, send=b"GET /healthz HTTP/1.1\r\nHost: x\r\n") as socks:
         # One more from the attacker's address, while its 16 are held (they are let go
@@ -169,7 +170,8 @@ def test_idle_tcp_connections_to_the_grpc_port_do_not_take_the_server(
     server = start_server(TOY, wrap=PRLIMIT, server={
         "max_grpc_connections": 128, "grpc_handshake_timeout_seconds": 2})
     pid, port = server.proc.pid, server.ready["grpc_port"]
-    toy(server.address)  # the front end's mappings of the workers' segments, kept
+    for _ in range(2):  # the front end's mappings of the workers' segments, kept: the
+        toy(server.address)  # first epoch may leave fewer mapped than the next (38 vs 48)
     baseline = open_fds(pid)
     with flood(port):
         started = time.monotonic()
